@@ -1,0 +1,75 @@
+"""OpenAPI pieces shared by every endpoint: the problem document and the paging parameters."""
+
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, inline_serializer
+from rest_framework import serializers
+
+from controlplane.problems import PROBLEM_TYPES, PROBLEM_URN
+
+_TYPES_TEXT = "\n".join(
+    f"- `{PROBLEM_URN}{name}` ({kind.status}): {kind.description}" for name, kind in PROBLEM_TYPES.items()
+)
+
+
+PROBLEM_TYPE_CHOICES = [PROBLEM_URN + name for name in PROBLEM_TYPES]
+
+
+class FindingSerializer(serializers.Serializer):
+    path = serializers.CharField(help_text="JSON Pointer into the request body; `?name` for a query parameter.")
+    rule = serializers.CharField(help_text="Stable name of the rule broken.")
+    message = serializers.CharField()
+
+
+class ProblemSerializer(serializers.Serializer):
+    type = serializers.ChoiceField(
+        choices=PROBLEM_TYPE_CHOICES, help_text="Problem types:\n" + _TYPES_TEXT
+    )
+    title = serializers.CharField()
+    status = serializers.IntegerField()
+    detail = serializers.CharField()
+    instance = serializers.CharField(required=False)
+    errors = FindingSerializer(many=True, required=False, help_text="`validation` only.")
+    current_version = serializers.CharField(required=False, help_text="`precondition-failed` only.")
+    retry_after = serializers.IntegerField(required=False, help_text="`rate-limited` only.")
+    max_bytes = serializers.IntegerField(required=False, help_text="`payload-too-large` only.")
+    referenced_by = serializers.ListField(child=serializers.DictField(), required=False, help_text="`in-use` only.")
+    last_heard_from = serializers.DateTimeField(
+        required=False, allow_null=True, help_text="`workload-offline` only; null: never connected."
+    )
+
+
+def problem(description: str) -> OpenApiResponse:
+    return OpenApiResponse(response=ProblemSerializer, description=description)
+
+
+COMMON_ERRORS = {
+    401: problem("`unauthenticated`: no valid credential."),
+    429: problem("`rate-limited`."),
+}
+WRITE_ERRORS = {
+    **COMMON_ERRORS,
+    403: problem("`cross-origin`: refused a browser request from another origin."),
+    413: problem("`payload-too-large`."),
+    415: problem("`unsupported-media-type`."),
+    422: problem("`validation`: one finding per field to fix."),
+}
+CONDITIONAL_ERRORS = {
+    **WRITE_ERRORS,
+    404: problem("`not-found`."),
+    412: problem("`precondition-failed`: the version moved; carries `current_version`."),
+    428: problem("`precondition-required`: If-Match is missing."),
+}
+
+IF_MATCH = OpenApiParameter(
+    "If-Match", OpenApiTypes.STR, OpenApiParameter.HEADER, required=True, description="The version you read (its ETag)."
+)
+CURSOR = OpenApiParameter("cursor", OpenApiTypes.STR, description="Opaque cursor from `next_cursor`.")
+LIMIT = OpenApiParameter("limit", OpenApiTypes.INT, description="Page size, 1-500 (default 100).")
+PAGE_PARAMETERS = [CURSOR, LIMIT]
+
+
+def page_of(name: str, item: serializers.Serializer):
+    return inline_serializer(
+        name=name,
+        fields={"items": item.__class__(many=True), "next_cursor": serializers.CharField(allow_null=True)},
+    )

@@ -1,0 +1,28 @@
+"""ASGI entry: stamps each connection with the listener it arrived on, then hands HTTP to Django and
+websockets to the gateway's consumers. Websockets exist only on the gateway listener."""
+
+import os
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
+
+from django.core.asgi import get_asgi_application  # noqa: E402
+
+django_http = get_asgi_application()
+
+from controlplane.listeners import GATEWAY, listener_for_scope  # noqa: E402
+from controlplane.urls_gateway import refuse_websocket, websocket_application  # noqa: E402
+
+
+async def application(scope, receive, send):
+    if scope["type"] == "lifespan":
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        return
+    listener = listener_for_scope(scope)
+    scope = dict(scope, palisade_listener=listener)
+    if scope["type"] == "http":
+        return await django_http(scope, receive, send)
+    if scope["type"] == "websocket" and listener == GATEWAY:
+        return await websocket_application(scope, receive, send)
+    return await refuse_websocket(scope, receive, send)

@@ -1,0 +1,23 @@
+"""Who is acting: passed to every write so intents and logs can say who asked."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Actor:
+    kind: str  # "session", "token" or "cli"
+    label: str  # e.g. "token ci-deploy (pal_op_Ab12)" or "host command line"
+    token_id: str | None = None
+    session_id: int | None = None
+
+    @property
+    def is_authenticated(self) -> bool:  # lets DRF's IsAuthenticated accept the actor as request.user
+        return True
+
+    def __str__(self) -> str:
+        return self.label
+
+
+CLI_ACTOR = Actor(kind="cli", label="host command line")

@@ -1,0 +1,58 @@
+"""DRF authentication: `Authorization: Bearer <operator token>` or the session cookie.
+
+A credential that is present but not valid is refused outright (401), never ignored in favour of
+another one, so a script with a revoked token learns it at once.
+"""
+
+from __future__ import annotations
+
+from django.conf import settings
+from drf_spectacular.extensions import OpenApiAuthenticationExtension
+from rest_framework.authentication import BaseAuthentication
+from rest_framework.exceptions import AuthenticationFailed
+
+from controlplane.auth.services import operator_token_authenticate, session_authenticate
+
+
+class BearerTokenAuthentication(BaseAuthentication):
+    def authenticate(self, request):
+        header = request.META.get("HTTP_AUTHORIZATION")
+        if header is None:
+            return None
+        scheme, _, secret = header.strip().partition(" ")
+        if scheme.lower() != "bearer" or not secret.strip():
+            raise AuthenticationFailed("Malformed Authorization header; expected `Bearer <operator token>`.")
+        actor = operator_token_authenticate(secret=secret.strip())
+        if actor is None:
+            raise AuthenticationFailed("The operator token is unknown, revoked or expired.")
+        return actor, actor
+
+    def authenticate_header(self, request):
+        return 'Bearer realm="palisade"'
+
+
+class SessionCookieAuthentication(BaseAuthentication):
+    def authenticate(self, request):
+        secret = request.COOKIES.get(settings.PALISADE_SESSION_COOKIE)
+        if secret is None:
+            return None
+        actor = session_authenticate(secret=secret)
+        if actor is None:
+            raise AuthenticationFailed("The session has ended or expired; log in again.")
+        return actor, actor
+
+
+class BearerTokenScheme(OpenApiAuthenticationExtension):
+    target_class = "controlplane.auth.authentication.BearerTokenAuthentication"
+    name = "operatorToken"
+
+    def get_security_definition(self, auto_schema):
+        return {"type": "http", "scheme": "bearer", "description": "An operator token (`pal_op_...`)."}
+
+
+class SessionCookieScheme(OpenApiAuthenticationExtension):
+    target_class = "controlplane.auth.authentication.SessionCookieAuthentication"
+    name = "sessionCookie"
+
+    def get_security_definition(self, auto_schema):
+        return {"type": "apiKey", "in": "cookie", "name": settings.PALISADE_SESSION_COOKIE}

@@ -1,0 +1,59 @@
+"""Conditional writes: versions, ETags and If-Match.
+
+Every versioned object stores an integer `version` that moves on each write; the API shows it as an
+opaque string. The domain compares the caller's expected version with the stored one inside the write's
+transaction, holding the row lock, so of two writers holding the same version exactly one wins.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.db.models import Model, QuerySet
+
+from controlplane.problems import Problem
+
+
+def version_text(version: int) -> str:
+    return str(version)
+
+
+def etag(version: int) -> str:
+    return f'"{version_text(version)}"'
+
+
+def if_match_from_header(header: str | None) -> str:
+    """The version an `If-Match` header carries; 428 when there is none."""
+    if header is None or not header.strip():
+        raise Problem(
+            "precondition-required", "This write requires If-Match carrying the version you read (the ETag)."
+        )
+    value = header.strip()
+    if value == "*" or "," in value:
+        raise Problem("precondition-required", "If-Match must carry exactly one version; `*` is not accepted.")
+    if value.startswith("W/"):
+        value = value[2:]
+    if len(value) >= 2 and value[0] == value[-1] == '"':
+        value = value[1:-1]
+    return value
+
+
+def locked_for_write(queryset: QuerySet, *, pk: Any, expected_version: str, what: str) -> Model:
+    """The row, locked until the transaction ends, if its version is still `expected_version`.
+
+    Must run inside `transaction.atomic()`. 404 when it does not exist, 412 when its version moved.
+    """
+    obj = queryset.select_for_update().filter(pk=pk).first()
+    if obj is None:
+        raise Problem("not-found", f"No {what} {pk}.")
+    check_version(current=obj.version, expected=expected_version, what=what)
+    return obj
+
+
+def check_version(*, current: int, expected: str, what: str) -> None:
+    if version_text(current) != expected:
+        raise Problem(
+            "precondition-failed",
+            f"The {what} changed since you read it: it is at version {version_text(current)}, not {expected}.",
+            current_version=version_text(current),
+        )

@@ -1,0 +1,78 @@
+"""The base of every Palisade host command: domain problems become one-line errors and a non-zero exit,
+and `--json` gives scripts the same documents the API returns."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError
+
+from controlplane.problems import Problem, ValidationFailed
+
+EXIT_PROBLEM = 1
+EXIT_VALIDATION = 2
+
+
+class PalisadeCommand(BaseCommand):
+    json_output = True  # commands that print data offer --json
+
+    def create_parser(self, prog_name, subcommand, **kwargs):
+        parser = super().create_parser(prog_name, subcommand, **kwargs)
+        parser.epilog = (parser.epilog or "") + " Every command also takes --data-dir DIR (or PALISADE_DATA_DIR)."
+        return parser
+
+    def add_arguments(self, parser):
+        if self.json_output:
+            parser.add_argument("--json", action="store_true", help="print JSON for scripts")
+
+    def add_actions(self, parser):
+        """Subcommands (`mint`, `list`, ...), each accepting --json after its name as well."""
+        actions = parser.add_subparsers(dest="action", required=True)
+        add_parser = actions.add_parser
+
+        def add_action(name, **kwargs):
+            sub = add_parser(name, **kwargs)
+            sub.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print JSON for scripts")
+            return sub
+
+        actions.add_parser = add_action
+        return actions
+
+    def execute(self, *args, **options):
+        self.as_json = bool(options.get("json"))
+        try:
+            return super().execute(*args, **options)
+        except Problem as problem:
+            self.report_problem(problem)
+            sys.exit(EXIT_VALIDATION if isinstance(problem, ValidationFailed) else EXIT_PROBLEM)
+        except CommandError as error:
+            self.stderr.write(f"error: {error}")
+            sys.exit(error.returncode)
+
+    def report_problem(self, problem: Problem) -> None:
+        if self.as_json:
+            self.stdout.write(json.dumps(problem.document(), indent=2))
+            return
+        if isinstance(problem, ValidationFailed):
+            for finding in problem.findings:
+                self.stderr.write(f"error: {finding.path or '/'}: {finding.message} [{finding.rule}]")
+        else:
+            self.stderr.write(f"error: {problem.detail} [{problem.name}]")
+
+    def emit(self, data: Any, text: str) -> None:
+        """Print `data` as JSON with --json, else the human `text`."""
+        self.stdout.write(json.dumps(data, indent=2) if self.as_json else text)
+
+    def read_json_input(self, source: str) -> Any:
+        """JSON from a file path, or standard input for `-`."""
+        try:
+            raw = sys.stdin.read() if source == "-" else open(source, encoding="utf-8").read()
+        except OSError as error:
+            raise CommandError(f"cannot read {source}: {error.strerror}") from None
+        try:
+            return json.loads(raw)
+        except json.JSONDecodeError as error:
+            raise Problem("malformed-request", f"{source} is not valid JSON: {error}") from None

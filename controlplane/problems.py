@@ -1,0 +1,112 @@
+"""Problem types: the one catalogue of every error a client of the operator API can meet.
+
+Domain code raises `Problem` (or `ValidationFailed`); the API turns them into
+`application/problem+json` documents (controlplane/api/errors.py) and the command line into a one-line
+error with a non-zero exit. Nothing here depends on the web framework.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+PROBLEM_URN = "urn:service:problem:"
+
+
+@dataclass(frozen=True)
+class ProblemType:
+    status: int
+    title: str
+    description: str
+
+
+PROBLEM_TYPES: dict[str, ProblemType] = {
+    "malformed-request": ProblemType(400, "Malformed request", "The body is not valid JSON, or a header is malformed."),
+    "unauthenticated": ProblemType(
+        401, "Unauthenticated", "No valid credential: missing, malformed, revoked or expired; or a wrong password."
+    ),
+    "cross-origin": ProblemType(
+        403, "Cross-origin request refused", "A non-read request that a browser marked as coming from another origin."
+    ),
+    "not-found": ProblemType(404, "Not found", "No such resource or path on this listener."),
+    "method-not-allowed": ProblemType(405, "Method not allowed", "The resource does not support this method."),
+    "not-acceptable": ProblemType(406, "Not acceptable", "The API only produces JSON."),
+    "in-use": ProblemType(
+        409, "Object in use", "The object is referenced and cannot be deleted; `referenced_by` names the referencing rules."
+    ),
+    "workload-offline": ProblemType(
+        409,
+        "Workload offline",
+        "The workload was last recorded as offline; `last_heard_from` says when it was last heard from (null: never connected).",
+    ),
+    "precondition-failed": ProblemType(
+        412, "Precondition failed", "The If-Match version has moved; `current_version` carries the current one."
+    ),
+    "payload-too-large": ProblemType(413, "Payload too large", "The request body exceeds `max_bytes`."),
+    "unsupported-media-type": ProblemType(415, "Unsupported media type", "Request bodies must be application/json."),
+    "validation": ProblemType(
+        422, "Validation failed", "The request fails validation; `errors` holds one finding per field to fix."
+    ),
+    "precondition-required": ProblemType(
+        428, "Precondition required", "Updates and deletes require If-Match carrying the object's version."
+    ),
+    "rate-limited": ProblemType(
+        429, "Too many requests", "Too many failed attempts from this client; retry after `retry_after` seconds."
+    ),
+    "internal": ProblemType(500, "Internal error", "The service failed; the error is logged on the host."),
+}
+
+
+class Problem(Exception):
+    """A failure with a stable problem name; `extensions` become extra members of the document."""
+
+    def __init__(self, name: str, detail: str = "", *, headers: dict[str, str] | None = None, **extensions: Any):
+        if name not in PROBLEM_TYPES:
+            raise ValueError(f"unknown problem type {name!r}")
+        super().__init__(detail or PROBLEM_TYPES[name].title)
+        self.name = name
+        self.detail = detail or PROBLEM_TYPES[name].title
+        self.headers = headers or {}
+        self.extensions = extensions
+
+    @property
+    def status(self) -> int:
+        return PROBLEM_TYPES[self.name].status
+
+    def document(self, *, instance: str | None = None) -> dict[str, Any]:
+        kind = PROBLEM_TYPES[self.name]
+        doc: dict[str, Any] = {
+            "type": PROBLEM_URN + self.name,
+            "title": kind.title,
+            "status": kind.status,
+            "detail": self.detail,
+        }
+        if instance:
+            doc["instance"] = instance
+        doc.update(self.extensions)
+        return doc
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One field to fix: `path` is a JSON Pointer into the request body (`?name` for a query parameter)."""
+
+    path: str
+    rule: str
+    message: str
+
+    def as_dict(self) -> dict[str, str]:
+        return {"path": self.path, "rule": self.rule, "message": self.message}
+
+
+class ValidationFailed(Problem):
+    def __init__(self, findings: list[Finding]):
+        self.findings = list(findings)
+        summary = "; ".join(f"{f.path or '/'}: {f.message}" for f in self.findings[:3])
+        more = f" (+{len(self.findings) - 3} more)" if len(self.findings) > 3 else ""
+        super().__init__("validation", summary + more, errors=[f.as_dict() for f in self.findings])
+
+
+def pointer(*parts: str | int) -> str:
+    """A JSON Pointer from path parts, escaping `~` and `/` as RFC 6901 says."""
+    return "".join("/" + str(p).replace("~", "~0").replace("/", "~1") for p in parts)

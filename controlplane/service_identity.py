@@ -1,0 +1,18 @@
+"""What the service says about itself: the advertised gateway address."""
+
+import socket
+
+from django.conf import settings
+
+
+def gateway_address() -> str:
+    """`--gateway-advertise`, else the gateway listener's host (the host name for a wildcard) and port."""
+    if settings.PALISADE_GATEWAY_ADVERTISE:
+        return settings.PALISADE_GATEWAY_ADVERTISE
+    host = getattr(settings, "PALISADE_GATEWAY_HOST", "") or ""
+    port = getattr(settings, "PALISADE_GATEWAY_PORT", 8443)
+    if host in ("", "0.0.0.0", "::"):
+        host = socket.getfqdn()
+    if ":" in host:
+        host = f"[{host}]"
+    return f"{host}:{port}"

@@ -1,0 +1,194 @@
+"""Django settings for Palisade.
+
+Storage is PostgreSQL when DATABASE_URL is set, else an embedded SQLite file in the data directory.
+The channel layer is Redis when REDIS_URL is set, else in-memory (one process).
+"""
+
+import os
+import secrets
+import sys
+import tempfile
+from pathlib import Path
+
+import dj_database_url
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+
+
+def _default_data_dir() -> Path:
+    if "pytest" in sys.modules:
+        # A test run never writes into the operator's real data directory.
+        return Path(tempfile.mkdtemp(prefix="palisade-test-data-"))
+    xdg = os.environ.get("XDG_DATA_HOME")
+    return Path(xdg) / "palisade" if xdg else Path.home() / ".local" / "share" / "palisade"
+
+
+DATA_DIR = Path(os.environ.get("PALISADE_DATA_DIR") or _default_data_dir()).expanduser().resolve()
+DATA_DIR.mkdir(parents=True, exist_ok=True, mode=0o700)
+
+
+def _secret_key() -> str:
+    """Signs cursors. Kept in the data directory so cursors survive restarts; shared through the
+    environment when several processes serve one fleet."""
+    if os.environ.get("PALISADE_SECRET_KEY"):
+        return os.environ["PALISADE_SECRET_KEY"]
+    path = DATA_DIR / "secret-key"
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        key = secrets.token_urlsafe(48)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(key)
+        return key
+    except OSError:
+        return path.read_text().strip()
+
+
+SECRET_KEY = _secret_key()
+DEBUG = False
+ALLOWED_HOSTS = ["*"]  # a TLS listener on an operator-chosen address; Host is checked by the origin guard
+
+INSTALLED_APPS = [
+    "django.contrib.contenttypes",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "drf_spectacular",
+    "drf_spectacular_sidecar",
+    "channels",
+    "controlplane.auth.apps.OperatorAuthConfig",
+    "controlplane",
+    "policy",
+    "fleet",
+    "flows",
+]
+
+MIDDLEWARE = [
+    "controlplane.middleware.AccessLogMiddleware",
+    "controlplane.middleware.ListenerRoutingMiddleware",
+    "controlplane.middleware.BodySizeLimitMiddleware",
+    "controlplane.middleware.CrossOriginGuardMiddleware",
+    "whitenoise.middleware.WhiteNoiseMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.security.SecurityMiddleware",
+]
+APPEND_SLASH = False
+
+ROOT_URLCONF = "controlplane.urls_operator"
+GATEWAY_URLCONF = "controlplane.urls_gateway"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {"context_processors": ["django.template.context_processors.request"]},
+    }
+]
+
+ASGI_APPLICATION = "controlplane.asgi.application"
+
+if os.environ.get("DATABASE_URL"):
+    DATABASES = {"default": dj_database_url.parse(os.environ["DATABASE_URL"], conn_max_age=0)}
+else:
+    DATABASES = {
+        "default": {
+            "ENGINE": "django.db.backends.sqlite3",
+            "NAME": DATA_DIR / "palisade.sqlite3",
+            "OPTIONS": {
+                # Writers take the lock up front, so two read-then-write transactions serialise
+                # instead of one failing with "database is locked" when it upgrades.
+                "transaction_mode": "IMMEDIATE",
+                "timeout": 20,
+                "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+            },
+        }
+    }
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+if os.environ.get("REDIS_URL"):
+    CHANNEL_LAYERS = {
+        "default": {
+            "BACKEND": "controlplane.channel_layer.BoundedRedisChannelLayer",
+            "CONFIG": {"hosts": [os.environ["REDIS_URL"]]},
+        }
+    }
+else:
+    CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+
+LANGUAGE_CODE = "en"
+TIME_ZONE = "UTC"
+USE_I18N = False
+USE_TZ = True
+
+STATIC_URL = "/static/"
+STATICFILES_DIRS = [BASE_DIR / "static"]
+STATIC_ROOT = None  # served from the source tree by whitenoise's finders; no collectstatic step
+WHITENOISE_USE_FINDERS = True
+WHITENOISE_AUTOREFRESH = False
+
+# Request bodies: the API never needs more than this; larger bodies get 413 before parsing.
+PALISADE_MAX_BODY_BYTES = int(os.environ.get("PALISADE_MAX_BODY_BYTES", 1024 * 1024))
+DATA_UPLOAD_MAX_MEMORY_SIZE = PALISADE_MAX_BODY_BYTES
+
+# Operator authentication.
+PALISADE_SESSION_COOKIE = "palisade_session"
+PALISADE_SESSION_LIFETIME_SECONDS = 7 * 24 * 3600
+PALISADE_LOGIN_FREE_FAILURES = int(os.environ.get("PALISADE_LOGIN_FREE_FAILURES", 5))
+PALISADE_LOGIN_LOCKOUT_SECONDS = int(os.environ.get("PALISADE_LOGIN_LOCKOUT_SECONDS", 30))
+PALISADE_TOKEN_LAST_USED_RESOLUTION_SECONDS = 60
+
+# Set by `serve` from its flags; these defaults serve commands run outside `serve`.
+PALISADE_SITE_LABEL = os.environ.get("PALISADE_SITE_LABEL", "")
+PALISADE_GATEWAY_ADVERTISE = os.environ.get("PALISADE_GATEWAY_ADVERTISE", "")
+PALISADE_LISTENER_PORTS: dict[int, str] = {}
+
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        "controlplane.auth.authentication.BearerTokenAuthentication",
+        "controlplane.auth.authentication.SessionCookieAuthentication",
+    ],
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
+    "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "EXCEPTION_HANDLER": "controlplane.api.errors.exception_handler",
+    "UNAUTHENTICATED_USER": None,
+    "UNAUTHENTICATED_TOKEN": None,
+    "DEFAULT_VERSIONING_CLASS": None,
+    "COERCE_DECIMAL_TO_STRING": False,
+    "DATETIME_FORMAT": "%Y-%m-%dT%H:%M:%S.%fZ",
+}
+
+SPECTACULAR_SETTINGS = {
+    "TITLE": "Palisade operator API",
+    "DESCRIPTION": (
+        "The operator API of Palisade, a control plane for host firewalls. Errors are "
+        "`application/problem+json` documents whose `type` is `urn:service:problem:<name>`; "
+        "see the `Problem` schema for every problem type."
+    ),
+    "VERSION": "v1",
+    "SERVE_INCLUDE_SCHEMA": False,
+    "SERVE_PERMISSIONS": ["rest_framework.permissions.IsAuthenticated"],
+    "SCHEMA_PATH_PREFIX": "/api/v1",
+    "COMPONENT_SPLIT_REQUEST": True,
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "REDOC_DIST": "SIDECAR",
+    "ENUM_NAME_OVERRIDES": {"ProblemType": "controlplane.api.schema.PROBLEM_TYPE_CHOICES"},
+}
+
+LOGGING = {
+    "version": 1,
+    # get_asgi_application() re-applies this; True would silence daphne's own error logging.
+    "disable_existing_loggers": False,
+    "formatters": {"line": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
+    "handlers": {"stderr": {"class": "logging.StreamHandler", "formatter": "line"}},
+    "root": {"handlers": ["stderr"], "level": os.environ.get("PALISADE_LOG_LEVEL", "INFO")},
+    "loggers": {
+        "django.request": {"level": "ERROR"},
+        "django.server": {"level": "ERROR"},
+        "daphne": {"level": "WARNING"},
+        "daphne.server": {"level": "INFO"},
+    },
+}

@@ -1,0 +1,22 @@
+"""The operator listener: the API under /api/v1 and the console at /."""
+
+from django.urls import include, path
+from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView, SpectacularSwaggerView
+
+from controlplane.api.errors import handler400, handler403, handler404, handler500  # noqa: F401
+from controlplane.api.operator_tokens import OperatorTokenListView, OperatorTokenView
+from controlplane.api.session import MeView, SessionView
+
+api_v1 = [
+    path("session", SessionView.as_view(), name="session"),
+    path("me", MeView.as_view(), name="me"),
+    path("operator-tokens", OperatorTokenListView.as_view(), name="operator-tokens"),
+    path("operator-tokens/<uuid:token_id>", OperatorTokenView.as_view(), name="operator-token"),
+    path("schema", SpectacularAPIView.as_view(), name="schema"),
+    path("docs", SpectacularSwaggerView.as_view(url_name="schema"), name="docs"),
+    path("redoc", SpectacularRedocView.as_view(url_name="schema"), name="redoc"),
+]
+
+urlpatterns = [
+    path("api/v1/", include(api_v1)),
+]

@@ -1,0 +1,44 @@
+import pytest
+from rest_framework.test import APIClient
+
+from controlplane.auth.actor import CLI_ACTOR
+
+PASSWORD = "correct horse battery staple"
+
+
+@pytest.fixture
+def anon(db):
+    return APIClient()
+
+
+@pytest.fixture
+def operator_password(db):
+    from controlplane.auth.services import operator_set_password
+
+    operator_set_password(actor=CLI_ACTOR, password=PASSWORD)
+    return PASSWORD
+
+
+@pytest.fixture
+def token(db):
+    from controlplane.auth.services import operator_token_mint
+
+    return operator_token_mint(actor=CLI_ACTOR, data={"name": "tests"}).secret
+
+
+@pytest.fixture
+def api(token):
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {token}")
+    return client
+
+
+@pytest.fixture
+def clock_at(monkeypatch):
+    """Move the service's clock forward by a timedelta instead of waiting."""
+    from controlplane import clock
+
+    def move(delta):
+        monkeypatch.setattr(clock, "_offset", clock._offset + delta)
+
+    return move

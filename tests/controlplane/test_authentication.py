@@ -1,0 +1,209 @@
+"""Operator authentication: sessions, tokens, the login throttle (spec "Authentication")."""
+
+from datetime import timedelta
+
+import pytest
+from django.core.management import call_command
+from rest_framework.test import APIClient
+
+from controlplane.auth.models import OperatorSession, OperatorToken
+from tests.conftest import PASSWORD
+
+UNAUTH = "urn:service:problem:unauthenticated"
+
+
+def login(client, password=PASSWORD, **headers):
+    return client.post("/api/v1/session", {"password": password}, format="json", **headers)
+
+
+def test_login_sets_a_strict_secure_cookie_with_a_seven_day_absolute_lifetime(anon, operator_password):
+    response = login(anon)
+    assert response.status_code == 200
+    cookie = response.cookies["palisade_session"]
+    assert cookie["secure"] and cookie["httponly"]
+    assert cookie["samesite"] == "Strict"
+    session = OperatorSession.objects.get()
+    assert session.expires_at - session.created_at == timedelta(days=7)
+    assert cookie.value.startswith("pal_s_")
+    assert session.key_digest != cookie.value  # only a digest is stored
+    assert anon.get("/api/v1/me").json()["credential"]["kind"] == "session"
+
+
+def test_session_is_never_extended_and_refused_after_seven_days(anon, operator_password, clock_at):
+    login(anon)
+    expires = OperatorSession.objects.get().expires_at
+    clock_at(timedelta(days=6, hours=23))
+    assert anon.get("/api/v1/me").status_code == 200
+    assert OperatorSession.objects.get().expires_at == expires  # use did not slide it
+    clock_at(timedelta(hours=1))
+    response = anon.get("/api/v1/me")
+    assert response.status_code == 401
+    assert response.json()["type"] == UNAUTH
+
+
+def test_logout_ends_the_session_and_the_same_cookie_is_refused(anon, operator_password):
+    login(anon)
+    cookie = anon.cookies["palisade_session"].value
+    assert anon.delete("/api/v1/session").status_code == 204
+    replay = APIClient()
+    replay.cookies["palisade_session"] = cookie
+    response = replay.get("/api/v1/me")
+    assert response.status_code == 401 and response.json()["type"] == UNAUTH
+
+
+def test_wrong_password_is_401_and_repeated_failures_are_throttled_until_the_wait_is_over(
+    anon, operator_password, clock_at, settings
+):
+    for _ in range(settings.PALISADE_LOGIN_FREE_FAILURES):
+        response = login(anon, "wrong password!")
+        assert response.status_code == 401
+        assert response.json()["type"] == UNAUTH
+    response = login(anon, "wrong password!")
+    assert response.status_code == 429
+    assert response.json()["type"] == "urn:service:problem:rate-limited"
+    wait = int(response["Retry-After"])
+    assert wait >= 1 and response.json()["retry_after"] == wait
+    # Even the right password waits: otherwise the throttle would be an oracle.
+    assert login(anon).status_code == 429
+    clock_at(timedelta(seconds=wait))
+    assert login(anon).status_code == 200
+
+
+def test_throttle_is_per_client(operator_password, settings):
+    attacker = APIClient(REMOTE_ADDR="192.0.2.9")
+    for _ in range(settings.PALISADE_LOGIN_FREE_FAILURES + 1):
+        login(attacker, "nope nope nope")
+    assert login(attacker).status_code == 429
+    assert login(APIClient(REMOTE_ADDR="192.0.2.10")).status_code == 200
+
+
+def test_login_without_password_set_explains_how_to_set_it(anon):
+    response = login(anon)
+    assert response.status_code == 401
+    assert "operator-password" in response.json()["detail"]
+
+
+@pytest.mark.parametrize(
+    "body, rule, path",
+    [({}, "required", "/password"), ({"password": 5}, "type", "/password"), ({"password": "x", "user": "a"}, "unknown-field", "/user")],
+)
+def test_login_body_is_validated(anon, operator_password, body, rule, path):
+    response = anon.post("/api/v1/session", body, format="json")
+    assert response.status_code == 422
+    assert {"path": path, "rule": rule} in [{"path": e["path"], "rule": e["rule"]} for e in response.json()["errors"]]
+
+
+def test_a_stale_cookie_does_not_block_login(anon, operator_password):
+    anon.cookies["palisade_session"] = "pal_s_stale"
+    assert login(anon).status_code == 200
+
+
+def test_password_reset_ends_sessions(anon, operator_password):
+    login(anon)
+    call_command("operator-password", "--stdin", input_stream=__import__("io").StringIO("another long password\n"))
+    assert anon.get("/api/v1/me").status_code == 401
+
+
+def test_no_api_endpoint_sets_the_password(api):
+    for path in ("/api/v1/operator-password", "/api/v1/password", "/api/v1/me"):
+        assert api.put(path, {"password": "x" * 20}, format="json").status_code in (404, 405)
+
+
+@pytest.mark.parametrize(
+    "header",
+    ["", "Bearer", "Bearer ", "Basic dXNlcjpwYXNz", "Bearer pal_op_doesnotexist", "Token abc", "bearer pal_s_x"],
+)
+def test_every_bad_credential_is_401_unauthenticated(db, header):
+    client = APIClient()
+    if header:
+        client.credentials(HTTP_AUTHORIZATION=header)
+    response = client.get("/api/v1/me")
+    assert response.status_code == 401
+    assert response["Content-Type"] == "application/problem+json"
+    assert response.json()["type"] == UNAUTH
+    assert response["WWW-Authenticate"].startswith("Bearer")
+
+
+def test_every_endpoint_but_login_requires_a_credential(db):
+    client = APIClient()
+    for method, path in [
+        ("get", "/api/v1/me"),
+        ("delete", "/api/v1/session"),
+        ("get", "/api/v1/operator-tokens"),
+        ("post", "/api/v1/operator-tokens"),
+        ("delete", "/api/v1/operator-tokens/00000000-0000-0000-0000-000000000000"),
+        ("get", "/api/v1/schema"),
+        ("get", "/api/v1/docs"),
+    ]:
+        response = getattr(client, method)(path)
+        assert response.status_code == 401, (method, path)
+
+
+def test_me(api, settings):
+    settings.PALISADE_SITE_LABEL = "eu-west lab"
+    settings.PALISADE_GATEWAY_ADVERTISE = "gw.example.test:8443"
+    body = api.get("/api/v1/me").json()
+    assert body["site_label"] == "eu-west lab"
+    assert body["gateway_address"] == "gw.example.test:8443"
+    assert body["version"] == __import__("controlplane").__version__
+    assert body["credential"]["kind"] == "token"
+
+
+def test_token_mint_shows_plaintext_once_and_stores_a_digest(api):
+    response = api.post("/api/v1/operator-tokens", {"name": "deploy bot"}, format="json")
+    assert response.status_code == 201
+    secret = response.json()["token"]
+    assert secret.startswith("pal_op_")
+    record = OperatorToken.objects.get(id=response.json()["record"]["id"])
+    assert secret not in (record.digest, record.prefix) and secret.startswith(record.prefix)
+    listed = api.get("/api/v1/operator-tokens").json()
+    assert secret not in str(listed)
+    assert {t["name"] for t in listed["items"]} == {"tests", "deploy bot"}
+    assert listed["next_cursor"] is None
+
+
+def test_revocation_takes_effect_on_the_next_request(api):
+    minted = api.post("/api/v1/operator-tokens", {"name": "short-lived"}, format="json").json()
+    other = APIClient()
+    other.credentials(HTTP_AUTHORIZATION=f"Bearer {minted['token']}")
+    assert other.get("/api/v1/me").status_code == 200
+    assert api.delete(f"/api/v1/operator-tokens/{minted['record']['id']}").json()["revoked_at"]
+    assert other.get("/api/v1/me").status_code == 401
+
+
+def test_expiry_takes_effect_on_the_next_request(api, clock_at):
+    minted = api.post(
+        "/api/v1/operator-tokens", {"name": "x", "expires_at": "2099-01-01T00:00:00Z"}, format="json"
+    ).json()
+    other = APIClient()
+    other.credentials(HTTP_AUTHORIZATION=f"Bearer {minted['token']}")
+    assert other.get("/api/v1/me").status_code == 200
+    clock_at(timedelta(days=365 * 80))
+    assert other.get("/api/v1/me").status_code == 401
+
+
+def test_last_used_is_recorded(api):
+    api.get("/api/v1/me")
+    assert OperatorToken.objects.get(name="tests").last_used_at is not None
+
+
+@pytest.mark.parametrize(
+    "body, path, rule",
+    [
+        ({}, "/name", "required"),
+        ({"name": ""}, "/name", "too-short"),
+        ({"name": "x", "expires_at": "tomorrow"}, "/expires_at", "instant"),
+        ({"name": "x", "expires_at": "2001-01-01T00:00:00Z"}, "/expires_at", "in-the-past"),
+        ({"name": "x", "scopes": ["all"]}, "/scopes", "unknown-field"),
+    ],
+)
+def test_token_mint_validation(api, body, path, rule):
+    response = api.post("/api/v1/operator-tokens", body, format="json")
+    assert response.status_code == 422
+    assert [(e["path"], e["rule"]) for e in response.json()["errors"]] == [(path, rule)]
+
+
+def test_revoking_an_unknown_token_is_404(api):
+    response = api.delete("/api/v1/operator-tokens/00000000-0000-0000-0000-000000000000")
+    assert response.status_code == 404
+    assert response.json()["type"] == "urn:service:problem:not-found"
