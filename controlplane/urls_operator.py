@@ -12,6 +12,7 @@ api_v1 = [
     path("me", MeView.as_view(), name="me"),
     path("operator-tokens", OperatorTokenListView.as_view(), name="operator-tokens"),
     path("operator-tokens/<uuid:token_id>", OperatorTokenView.as_view(), name="operator-token"),
+    path("", include("policy.api.urls")),
     path("schema", SpectacularAPIView.as_view(), name="schema"),
     path("docs", SpectacularSwaggerView.as_view(url_name="schema"), name="docs"),
     path("redoc", SpectacularRedocView.as_view(url_name="schema"), name="redoc"),

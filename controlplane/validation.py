@@ -63,7 +63,11 @@ def take_string(
         findings.add(path, "type", f"{key} must be a string.")
         return default
     if len(value) < min_length:
-        findings.add(path, "too-short", f"{key} must have at least {min_length} characters.")
+        findings.add(
+            path,
+            "too-short",
+            f"{key} must not be empty." if min_length == 1 else f"{key} must have at least {min_length} characters.",
+        )
     if len(value) > max_length:
         findings.add(path, "too-long", f"{key} must have at most {max_length} characters.")
     return value

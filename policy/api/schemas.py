@@ -1,0 +1,93 @@
+"""OpenAPI shapes of policy objects (documentation only: validation lives in policy/validation.py)."""
+
+from drf_spectacular.utils import PolymorphicProxySerializer
+from rest_framework import serializers
+
+from policy.validation import PROTOCOLS
+
+
+class PortEntrySerializer(serializers.Serializer):
+    protocol = serializers.ChoiceField(choices=PROTOCOLS)
+    port = serializers.IntegerField(min_value=1, max_value=65535, required=False, help_text="tcp/udp only; required for them.")
+    port_to = serializers.IntegerField(
+        min_value=1, max_value=65535, required=False, help_text="Inclusive end of a port range; tcp/udp only."
+    )
+
+
+class _Stamped(serializers.Serializer):
+    id = serializers.UUIDField(read_only=True)
+    version = serializers.CharField(read_only=True, help_text="Opaque; also the ETag. Send it back in If-Match.")
+    created_at = serializers.DateTimeField(read_only=True)
+    updated_at = serializers.DateTimeField(read_only=True)
+
+
+class ServiceSerializer(_Stamped):
+    name = serializers.CharField(max_length=100)
+    description = serializers.CharField(max_length=1000, required=False, allow_blank=True)
+    entries = PortEntrySerializer(many=True)
+
+
+class AddressGroupSerializer(_Stamped):
+    name = serializers.CharField(max_length=100)
+    description = serializers.CharField(max_length=1000, required=False, allow_blank=True)
+    members = serializers.ListField(
+        child=serializers.CharField(), help_text="IPv4/IPv6 addresses or CIDRs; stored normalised and sorted."
+    )
+
+
+class SelectorSource(serializers.Serializer):
+    selector = serializers.CharField(help_text="A label selector over workloads, e.g. `role=client,env in (prod)`.")
+
+
+class AddressGroupSource(serializers.Serializer):
+    address_group = serializers.CharField(help_text="Address group id (a name is accepted on input).")
+
+
+class AnySource(serializers.Serializer):
+    any = serializers.BooleanField(help_text="Always true: any source address.")
+
+
+class ServiceReference(serializers.Serializer):
+    service = serializers.CharField(help_text="Service id (a name is accepted on input).")
+
+
+SOURCE = PolymorphicProxySerializer(
+    component_name="RuleSourceItem",
+    serializers=[SelectorSource, AddressGroupSource, AnySource],
+    resource_type_field_name=None,
+)
+SERVICE_ITEM = PolymorphicProxySerializer(
+    component_name="RuleServiceItem",
+    serializers=[ServiceReference, PortEntrySerializer],
+    resource_type_field_name=None,
+)
+
+
+class RuleSerializer(_Stamped):
+    id = serializers.UUIDField(required=False, help_text="In a ruleset PUT: keep this rule (omit to add a new one).")
+    description = serializers.CharField(max_length=1000, required=False, allow_blank=True)
+    sources = serializers.ListField(child=SOURCE, help_text="Admit new inbound connections from any of these.")
+    services = serializers.ListField(child=SERVICE_ITEM, help_text="to any of these protocols and ports.")
+
+
+class RulesetSerializer(_Stamped):
+    name = serializers.CharField(max_length=100)
+    description = serializers.CharField(max_length=1000, required=False, allow_blank=True)
+    enabled = serializers.BooleanField(default=True)
+    scope = serializers.CharField(help_text="Selector of the workloads whose inbound traffic the rules admit.")
+    rules = RuleSerializer(many=True, required=False)
+
+
+class RulesetListSerializer(serializers.Serializer):
+    rulesets = RulesetSerializer(many=True)
+    policy_version = serializers.CharField(help_text="Moves with any ruleset, rule, service or address group change.")
+
+
+class ServiceListSerializer(serializers.Serializer):
+    services = ServiceSerializer(many=True)
+    policy_version = serializers.CharField()
+
+
+class AddressGroupListSerializer(serializers.Serializer):
+    address_groups = AddressGroupSerializer(many=True)
+    policy_version = serializers.CharField()

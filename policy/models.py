@@ -1,0 +1,120 @@
+"""Authored policy: named services, address groups, rulesets and their rules.
+
+References from rules to services and address groups are rows with PROTECT foreign keys, so the
+database itself refuses a dangling reference, whatever the interleaving of concurrent requests.
+"""
+
+import uuid
+
+from django.db import models
+
+
+class PolicyState(models.Model):
+    """One row: the version of the whole authored policy. Every policy write locks it first, which
+    serialises policy writes and lets an editor detect any concurrent change."""
+
+    version = models.PositiveBigIntegerField(default=1)
+
+
+class Service(models.Model):
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    name = models.CharField(max_length=100, unique=True)
+    description = models.CharField(max_length=1000, blank=True)
+    version = models.PositiveBigIntegerField(default=1)
+    created_at = models.DateTimeField()
+    updated_at = models.DateTimeField()
+
+
+class ServiceEntry(models.Model):
+    service = models.ForeignKey(Service, on_delete=models.CASCADE, related_name="entries")
+    position = models.PositiveIntegerField()
+    protocol = models.CharField(max_length=8)
+    port = models.PositiveIntegerField(null=True)
+    port_to = models.PositiveIntegerField(null=True)
+
+    class Meta:
+        ordering = ["position"]
+        constraints = [
+            models.CheckConstraint(
+                condition=models.Q(service__isnull=False, protocol="") | models.Q(service__isnull=True) & ~models.Q(protocol=""),
+                name="rule_service_reference_or_inline",
+            )
+        ]
+        constraints = [models.UniqueConstraint(fields=["service", "position"], name="service_entry_position")]
+
+
+class AddressGroup(models.Model):
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    name = models.CharField(max_length=100, unique=True)
+    description = models.CharField(max_length=1000, blank=True)
+    members = models.JSONField(default=list)  # normalised address / CIDR strings, sorted
+    version = models.PositiveBigIntegerField(default=1)
+    created_at = models.DateTimeField()
+    updated_at = models.DateTimeField()
+
+
+class Ruleset(models.Model):
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    name = models.CharField(max_length=100, unique=True)
+    description = models.CharField(max_length=1000, blank=True)
+    enabled = models.BooleanField(default=True)
+    scope = models.CharField(max_length=4096, blank=True)  # canonical selector text
+    version = models.PositiveBigIntegerField(default=1)
+    created_at = models.DateTimeField()
+    updated_at = models.DateTimeField()
+
+
+class Rule(models.Model):
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    ruleset = models.ForeignKey(Ruleset, on_delete=models.CASCADE, related_name="rules")
+    position = models.PositiveIntegerField()
+    description = models.CharField(max_length=1000, blank=True)
+    version = models.PositiveBigIntegerField(default=1)
+    created_at = models.DateTimeField()
+    updated_at = models.DateTimeField()
+
+    class Meta:
+        ordering = ["position"]
+        indexes = [models.Index(fields=["ruleset", "position"], name="rule_order")]
+
+
+class RuleSource(models.Model):
+    """One source of a rule: a workload selector, an address group, or any address."""
+
+    SELECTOR, GROUP, ANY = "selector", "address_group", "any"
+
+    rule = models.ForeignKey(Rule, on_delete=models.CASCADE, related_name="sources")
+    position = models.PositiveIntegerField()
+    kind = models.CharField(max_length=16)
+    selector = models.CharField(max_length=4096, blank=True)
+    address_group = models.ForeignKey(AddressGroup, on_delete=models.PROTECT, null=True, related_name="uses")
+
+    class Meta:
+        ordering = ["position"]
+        constraints = [
+            models.CheckConstraint(
+                condition=models.Q(kind="address_group", address_group__isnull=False)
+                | models.Q(kind__in=["selector", "any"], address_group__isnull=True),
+                name="rule_source_kind_matches_reference",
+            )
+        ]
+
+
+class RuleService(models.Model):
+    """One service of a rule: a reference to a named service, or an inline port entry."""
+
+    rule = models.ForeignKey(Rule, on_delete=models.CASCADE, related_name="services")
+    position = models.PositiveIntegerField()
+    service = models.ForeignKey(Service, on_delete=models.PROTECT, null=True, related_name="uses")
+    protocol = models.CharField(max_length=8, blank=True)
+    port = models.PositiveIntegerField(null=True)
+    port_to = models.PositiveIntegerField(null=True)
+
+    class Meta:
+        ordering = ["position"]
+        constraints = [
+            models.CheckConstraint(
+                condition=models.Q(service__isnull=False, protocol="") | models.Q(service__isnull=True) & ~models.Q(protocol=""),
+                name="rule_service_reference_or_inline",
+            )
+        ]

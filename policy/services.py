@@ -1,0 +1,432 @@
+"""Writes of authored policy. Each write runs in one transaction that first locks the policy state
+row, so policy writes are serialised and the policy version moves exactly once per write."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from django.db import IntegrityError, transaction
+
+from controlplane import clock
+from controlplane.auth.actor import Actor
+from controlplane.conditional import locked_for_write
+from controlplane.problems import Problem
+from controlplane.validation import Findings
+from policy.models import (
+    AddressGroup,
+    PolicyState,
+    Rule,
+    Ruleset,
+    RuleService,
+    RuleSource,
+    Service,
+    ServiceEntry,
+)
+from policy.validation import (
+    MAX_ADDRESS_GROUPS,
+    MAX_RULES_PER_RULESET,
+    MAX_RULESETS,
+    MAX_SERVICES,
+    RuleSpec,
+    address_group_input,
+    ruleset_input,
+    service_input,
+    single_rule_input,
+)
+
+def _lock_policy() -> PolicyState:
+    state = PolicyState.objects.select_for_update().filter(id=1).first()
+    if state is None:
+        PolicyState.objects.get_or_create(id=1)
+        state = PolicyState.objects.select_for_update().get(id=1)
+    return state
+
+
+def _policy_changed(state: PolicyState) -> None:
+    state.version += 1
+    state.save(update_fields=["version"])
+
+
+def _uuid_or_none(text: str) -> uuid.UUID | None:
+    try:
+        return uuid.UUID(str(text))
+    except ValueError:
+        return None
+
+
+def _get(model, object_id, what: str):
+    key = _uuid_or_none(object_id)
+    obj = model.objects.filter(id=key).first() if key else None
+    if obj is None:
+        raise Problem("not-found", f"No {what} {object_id}.")
+    return obj
+
+
+def _check_room(model, maximum: int, findings: Findings) -> None:
+    if model.objects.count() >= maximum:
+        findings.add("", "too-many", f"At most {maximum} {model._meta.verbose_name_plural} may exist.")
+
+
+def _check_unique_name(model, name: str, findings: Findings, *, exclude_id=None) -> None:
+    clash = model.objects.filter(name=name)
+    if exclude_id is not None:
+        clash = clash.exclude(id=exclude_id)
+    if clash.exists():
+        findings.add("/name", "duplicate-name", f"The name {name!r} is taken.")
+
+
+def _save_unique(obj) -> None:
+    """Save, turning a name clash that slipped past the check into the same finding."""
+    try:
+        with transaction.atomic():
+            obj.save()
+    except IntegrityError:
+        findings = Findings()
+        findings.add("/name", "duplicate-name", f"The name {obj.name!r} is taken.")
+        findings.raise_if_any()
+
+
+# --- services ---
+
+
+def _write_service_entries(service: Service, entries) -> None:
+    ServiceEntry.objects.filter(service=service).delete()
+    ServiceEntry.objects.bulk_create(
+        ServiceEntry(service=service, position=i, protocol=e.protocol, port=e.port, port_to=e.port_to)
+        for i, e in enumerate(entries)
+    )
+
+
+def service_create(*, actor: Actor, data: Mapping[str, Any]) -> Service:
+    spec = service_input(data)
+    with transaction.atomic():
+        state = _lock_policy()
+        findings = Findings()
+        _check_room(Service, MAX_SERVICES, findings)
+        _check_unique_name(Service, spec.name, findings)
+        findings.raise_if_any()
+        now = clock.now()
+        service = Service(name=spec.name, description=spec.description, created_at=now, updated_at=now)
+        _save_unique(service)
+        _write_service_entries(service, spec.entries)
+        _policy_changed(state)
+    return service
+
+
+def service_replace(*, actor: Actor, service_id: str, expected_version: str, data: Mapping[str, Any]) -> Service:
+    _get(Service, service_id, "service")
+    spec = service_input(data)
+    with transaction.atomic():
+        state = _lock_policy()
+        service = locked_for_write(Service.objects, pk=service_id, expected_version=expected_version, what="service")
+        findings = Findings()
+        _check_unique_name(Service, spec.name, findings, exclude_id=service.id)
+        findings.raise_if_any()
+        service.name, service.description = spec.name, spec.description
+        service.version += 1
+        service.updated_at = clock.now()
+        _save_unique(service)
+        _write_service_entries(service, spec.entries)
+        _policy_changed(state)
+    return service
+
+
+def _referencing_rules(rules: Iterable[Rule]) -> list[dict[str, str]]:
+    return [
+        {"ruleset_id": str(r.ruleset_id), "ruleset_name": r.ruleset.name, "rule_id": str(r.id)}
+        for r in sorted(rules, key=lambda r: (r.ruleset.name, r.position))
+    ]
+
+
+def _refuse_if_used(obj, rules, what: str) -> None:
+    referencing = _referencing_rules(rules)
+    if referencing:
+        names = ", ".join(sorted({r["ruleset_name"] for r in referencing}))
+        raise Problem(
+            "in-use",
+            f"The {what} {obj.name!r} is used by {len(referencing)} rule(s) in ruleset(s) {names}; "
+            "remove those references first.",
+            referenced_by=referencing,
+        )
+
+
+def service_delete(*, actor: Actor, service_id: str, expected_version: str) -> None:
+    _get(Service, service_id, "service")
+    with transaction.atomic():
+        state = _lock_policy()
+        service = locked_for_write(Service.objects, pk=service_id, expected_version=expected_version, what="service")
+        rules = Rule.objects.filter(services__service=service).select_related("ruleset").distinct()
+        _refuse_if_used(service, rules, "service")
+        service.delete()
+        _policy_changed(state)
+
+
+# --- address groups ---
+
+
+def address_group_create(*, actor: Actor, data: Mapping[str, Any]) -> AddressGroup:
+    spec = address_group_input(data)
+    with transaction.atomic():
+        state = _lock_policy()
+        findings = Findings()
+        _check_room(AddressGroup, MAX_ADDRESS_GROUPS, findings)
+        _check_unique_name(AddressGroup, spec.name, findings)
+        findings.raise_if_any()
+        now = clock.now()
+        group = AddressGroup(
+            name=spec.name, description=spec.description, members=list(spec.members), created_at=now, updated_at=now
+        )
+        _save_unique(group)
+        _policy_changed(state)
+    return group
+
+
+def address_group_replace(
+    *, actor: Actor, group_id: str, expected_version: str, data: Mapping[str, Any]
+) -> AddressGroup:
+    _get(AddressGroup, group_id, "address group")
+    spec = address_group_input(data)
+    with transaction.atomic():
+        state = _lock_policy()
+        group = locked_for_write(
+            AddressGroup.objects, pk=group_id, expected_version=expected_version, what="address group"
+        )
+        findings = Findings()
+        _check_unique_name(AddressGroup, spec.name, findings, exclude_id=group.id)
+        findings.raise_if_any()
+        group.name, group.description, group.members = spec.name, spec.description, list(spec.members)
+        group.version += 1
+        group.updated_at = clock.now()
+        _save_unique(group)
+        _policy_changed(state)
+    return group
+
+
+def address_group_delete(*, actor: Actor, group_id: str, expected_version: str) -> None:
+    _get(AddressGroup, group_id, "address group")
+    with transaction.atomic():
+        state = _lock_policy()
+        group = locked_for_write(
+            AddressGroup.objects, pk=group_id, expected_version=expected_version, what="address group"
+        )
+        rules = Rule.objects.filter(sources__address_group=group).select_related("ruleset").distinct()
+        _refuse_if_used(group, rules, "address group")
+        group.delete()
+        _policy_changed(state)
+
+
+# --- rulesets and rules ---
+
+
+def _resolve(model, reference: str, findings: Findings, path: str, what: str):
+    key = _uuid_or_none(reference)
+    obj = model.objects.filter(id=key).first() if key else model.objects.filter(name=reference).first()
+    if obj is None:
+        findings.add(path, "unknown-reference", f"No {what} {reference!r}.")
+    return obj
+
+
+def _resolve_rule(spec: RuleSpec, findings: Findings):
+    """The rows of a rule's sources and services, with references resolved (unsaved, no rule yet)."""
+    sources, services = [], []
+    for position, source in enumerate(spec.sources):
+        group = None
+        if source.kind == RuleSource.GROUP:
+            group = _resolve(AddressGroup, source.reference, findings, source.path + "/address_group", "address group")
+        sources.append(RuleSource(position=position, kind=source.kind, selector=source.selector, address_group=group))
+    for position, ref in enumerate(spec.services):
+        if ref.entry is None:
+            service = _resolve(Service, ref.reference, findings, ref.path + "/service", "service")
+            services.append(RuleService(position=position, service=service))
+        else:
+            e = ref.entry
+            services.append(RuleService(position=position, protocol=e.protocol, port=e.port, port_to=e.port_to))
+    return sources, services
+
+
+def _rule_content(sources, services) -> list:
+    """What a rule admits, to tell whether a replace changed it."""
+    return [
+        [(s.kind, s.selector, s.address_group_id) for s in sources],
+        [(s.service_id, s.protocol, s.port, s.port_to) for s in services],
+    ]
+
+
+def _write_rule(rule: Rule, sources, services) -> None:
+    RuleSource.objects.filter(rule=rule).delete()
+    RuleService.objects.filter(rule=rule).delete()
+    for row in sources:
+        row.rule = rule
+    for row in services:
+        row.rule = rule
+    RuleSource.objects.bulk_create(sources)
+    RuleService.objects.bulk_create(services)
+
+
+def _current_rule_content(rule: Rule) -> list:
+    return _rule_content(list(rule.sources.all()), list(rule.services.all()))
+
+
+def ruleset_create(*, actor: Actor, data: Mapping[str, Any]) -> Ruleset:
+    spec = ruleset_input(data)
+    with transaction.atomic():
+        state = _lock_policy()
+        findings = Findings()
+        _check_room(Ruleset, MAX_RULESETS, findings)
+        _check_unique_name(Ruleset, spec.name, findings)
+        resolved = [_resolve_rule(rule, findings) for rule in spec.rules]
+        for rule in spec.rules:
+            if rule.id:
+                findings.add(rule.path + "/id", "unknown-rule", "A new ruleset has no rules yet: leave out rule ids.")
+        findings.raise_if_any()
+        now = clock.now()
+        ruleset = Ruleset(
+            name=spec.name,
+            description=spec.description,
+            enabled=spec.enabled,
+            scope=spec.scope,
+            created_at=now,
+            updated_at=now,
+        )
+        _save_unique(ruleset)
+        for position, (rule, (sources, services)) in enumerate(zip(spec.rules, resolved)):
+            row = Rule.objects.create(
+                ruleset=ruleset, position=position, description=rule.description, created_at=now, updated_at=now
+            )
+            _write_rule(row, sources, services)
+        _policy_changed(state)
+    return ruleset
+
+
+def ruleset_replace(*, actor: Actor, ruleset_id: str, expected_version: str, data: Mapping[str, Any]) -> Ruleset:
+    """Replace a ruleset whole: rules whose ids the body carries are kept (their version moves only if
+    they changed), rules without an id are added, and the ruleset's other rules are removed."""
+    _get(Ruleset, ruleset_id, "ruleset")
+    spec = ruleset_input(data)
+    with transaction.atomic():
+        state = _lock_policy()
+        ruleset = locked_for_write(Ruleset.objects, pk=ruleset_id, expected_version=expected_version, what="ruleset")
+        findings = Findings()
+        _check_unique_name(Ruleset, spec.name, findings, exclude_id=ruleset.id)
+        existing = {str(r.id): r for r in ruleset.rules.prefetch_related("sources", "services")}
+        for rule in spec.rules:
+            if rule.id and rule.id not in existing:
+                findings.add(rule.path + "/id", "unknown-rule", f"Rule {rule.id} is not a rule of this ruleset.")
+        resolved = [_resolve_rule(rule, findings) for rule in spec.rules]
+        findings.raise_if_any()
+        now = clock.now()
+        kept = {rule.id for rule in spec.rules if rule.id}
+        Rule.objects.filter(ruleset=ruleset).exclude(id__in=[uuid.UUID(i) for i in kept]).delete()
+        for position, (rule, (sources, services)) in enumerate(zip(spec.rules, resolved)):
+            if rule.id:
+                row = existing[rule.id]
+                changed = (
+                    row.position != position
+                    or row.description != rule.description
+                    or _current_rule_content(row) != _rule_content(sources, services)
+                )
+                if changed:
+                    row.position, row.description = position, rule.description
+                    row.version += 1
+                    row.updated_at = now
+                    row.save()
+                    _write_rule(row, sources, services)
+            else:
+                row = Rule.objects.create(
+                    ruleset=ruleset, position=position, description=rule.description, created_at=now, updated_at=now
+                )
+                _write_rule(row, sources, services)
+        ruleset.name, ruleset.description = spec.name, spec.description
+        ruleset.enabled, ruleset.scope = spec.enabled, spec.scope
+        ruleset.version += 1
+        ruleset.updated_at = now
+        _save_unique(ruleset)
+        _policy_changed(state)
+    return ruleset
+
+
+def ruleset_delete(*, actor: Actor, ruleset_id: str, expected_version: str) -> None:
+    _get(Ruleset, ruleset_id, "ruleset")
+    with transaction.atomic():
+        state = _lock_policy()
+        ruleset = locked_for_write(Ruleset.objects, pk=ruleset_id, expected_version=expected_version, what="ruleset")
+        ruleset.delete()
+        _policy_changed(state)
+
+
+def _touch_ruleset(ruleset: Ruleset, now) -> None:
+    Ruleset.objects.filter(id=ruleset.id).update(version=ruleset.version + 1, updated_at=now)
+
+
+def rule_add(*, actor: Actor, ruleset_id: str, data: Mapping[str, Any]) -> Rule:
+    _get(Ruleset, ruleset_id, "ruleset")
+    spec = single_rule_input(data)
+    with transaction.atomic():
+        state = _lock_policy()
+        ruleset = Ruleset.objects.select_for_update().get(id=ruleset_id)
+        findings = Findings()
+        count = ruleset.rules.count()
+        if count >= MAX_RULES_PER_RULESET:
+            findings.add("", "too-many", f"A ruleset may have at most {MAX_RULES_PER_RULESET} rules.")
+        sources, services = _resolve_rule(spec, findings)
+        findings.raise_if_any()
+        now = clock.now()
+        last = ruleset.rules.order_by("-position").values_list("position", flat=True).first()
+        rule = Rule.objects.create(
+            ruleset=ruleset,
+            position=0 if last is None else last + 1,
+            description=spec.description,
+            created_at=now,
+            updated_at=now,
+        )
+        _write_rule(rule, sources, services)
+        _touch_ruleset(ruleset, now)
+        _policy_changed(state)
+    return rule
+
+
+def _rule_of(ruleset_id: str, rule_id: str) -> Rule:
+    _get(Ruleset, ruleset_id, "ruleset")
+    key = _uuid_or_none(rule_id)
+    rule = Rule.objects.filter(id=key, ruleset_id=ruleset_id).first() if key else None
+    if rule is None:
+        raise Problem("not-found", f"No rule {rule_id} in ruleset {ruleset_id}.")
+    return rule
+
+
+def rule_replace(
+    *, actor: Actor, ruleset_id: str, rule_id: str, expected_version: str, data: Mapping[str, Any]
+) -> Rule:
+    _rule_of(ruleset_id, rule_id)
+    spec = single_rule_input(data)
+    with transaction.atomic():
+        state = _lock_policy()
+        rule = locked_for_write(
+            Rule.objects.filter(ruleset_id=ruleset_id), pk=rule_id, expected_version=expected_version, what="rule"
+        )
+        findings = Findings()
+        sources, services = _resolve_rule(spec, findings)
+        findings.raise_if_any()
+        now = clock.now()
+        rule.description = spec.description
+        rule.version += 1
+        rule.updated_at = now
+        rule.save()
+        _write_rule(rule, sources, services)
+        _touch_ruleset(Ruleset.objects.select_for_update().get(id=ruleset_id), now)
+        _policy_changed(state)
+    return rule
+
+
+def rule_delete(*, actor: Actor, ruleset_id: str, rule_id: str, expected_version: str) -> None:
+    _rule_of(ruleset_id, rule_id)
+    with transaction.atomic():
+        state = _lock_policy()
+        rule = locked_for_write(
+            Rule.objects.filter(ruleset_id=ruleset_id), pk=rule_id, expected_version=expected_version, what="rule"
+        )
+        rule.delete()
+        _touch_ruleset(Ruleset.objects.select_for_update().get(id=ruleset_id), clock.now())
+        _policy_changed(state)
