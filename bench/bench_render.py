@@ -1,0 +1,360 @@
+"""Render every workload's document for a synthetic fleet, then apply the largest one.
+
+    .venv/bin/python bench/bench_render.py [--workloads 10000] [--apply-reps 9] [--no-apply]
+
+Fleet (seeded, so every run renders the same documents): 10,000 workloads with four labels
+(env: 3 values, app: 200 with a skewed popularity, tier: 4, zone: 6), one IPv4 address each
+and an IPv6 address on every fifth; 50 named services, 100 address groups, 300 rulesets
+holding 3,000 rules. Modes: 70% enforced, 25% simulation, 5% visibility.
+
+Rendering runs single process with one FleetIndex for the fleet. Applying runs in a child
+process inside a throwaway network namespace (root only): the largest document replaces
+the owned table through NftablesDataplane (libnftables) and through `nft -f` of the same
+batch text, alternately, several times each. Results go to bench/results/render.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import json
+import os
+import platform
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from policy.grammar import parse_selector  # noqa: E402
+from policy.render_inputs import (  # noqa: E402
+    AddressGroupInput,
+    FleetIndex,
+    PortEntry,
+    RuleInput,
+    RulesetInput,
+    RuleSource,
+    WorkloadInput,
+)
+from policy.renderer import render  # noqa: E402
+
+SEED = 20240611
+ENVS = (("prod", 60), ("staging", 25), ("dev", 15))
+TIERS = (("web", 40), ("app", 30), ("db", 15), ("cache", 15))
+ZONES = tuple(f"z{i}" for i in range(1, 7))
+APPS = tuple(f"app{i:03d}" for i in range(200))
+MODES = (("enforced", 70), ("simulation", 25), ("visibility", 5))
+
+
+def weighted(rng: random.Random, pairs) -> str:
+    values, weights = zip(*pairs, strict=True)
+    return rng.choices(values, weights)[0]
+
+
+def build_fleet(rng: random.Random, count: int) -> list[WorkloadInput]:
+    app_weights = [1 / (i + 1) ** 0.8 for i in range(len(APPS))]  # a few big apps, a long tail
+    workloads = []
+    for i in range(count):
+        labels = {
+            "env": weighted(rng, ENVS),
+            "app": rng.choices(APPS, app_weights)[0],
+            "tier": weighted(rng, TIERS),
+            "zone": rng.choice(ZONES),
+        }
+        addresses = [f"10.{20 + i // 65536}.{i // 256 % 256}.{i % 256}"]
+        if i % 5 == 0:
+            addresses.append(f"fd00:20::{i:x}")
+        workloads.append(WorkloadInput(f"wl-{i:05d}", labels, tuple(addresses), weighted(rng, MODES)))
+    return workloads
+
+
+def build_services(rng: random.Random) -> list[tuple[PortEntry, ...]]:
+    services = []
+    for _ in range(50):
+        entries = []
+        for _ in range(rng.choice((1, 1, 2, 3))):
+            kind = rng.random()
+            if kind < 0.6:
+                entries.append(
+                    PortEntry(
+                        "tcp",
+                        rng.choice((22, 80, 443, 5432, 6379, 8080, 8443, 9000, 9090, 9200))
+                        + rng.randrange(3),
+                    )
+                )
+            elif kind < 0.75:
+                low = rng.randrange(1024, 60000)
+                entries.append(PortEntry("tcp", low, low + rng.randrange(1, 200)))
+            elif kind < 0.95:
+                entries.append(PortEntry("udp", rng.choice((53, 123, 161, 514, 5353, 8125))))
+            else:
+                entries.append(PortEntry(rng.choice(("icmp", "icmpv6"))))
+        services.append(tuple(entries))
+    return services
+
+
+def build_groups(rng: random.Random) -> dict[str, AddressGroupInput]:
+    groups = {}
+    for g in range(100):
+        members = []
+        for _ in range(rng.randrange(1, 21)):
+            if rng.random() < 0.85:
+                prefix = rng.choice((16, 20, 24, 24, 28, 32))
+                members.append(f"172.{16 + g % 16}.{rng.randrange(256)}.{rng.randrange(256)}/{prefix}")
+            else:
+                members.append(f"2001:db8:{g:x}:{rng.randrange(65536):x}::/64")
+        normalised = tuple(str(ipaddress.ip_network(m, strict=False)) for m in members)
+        groups[f"grp-{g:03d}"] = AddressGroupInput(f"grp-{g:03d}", f"group {g}", normalised)
+    return groups
+
+
+def random_source(rng: random.Random) -> RuleSource:
+    kind = rng.random()
+    if kind < 0.45:
+        return RuleSource("selector", parse_selector(f"app={rng.choice(APPS[:120])}"))
+    if kind < 0.65:
+        app, tier = rng.choice(APPS), weighted(rng, TIERS)
+        return RuleSource("selector", parse_selector(f"app={app},tier={tier}"))
+    if kind < 0.75:
+        tier, env, zone = weighted(rng, TIERS), weighted(rng, ENVS), rng.choice(ZONES)
+        return RuleSource("selector", parse_selector(f"tier={tier},env={env},zone={zone}"))
+    if kind < 0.80:
+        apps = ",".join(sorted(rng.sample(APPS, 3)))
+        return RuleSource("selector", parse_selector(f"app in ({apps}),env!=dev"))
+    if kind < 0.95:
+        return RuleSource("group", group_id=f"grp-{rng.randrange(100):03d}")
+    return RuleSource("any")
+
+
+def build_rulesets(rng: random.Random, services) -> list[RulesetInput]:
+    scopes = [f"app={app}" for app in APPS]  # 200: one per application
+    scopes += [f"app={rng.choice(APPS[:40])},env=prod,tier={weighted(rng, TIERS)}" for _ in range(40)]
+    scopes += [f"tier={t},env={e}" for t, _ in TIERS for e, _ in ENVS]  # 12
+    scopes += [f"zone={z},tier in (web,app)" for z in ZONES]  # 6
+    scopes += [f"env={e}" for e, _ in ENVS]  # 3
+    scopes += [f"tier={t}" for t, _ in TIERS]  # 4
+    scopes += [f"zone={rng.choice(ZONES)},app={rng.choice(APPS)}" for _ in range(300 - len(scopes) - 1)]
+    scopes += [""]  # one fleet-wide baseline
+    rulesets = []
+    for r, scope in enumerate(scopes):
+        rules = []
+        for position in range(1, 11):
+            sources = tuple(random_source(rng) for _ in range(rng.choice((1, 1, 2))))
+            if rng.random() < 0.7:
+                entries = services[rng.randrange(len(services))]
+            else:
+                entries = (PortEntry("tcp", rng.randrange(1024, 65536)),)
+            rules.append(
+                RuleInput(f"rule-{r:03d}-{position:02d}", position * 10, f"rule {position}", sources, entries)
+            )
+        rulesets.append(RulesetInput(f"rs-{r:03d}", f"ruleset-{r:03d}", parse_selector(scope), tuple(rules)))
+    return rulesets
+
+
+def percentile(values: list[float], fraction: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(fraction * (len(ordered) - 1))))]
+
+
+def bench_render(count: int) -> tuple[dict, str]:
+    rng = random.Random(SEED)
+    workloads = build_fleet(rng, count)
+    services = build_services(rng)
+    groups = build_groups(rng)
+    rulesets = build_rulesets(rng, services)
+
+    started = time.perf_counter()
+    fleet = FleetIndex.build(workloads)
+    index_seconds = time.perf_counter() - started
+
+    per_document, sizes, rules_per_document, versions = [], [], [], set()
+    largest = ("", "")
+    clock = time.perf_counter
+    started = clock()
+    for workload in workloads:
+        t0 = clock()
+        result = render(workload, rulesets, groups, fleet)
+        per_document.append(clock() - t0)
+        size = len(result.document.encode())
+        sizes.append(size)
+        rules_per_document.append(len(result.rule_index))
+        versions.add(result.version)
+        if size > len(largest[1]):
+            largest = (workload.id, result.document)
+    render_seconds = time.perf_counter() - started
+
+    # What one re-render costs when nothing is cached: a fresh index for the whole fleet.
+    target = next(w for w in workloads if w.id == largest[0])
+    t0 = time.perf_counter()
+    fresh = render(target, rulesets, groups, FleetIndex.build(workloads))
+    fresh_seconds = time.perf_counter() - t0
+    assert fresh.document == largest[1], "a cached render differs from a fresh one"
+
+    judged = [s for s, w in zip(sizes, workloads, strict=True) if w.mode != "visibility"]
+    results = {
+        "fleet": {
+            "workloads": len(workloads),
+            "rulesets": len(rulesets),
+            "rules": sum(len(rs.rules) for rs in rulesets),
+            "services": len(services),
+            "address_groups": len(groups),
+            "distinct_documents": len(versions),
+        },
+        "fleet_index_build_s": index_seconds,
+        "render_all_s": render_seconds + index_seconds,
+        "render_loop_s": render_seconds,
+        "per_document_ms": {
+            "p50": percentile(per_document, 0.50) * 1e3,
+            "p99": percentile(per_document, 0.99) * 1e3,
+            "max": max(per_document) * 1e3,
+            "mean": statistics.fmean(per_document) * 1e3,
+        },
+        "document_bytes": {
+            "p50": percentile(sizes, 0.50),
+            "p99": percentile(sizes, 0.99),
+            "max": max(sizes),
+            "p50_judged_modes": percentile(judged, 0.50),
+        },
+        "rules_per_document": {"p50": percentile(rules_per_document, 0.5), "max": max(rules_per_document)},
+        "largest_document": {"workload": largest[0], "bytes": len(largest[1].encode())},
+        "fresh_rerender_of_largest_s": fresh_seconds,
+    }
+    return results, largest[1]
+
+
+# --- apply: runs in a child inside a throwaway namespace ----------------------------------
+
+
+def apply_child(document_path: str, reps: int) -> None:
+    from agent.dataplane import BATCH_HEADER, NftablesDataplane
+
+    document = Path(document_path).read_text()
+    dataplane = NftablesDataplane()
+    with tempfile.NamedTemporaryFile("w", suffix=".nft", delete=False, dir="/dev/shm") as batch:
+        batch.write(BATCH_HEADER + document)
+    try:
+        dataplane.apply(document)  # both then replace an existing table, as the agent does
+        libnftables, nft = [], []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            dataplane.apply(document)
+            libnftables.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            subprocess.run(["nft", "-f", batch.name], check=True)
+            nft.append(time.perf_counter() - t0)
+        listed = subprocess.run(
+            ["nft", "list", "table", "inet", "palisade"], capture_output=True, text=True, check=True
+        )
+        counts = {
+            "nft_rules": sum(
+                1 for line in listed.stdout.splitlines() if "ct mark set" in line or " accept" in line
+            ),
+            "sets": listed.stdout.count("\tset "),
+        }
+    finally:
+        os.unlink(batch.name)
+    print(json.dumps({"libnftables_s": libnftables, "nft_f_s": nft, **counts}))
+
+
+def bench_apply(document: str, reps: int) -> dict:
+    if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("nft"):
+        return {"skipped": "needs root, ip and nft"}
+    namespace = f"palbench{os.getpid()}"
+    subprocess.run(["ip", "netns", "add", namespace], check=True)
+    try:
+        with tempfile.NamedTemporaryFile("w", suffix=".nft", delete=False) as handle:
+            handle.write(document)
+        env = dict(os.environ, PYTHONPATH=str(REPO))
+        done = subprocess.run(
+            [
+                "ip",
+                "netns",
+                "exec",
+                namespace,
+                sys.executable,
+                __file__,
+                "--apply-child",
+                handle.name,
+                str(reps),
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            check=True,
+        )
+        os.unlink(handle.name)
+    finally:
+        subprocess.run(["ip", "netns", "del", namespace], check=False)
+    raw = json.loads(done.stdout)
+    lib, nft = statistics.median(raw["libnftables_s"]), statistics.median(raw["nft_f_s"])
+    return {
+        "repetitions": reps,
+        "libnftables_median_s": lib,
+        "nft_f_median_s": nft,
+        "libnftables_min_s": min(raw["libnftables_s"]),
+        "nft_f_min_s": min(raw["nft_f_s"]),
+        "ratio_libnftables_over_nft": lib / nft,
+        "table_nft_rules": raw["nft_rules"],
+        "table_sets": raw["sets"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--workloads", type=int, default=10_000)
+    parser.add_argument("--apply-reps", type=int, default=9)
+    parser.add_argument("--no-apply", action="store_true")
+    parser.add_argument("--apply-child", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.apply_child:
+        apply_child(args.apply_child[0], int(args.apply_child[1]))
+        return
+
+    results, largest = bench_render(args.workloads)
+    results["apply"] = {"skipped": "--no-apply"} if args.no_apply else bench_apply(largest, args.apply_reps)
+    results["machine"] = {
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "kernel": platform.release(),
+    }
+
+    fleet, per_doc, sizes = results["fleet"], results["per_document_ms"], results["document_bytes"]
+    print(
+        f"fleet: {fleet['workloads']} workloads, {fleet['rulesets']} rulesets / {fleet['rules']} rules, "
+        f"{fleet['services']} services, {fleet['address_groups']} groups"
+    )
+    print(
+        f"render all: {results['render_all_s']:.2f} s (index {results['fleet_index_build_s']:.2f} s) "
+        f"[target <= 10 s]; per document p50 {per_doc['p50']:.2f} ms, p99 {per_doc['p99']:.2f} ms, "
+        f"max {per_doc['max']:.1f} ms"
+    )
+    print(
+        f"document size: p50 {sizes['p50'] / 1024:.1f} KiB, p99 {sizes['p99'] / 1024:.1f} KiB, "
+        f"max {sizes['max'] / 1024:.1f} KiB; rules per document p50 {results['rules_per_document']['p50']}, "
+        f"max {results['rules_per_document']['max']}"
+    )
+    print(f"fresh re-render of the largest (index rebuilt): {results['fresh_rerender_of_largest_s']:.2f} s")
+    apply = results["apply"]
+    if "skipped" in apply:
+        print(f"apply: skipped ({apply['skipped']})")
+    else:
+        print(
+            f"apply largest ({apply['table_sets']} sets): "
+            f"libnftables {apply['libnftables_median_s'] * 1e3:.1f} ms, "
+            f"nft -f {apply['nft_f_median_s'] * 1e3:.1f} ms (medians of {apply['repetitions']}); "
+            f"ratio {apply['ratio_libnftables_over_nft']:.2f} [target <= 1.3]"
+        )
+    out = REPO / "bench" / "results" / "render.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {out.relative_to(REPO)}")
+
+
+if __name__ == "__main__":
+    main()
