@@ -138,6 +138,13 @@ PALISADE_LOGIN_FREE_FAILURES = int(os.environ.get("PALISADE_LOGIN_FREE_FAILURES"
 PALISADE_LOGIN_LOCKOUT_SECONDS = int(os.environ.get("PALISADE_LOGIN_LOCKOUT_SECONDS", 30))
 PALISADE_TOKEN_LAST_USED_RESOLUTION_SECONDS = 60
 
+# Agent credentials: lifetime, and how long after expiry a renewal is still admitted.
+PALISADE_CREDENTIAL_LIFETIME_SECONDS = int(os.environ.get("PALISADE_CREDENTIAL_LIFETIME_SECONDS", 30 * 24 * 3600))
+PALISADE_CREDENTIAL_GRACE_SECONDS = int(os.environ.get("PALISADE_CREDENTIAL_GRACE_SECONDS", 72 * 3600))
+
+# Flow evidence: windows are one minute unless configured (tests use seconds).
+PALISADE_FLOW_WINDOW_SECONDS = int(os.environ.get("PALISADE_FLOW_WINDOW_SECONDS", 60))
+
 # Set by `serve` from its flags; these defaults serve commands run outside `serve`.
 PALISADE_SITE_LABEL = os.environ.get("PALISADE_SITE_LABEL", "")
 PALISADE_GATEWAY_ADVERTISE = os.environ.get("PALISADE_GATEWAY_ADVERTISE", "")

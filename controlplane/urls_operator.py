@@ -13,6 +13,8 @@ api_v1 = [
     path("operator-tokens", OperatorTokenListView.as_view(), name="operator-tokens"),
     path("operator-tokens/<uuid:token_id>", OperatorTokenView.as_view(), name="operator-token"),
     path("", include("policy.api.urls")),
+    path("", include("fleet.api.urls")),
+    path("", include("fleet.api.urls_tokens")),
     path("schema", SpectacularAPIView.as_view(), name="schema"),
     path("docs", SpectacularSwaggerView.as_view(url_name="schema"), name="docs"),
     path("redoc", SpectacularRedocView.as_view(url_name="schema"), name="redoc"),

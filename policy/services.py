@@ -14,6 +14,7 @@ from controlplane.auth.actor import Actor
 from controlplane.conditional import locked_for_write
 from controlplane.problems import Problem
 from controlplane.validation import Findings
+from fleet.rendering import rerender_for_scopes
 from policy.models import (
     AddressGroup,
     PolicyState,
@@ -44,9 +45,18 @@ def _lock_policy() -> PolicyState:
     return state
 
 
-def _policy_changed(state: PolicyState) -> None:
+def _policy_changed(state: PolicyState, *, scopes: Iterable[str] = ()) -> None:
+    """Move the policy version and re-render the workloads in the scopes of the touched rulesets,
+    inside the write's transaction so documents commit with the change that caused them."""
     state.version += 1
     state.save(update_fields=["version"])
+    scopes = set(scopes)
+    if scopes:
+        rerender_for_scopes(scopes=scopes)
+
+
+def _scopes_using(rules) -> set[str]:
+    return {rule.ruleset.scope for rule in rules}
 
 
 def _uuid_or_none(text: str) -> uuid.UUID | None:
@@ -129,7 +139,8 @@ def service_replace(*, actor: Actor, service_id: str, expected_version: str, dat
         service.updated_at = clock.now()
         _save_unique(service)
         _write_service_entries(service, spec.entries)
-        _policy_changed(state)
+        users = Rule.objects.filter(services__service=service).select_related("ruleset")
+        _policy_changed(state, scopes=_scopes_using(users))
     return service
 
 
@@ -200,7 +211,8 @@ def address_group_replace(
         group.version += 1
         group.updated_at = clock.now()
         _save_unique(group)
-        _policy_changed(state)
+        users = Rule.objects.filter(sources__address_group=group).select_related("ruleset")
+        _policy_changed(state, scopes=_scopes_using(users))
     return group
 
 
@@ -296,7 +308,7 @@ def ruleset_create(*, actor: Actor, data: Mapping[str, Any]) -> Ruleset:
                 ruleset=ruleset, position=position, description=rule.description, created_at=now, updated_at=now
             )
             _write_rule(row, sources, services)
-        _policy_changed(state)
+        _policy_changed(state, scopes=[ruleset.scope])
     return ruleset
 
 
@@ -338,12 +350,13 @@ def ruleset_replace(*, actor: Actor, ruleset_id: str, expected_version: str, dat
                     ruleset=ruleset, position=position, description=rule.description, created_at=now, updated_at=now
                 )
                 _write_rule(row, sources, services)
+        scope_before = ruleset.scope
         ruleset.name, ruleset.description = spec.name, spec.description
         ruleset.enabled, ruleset.scope = spec.enabled, spec.scope
         ruleset.version += 1
         ruleset.updated_at = now
         _save_unique(ruleset)
-        _policy_changed(state)
+        _policy_changed(state, scopes=[scope_before, ruleset.scope])
     return ruleset
 
 
@@ -353,7 +366,7 @@ def ruleset_delete(*, actor: Actor, ruleset_id: str, expected_version: str) -> N
         state = _lock_policy()
         ruleset = locked_for_write(Ruleset.objects, pk=ruleset_id, expected_version=expected_version, what="ruleset")
         ruleset.delete()
-        _policy_changed(state)
+        _policy_changed(state, scopes=[ruleset.scope])
 
 
 def _touch_ruleset(ruleset: Ruleset, now) -> None:
@@ -383,7 +396,7 @@ def rule_add(*, actor: Actor, ruleset_id: str, data: Mapping[str, Any]) -> Rule:
         )
         _write_rule(rule, sources, services)
         _touch_ruleset(ruleset, now)
-        _policy_changed(state)
+        _policy_changed(state, scopes=[ruleset.scope])
     return rule
 
 
@@ -415,8 +428,9 @@ def rule_replace(
         rule.updated_at = now
         rule.save()
         _write_rule(rule, sources, services)
-        _touch_ruleset(Ruleset.objects.select_for_update().get(id=ruleset_id), now)
-        _policy_changed(state)
+        ruleset = Ruleset.objects.select_for_update().get(id=ruleset_id)
+        _touch_ruleset(ruleset, now)
+        _policy_changed(state, scopes=[ruleset.scope])
     return rule
 
 
@@ -428,5 +442,6 @@ def rule_delete(*, actor: Actor, ruleset_id: str, rule_id: str, expected_version
             Rule.objects.filter(ruleset_id=ruleset_id), pk=rule_id, expected_version=expected_version, what="rule"
         )
         rule.delete()
-        _touch_ruleset(Ruleset.objects.select_for_update().get(id=ruleset_id), clock.now())
-        _policy_changed(state)
+        ruleset = Ruleset.objects.select_for_update().get(id=ruleset_id)
+        _touch_ruleset(ruleset, clock.now())
+        _policy_changed(state, scopes=[ruleset.scope])

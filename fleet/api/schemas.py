@@ -1,0 +1,128 @@
+"""OpenAPI shapes of fleet reads and writes (documentation only)."""
+
+from drf_spectacular.utils import inline_serializer
+from rest_framework import serializers
+
+from fleet.models import MODES, SYNC_STATES
+
+
+class SyncSerializer(serializers.Serializer):
+    state = serializers.ChoiceField(choices=SYNC_STATES)
+    last_snapshot_sent_at = serializers.DateTimeField(allow_null=True)
+    last_heard_from = serializers.DateTimeField(allow_null=True, help_text="null: never connected.")
+    never_connected = serializers.BooleanField()
+    error = serializers.CharField(allow_null=True, help_text="The agent's error while `degraded`.")
+    pending_version = serializers.CharField(allow_null=True, help_text="The version not yet applied while `pending`.")
+
+
+class CredentialSerializer(serializers.Serializer):
+    state = serializers.ChoiceField(choices=["renews", "renewal-failed", "expired"])
+    expires_at = serializers.DateTimeField()
+    renewal_due_at = serializers.DateTimeField()
+    last_error = serializers.CharField(allow_null=True)
+    last_late_renewal = serializers.DateTimeField(allow_null=True, help_text="Set by a renewal made after expiry.")
+
+
+class HealthSerializer(serializers.Serializer):
+    telemetry_live = serializers.BooleanField(help_text="A flow report arrived within two flow windows.")
+    owned_table = inline_serializer("OwnedTable", {"state": serializers.ChoiceField(choices=["present", "absent", "unknown"])})
+    credential = CredentialSerializer()
+
+
+class WorkloadSerializer(serializers.Serializer):
+    id = serializers.UUIDField()
+    hostname = serializers.CharField()
+    addresses = serializers.ListField(child=serializers.IPAddressField())
+    labels = serializers.DictField(child=serializers.CharField())
+    labels_version = serializers.CharField()
+    mode = serializers.ChoiceField(choices=MODES)
+    latest_version = serializers.CharField(allow_null=True, help_text="Version of the latest rendered policy.")
+    applied_version = serializers.CharField(allow_null=True, help_text="Version the agent last applied.")
+    agent_version = serializers.CharField(allow_null=True)
+    sync = SyncSerializer()
+    health = HealthSerializer()
+    enrolled_at = serializers.DateTimeField()
+
+
+WorkloadPage = inline_serializer(
+    "WorkloadPage", {"items": WorkloadSerializer(many=True), "next_cursor": serializers.CharField(allow_null=True)}
+)
+WorkloadCounts = inline_serializer(
+    "WorkloadCounts",
+    {
+        "total": serializers.IntegerField(),
+        "sync_state": inline_serializer("SyncStateCounts", {s: serializers.IntegerField() for s in SYNC_STATES}),
+        "removed": serializers.IntegerField(help_text="Owned table absent; these count in no sync state."),
+    },
+)
+
+
+class LabelsSerializer(serializers.Serializer):
+    labels = serializers.DictField(child=serializers.CharField())
+    version = serializers.CharField(read_only=True)
+
+
+class RenderedPolicySerializer(serializers.Serializer):
+    workload_id = serializers.UUIDField()
+    mode = serializers.ChoiceField(choices=MODES)
+    version = serializers.CharField(allow_null=True)
+    rendered_at = serializers.DateTimeField(allow_null=True)
+    document = serializers.CharField(allow_null=True, help_text="The nftables text of `table inet palisade`.")
+    rule_index = serializers.DictField(
+        child=serializers.DictField(), help_text="Rule number in the conntrack mark -> ruleset and rule."
+    )
+
+
+ResendSerializer = inline_serializer(
+    "ResendSnapshot", {"workload_id": serializers.UUIDField(), "directive": serializers.CharField()}
+)
+
+Selection = inline_serializer(
+    "Selection",
+    {
+        "labels": serializers.ListField(child=serializers.CharField(), required=False),
+        "workload_ids": serializers.ListField(child=serializers.UUIDField(), required=False),
+        "all": serializers.BooleanField(required=False),
+    },
+)
+ModeChangeRequest = inline_serializer("ModeChangeRequest", {"selection": Selection, "mode": serializers.ChoiceField(choices=MODES)})
+
+
+class ModeChangeSerializer(serializers.Serializer):
+    id = serializers.UUIDField()
+    mode = serializers.ChoiceField(choices=MODES)
+    selection = serializers.DictField()
+    resolved_count = serializers.IntegerField()
+    changed_count = serializers.IntegerField()
+    actor = serializers.CharField()
+    created_at = serializers.DateTimeField()
+
+
+PreviewRequest = inline_serializer("SelectorPreviewRequest", {"selector": serializers.CharField()})
+PreviewSerializer = inline_serializer(
+    "SelectorPreview",
+    {
+        "selector": serializers.CharField(),
+        "count": serializers.IntegerField(),
+        "workloads": serializers.ListField(child=serializers.DictField()),
+        "truncated": serializers.BooleanField(),
+    },
+)
+DryrunRequest = inline_serializer(
+    "RenderDryrunRequest",
+    {
+        "rulesets": serializers.ListField(child=serializers.DictField()),
+        "services": serializers.ListField(child=serializers.DictField(), required=False),
+        "address_groups": serializers.ListField(child=serializers.DictField(), required=False),
+    },
+)
+DryrunSerializer = inline_serializer(
+    "RenderDryrun",
+    {
+        "changed_count": serializers.IntegerField(),
+        "unchanged_count": serializers.IntegerField(),
+        "changed": serializers.ListField(child=serializers.DictField()),
+        "truncated": serializers.BooleanField(),
+        "warnings": serializers.ListField(child=serializers.DictField()),
+    },
+)

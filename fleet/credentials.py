@@ -1,0 +1,257 @@
+"""Agent credentials: the control plane's signing key, issuing and renewing credentials, and the
+credential state machine of the spec ("Credential state"), computed from stored instants (no timers).
+
+| from                       | moved by                  | condition              | to             |
+|----------------------------|---------------------------|------------------------|----------------|
+| renews                     | renewal attempt fails     |                        | renewal-failed |
+| renewal-failed             | renewal attempt succeeds  |                        | renews         |
+| renews or renewal-failed   | passing of expiry         | expiry reached         | expired        |
+| expired                    | renewal                   | within the grace       | renews (+ last_late_renewal) |
+| expired                    | renewal                   | beyond the grace       | refused: re-enrol |
+
+The credential format (compact JSON, Ed25519) lives in agent/credential.py so the agent checks it
+with the same code. The gateway authenticates the agent's key itself; these functions only keep the
+state and sign.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from django.conf import settings
+from django.db import transaction
+
+from agent.credential import CredentialError, credential_payload, credential_sign, public_key_encode
+from agent.credential import credential_verify as _verify_with
+from controlplane import clock
+from controlplane.problems import Problem
+from fleet.models import Workload
+
+log = logging.getLogger("palisade.credentials")
+
+SIGNING_KEY_FILE = "agent-signing-key.pem"
+RENEWS, RENEWAL_FAILED, EXPIRED = "renews", "renewal-failed", "expired"
+MAX_ERROR_LENGTH = 2000
+
+_key_cache: dict[str, tuple[tuple[int, int], Ed25519PrivateKey]] = {}
+
+
+# --- the signing key -------------------------------------------------------------------------------
+
+
+def signing_key_path() -> Path:
+    return Path(settings.DATA_DIR) / SIGNING_KEY_FILE
+
+
+def signing_key() -> Ed25519PrivateKey:
+    """The control plane's Ed25519 key: `agent-signing-key.pem` in the data directory, made on first
+    use (mode 0600) and reused afterwards. Every credential any agent holds is signed with it, so
+    deleting it forces every workload to re-enrol; several `serve` processes must share one."""
+    path = signing_key_path()
+    try:
+        stat = path.stat()
+    except FileNotFoundError:
+        _generate_signing_key(path)
+        stat = path.stat()
+    identity = (stat.st_ino, stat.st_mtime_ns)
+    cached = _key_cache.get(str(path))
+    if cached and cached[0] == identity:
+        return cached[1]
+    key = _load_signing_key(path)
+    if stat.st_mode & 0o077:
+        log.warning("the agent signing key %s is readable by other users (mode %o)", path, stat.st_mode & 0o777)
+    _key_cache[str(path)] = (identity, key)
+    return key
+
+
+def _load_signing_key(path: Path) -> Ed25519PrivateKey:
+    try:
+        key = serialization.load_pem_private_key(path.read_bytes(), password=None)
+    except (ValueError, TypeError, serialization.UnsupportedAlgorithm):
+        raise RuntimeError(f"the agent signing key {path} is not an unencrypted PEM Ed25519 key") from None
+    if not isinstance(key, Ed25519PrivateKey):
+        raise RuntimeError(f"the agent signing key {path} is not an Ed25519 key")
+    return key
+
+
+def _generate_signing_key(path: Path) -> None:
+    """Write a new key to a private temporary file, then link it into place: two processes racing on
+    first use end up with the one key that won the link, and nobody ever reads a half-written file."""
+    pem = Ed25519PrivateKey.generate().private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(pem)
+            fh.flush()
+            os.fsync(fh.fileno())
+        try:
+            os.link(tmp, path)
+            log.info("generated the agent signing key %s", path)
+        except FileExistsError:
+            pass  # another process made it first: use theirs
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def signing_public_key() -> str:
+    """The public half of the signing key, standard base64 of the raw 32 bytes: agents verify their
+    credentials with it."""
+    return public_key_encode(signing_key().public_key())
+
+
+# --- lifetimes and state ---------------------------------------------------------------------------
+
+
+def credential_lifetime() -> timedelta:
+    return timedelta(seconds=settings.PALISADE_CREDENTIAL_LIFETIME_SECONDS)
+
+
+def credential_grace() -> timedelta:
+    return timedelta(seconds=settings.PALISADE_CREDENTIAL_GRACE_SECONDS)
+
+
+def credential_renewal_due_at(workload: Workload) -> datetime:
+    """Renewal is due once two thirds of the credential's own lifetime have passed."""
+    span = workload.credential_expires_at - workload.credential_issued_at
+    return workload.credential_issued_at + span * 2 / 3
+
+
+def credential_grace_ends_at(workload: Workload) -> datetime:
+    return workload.credential_expires_at + credential_grace()
+
+
+def credential_state(workload: Workload, now: datetime | None = None) -> str:
+    """`renews`, `renewal-failed` or `expired` (spec "Credential state")."""
+    now = now or clock.now()
+    if now >= workload.credential_expires_at:
+        return EXPIRED
+    return RENEWAL_FAILED if workload.credential_renewal_failed else RENEWS
+
+
+def credential_start(workload: Workload, *, now: datetime, serial: int) -> None:
+    """Give the (unsaved) workload a fresh credential's fields: serial, issued now, full lifetime."""
+    workload.credential_serial = serial
+    workload.credential_issued_at = now
+    workload.credential_expires_at = now + credential_lifetime()
+    workload.credential_renewal_failed = False
+    workload.credential_last_error = ""
+
+
+CREDENTIAL_FIELDS = [
+    "credential_serial",
+    "credential_issued_at",
+    "credential_expires_at",
+    "credential_renewal_failed",
+    "credential_last_error",
+]
+
+
+# --- issuing and verifying -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SignedCredential:
+    text: str  # what the agent keeps and presents; format in agent/credential.py
+    workload_id: str
+    serial: int
+    issued_at: datetime
+    expires_at: datetime
+    renewal_due_at: datetime
+
+
+def credential_issue(*, workload: Workload) -> SignedCredential:
+    """Sign the credential the workload's row describes (its id, public key, serial and instants)."""
+    payload = credential_payload(
+        workload_id=str(workload.id),
+        public_key=workload.public_key,
+        serial=workload.credential_serial,
+        issued_at=workload.credential_issued_at,
+        expires_at=workload.credential_expires_at,
+    )
+    return SignedCredential(
+        text=credential_sign(payload, signing_key()),
+        workload_id=str(workload.id),
+        serial=workload.credential_serial,
+        issued_at=workload.credential_issued_at,
+        expires_at=workload.credential_expires_at,
+        renewal_due_at=credential_renewal_due_at(workload),
+    )
+
+
+def credential_verify(text: str) -> dict[str, Any]:
+    """The payload of a credential this control plane signed; `unauthenticated` when it is malformed
+    or its signature does not verify. Neither expiry nor whether it is the workload's current serial
+    is checked here: the caller compares the payload with the workload's row."""
+    try:
+        return _verify_with(text, signing_key().public_key())
+    except CredentialError as error:
+        raise Problem("unauthenticated", f"The credential is refused: {error}.") from None
+
+
+# --- renewal ---------------------------------------------------------------------------------------
+
+
+def _locked(workload_id: str) -> Workload:
+    try:
+        key = uuid.UUID(str(workload_id))
+    except ValueError:
+        key = None
+    workload = Workload.objects.select_for_update().filter(id=key).first() if key else None
+    if workload is None:
+        raise Problem("not-found", f"No workload {workload_id}.")
+    return workload
+
+
+def credential_renew(*, workload_id: str, now: datetime | None = None) -> SignedCredential:
+    """A new credential for the workload (next serial, a full lifetime from now). Admitted while the
+    credential is valid and up to the grace after its expiry; a renewal made with an expired
+    credential sets `credential_last_late_renewal`. Beyond the grace it is refused: re-enrol."""
+    with transaction.atomic():
+        workload = _locked(workload_id)
+        now = now or clock.now()
+        if now >= credential_grace_ends_at(workload):
+            raise Problem(
+                "unauthenticated",
+                f"The credential of workload {workload.id} expired at "
+                f"{clock.rfc3339(workload.credential_expires_at)}, "
+                f"more than the renewal grace ({_duration(credential_grace())}) ago; it cannot be renewed: "
+                "re-enrol the workload with a new provisioning token.",
+            )
+        fields = list(CREDENTIAL_FIELDS)
+        if now >= workload.credential_expires_at:
+            workload.credential_last_late_renewal = now
+            fields.append("credential_last_late_renewal")
+        credential_start(workload, now=now, serial=workload.credential_serial + 1)
+        workload.save(update_fields=fields)
+        return credential_issue(workload=workload)
+
+
+def credential_renewal_failed(*, workload_id: str, error: str) -> Workload:
+    """Record a failed renewal attempt: `renews` becomes `renewal-failed`; the error stays on the
+    workload until a renewal succeeds."""
+    with transaction.atomic():
+        workload = _locked(workload_id)
+        workload.credential_renewal_failed = True
+        workload.credential_last_error = (error or "renewal failed")[:MAX_ERROR_LENGTH]
+        workload.save(update_fields=["credential_renewal_failed", "credential_last_error"])
+    return workload
+
+
+def _duration(delta: timedelta) -> str:
+    seconds = int(delta.total_seconds())
+    if seconds % 3600 == 0:
+        return f"{seconds // 3600} h"
+    if seconds % 60 == 0:
+        return f"{seconds // 60} min"
+    return f"{seconds} s"

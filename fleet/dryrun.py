@@ -1,0 +1,223 @@
+"""Reads that answer "what if": a selector's matches now, and a hypothetical policy's effect on every
+workload's document. Nothing here writes."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from controlplane.problems import Finding, ValidationFailed, pointer
+from controlplane.validation import Findings, reject_unknown, require_object, take_string
+from fleet.models import RenderedPolicy, Workload
+from fleet.rendering import PolicyInputs, fleet_load, policy_inputs_load
+from fleet.selectors import selector_preview as matching_workloads
+from policy.grammar import GrammarError, parse_selector
+from policy.models import AddressGroup, Service
+from policy.render_inputs import AddressGroupInput, PortEntry, RuleInput, RulesetInput
+from policy.render_inputs import RuleSource as SourceInput
+from policy.renderer import render
+from policy.validation import address_group_input, ruleset_input, service_input
+
+PREVIEW_LIMIT = 100
+MAX_REPORTED = 1000
+
+
+def selector_preview(*, data: Any) -> dict:
+    data = require_object(data)
+    findings = Findings()
+    reject_unknown(data, {"selector"}, findings)
+    text = take_string(data, "selector", findings, max_length=4096)
+    findings.raise_if_any()
+    try:
+        selector = parse_selector(text)
+    except GrammarError as error:
+        raise ValidationFailed([Finding("/selector", error.rule, error.message)]) from None
+    count, sample = matching_workloads(selector=selector, limit=PREVIEW_LIMIT)
+    return {
+        "selector": str(selector),
+        "count": count,
+        "workloads": [{"id": str(w.id), "hostname": w.hostname, "labels": w.labels} for w in sample],
+        "truncated": count > len(sample),
+    }
+
+
+def _prefixed(error: ValidationFailed, base: str) -> list[Finding]:
+    return [Finding(base + f.path, f.rule, f.message) for f in error.findings]
+
+
+def _parse_list(data, key, parse, findings: Findings) -> list:
+    items = data.get(key, [])
+    if not isinstance(items, list):
+        findings.add(pointer(key), "type", f"{key} must be a list.")
+        return []
+    parsed = []
+    for index, item in enumerate(items):
+        try:
+            parsed.append(parse(item))
+        except ValidationFailed as error:
+            findings.extend(_prefixed(error, pointer(key, index)))
+    return parsed
+
+
+class _Catalogue:
+    """Services and address groups as the hypothetical policy sees them: its own, by name, over the
+    stored ones (by id or name)."""
+
+    def __init__(self, services, groups):
+        self.services = {s.name: tuple(PortEntry(e.protocol, e.port, e.port_to) for e in s.entries) for s in services}
+        self.groups = {g.name: AddressGroupInput(f"hypothetical:{g.name}", g.name, g.members) for g in groups}
+        stored_groups = {str(g.id): g for g in AddressGroup.objects.all()}
+        self.group_inputs = {gid: AddressGroupInput(gid, g.name, tuple(g.members)) for gid, g in stored_groups.items()}
+        self.group_inputs.update({g.id: g for g in self.groups.values()})
+        self._stored_group_by_name = {g.name: gid for gid, g in stored_groups.items()}
+
+    def service_entries(self, reference: str, findings: Findings, path: str):
+        if reference in self.services:
+            return self.services[reference]
+        query = {"id": uuid.UUID(reference)} if _is_uuid(reference) else {"name": reference}
+        service = Service.objects.filter(**query).prefetch_related("entries").first()
+        if service is None:
+            findings.add(path, "unknown-reference", f"No service {reference!r}.")
+            return ()
+        if service.name in self.services:
+            return self.services[service.name]
+        return tuple(PortEntry(e.protocol, e.port, e.port_to) for e in service.entries.all())
+
+    def group_id(self, reference: str, findings: Findings, path: str) -> str:
+        if reference in self.groups:
+            return self.groups[reference].id
+        if reference in self.group_inputs:
+            name = self.group_inputs[reference].name
+            return self.groups[name].id if name in self.groups else reference
+        if reference in self._stored_group_by_name:
+            return self.group_id(self._stored_group_by_name[reference], findings, path)
+        findings.add(path, "unknown-reference", f"No address group {reference!r}.")
+        return reference
+
+
+def _is_uuid(text: str) -> bool:
+    try:
+        uuid.UUID(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _hypothetical_rulesets(specs, catalogue: _Catalogue, findings: Findings) -> list[RulesetInput]:
+    rulesets = []
+    for r_index, spec in enumerate(specs):
+        rules = []
+        for position, rule in enumerate(spec.rules):
+            sources = []
+            for source in rule.sources:
+                path = pointer("rulesets", r_index) + source.path
+                if source.kind == "selector":
+                    sources.append(SourceInput("selector", selector=parse_selector(source.selector)))
+                elif source.kind == "address_group":
+                    sources.append(SourceInput("group", group_id=catalogue.group_id(source.reference, findings, path + "/address_group")))
+                else:
+                    sources.append(SourceInput("any"))
+            entries = []
+            for ref in rule.services:
+                path = pointer("rulesets", r_index) + ref.path
+                if ref.entry is not None:
+                    entries.append(PortEntry(ref.entry.protocol, ref.entry.port, ref.entry.port_to))
+                else:
+                    entries.extend(catalogue.service_entries(ref.reference, findings, path + "/service"))
+            rules.append(
+                RuleInput(
+                    id=rule.id or f"new:{spec.name}:{position}",
+                    position=position,
+                    description=rule.description,
+                    sources=tuple(sources),
+                    entries=tuple(dict.fromkeys(entries)),
+                )
+            )
+        if spec.enabled:
+            rulesets.append(RulesetInput(id=f"hypothetical:{spec.name}", name=spec.name, scope=parse_selector(spec.scope), rules=tuple(rules)))
+    return rulesets
+
+
+def _rule_keys(rule_index: dict) -> dict[str, tuple[str, str]]:
+    return {entry["rule_id"]: (entry["ruleset_name"], entry["rule_id"]) for entry in rule_index.values()}
+
+
+def _rule_definitions(policy: PolicyInputs) -> dict[str, tuple]:
+    out = {}
+    for ruleset in policy.rulesets:
+        for rule in ruleset.rules:
+            groups = tuple(
+                policy.groups[s.group_id].members if s.group_id in policy.groups else None for s in rule.sources
+            )
+            out[rule.id] = (ruleset.name, rule.sources, rule.entries, groups)
+    return out
+
+
+def _unmatched_selectors(specs, fleet) -> list[dict]:
+    flagged = []
+    for r_index, spec in enumerate(specs):
+        checks = [(pointer("rulesets", r_index, "scope"), spec.scope)]
+        for rule in spec.rules:
+            for source in rule.sources:
+                if source.kind == "selector":
+                    checks.append((pointer("rulesets", r_index) + source.path + "/selector", source.selector))
+        for path, text in checks:
+            if not fleet.positions_matching(parse_selector(text)):
+                flagged.append({"path": path, "rule": "selector-matches-nothing", "message": f"{text!r} matches no workload now."})
+    return flagged
+
+
+def render_dryrun(*, data: Any) -> dict:
+    """Render the whole fleet under a hypothetical policy: `rulesets` replaces every stored ruleset;
+    `services` and `address_groups` replace or add objects by name. Reports each workload whose
+    document would change, with the rules it would gain, lose or see changed."""
+    data = require_object(data)
+    findings = Findings()
+    reject_unknown(data, {"rulesets", "services", "address_groups"}, findings)
+    if "rulesets" not in data:
+        findings.add("/rulesets", "required", "rulesets is required: the complete hypothetical set of rulesets.")
+    specs = _parse_list(data, "rulesets", ruleset_input, findings)
+    services = _parse_list(data, "services", service_input, findings)
+    groups = _parse_list(data, "address_groups", address_group_input, findings)
+    findings.raise_if_any()
+    catalogue = _Catalogue(services, groups)
+    hypothetical = PolicyInputs(rulesets=tuple(_hypothetical_rulesets(specs, catalogue, findings)), groups=catalogue.group_inputs)
+    findings.raise_if_any()
+
+    fleet, inputs = fleet_load()
+    current_policy = policy_inputs_load()
+    before_rules, after_rules = _rule_definitions(current_policy), _rule_definitions(hypothetical)
+    latest = dict(Workload.objects.values_list("id", "latest_policy_id"))
+    indexes = dict(RenderedPolicy.objects.filter(version__in=set(latest.values())).values_list("version", "rule_index"))
+    changed = []
+    for workload_id, workload in inputs.items():
+        result = render(workload, hypothetical.rulesets, hypothetical.groups, fleet)
+        current_version = latest.get(uuid.UUID(workload_id))
+        if result.version == current_version:
+            continue
+        before = _rule_keys(indexes.get(current_version, {}))
+        after = _rule_keys({str(k): v for k, v in result.rule_index.items()})
+        changed.append(
+            {
+                "workload_id": workload_id,
+                "mode": workload.mode,
+                "current_version": current_version,
+                "hypothetical_version": result.version,
+                "rules_added": sorted(after[k] for k in after.keys() - before.keys()),
+                "rules_removed": sorted(before[k] for k in before.keys() - after.keys()),
+                "rules_changed": sorted(
+                    after[k] for k in after.keys() & before.keys() if before_rules.get(k) != after_rules.get(k)
+                ),
+            }
+        )
+    changed.sort(key=lambda c: c["workload_id"])
+    for entry in changed:
+        for key in ("rules_added", "rules_removed", "rules_changed"):
+            entry[key] = [{"ruleset_name": name, "rule_id": rule_id} for name, rule_id in entry[key]]
+    return {
+        "changed_count": len(changed),
+        "unchanged_count": len(inputs) - len(changed),
+        "changed": changed[:MAX_REPORTED],
+        "truncated": len(changed) > MAX_REPORTED,
+        "warnings": _unmatched_selectors(specs, fleet),
+    }

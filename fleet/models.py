@@ -1,0 +1,89 @@
+"""Workloads, their rendered policies, provisioning tokens and mode-change intents."""
+
+import uuid
+
+from django.db import models
+
+MODES = ("visibility", "simulation", "enforced")
+SYNC_STATES = ("synced", "pending", "degraded", "offline")
+TABLE_STATES = ("present", "absent", "unknown")
+
+
+class RenderedPolicy(models.Model):
+    """One rendered nftables document, stored once however many workloads share it."""
+
+    version = models.CharField(max_length=80, primary_key=True)  # content hash of the document
+    document = models.TextField()
+    rule_index = models.JSONField(default=dict)
+    created_at = models.DateTimeField()
+
+
+class ProvisioningToken(models.Model):
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    description = models.CharField(max_length=1000)
+    prefix = models.CharField(max_length=16)
+    digest = models.CharField(max_length=64, unique=True)
+    labels = models.JSONField(default=dict)
+    created_at = models.DateTimeField()
+    expires_at = models.DateTimeField(null=True)
+    max_uses = models.PositiveIntegerField(null=True)
+    uses = models.PositiveIntegerField(default=0)
+    last_used_at = models.DateTimeField(null=True)
+    revoked_at = models.DateTimeField(null=True)
+
+    class Meta:
+        indexes = [models.Index(fields=["created_at", "id"], name="provisioning_token_order")]
+
+
+class Workload(models.Model):
+    # Fleet order: what needs attention first, then the rest by how far from converged.
+    RANK_ATTENTION, RANK_OFFLINE, RANK_PENDING, RANK_SYNCED = 0, 1, 2, 3
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    hostname = models.CharField(max_length=255)
+    addresses = models.JSONField(default=list)
+    labels = models.JSONField(default=dict)
+    labels_version = models.PositiveBigIntegerField(default=1)
+    mode = models.CharField(max_length=16, default="visibility")
+    latest_policy = models.ForeignKey(RenderedPolicy, on_delete=models.PROTECT, null=True, related_name="+")
+    applied_version = models.CharField(max_length=80, blank=True)
+    agent_version = models.CharField(max_length=64, blank=True)
+
+    sync_state = models.CharField(max_length=16, default="offline")
+    sync_error = models.TextField(blank=True)
+    stream_id = models.CharField(max_length=64, blank=True)  # the open stream; empty when none
+    last_snapshot_sent_at = models.DateTimeField(null=True)
+    last_heard_from = models.DateTimeField(null=True)  # null: never connected
+    owned_table_state = models.CharField(max_length=16, default="unknown")
+    last_flow_report_at = models.DateTimeField(null=True)
+    rank = models.PositiveSmallIntegerField(default=RANK_OFFLINE)
+
+    public_key = models.CharField(max_length=64)  # Ed25519, base64
+    credential_serial = models.PositiveBigIntegerField(default=1)
+    credential_issued_at = models.DateTimeField()
+    credential_expires_at = models.DateTimeField()
+    credential_renewal_failed = models.BooleanField(default=False)
+    credential_last_error = models.TextField(blank=True)
+    credential_last_late_renewal = models.DateTimeField(null=True)
+
+    enrolled_at = models.DateTimeField()
+    enrolled_with = models.ForeignKey(ProvisioningToken, on_delete=models.SET_NULL, null=True, related_name="+")
+
+    class Meta:
+        indexes = [
+            models.Index(fields=["rank", "hostname", "id"], name="workload_fleet_order"),
+            models.Index(fields=["sync_state", "owned_table_state"], name="workload_counts"),
+        ]
+
+
+class ModeChange(models.Model):
+    """An operator's intent: move a selection of workloads to a mode. Convergence is read off the
+    workloads (applied vs latest version), never tracked here."""
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    actor = models.CharField(max_length=200)
+    created_at = models.DateTimeField()
+    selection = models.JSONField()
+    mode = models.CharField(max_length=16)
+    resolved_count = models.PositiveIntegerField()
+    changed_count = models.PositiveIntegerField()

@@ -1,0 +1,204 @@
+"""Provisioning tokens: minted by the operator, consumed by agents at enrolment.
+
+A token is a random secret `pal_pt_...`; only its SHA-256 digest is stored, and lists show its first
+characters (`prefix`). The secret is shown once, inside the enrolment bundle (agent/bundle.py) that
+also tells the agent where the gateway is and which certificate to pin. A token may carry labels
+(given to every workload it enrols), an expiry and a maximum number of uses; a revoked, expired or
+used-up token enrols nothing.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from django.conf import settings
+from django.db import transaction
+
+# bundle_decode is re-exported for callers on the control plane's side.
+from agent.bundle import PROVISIONING_TOKEN_PREFIX, BundleError, bundle_decode, bundle_encode  # noqa: F401
+from controlplane import clock
+from controlplane.auth.actor import Actor
+from controlplane.auth.secrets import digest, display_prefix, new_secret
+from controlplane.pagination import OrderKey, Page, list_fingerprint, paginate
+from controlplane.problems import Problem, pointer
+from controlplane.validation import Findings, reject_unknown, require_object, take_instant, take_int, take_string
+from fleet.models import ProvisioningToken
+from policy.grammar import validate_labels
+
+MAX_DESCRIPTION = 1000
+MAX_LABELS = 64  # as many as a workload may carry
+MAX_USES = 2**31 - 1
+PROVISIONING_TOKEN_ORDER = (OrderKey("created_at"), OrderKey("id", read=lambda t: str(t.id)))
+
+ACTIVE, REVOKED, EXPIRED, USED_UP = "active", "revoked", "expired", "used-up"
+
+
+@dataclass(frozen=True)
+class ProvisioningTokenInput:
+    description: str
+    expires_at: datetime | None
+    max_uses: int | None
+    labels: dict[str, str]
+
+
+@dataclass(frozen=True)
+class MintedProvisioningToken:
+    secret: str  # shown once
+    token: ProvisioningToken
+    bundle: str  # palisade-enrol-v1:..., holds the secret; shown once
+
+
+def provisioning_token_input(data: Any) -> ProvisioningTokenInput:
+    data = require_object(data)
+    findings = Findings()
+    reject_unknown(data, {"description", "expires_at", "max_uses", "labels"}, findings)
+    description = take_string(data, "description", findings, min_length=1, max_length=MAX_DESCRIPTION)
+    if description and not description.strip():
+        findings.add("/description", "too-short", "description must not be blank.")
+    expires_at = take_instant(data, "expires_at", findings)
+    if expires_at is not None and expires_at <= clock.now():
+        findings.add("/expires_at", "in-the-past", "expires_at must be in the future.")
+    max_uses = take_int(data, "max_uses", findings, minimum=1, maximum=MAX_USES)
+    labels = data.get("labels")
+    if labels is None:
+        labels = {}
+    else:
+        for key, error in validate_labels(labels):
+            where = "/labels" if error.rule == "labels-type" else pointer("labels", key)
+            findings.add(where, error.rule, error.message)
+        if isinstance(labels, Mapping) and len(labels) > MAX_LABELS:
+            findings.add("/labels", "too-many", f"A token may carry at most {MAX_LABELS} labels.")
+    findings.raise_if_any()
+    return ProvisioningTokenInput(
+        description=description.strip(), expires_at=expires_at, max_uses=max_uses, labels=dict(labels)
+    )
+
+
+def provisioning_token_state(token: ProvisioningToken, now: datetime | None = None) -> str:
+    """`active`, or why the token enrols nothing: `revoked`, `expired` or `used-up`."""
+    now = now or clock.now()
+    if token.revoked_at is not None:
+        return REVOKED
+    if token.expires_at is not None and token.expires_at <= now:
+        return EXPIRED
+    if token.max_uses is not None and token.uses >= token.max_uses:
+        return USED_UP
+    return ACTIVE
+
+
+def gateway_identity() -> tuple[str, str]:
+    """(address, certificate fingerprint) agents are given: what `serve` recorded at its last start;
+    before any start, the advertised address and the gateway certificate `serve` will use (made now
+    if needed, so the fingerprint pinned in the bundle is the one `serve` will present)."""
+    from controlplane.models import GatewayIdentity
+
+    identity = GatewayIdentity.objects.filter(id=1).first()
+    if identity is not None:
+        return identity.address, identity.fingerprint
+    from controlplane import tls
+    from controlplane.service_identity import gateway_address
+
+    try:
+        certificate = tls.ensure_certificate(settings.DATA_DIR, "gateway", [])
+    except tls.CertificateError as error:
+        raise Problem("internal", f"Cannot read the gateway certificate: {error}.") from None
+    return gateway_address(), certificate.fingerprint
+
+
+def enrolment_bundle(secret: str) -> str:
+    address, fingerprint = gateway_identity()
+    try:
+        return bundle_encode(gateway=address, fingerprint=fingerprint, token=secret)
+    except BundleError as error:
+        # e.g. an advertised address without a port: no agent could use such a bundle.
+        raise Problem("internal", f"Cannot make an enrolment bundle: {error}; check --gateway-advertise.") from None
+
+
+def provisioning_token_mint(*, actor: Actor, data: Mapping[str, Any]) -> MintedProvisioningToken:
+    spec = provisioning_token_input(data)
+    secret = new_secret(PROVISIONING_TOKEN_PREFIX)
+    bundle = enrolment_bundle(secret)  # before the write: a token nobody can be given is never stored
+    with transaction.atomic():
+        token = ProvisioningToken.objects.create(
+            description=spec.description,
+            prefix=display_prefix(secret),
+            digest=digest(secret),
+            labels=spec.labels,
+            created_at=clock.now(),
+            expires_at=spec.expires_at,
+            max_uses=spec.max_uses,
+        )
+    return MintedProvisioningToken(secret=secret, token=token, bundle=bundle)
+
+
+def _token_uuid(token_id: Any) -> uuid.UUID | None:
+    try:
+        return uuid.UUID(str(token_id))
+    except ValueError:
+        return None
+
+
+def provisioning_token_revoke(*, actor: Actor, token_id: str) -> ProvisioningToken:
+    """Revoke a token: it enrols nothing from now on. Workloads it enrolled stay. Revoking twice is
+    harmless and keeps the first instant."""
+    key = _token_uuid(token_id)
+    with transaction.atomic():
+        token = ProvisioningToken.objects.select_for_update().filter(id=key).first() if key else None
+        if token is None:
+            raise Problem("not-found", f"No provisioning token {token_id}.")
+        if token.revoked_at is None:
+            token.revoked_at = clock.now()
+            token.save(update_fields=["revoked_at"])
+    return token
+
+
+def provisioning_token_get(*, token_id: str) -> ProvisioningToken:
+    key = _token_uuid(token_id)
+    token = ProvisioningToken.objects.filter(id=key).first() if key else None
+    if token is None:
+        raise Problem("not-found", f"No provisioning token {token_id}.")
+    return token
+
+
+def provisioning_token_list(*, cursor: str | None, limit: int) -> Page:
+    return paginate(
+        ProvisioningToken.objects.all(),
+        order=PROVISIONING_TOKEN_ORDER,
+        cursor=cursor,
+        limit=limit,
+        fingerprint=list_fingerprint("provisioning-tokens", {}),
+    )
+
+
+def provisioning_token_consume(*, secret: str) -> ProvisioningToken:
+    """Use the token once, for an enrolment: `unauthenticated` when it is unknown, revoked, expired
+    or used up. The row stays locked until the caller's transaction ends, so of concurrent
+    enrolments with a token that has one use left exactly one gets it; call it inside the
+    enrolment's transaction so a failed enrolment gives the use back."""
+    if not isinstance(secret, str) or not secret.startswith(PROVISIONING_TOKEN_PREFIX):
+        raise Problem(
+            "unauthenticated", f"That is not a provisioning token (they start with {PROVISIONING_TOKEN_PREFIX})."
+        )
+    with transaction.atomic():
+        token = ProvisioningToken.objects.select_for_update().filter(digest=digest(secret)).first()
+        if token is None:
+            raise Problem("unauthenticated", "The provisioning token is not known to this control plane.")
+        now = clock.now()
+        state = provisioning_token_state(token, now)
+        name = f"The provisioning token {token.prefix}"
+        if state == REVOKED:
+            raise Problem("unauthenticated", f"{name} was revoked at {clock.rfc3339(token.revoked_at)}.")
+        if state == EXPIRED:
+            raise Problem("unauthenticated", f"{name} expired at {clock.rfc3339(token.expires_at)}.")
+        if state == USED_UP:
+            raise Problem(
+                "unauthenticated", f"{name} is used up: it was used {token.uses} of {token.max_uses} times."
+            )
+        token.uses += 1
+        token.last_used_at = now
+        token.save(update_fields=["uses", "last_used_at"])
+    return token

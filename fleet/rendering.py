@@ -1,0 +1,198 @@
+"""Rendering fan-out: every change that can alter workloads' documents re-renders exactly the
+workloads it can affect, persists documents whose content changed, moves those workloads' latest
+version, and tells their open streams after commit. Workloads whose document is unchanged are not
+written to.
+
+Which workloads a change can affect:
+- a ruleset, rule, service or address-group write: the workloads in the scopes of the rulesets it
+  touched (before and after the write);
+- a label or address change of workload W: W itself, and every workload protected by a ruleset with
+  a rule whose source selector matched W before or after (W was, or becomes, their peer);
+- a mode change: the selected workloads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from asgiref.sync import async_to_sync
+from channels.layers import get_channel_layer
+from django.db import transaction
+
+from controlplane import clock
+from fleet.models import RenderedPolicy, Workload
+from fleet.sync import latest_version_moved
+from policy.grammar import Selector, parse_selector
+from policy.models import AddressGroup, Ruleset, RuleSource
+from policy.render_inputs import AddressGroupInput, FleetIndex, PortEntry, RuleInput, RulesetInput, WorkloadInput
+from policy.render_inputs import RuleSource as SourceInput
+from policy.renderer import render
+
+
+@dataclass(frozen=True)
+class PolicyInputs:
+    rulesets: tuple[RulesetInput, ...]
+    groups: Mapping[str, AddressGroupInput]
+
+
+def _entries(rule) -> tuple[PortEntry, ...]:
+    entries = []
+    for ref in rule.services.all():
+        if ref.service_id is not None:
+            entries.extend(PortEntry(e.protocol, e.port, e.port_to) for e in ref.service.entries.all())
+        else:
+            entries.append(PortEntry(ref.protocol, ref.port, ref.port_to))
+    return tuple(dict.fromkeys(entries))
+
+
+def _sources(rule) -> tuple[SourceInput, ...]:
+    sources = []
+    for source in rule.sources.all():
+        if source.kind == RuleSource.SELECTOR:
+            sources.append(SourceInput("selector", selector=parse_selector(source.selector)))
+        elif source.kind == RuleSource.GROUP:
+            sources.append(SourceInput("group", group_id=str(source.address_group_id)))
+        else:
+            sources.append(SourceInput("any"))
+    return tuple(sources)
+
+
+def ruleset_input_of(ruleset: Ruleset) -> RulesetInput:
+    return RulesetInput(
+        id=str(ruleset.id),
+        name=ruleset.name,
+        scope=parse_selector(ruleset.scope),
+        rules=tuple(
+            RuleInput(id=str(r.id), position=r.position, description=r.description, sources=_sources(r), entries=_entries(r))
+            for r in ruleset.rules.all()
+        ),
+    )
+
+
+def policy_inputs_load() -> PolicyInputs:
+    rulesets = Ruleset.objects.filter(enabled=True).prefetch_related(
+        "rules__sources", "rules__services__service__entries"
+    )
+    groups = {str(g.id): AddressGroupInput(str(g.id), g.name, tuple(g.members)) for g in AddressGroup.objects.all()}
+    return PolicyInputs(rulesets=tuple(ruleset_input_of(r) for r in rulesets), groups=groups)
+
+
+def workload_input_of(workload_id, labels, addresses, mode) -> WorkloadInput:
+    return WorkloadInput(id=str(workload_id), labels=labels, addresses=tuple(addresses), mode=mode)
+
+
+def fleet_load() -> tuple[FleetIndex, dict[str, WorkloadInput]]:
+    rows = Workload.objects.values_list("id", "labels", "addresses", "mode")
+    inputs = {str(r[0]): workload_input_of(*r) for r in rows}
+    return FleetIndex.build(inputs.values()), inputs
+
+
+@dataclass(frozen=True)
+class Rerendered:
+    considered: int
+    changed: tuple[str, ...]
+
+
+def workloads_rerender(
+    *,
+    workload_ids: Iterable[str] | None = None,
+    loaded: tuple[FleetIndex, dict[str, WorkloadInput]] | None = None,
+    policy: PolicyInputs | None = None,
+) -> Rerendered:
+    """Render the given workloads (all when None); persist what changed. Call inside the write's
+    transaction: the documents commit with the change that caused them."""
+    fleet, inputs = loaded or fleet_load()
+    policy = policy or policy_inputs_load()
+    targets = inputs.keys() if workload_ids is None else [str(w) for w in workload_ids if str(w) in inputs]
+    current = dict(
+        Workload.objects.filter(id__in=list(targets)).values_list("id", "latest_policy_id")
+        if workload_ids is not None
+        else Workload.objects.values_list("id", "latest_policy_id")
+    )
+    current = {str(k): v for k, v in current.items()}
+    rendered_by_version: dict[str, object] = {}
+    moved: dict[str, str] = {}
+    for workload_id in targets:
+        result = render(inputs[workload_id], policy.rulesets, policy.groups, fleet)
+        if current.get(workload_id) != result.version:
+            moved[workload_id] = result.version
+            rendered_by_version[result.version] = result
+    if moved:
+        _store_documents(rendered_by_version.values())
+        latest_version_moved(moved)
+    return Rerendered(considered=len(targets), changed=tuple(moved))
+
+
+def _store_documents(results) -> None:
+    versions = [r.version for r in results]
+    known = set(RenderedPolicy.objects.filter(version__in=versions).values_list("version", flat=True))
+    now = clock.now()
+    RenderedPolicy.objects.bulk_create(
+        [
+            RenderedPolicy(
+                version=r.version, document=r.document, rule_index={str(k): v for k, v in r.rule_index.items()}, created_at=now
+            )
+            for r in results
+            if r.version not in known
+        ],
+        ignore_conflicts=True,
+    )
+
+
+def _matching(fleet: FleetIndex, selectors: Iterable[Selector]) -> set[str]:
+    positions: set[int] = set()
+    for selector in selectors:
+        positions |= fleet.positions_matching(selector)
+    return {fleet.workload_ids[p] for p in positions}
+
+
+def rerender_for_scopes(*, scopes: Iterable[str]) -> Rerendered:
+    """After a policy write: the workloads in the scopes of the rulesets it touched."""
+    fleet, inputs = fleet_load()
+    affected = _matching(fleet, {parse_selector(s) for s in scopes})
+    return workloads_rerender(workload_ids=affected, loaded=(fleet, inputs))
+
+
+def rerender_for_peer_change(*, workload_id: str, labels_before: Mapping[str, str]) -> Rerendered:
+    """After workload W's labels or addresses changed: W, and the workloads whose rules had or now
+    have W among their sources."""
+    fleet, inputs = fleet_load()
+    policy = policy_inputs_load()
+    labels_after = inputs[str(workload_id)].labels
+    scopes = set()
+    for ruleset in policy.rulesets:
+        for rule in ruleset.rules:
+            if any(
+                s.kind == "selector" and (s.selector.matches(labels_before) or s.selector.matches(labels_after))
+                for s in rule.sources
+            ):
+                scopes.add(ruleset.scope)
+                break
+    affected = _matching(fleet, scopes) | {str(workload_id)}
+    return workloads_rerender(workload_ids=affected, loaded=(fleet, inputs), policy=policy)
+
+
+def stream_group(workload_id) -> str:
+    """The channel-layer group of one workload's sync stream."""
+    return f"workload.{workload_id}"
+
+
+def notify_streams(workload_ids: Iterable[str], message: dict) -> None:
+    """Send `message` to each workload's stream, once the transaction has committed."""
+    ids = list(workload_ids)
+    if not ids:
+        return
+
+    def send():
+        layer = get_channel_layer()
+        if layer is None:
+            return
+
+        async def send_all():
+            for workload_id in ids:
+                await layer.group_send(stream_group(workload_id), message)
+
+        async_to_sync(send_all)()
+
+    transaction.on_commit(send)

@@ -1,0 +1,82 @@
+"""The JSON shape of workloads and fleet reads, shared by the API and the command line."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from django.conf import settings
+
+from controlplane import clock
+from controlplane.clock import rfc3339
+from controlplane.conditional import version_text
+from fleet.credentials import credential_renewal_due_at, credential_state
+from fleet.models import ModeChange, RenderedPolicy, Workload
+
+
+def telemetry_live(workload: Workload, now) -> bool:
+    window = timedelta(seconds=settings.PALISADE_FLOW_WINDOW_SECONDS)
+    return workload.last_flow_report_at is not None and now - workload.last_flow_report_at <= 2 * window
+
+
+def workload_data(workload: Workload) -> dict:
+    now = clock.now()
+    latest = workload.latest_policy_id or None
+    state = workload.sync_state
+    return {
+        "id": str(workload.id),
+        "hostname": workload.hostname,
+        "addresses": list(workload.addresses),
+        "labels": dict(workload.labels),
+        "labels_version": version_text(workload.labels_version),
+        "mode": workload.mode,
+        "latest_version": latest,
+        "applied_version": workload.applied_version or None,
+        "agent_version": workload.agent_version or None,
+        "sync": {
+            "state": state,
+            "last_snapshot_sent_at": rfc3339(workload.last_snapshot_sent_at),
+            "last_heard_from": rfc3339(workload.last_heard_from),
+            "never_connected": workload.last_heard_from is None,
+            "error": workload.sync_error if state == "degraded" else None,
+            "pending_version": latest if state == "pending" else None,
+        },
+        "health": {
+            "telemetry_live": telemetry_live(workload, now),
+            "owned_table": {"state": workload.owned_table_state},
+            "credential": {
+                "state": credential_state(workload, now),
+                "expires_at": rfc3339(workload.credential_expires_at),
+                "renewal_due_at": rfc3339(credential_renewal_due_at(workload)),
+                "last_error": workload.credential_last_error or None,
+                "last_late_renewal": rfc3339(workload.credential_last_late_renewal),
+            },
+        },
+        "enrolled_at": rfc3339(workload.enrolled_at),
+    }
+
+
+def labels_data(workload: Workload) -> dict:
+    return {"labels": dict(workload.labels), "version": version_text(workload.labels_version)}
+
+
+def rendered_policy_data(workload: Workload, policy: RenderedPolicy | None) -> dict:
+    return {
+        "workload_id": str(workload.id),
+        "mode": workload.mode,
+        "version": policy.version if policy else None,
+        "rendered_at": rfc3339(policy.created_at) if policy else None,
+        "document": policy.document if policy else None,
+        "rule_index": policy.rule_index if policy else {},
+    }
+
+
+def mode_change_data(intent: ModeChange) -> dict:
+    return {
+        "id": str(intent.id),
+        "mode": intent.mode,
+        "selection": intent.selection,
+        "resolved_count": intent.resolved_count,
+        "changed_count": intent.changed_count,
+        "actor": intent.actor,
+        "created_at": rfc3339(intent.created_at),
+    }

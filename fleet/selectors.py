@@ -1,0 +1,112 @@
+"""Reads of the fleet: the workload list in fleet order, counts, one workload, its rendered policy."""
+
+from __future__ import annotations
+
+import uuid
+
+from django.db.models import Count, Q, QuerySet
+from django.db.models.fields.json import KeyTextTransform
+from django.db.models.lookups import In
+
+from controlplane.pagination import OrderKey, Page, list_fingerprint, paginate
+from controlplane.problems import Finding, Problem, ValidationFailed
+from fleet.models import SYNC_STATES, Workload
+from fleet.sync import ABSENT
+from policy.grammar import GrammarError, Selector, parse_selector
+
+# Degraded and enforcement-removed first, then offline, pending, synced; by host name within each.
+FLEET_ORDER = (OrderKey("rank"), OrderKey("hostname"), OrderKey("id", read=lambda w: str(w.id)))
+
+
+def label_filters_parse(texts: list[str]) -> list[Selector]:
+    selectors, findings = [], []
+    for index, text in enumerate(texts):
+        try:
+            selectors.append(parse_selector(text))
+        except GrammarError as error:
+            findings.append(Finding(f"?label[{index}]", error.rule, error.message))
+    if findings:
+        raise ValidationFailed(findings)
+    return selectors
+
+
+def _label_q(selector: Selector) -> Q:
+    """A label selector as a database filter on the JSON labels column (SQLite and PostgreSQL)."""
+    q = Q()
+    for r in selector.requirements:
+        has = Q(labels__has_key=r.key)
+        value = KeyTextTransform(r.key, "labels")
+        one_of = Q(In(value, list(r.values))) if r.values else Q()
+        if r.op == "exists":
+            q &= has
+        elif r.op == "!exists":
+            q &= ~has
+        elif r.op in ("=", "in"):
+            q &= has & one_of
+        else:  # "!=" and "notin" also match workloads without the key
+            q &= ~has | (has & ~one_of)
+    return q
+
+
+def workload_queryset(*, labels: list[Selector] = (), sync_state: str | None = None, removed: bool | None = None) -> QuerySet:
+    queryset = Workload.objects.select_related(None)
+    for selector in labels:
+        queryset = queryset.filter(_label_q(selector))
+    if sync_state is not None:
+        queryset = queryset.filter(sync_state=sync_state)
+    if removed is not None:
+        queryset = queryset.filter(owned_table_state=ABSENT) if removed else queryset.exclude(owned_table_state=ABSENT)
+    return queryset
+
+
+def workload_filters_parse(*, labels: list[str], sync_state: str | None, removed: str | None) -> dict:
+    findings = []
+    parsed: dict = {"labels": label_filters_parse(labels)}
+    if sync_state not in (None, "") and sync_state not in SYNC_STATES:
+        findings.append(Finding("?sync_state", "sync-state", f"sync_state must be one of {', '.join(SYNC_STATES)}."))
+    parsed["sync_state"] = sync_state or None
+    if removed not in (None, "", "true", "false"):
+        findings.append(Finding("?removed", "type", "removed must be true or false."))
+    parsed["removed"] = None if removed in (None, "") else removed == "true"
+    if findings:
+        raise ValidationFailed(findings)
+    return parsed
+
+
+def workload_list(*, labels: list[Selector] = (), sync_state=None, removed=None, cursor=None, limit=100) -> Page:
+    fingerprint = list_fingerprint(
+        "workloads", {"labels": [str(s) for s in labels], "sync_state": sync_state, "removed": removed}
+    )
+    return paginate(
+        workload_queryset(labels=labels, sync_state=sync_state, removed=removed),
+        order=FLEET_ORDER,
+        cursor=cursor,
+        limit=limit,
+        fingerprint=fingerprint,
+    )
+
+
+def workload_counts() -> dict:
+    """Total, per sync state, and removed; a removed workload counts in `removed` and in no state."""
+    row = Workload.objects.aggregate(
+        total=Count("id"),
+        removed=Count("id", filter=Q(owned_table_state=ABSENT)),
+        **{state: Count("id", filter=Q(sync_state=state) & ~Q(owned_table_state=ABSENT)) for state in SYNC_STATES},
+    )
+    return {"total": row["total"], "sync_state": {s: row[s] for s in SYNC_STATES}, "removed": row["removed"]}
+
+
+def workload_get(*, workload_id) -> Workload:
+    try:
+        key = uuid.UUID(str(workload_id))
+    except ValueError:
+        key = None
+    workload = Workload.objects.select_related("latest_policy").filter(id=key).first() if key else None
+    if workload is None:
+        raise Problem("not-found", f"No workload {workload_id}.")
+    return workload
+
+
+def selector_preview(*, selector: Selector, limit: int = 100) -> tuple[int, list[Workload]]:
+    matched = workload_queryset(labels=[selector]).order_by("hostname", "id")
+    return matched.count(), list(matched[:limit])

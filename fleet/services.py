@@ -1,0 +1,178 @@
+"""Operator writes on the fleet: label edits, mode changes and resend-snapshot."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+from django.db import transaction
+
+from controlplane import clock
+from controlplane.auth.actor import Actor
+from controlplane.conditional import check_version, version_text
+from controlplane.problems import Finding, Problem, ValidationFailed, pointer
+from controlplane.validation import Findings, reject_unknown, require_object
+from fleet.models import MODES, ModeChange, Workload
+from fleet.rendering import notify_streams, rerender_for_peer_change, workloads_rerender
+from policy.grammar import GrammarError, parse_selector, validate_labels
+
+MAX_LABELS = 64
+MAX_SELECTION_IDS = 10_000
+
+
+def workload_locked(workload_id) -> Workload:
+    try:
+        key = uuid.UUID(str(workload_id))
+    except ValueError:
+        key = None
+    workload = Workload.objects.select_for_update().filter(id=key).first() if key else None
+    if workload is None:
+        raise Problem("not-found", f"No workload {workload_id}.")
+    return workload
+
+
+def labels_input(data: Any) -> dict[str, str]:
+    data = require_object(data)
+    findings = Findings()
+    reject_unknown(data, {"labels", "version"}, findings)
+    labels = data.get("labels")
+    if "labels" not in data:
+        findings.add("/labels", "required", "labels is required (an object of key: value).")
+    else:
+        for key, error in validate_labels(labels):
+            findings.add("/labels" + (pointer(key) if key else ""), error.rule, error.message)
+        if isinstance(labels, dict) and len(labels) > MAX_LABELS:
+            findings.add("/labels", "too-many", f"A workload may have at most {MAX_LABELS} labels.")
+    findings.raise_if_any()
+    return dict(labels)
+
+
+def workload_labels_replace(
+    *, actor: Actor, workload_id: str, expected_version: str, data: Mapping[str, Any]
+) -> Workload:
+    """Replace a workload's labels; re-render it and the workloads whose peers it is or was."""
+    with transaction.atomic():
+        workload = workload_locked(workload_id)
+        labels = labels_input(data)
+        check_version(current=workload.labels_version, expected=expected_version, what="label set")
+        before = dict(workload.labels)
+        workload.labels = labels
+        workload.labels_version += 1
+        workload.save(update_fields=["labels", "labels_version"])
+        if before != labels:
+            rerender_for_peer_change(workload_id=str(workload.id), labels_before=before)
+    return workload
+
+
+def _selection_input(data: Any, findings: Findings) -> dict:
+    if not isinstance(data, dict):
+        findings.add("/selection", "type", 'selection must be an object: {"labels": [...], "workload_ids": [...]} or {"all": true}.')
+        return {}
+    reject_unknown(data, {"labels", "workload_ids", "all"}, findings, "/selection")
+    selection: dict = {}
+    if data.get("all") is True:
+        if set(data) - {"all"}:
+            findings.add("/selection/all", "selection-all", "all selects every workload; give it alone.")
+        selection["all"] = True
+    elif "all" in data:
+        findings.add("/selection/all", "type", "all must be true when given.")
+    labels = data.get("labels", [])
+    if not isinstance(labels, list) or len(labels) > 64:
+        findings.add("/selection/labels", "type", "labels must be a list of at most 64 label requirements.")
+        labels = []
+    requirements = []
+    for index, text in enumerate(labels):
+        try:
+            requirements.append(str(parse_selector(text)))
+        except GrammarError as error:
+            findings.add(pointer("selection", "labels", index), error.rule, error.message)
+    if requirements:
+        selection["labels"] = requirements
+    ids = data.get("workload_ids", [])
+    if not isinstance(ids, list) or len(ids) > MAX_SELECTION_IDS:
+        findings.add("/selection/workload_ids", "type", f"workload_ids must be a list of at most {MAX_SELECTION_IDS} ids.")
+        ids = []
+    parsed_ids = []
+    for index, text in enumerate(ids):
+        try:
+            parsed_ids.append(str(uuid.UUID(str(text))))
+        except ValueError:
+            findings.add(pointer("selection", "workload_ids", index), "type", f"{text!r} is not a workload id.")
+    if parsed_ids:
+        selection["workload_ids"] = sorted(set(parsed_ids))
+    if not selection and not findings:
+        findings.add("/selection", "empty-selection", 'Select workloads by labels and/or workload_ids, or {"all": true}.')
+    return selection
+
+
+def mode_change_input(data: Any) -> tuple[dict, str]:
+    data = require_object(data)
+    findings = Findings()
+    reject_unknown(data, {"selection", "mode"}, findings)
+    if "selection" not in data:
+        findings.add("/selection", "required", "selection is required.")
+        selection = {}
+    else:
+        selection = _selection_input(data["selection"], findings)
+    mode = data.get("mode")
+    if mode not in MODES:
+        findings.add("/mode", "mode" if "mode" in data else "required", f"mode must be one of {', '.join(MODES)}.")
+    findings.raise_if_any()
+    return selection, mode
+
+
+def selection_resolve(selection: dict) -> list[str]:
+    """The workload ids a selection resolves to now: label requirements ANDed, and, when ids are
+    given, only those ids (both narrow the selection)."""
+    queryset = Workload.objects.all()
+    if "workload_ids" in selection:
+        queryset = queryset.filter(id__in=selection["workload_ids"])
+    rows = queryset.values_list("id", "labels")
+    requirements = [parse_selector(text) for text in selection.get("labels", [])]
+    return [str(wid) for wid, labels in rows if all(r.matches(labels) for r in requirements)]
+
+
+def mode_change_create(*, actor: Actor, data: Mapping[str, Any]) -> ModeChange:
+    """Record the intent, move the selected workloads' mode and render their documents. Convergence
+    (applied == latest) is observed on the workloads, not awaited here."""
+    selection, mode = mode_change_input(data)
+    with transaction.atomic():
+        ids = selection_resolve(selection)
+        if not ids:
+            raise ValidationFailed([Finding("/selection", "selects-nothing", "The selection matches no workload.")])
+        changed = list(
+            Workload.objects.select_for_update().filter(id__in=ids).exclude(mode=mode).values_list("id", flat=True)
+        )
+        Workload.objects.filter(id__in=changed).update(mode=mode)
+        workloads_rerender(workload_ids=[str(i) for i in changed])
+        intent = ModeChange.objects.create(
+            actor=str(actor),
+            created_at=clock.now(),
+            selection=selection,
+            mode=mode,
+            resolved_count=len(ids),
+            changed_count=len(changed),
+        )
+    return intent
+
+
+def workload_resend_snapshot(*, actor: Actor, workload_id: str) -> Workload:
+    """Direct the workload's agent to reconnect and receive a fresh snapshot. Best effort: nothing
+    records or retries the directive; `sync.last_snapshot_sent_at` moving is the confirmation."""
+    with transaction.atomic():
+        workload = workload_locked(workload_id)
+        if workload.sync_state == "offline":
+            heard = workload.last_heard_from
+            when = f"last heard from at {clock.rfc3339(heard)}" if heard else "it has never connected"
+            raise Problem(
+                "workload-offline",
+                f"Workload {workload.hostname} is offline ({when}); it gets a fresh snapshot when it reconnects.",
+                last_heard_from=clock.rfc3339(heard),
+            )
+        notify_streams([str(workload.id)], {"type": "resend.snapshot"})
+    return workload
+
+
+def labels_version_text(workload: Workload) -> str:
+    return version_text(workload.labels_version)

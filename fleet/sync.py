@@ -1,0 +1,160 @@
+"""The sync state machine (spec "Sync state"), one function per event of its table, and the
+owned-table reports. No other transition exists: an event that the table does not list for the
+current state changes nothing but the instant the agent was last heard from.
+
+| from                | event                         | to        |
+|---------------------|-------------------------------|-----------|
+| any, stream open    | new latest version rendered   | pending   |
+| offline             | stream begins                 | pending   |
+| pending             | agent applied latest version  | synced    |
+| pending or synced   | agent failed to apply latest  | degraded  |
+| any connected state | stream ends                   | offline   |
+
+(`degraded` -> `synced` goes through a resend: the stream ends, begins again with a fresh snapshot,
+and the agent applies it.) Events carry the id of the stream they came from; events of a stream that
+is no longer the workload's open stream are ignored, so a late "stream ended" of an old connection
+cannot take a reconnected workload offline.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from django.db import transaction
+from django.db.models import Case, Value, When
+
+from controlplane import clock
+from controlplane.problems import Problem
+from fleet.models import Workload
+
+OFFLINE, PENDING, SYNCED, DEGRADED = "offline", "pending", "synced", "degraded"
+ABSENT, PRESENT = "absent", "present"
+
+
+def rank_of(sync_state: str, owned_table_state: str) -> int:
+    if sync_state == DEGRADED or owned_table_state == ABSENT:
+        return Workload.RANK_ATTENTION
+    return {OFFLINE: Workload.RANK_OFFLINE, PENDING: Workload.RANK_PENDING}.get(sync_state, Workload.RANK_SYNCED)
+
+
+def _locked(workload_id) -> Workload:
+    workload = Workload.objects.select_for_update().filter(id=workload_id).first()
+    if workload is None:
+        raise Problem("not-found", f"No workload {workload_id}.")
+    return workload
+
+
+def _save(workload: Workload, *fields: str) -> None:
+    workload.rank = rank_of(workload.sync_state, workload.owned_table_state)
+    workload.save(update_fields=[*fields, "rank"])
+
+
+def _current_stream(workload: Workload, stream_id: str) -> bool:
+    return bool(stream_id) and workload.stream_id == stream_id
+
+
+def latest_version_moved(moved: dict[str, str]) -> None:
+    """New latest versions were rendered (workload id -> version). Workloads with an open stream go
+    to pending and are told; offline ones keep their state and get the snapshot when they connect."""
+    by_version: dict[str, list[str]] = defaultdict(list)
+    for workload_id, version in moved.items():
+        by_version[version].append(workload_id)
+    for version, ids in by_version.items():
+        Workload.objects.filter(id__in=ids).update(latest_policy_id=version)
+    connected = list(
+        Workload.objects.filter(id__in=list(moved)).exclude(stream_id="").values_list("id", flat=True)
+    )
+    Workload.objects.filter(id__in=connected).update(
+        sync_state=PENDING,
+        sync_error="",
+        rank=Case(
+            When(owned_table_state=ABSENT, then=Value(Workload.RANK_ATTENTION)),
+            default=Value(Workload.RANK_PENDING),
+        ),
+    )
+    from fleet.rendering import notify_streams
+
+    notify_streams([str(i) for i in connected], {"type": "policy.updated"})
+
+
+def workload_stream_opened(*, workload_id, stream_id: str, agent_version: str = "") -> Workload:
+    """A sync stream began (the agent proved its key): offline -> pending; the caller sends the
+    snapshot next and records it with `workload_snapshot_sent`."""
+    with transaction.atomic():
+        workload = _locked(workload_id)
+        workload.stream_id = stream_id
+        workload.sync_state = PENDING
+        workload.sync_error = ""
+        workload.last_heard_from = clock.now()
+        if agent_version:
+            workload.agent_version = agent_version[:64]
+        _save(workload, "stream_id", "sync_state", "sync_error", "last_heard_from", "agent_version")
+    return workload
+
+
+def workload_snapshot_sent(*, workload_id, stream_id: str) -> None:
+    Workload.objects.filter(id=workload_id, stream_id=stream_id).update(last_snapshot_sent_at=clock.now())
+
+
+def workload_applied(*, workload_id, stream_id: str, version: str) -> Workload:
+    """The agent applied `version`: pending -> synced when it is the latest."""
+    with transaction.atomic():
+        workload = _locked(workload_id)
+        if not _current_stream(workload, stream_id):
+            return workload
+        workload.applied_version = version[:80]
+        workload.last_heard_from = clock.now()
+        if workload.sync_state == PENDING and version == workload.latest_policy_id:
+            workload.sync_state = SYNCED
+        _save(workload, "applied_version", "last_heard_from", "sync_state")
+    return workload
+
+
+def workload_apply_failed(*, workload_id, stream_id: str, version: str, error: str) -> Workload:
+    """Applying `version` failed on the host, which keeps its previous table: pending or synced ->
+    degraded, with the error, when it is the latest version."""
+    with transaction.atomic():
+        workload = _locked(workload_id)
+        if not _current_stream(workload, stream_id):
+            return workload
+        workload.last_heard_from = clock.now()
+        if workload.sync_state in (PENDING, SYNCED) and version == workload.latest_policy_id:
+            workload.sync_state = DEGRADED
+            workload.sync_error = error[:4000] or "the agent reported a failure without an error text"
+        _save(workload, "last_heard_from", "sync_state", "sync_error")
+    return workload
+
+
+def workload_stream_ended(*, workload_id, stream_id: str) -> Workload | None:
+    """The control plane recorded the end of the stream: any connected state -> offline."""
+    with transaction.atomic():
+        workload = Workload.objects.select_for_update().filter(id=workload_id).first()
+        if workload is None or not _current_stream(workload, stream_id):
+            return workload
+        workload.stream_id = ""
+        workload.sync_state = OFFLINE
+        workload.last_heard_from = clock.now()
+        _save(workload, "stream_id", "sync_state", "last_heard_from")
+    return workload
+
+
+def workload_heard_from(*, workload_id, stream_id: str, owned_table_state: str | None = None) -> None:
+    """A heartbeat: the agent is alive; it may report whether its owned table is in the kernel."""
+    with transaction.atomic():
+        workload = _locked(workload_id)
+        if not _current_stream(workload, stream_id):
+            return
+        workload.last_heard_from = clock.now()
+        fields = ["last_heard_from"]
+        if owned_table_state in (ABSENT, PRESENT):
+            workload.owned_table_state = owned_table_state
+            fields.append("owned_table_state")
+        _save(workload, *fields)
+
+
+def workload_table_reported(*, workload_id, stream_id: str, state: str) -> None:
+    """The agent reports its owned table gone from the kernel (`absent`) or back (`present`).
+    Enforcement removed is independent of the sync state, which keeps recording the last ack."""
+    if state not in (ABSENT, PRESENT):
+        raise Problem("malformed-request", f"owned table state must be absent or present, not {state!r}")
+    workload_heard_from(workload_id=workload_id, stream_id=stream_id, owned_table_state=state)
