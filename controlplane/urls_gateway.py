@@ -4,7 +4,9 @@ from channels.routing import URLRouter
 from django.urls import path, re_path
 
 from controlplane.api.errors import handler404, handler500  # noqa: F401  (Django looks them up here)
+from agent.protocol import ENROL_PATH, STREAM_PATH
 from controlplane.gateway_views import gateway_info
+from fleet.gateway import EnrolView, SyncStreamConsumer
 
 
 async def refuse_websocket(scope, receive, send):
@@ -14,9 +16,11 @@ async def refuse_websocket(scope, receive, send):
 
 urlpatterns = [
     path("agent/v1/info", gateway_info, name="gateway-info"),
+    path(ENROL_PATH.lstrip("/"), EnrolView.as_view(), name="gateway-enrol"),
 ]
 
 websocket_urlpatterns: list = [
+    path(STREAM_PATH.lstrip("/"), SyncStreamConsumer.as_asgi()),
     re_path(r"", refuse_websocket),
 ]
 

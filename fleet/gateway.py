@@ -1,0 +1,237 @@
+"""The agent gateway: enrolment over HTTPS and the sync stream over a websocket.
+
+The consumer only moves frames: it decodes them with agent.protocol and calls the fleet's domain
+functions. A malformed or unexpected frame closes the stream with its 4xxx code and a log line; it
+never changes state and never takes the process down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import uuid
+
+from channels.db import database_sync_to_async
+from channels.generic.websocket import AsyncWebsocketConsumer
+from rest_framework.permissions import AllowAny
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from agent import protocol
+from controlplane import clock
+from controlplane.problems import Finding, ValidationFailed
+from controlplane.validation import require_object
+from fleet import credentials, streams, sync
+from fleet.credentials import signing_public_key
+from fleet.enrolment import workload_enrol
+from fleet.rendering import stream_group
+
+log = logging.getLogger("palisade.gateway")
+
+AUTH_TIMEOUT_SECONDS = 10
+HEARD_FROM_EVERY_SECONDS = 60  # heartbeats refresh last_heard_from at most this often
+
+
+class EnrolView(APIView):
+    """POST /agent/v1/enrol: a provisioning token and the agent's public key -> a workload and its
+    credential. Refusals are problem documents like everywhere else."""
+
+    authentication_classes: list = []
+    permission_classes = [AllowAny]
+
+    def post(self, request):
+        data = require_object(request.data)
+        if data.get("v") != protocol.PROTOCOL_VERSION:
+            raise ValidationFailed(
+                [Finding("/v", "protocol-version", f"This gateway speaks agent protocol {protocol.PROTOCOL_VERSION}.")]
+            )
+        enrolled = workload_enrol(
+            token_secret=str(data.get("token") or ""),
+            public_key=data.get("public_key"),
+            hostname=data.get("hostname"),
+            addresses=data.get("addresses"),
+            agent_version=str(data.get("agent_version") or "")[:64],
+            workload_id=data.get("workload_id"),
+        )
+        credential = enrolled.credential
+        log.info("enrolled workload %s (%s)", enrolled.workload.id, enrolled.workload.hostname)
+        body = protocol.EnrolResponse(
+            workload_id=str(enrolled.workload.id),
+            credential=credential.text,
+            signing_public_key=signing_public_key(),
+            expires_at=clock.rfc3339(credential.expires_at),
+            renewal_due_at=clock.rfc3339(credential.renewal_due_at),
+        )
+        return Response(body.to_dict(), status=201)
+
+
+class SyncStreamConsumer(AsyncWebsocketConsumer):
+    """One agent's sync stream. States: awaiting `auth`, renew-only, streaming."""
+
+    async def connect(self):
+        self.nonce = os.urandom(32)
+        self.stream_id = uuid.uuid4().hex
+        self.grant: streams.StreamGrant | None = None
+        self.sent_version: str | None = None
+        self.heard_at = 0.0
+        self.table_state: str | None = None
+        await self.accept()
+        await self.send_message(protocol.Hello(nonce=protocol.b64encode(self.nonce), server_time=clock.rfc3339(clock.now())))
+        self.auth_timer = asyncio.get_running_loop().call_later(AUTH_TIMEOUT_SECONDS, self._auth_timeout)
+
+    def _auth_timeout(self):
+        if self.grant is None:
+            asyncio.ensure_future(self.refuse(protocol.CLOSE_HANDSHAKE_TIMEOUT, "no auth within the handshake time"))
+
+    async def send_message(self, message: protocol.Message) -> None:
+        await self.send(text_data=message.encode())
+
+    async def refuse(self, code: int, reason: str) -> None:
+        peer = self.scope.get("client") or ("?", 0)
+        who = self.grant.hostname if self.grant else "unauthenticated agent"
+        log.warning("closing stream of %s from %s: %s (%s)", who, peer[0], reason, code)
+        await self.close(code=code)
+
+    async def receive(self, text_data=None, bytes_data=None):
+        try:
+            message = protocol.decode(text_data if text_data is not None else bytes_data, sender="agent")
+            await self.dispatch_message(message)
+        except protocol.ProtocolError as error:
+            await self.refuse(error.code, error.reason)
+        except streams.StreamRefused as refused:
+            await self.refuse(refused.code, refused.reason)
+
+    async def dispatch_message(self, message: protocol.Message) -> None:
+        if self.grant is None:
+            if not isinstance(message, protocol.Auth):
+                raise protocol.ProtocolError(protocol.CLOSE_UNEXPECTED, f"expected auth, got {message.type}")
+            await self.authenticate(message)
+            return
+        if isinstance(message, protocol.Renew):
+            await self.renew()
+            return
+        if self.grant.renew_only:
+            raise streams.StreamRefused(protocol.CLOSE_FORBIDDEN, f"credential expired: only renew is allowed, got {message.type}")
+        handler = {
+            protocol.Applied: self.on_applied,
+            protocol.Failed: self.on_failed,
+            protocol.Heartbeat: self.on_heartbeat,
+            protocol.TableState: self.on_table,
+            protocol.RenewalFailed: self.on_renewal_failed,
+        }.get(type(message))
+        if handler is None:
+            raise protocol.ProtocolError(protocol.CLOSE_UNEXPECTED, f"{message.type} is not expected now")
+        await handler(message)
+
+    async def authenticate(self, auth: protocol.Auth) -> None:
+        grant = await database_sync_to_async(streams.stream_authenticate)(auth=auth, nonce=self.nonce)
+        self.auth_timer.cancel()
+        self.grant = grant
+        self.table_state = auth.owned_table if auth.owned_table in ("present", "absent") else None
+        group = stream_group(grant.workload_id)
+        # An older stream of the same workload (a reconnect the server has not noticed) gives way.
+        await self.channel_layer.group_send(group, {"type": "stream.replaced", "stream_id": self.stream_id})
+        await self.channel_layer.group_add(group, self.channel_name)
+        await self.send_message(grant.welcome)
+        if grant.renew_only:
+            log.info("stream of %s: credential expired, renew only", grant.hostname)
+            return
+        await database_sync_to_async(sync.workload_stream_opened)(
+            workload_id=grant.workload_id, stream_id=self.stream_id, agent_version=auth.agent_version
+        )
+        if self.table_state:
+            await database_sync_to_async(sync.workload_table_reported)(
+                workload_id=grant.workload_id, stream_id=self.stream_id, state=self.table_state
+            )
+        log.info("stream of %s opened (agent %s)", grant.hostname, auth.agent_version)
+        await self.send_snapshot()
+
+    async def send_snapshot(self) -> None:
+        snapshot = await database_sync_to_async(streams.stream_snapshot)(workload_id=self.grant.workload_id)
+        await self.send_message(snapshot)
+        self.sent_version = snapshot.version
+        await database_sync_to_async(sync.workload_snapshot_sent)(workload_id=self.grant.workload_id, stream_id=self.stream_id)
+
+    async def on_applied(self, message: protocol.Applied) -> None:
+        await database_sync_to_async(sync.workload_applied)(
+            workload_id=self.grant.workload_id, stream_id=self.stream_id, version=message.version
+        )
+
+    async def on_failed(self, message: protocol.Failed) -> None:
+        log.warning("%s failed to apply %s: %s", self.grant.hostname, message.version, message.error.splitlines()[0:1])
+        await database_sync_to_async(sync.workload_apply_failed)(
+            workload_id=self.grant.workload_id, stream_id=self.stream_id, version=message.version, error=message.error
+        )
+
+    async def on_heartbeat(self, message: protocol.Heartbeat) -> None:
+        state = message.owned_table if message.owned_table in ("present", "absent") else None
+        now = time.monotonic()
+        if state != self.table_state or now - self.heard_at >= HEARD_FROM_EVERY_SECONDS:
+            self.heard_at, self.table_state = now, state
+            await database_sync_to_async(sync.workload_heard_from)(
+                workload_id=self.grant.workload_id, stream_id=self.stream_id, owned_table_state=state
+            )
+
+    async def on_table(self, message: protocol.TableState) -> None:
+        if message.state not in ("present", "absent"):
+            raise protocol.ProtocolError(protocol.CLOSE_MALFORMED, "table state must be present or absent")
+        self.table_state = message.state
+        log.info("%s reports its owned table %s", self.grant.hostname, message.state)
+        await database_sync_to_async(sync.workload_table_reported)(
+            workload_id=self.grant.workload_id, stream_id=self.stream_id, state=message.state
+        )
+
+    async def renew(self) -> None:
+        try:
+            issued = await database_sync_to_async(credentials.credential_renew)(workload_id=self.grant.workload_id)
+        except Exception as error:  # the domain refuses with a Problem; anything else is logged too
+            await database_sync_to_async(credentials.credential_renewal_failed)(
+                workload_id=self.grant.workload_id, error=str(error)
+            )
+            raise streams.StreamRefused(protocol.CLOSE_FORBIDDEN, "renewal refused: re-enrol") from None
+        await self.send_message(
+            protocol.CredentialIssued(
+                credential=issued.text,
+                expires_at=clock.rfc3339(issued.expires_at),
+                renewal_due_at=clock.rfc3339(issued.renewal_due_at),
+            )
+        )
+        log.info("renewed the credential of %s", self.grant.hostname)
+        if self.grant.renew_only:
+            # The renewed agent starts over with a normal stream under its new credential.
+            await self.close(code=protocol.CLOSE_RECONNECT)
+
+    async def on_renewal_failed(self, message: protocol.RenewalFailed) -> None:
+        await database_sync_to_async(credentials.credential_renewal_failed)(
+            workload_id=self.grant.workload_id, error=message.error
+        )
+
+    # --- channel-layer events for this workload's group ---
+
+    async def policy_updated(self, event):
+        if self.grant and not self.grant.renew_only:
+            await self.send_snapshot()
+
+    async def resend_snapshot(self, event):
+        if self.grant:
+            await self.send_message(protocol.Reconnect(reason="resend-snapshot"))
+            await self.close(code=protocol.CLOSE_RECONNECT)
+
+    async def stream_replaced(self, event):
+        if event.get("stream_id") != self.stream_id:
+            await self.refuse(protocol.CLOSE_REPLACED, "a newer stream of this workload took over")
+
+    async def disconnect(self, code):
+        timer = getattr(self, "auth_timer", None)
+        if timer:
+            timer.cancel()
+        if self.grant is None:
+            return
+        await self.channel_layer.group_discard(stream_group(self.grant.workload_id), self.channel_name)
+        if not self.grant.renew_only:
+            await database_sync_to_async(sync.workload_stream_ended)(workload_id=self.grant.workload_id, stream_id=self.stream_id)
+            log.info("stream of %s ended (%s)", self.grant.hostname, code)
+
+

@@ -1,0 +1,292 @@
+"""The gateway's stream consumer, in process (the real consumer and channel layer; the e2e tests
+drive it over TLS): authentication, the sync events, malformed frames, resend and renewal."""
+
+import json
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from asgiref.sync import async_to_sync
+from channels.db import database_sync_to_async
+from channels.testing import WebsocketCommunicator
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from agent import protocol
+from agent.credential import public_key_encode
+from controlplane import clock
+from controlplane.auth.actor import CLI_ACTOR
+from controlplane.urls_gateway import websocket_application
+from fleet.enrolment import workload_enrol
+from fleet.models import Workload
+from fleet.provisioning import provisioning_token_mint
+
+
+GOLDEN = Path(__file__).resolve().parent.parent / "golden" / "protocol"
+FINGERPRINT = ":".join(["AB"] * 32)
+
+
+@pytest.fixture(autouse=True)
+def gateway_fingerprint(settings):
+    settings.PALISADE_GATEWAY_FINGERPRINT = FINGERPRINT
+
+
+@pytest.mark.parametrize("path", sorted(GOLDEN.glob("*.json")), ids=lambda p: p.stem)
+def test_golden_messages_decode_and_encode_byte_for_byte(path):
+    text = path.read_text().strip()
+    direction = protocol._REGISTRY[json.loads(text)["type"]].direction
+    message = protocol.decode(text, sender=direction)
+    assert message.encode() == text
+
+
+class Agent:
+    def __init__(self, db_token_labels=None):
+        self.key = Ed25519PrivateKey.generate()
+        secret = provisioning_token_mint(actor=CLI_ACTOR, data={"description": "t", "labels": db_token_labels or {}}).secret
+        enrolled = workload_enrol(
+            token_secret=secret,
+            public_key=public_key_encode(self.key.public_key()),
+            hostname="agent-1",
+            addresses=["10.0.0.7"],
+            agent_version="0.1.0",
+        )
+        self.workload_id = str(enrolled.workload.id)
+        self.credential = enrolled.credential.text
+
+    def auth(self, nonce_b64, **overrides):
+        nonce = protocol.b64decode(nonce_b64, what="nonce")
+        values = dict(
+            workload_id=self.workload_id,
+            credential=self.credential,
+            proof=protocol.sign_proof(self.key, nonce=nonce, workload_id=self.workload_id, gateway_fingerprint=FINGERPRINT),
+            agent_version="0.1.0",
+            process_start_id="p1",
+            uptime_seconds=1.0,
+            owned_table="present",
+        )
+        values.update(overrides)
+        return protocol.Auth(**values).encode()
+
+
+async def open_stream(agent, **overrides):
+    communicator = WebsocketCommunicator(websocket_application, protocol.STREAM_PATH)
+    connected, _ = await communicator.connect()
+    assert connected
+    hello = protocol.decode(await communicator.receive_from(), sender="gateway")
+    await communicator.send_to(text_data=agent.auth(hello.nonce, **overrides))
+    return communicator
+
+
+async def receive(communicator):
+    return protocol.decode(await communicator.receive_from(timeout=5), sender="gateway")
+
+
+def workload(agent):
+    return Workload.objects.get(id=agent.workload_id)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_stream_opens_sends_a_snapshot_and_acknowledgement_synchronises():
+    agent = Agent()
+
+    async def scenario():
+        communicator = await open_stream(agent)
+        welcome = await receive(communicator)
+        assert isinstance(welcome, protocol.Welcome) and welcome.renew_only is False
+        snapshot = await receive(communicator)
+        assert isinstance(snapshot, protocol.Snapshot) and snapshot.mode == "visibility"
+        state = await _state(agent)
+        assert state[0] == "pending" and state[1] is not None
+        await communicator.send_to(text_data=protocol.Applied(version=snapshot.version).encode())
+        await communicator.send_to(text_data=protocol.Heartbeat(process_start_id="p1", uptime_seconds=2, clock="x", owned_table="present").encode())
+        await communicator.receive_nothing(timeout=0.3)
+        assert (await _state(agent))[0] == "synced"
+        await communicator.disconnect()
+        assert (await _state(agent))[0] == "offline"
+
+    async_to_sync(scenario)()
+
+
+@database_sync_to_async
+def _state(agent):
+    w = workload(agent)
+    return w.sync_state, w.last_snapshot_sent_at, w.owned_table_state
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize(
+    "overrides, code",
+    [
+        ({"workload_id": "00000000-0000-0000-0000-000000000000"}, protocol.CLOSE_UNAUTHENTICATED),
+        ({"workload_id": "not-a-uuid"}, protocol.CLOSE_UNAUTHENTICATED),
+        ({"proof": protocol.b64encode(b"x" * 64)}, protocol.CLOSE_UNAUTHENTICATED),
+        ({"credential": '{"payload":"e30","signature":"AA"}'}, protocol.CLOSE_UNAUTHENTICATED),
+    ],
+)
+def test_bad_auth_is_refused(overrides, code):
+    agent = Agent()
+
+    async def scenario():
+        communicator = await open_stream(agent, **overrides)
+        output = await communicator.receive_output(timeout=5)
+        assert output == {"type": "websocket.close", "code": code}
+
+    async_to_sync(scenario)()
+    assert workload(agent).sync_state == "offline"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_impostor_key_is_refused():
+    agent, impostor = Agent(), Ed25519PrivateKey.generate()
+    agent.key = impostor  # right credential, wrong key: the proof cannot verify
+
+    async def scenario():
+        communicator = await open_stream(agent)
+        assert await communicator.receive_output(timeout=5) == {"type": "websocket.close", "code": protocol.CLOSE_UNAUTHENTICATED}
+
+    async_to_sync(scenario)()
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize(
+    "frame, code",
+    [
+        ("not json", protocol.CLOSE_MALFORMED),
+        ('{"v":1,"type":"applied"}', protocol.CLOSE_MALFORMED),
+        ('{"v":1,"type":"applied","version":"x","extra":1}', protocol.CLOSE_MALFORMED),
+        ('{"v":9,"type":"applied","version":"x"}', protocol.CLOSE_VERSION),
+        ('{"v":1,"type":"snapshot","version":"x","mode":"m","document":"d"}', protocol.CLOSE_UNEXPECTED),
+        ('{"v":1,"type":"launch","missiles":true}', protocol.CLOSE_MALFORMED),
+    ],
+)
+def test_malformed_or_unexpected_frames_close_the_stream_and_change_nothing(frame, code):
+    agent = Agent()
+
+    async def scenario():
+        communicator = await open_stream(agent)
+        await receive(communicator)  # welcome
+        await receive(communicator)  # snapshot
+        before = await _state(agent)
+        await communicator.send_to(text_data=frame)
+        assert await communicator.receive_output(timeout=5) == {"type": "websocket.close", "code": code}
+        await communicator.disconnect()
+        return before
+
+    before = async_to_sync(scenario)()
+    assert before[0] == "pending"
+    assert workload(agent).sync_state == "offline"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_frames_before_auth_are_unexpected():
+    async def scenario():
+        communicator = WebsocketCommunicator(websocket_application, protocol.STREAM_PATH)
+        await communicator.connect()
+        await communicator.receive_from()
+        await communicator.send_to(text_data=protocol.Applied(version="x").encode())
+        assert await communicator.receive_output(timeout=5) == {"type": "websocket.close", "code": protocol.CLOSE_UNEXPECTED}
+
+    async_to_sync(scenario)()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_failure_report_degrades_and_table_report_marks_removed():
+    agent = Agent()
+
+    async def scenario():
+        communicator = await open_stream(agent)
+        await receive(communicator)
+        snapshot = await receive(communicator)
+        await communicator.send_to(text_data=protocol.Failed(version=snapshot.version, error="Error: boom").encode())
+        await communicator.send_to(text_data=protocol.TableState(state="absent").encode())
+        await communicator.receive_nothing(timeout=0.3)
+        await communicator.disconnect()
+
+    async_to_sync(scenario)()
+    w = workload(agent)
+    assert w.sync_error == "Error: boom" and w.owned_table_state == "absent"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_new_version_pushes_a_snapshot_and_resend_asks_the_agent_to_reconnect():
+    agent = Agent()
+
+    async def scenario():
+        communicator = await open_stream(agent)
+        await receive(communicator)
+        first = await receive(communicator)
+        await database_sync_to_async(_enforce)(agent)
+        second = await receive(communicator)
+        assert isinstance(second, protocol.Snapshot) and second.version != first.version and second.mode == "enforced"
+        await database_sync_to_async(_resend)(agent)
+        assert isinstance(await receive(communicator), protocol.Reconnect)
+        assert await communicator.receive_output(timeout=5) == {"type": "websocket.close", "code": protocol.CLOSE_RECONNECT}
+
+    async_to_sync(scenario)()
+
+
+def _enforce(agent):
+    from fleet.services import mode_change_create
+
+    mode_change_create(actor=CLI_ACTOR, data={"selection": {"workload_ids": [agent.workload_id]}, "mode": "enforced"})
+
+
+def _resend(agent):
+    from fleet.services import workload_resend_snapshot
+
+    workload_resend_snapshot(actor=CLI_ACTOR, workload_id=agent.workload_id)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_newer_stream_replaces_the_older():
+    agent = Agent()
+
+    async def scenario():
+        old = await open_stream(agent)
+        await receive(old)
+        await receive(old)
+        new = await open_stream(agent)
+        assert await old.receive_output(timeout=5) == {"type": "websocket.close", "code": protocol.CLOSE_REPLACED}
+        await old.disconnect()  # the old stream's end must not take the workload offline
+        await receive(new)
+        await receive(new)
+        assert (await _state(agent))[0] == "pending"
+        await new.disconnect()
+
+    async_to_sync(scenario)()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_expired_credential_within_grace_may_renew_and_nothing_else(settings):
+    agent = Agent()
+    Workload.objects.filter(id=agent.workload_id).update(credential_expires_at=clock.now() - timedelta(hours=1))
+
+    async def scenario():
+        communicator = await open_stream(agent)
+        welcome = await receive(communicator)
+        assert welcome.renew_only is True and welcome.credential_state == "expired"
+        await communicator.send_to(text_data=protocol.Heartbeat(process_start_id="p", uptime_seconds=1, clock="c", owned_table="present").encode())
+        assert await communicator.receive_output(timeout=5) == {"type": "websocket.close", "code": protocol.CLOSE_FORBIDDEN}
+        again = await open_stream(agent)
+        await receive(again)
+        await again.send_to(text_data=protocol.Renew().encode())
+        issued = await receive(again)
+        assert isinstance(issued, protocol.CredentialIssued)
+        assert await again.receive_output(timeout=5) == {"type": "websocket.close", "code": protocol.CLOSE_RECONNECT}
+
+    async_to_sync(scenario)()
+    w = workload(agent)
+    assert w.credential_last_late_renewal is not None and w.credential_serial == 2
+
+
+@pytest.mark.django_db(transaction=True)
+def test_credential_beyond_grace_is_refused():
+    agent = Agent()
+    Workload.objects.filter(id=agent.workload_id).update(credential_expires_at=clock.now() - timedelta(days=30))
+
+    async def scenario():
+        communicator = await open_stream(agent)
+        assert await communicator.receive_output(timeout=5) == {"type": "websocket.close", "code": protocol.CLOSE_FORBIDDEN}
+
+    async_to_sync(scenario)()
+
+
