@@ -10,7 +10,7 @@ from django.db import transaction
 
 from controlplane import clock
 from controlplane.auth.actor import Actor
-from controlplane.conditional import check_version, version_text
+from controlplane.conditional import check_version
 from controlplane.problems import Finding, Problem, ValidationFailed, pointer
 from controlplane.validation import Findings, reject_unknown, require_object
 from fleet.models import MODES, ModeChange, Workload
@@ -172,7 +172,3 @@ def workload_resend_snapshot(*, actor: Actor, workload_id: str) -> Workload:
             )
         notify_streams([str(workload.id)], {"type": "resend.snapshot"})
     return workload
-
-
-def labels_version_text(workload: Workload) -> str:
-    return version_text(workload.labels_version)
