@@ -18,8 +18,6 @@ from __future__ import annotations
 import os
 import re
 
-import nftables
-
 TABLE_FAMILY = "inet"
 TABLE_NAME = "palisade"
 TABLE = f"{TABLE_FAMILY} {TABLE_NAME}"
@@ -45,6 +43,11 @@ class ApplyError(Exception):
 
 class NftablesDataplane:
     def __init__(self) -> None:
+        # Imported here, not at the top: the agent's other parts (simulated agents, status,
+        # enrolment) must work on hosts without libnftables, and its absence must surface as
+        # an error the CLI can explain (ImportError here, OSError when loading the library).
+        import nftables
+
         self._nft = nftables.Nftables()
         self._nft.set_json_output(False)
 

@@ -1,0 +1,222 @@
+"""palisade-agent: enrol this host, run the daemon, show its status, pull the local kill switch.
+
+Every failure an operator can meet is one line on stderr, `palisade-agent: error: ...`, and a
+non-zero exit status, never a traceback: 3 when the host must be enrolled (again) first, 2 for a
+command line that does not parse, 1 for everything else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+from collections.abc import Callable
+
+from agent import __version__
+from agent.errors import AgentError
+from agent.state import DEFAULT_STATE_DIR
+
+PROG = "palisade-agent"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse would print the usage too: keep it to one line
+        self.exit(2, f"{PROG}: error: {' '.join(message.split())} (see '{self.prog} --help')\n")
+
+
+def check_root(command: str, euid: int | None = None) -> None:
+    if (os.geteuid() if euid is None else euid) != 0:
+        raise AgentError(f"'{command}' needs root (it changes and watches nftables); run it as root or with sudo")
+
+
+def nftables_dataplane():
+    """The real dataplane, or AgentError naming what is missing."""
+    try:
+        from agent.dataplane import NftablesDataplane
+
+        return NftablesDataplane()
+    except ImportError as error:
+        raise AgentError(
+            f"the nftables Python module is missing ({error}); install the Debian package python3-nftables"
+        ) from None
+    except OSError as error:
+        raise AgentError(f"libnftables cannot be loaded ({error}); install the Debian package libnftables1") from None
+
+
+def _read_bundle(args: argparse.Namespace) -> str:
+    if args.bundle is not None:
+        return args.bundle
+    try:
+        if args.bundle_file == "-":
+            return sys.stdin.read()
+        with open(args.bundle_file, encoding="utf-8") as handle:
+            return handle.read()
+    except (OSError, UnicodeDecodeError) as error:
+        reason = getattr(error, "strerror", None) or str(error)
+        raise AgentError(f"cannot read the bundle file {args.bundle_file}: {reason}") from None
+
+
+# --- commands ---
+
+
+def cmd_enrol(args: argparse.Namespace) -> int:
+    from agent.enrol import enrol
+
+    identity = enrol(
+        _read_bundle(args),
+        args.state_dir,
+        hostname=args.hostname,
+        addresses=args.address,
+        reenrol=args.reenrol,
+    )
+    verb = "re-enrolled" if args.reenrol else "enrolled"
+    print(f"{verb} as workload {identity.workload_id} via {identity.gateway}; start the daemon with '{PROG} run'")
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from agent.daemon import Agent
+    from agent.eventlog import EventLog
+    from agent.state import StateDir
+    from agent.tablewatch import TableWatcher
+    from agent.worker import DataplaneWorker
+
+    if args.heartbeat_seconds <= 0:
+        raise AgentError("--heartbeat-seconds must be positive")
+    check_root("run")
+    state = StateDir(args.state_dir)
+    state.load_identity()  # not enrolled: say so before touching anything else
+    log = EventLog()
+    worker = DataplaneWorker(nftables_dataplane)
+    try:
+        try:
+            worker.start()
+        except AgentError:
+            raise
+        except Exception as error:  # ApplyError from the first `list tables`
+            raise AgentError(f"nftables does not answer: {getattr(error, 'message', None) or error}") from None
+        try:
+            watcher = TableWatcher().open()  # joined before the first table check, so nothing slips between
+        except OSError as error:
+            log("table watch unavailable", error=error.strerror or str(error))
+            watcher = None
+        agent = Agent(state, worker, heartbeat_seconds=args.heartbeat_seconds, watcher=watcher, log=log)
+
+        async def main() -> None:
+            loop = asyncio.get_running_loop()
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(signum, agent.stop, signal.Signals(signum).name)
+            await agent.run()
+
+        asyncio.run(main())
+    finally:
+        worker.close()
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from agent import status
+    from agent.state import StateDir
+
+    doc = status.collect(StateDir(args.state_dir))
+    print(status.to_json(doc) if args.json else status.render(doc))
+    return 0
+
+
+def cmd_remove_table(args: argparse.Namespace) -> int:
+    from agent.dataplane import ApplyError, TABLE
+
+    check_root("remove-table")
+    try:
+        removed = nftables_dataplane().remove()
+    except ApplyError as error:
+        raise AgentError(f"cannot delete table {TABLE}: {error.message}") from None
+    if removed:
+        print(f"deleted table {TABLE}; a running agent reports it absent, and the next snapshot restores it")
+    else:
+        print(f"table {TABLE} was not present")
+    return 0
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from agent.simulated import run_simulated_fleet
+
+    if args.heartbeat_seconds <= 0:
+        raise AgentError("--heartbeat-seconds must be positive")
+    return run_simulated_fleet(
+        _read_bundle(args),
+        args.count,
+        args.state_root,
+        heartbeat_seconds=args.heartbeat_seconds,
+        duration=args.duration,
+        verbose=args.verbose,
+    )
+
+
+# --- the command line ---
+
+
+def _bundle_options(parser: argparse.ArgumentParser) -> None:
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--bundle", help="the enrolment bundle (palisade-enrol-v1:...)")
+    source.add_argument("--bundle-file", metavar="FILE", help="read the enrolment bundle from FILE ('-': stdin)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog=PROG, description="The Palisade agent.")
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
+
+    def command(name: str, handler: Callable[[argparse.Namespace], int], help: str) -> argparse.ArgumentParser:
+        sub = commands.add_parser(name, help=help, description=help)
+        sub.set_defaults(handler=handler)
+        return sub
+
+    def state_dir(sub: argparse.ArgumentParser) -> None:
+        sub.add_argument("--state-dir", default=DEFAULT_STATE_DIR, help=f"default {DEFAULT_STATE_DIR}")
+
+    enrol = command("enrol", cmd_enrol, "enrol this host with a provisioning bundle")
+    _bundle_options(enrol)
+    state_dir(enrol)
+    enrol.add_argument("--hostname", help="the name to enrol under (default: this host's name)")
+    enrol.add_argument(
+        "--address",
+        action="append",
+        metavar="ADDR",
+        help="an address of this host (repeat; default: its global addresses)",
+    )
+    enrol.add_argument("--reenrol", action="store_true", help="enrol the same workload again with a new key")
+
+    run = command("run", cmd_run, "run the agent daemon (root)")
+    state_dir(run)
+    run.add_argument("--heartbeat-seconds", type=float, default=15.0, help="default 15")
+
+    status = command("status", cmd_status, "show what the agent last saw")
+    state_dir(status)
+    status.add_argument("--json", action="store_true", help="print JSON")
+
+    remove = command("remove-table", cmd_remove_table, "delete table inet palisade: the local kill switch (root)")
+    state_dir(remove)
+
+    simulate = command("simulate", cmd_simulate, "run many simulated agents in one process (no kernel)")
+    _bundle_options(simulate)
+    simulate.add_argument("--count", type=int, required=True, help="how many agents")
+    simulate.add_argument("--state-root", required=True, help="one state directory per agent goes here")
+    simulate.add_argument("--heartbeat-seconds", type=float, default=15.0, help="default 15")
+    simulate.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
+    simulate.add_argument("--verbose", action="store_true", help="log every agent's events, not just summaries")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except AgentError as error:
+        print(f"{PROG}: error: {error.message}", file=sys.stderr)
+        return error.exit_code
+    except KeyboardInterrupt:
+        print(f"{PROG}: error: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,526 @@
+"""The agent daemon: one sync stream to the gateway, kept open for as long as the agent runs.
+
+Fail static: whatever happens to the stream, the table in the kernel stays as it is; only a
+snapshot changes it. The agent never restores a table someone deleted (that is the local kill
+switch); it reports `absent`, and the next snapshot brings the table back.
+
+Each event is logged as one line (eventlog.py; the full list is in agent/README.md):
+
+    starting / stream connecting / stream connected / stream closed / stream error / protocol error
+    backoff / applied / already applied / apply failed / table absent / table present / table checked
+    reconnect requested / renewal requested / credential renewed / renewal failed / renewal unanswered
+    state reloaded / stopping / stopped
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import random
+import ssl
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed, InvalidStatus, WebSocketException
+
+from agent import __version__
+from agent import protocol as p
+from agent.credential import CredentialError, credential_verify, format_instant, parse_instant, public_key_encode
+from agent.errors import AgentError, EnrolmentNeeded
+from agent.eventlog import EventLog
+from agent.state import Identity, StateDir
+from agent.status import DaemonStatus
+from agent.tablewatch import ABSENT, PRESENT, UNKNOWN, TableWatcher
+from agent.tls import pinned_context
+from agent.worker import DataplaneWorker
+
+# Straight to the gateway, as enrolment does: websockets >= 15 would otherwise follow HTTPS_PROXY
+# (older versions, still allowed by the agent's dependencies, have no proxy support at all).
+_DIRECT: dict[str, Any] = {"proxy": None} if "proxy" in inspect.signature(connect.__init__).parameters else {}
+HANDSHAKE_SECONDS = 10  # for hello and welcome, as the gateway allows 10 s for auth
+BACKOFF_FIRST, BACKOFF_CAP = 1.0, 60.0
+STABLE_SECONDS = 10.0  # a stream that lasted this long resets the backoff
+RENEW_RETRY_SECONDS = 300.0
+MAX_ERROR_CHARS = 16_000
+
+
+def backoff_delay(attempt: int, rng: random.Random | None = None) -> float:
+    """Full jitter: uniform in [0, min(60, 1 * 2**attempt)] seconds (attempt counts from 0)."""
+    ceiling = min(BACKOFF_CAP, BACKOFF_FIRST * 2 ** min(attempt, 16))
+    return (rng or random).uniform(0, ceiling)
+
+
+def _now() -> str:
+    return format_instant(datetime.now(timezone.utc))
+
+
+def _instant(text: str | None) -> datetime | None:
+    try:
+        return parse_instant(text)
+    except CredentialError:
+        return None
+
+
+class CredentialBeyondGrace(EnrolmentNeeded):
+    """The gateway closed with 4403: only a new enrolment helps."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    immediate: bool = False  # reconnect at once, no backoff
+    stable: bool = False  # the stream was up long enough to reset the backoff
+    stopped: bool = False
+
+
+class Agent:
+    def __init__(
+        self,
+        state: StateDir,
+        dataplane: DataplaneWorker,
+        *,
+        context: ssl.SSLContext | None = None,
+        heartbeat_seconds: float = 15.0,
+        watcher: TableWatcher | None = None,
+        log: EventLog | None = None,
+        compression: str | None = "deflate",
+    ) -> None:
+        self.state = state
+        self.dataplane = dataplane
+        self.heartbeat_seconds = heartbeat_seconds
+        self.watcher = watcher
+        self.log = log or EventLog()
+        self.compression = compression
+        self.process_start_id = uuid.uuid4().hex
+        self.started = time.monotonic()
+        self.applied_version: str | None = None
+        self.force_apply = True  # the first snapshot of a process, and the one after a resend, always apply
+        self.owned_table = UNKNOWN
+        self.renewal_due_at: datetime | None = None
+        self._context = context  # simulated agents share one
+        self._identity_stamp: int | None = None
+        self.identity: Identity | None = None
+        self._load()
+        self._ws: ClientConnection | None = None
+        self._renew_only = False
+        self._stop = asyncio.Event()  # events bind to a loop only when first awaited
+        self._renewed = asyncio.Event()
+        self._tasks: set[asyncio.Task] = set()
+        self._applying = False
+        self._deferred_verdict: str | None = None
+        self.status = DaemonStatus(
+            state,
+            workload_id=self.identity.workload_id,
+            process_start_id=self.process_start_id,
+            expires_at=self.expires_at,
+            log=self.log,
+        )
+        self.renewal_due_at = _instant(self.status.renewal_due_at)
+
+    # --- identity and credential ---
+
+    def _load(self) -> None:
+        """Read the enrolment; again before a reconnect after a re-enrolment."""
+        enrolment = self.state.load_enrolment()
+        pem = enrolment.identity.certificate_pem
+        if self._context is None or (self.identity and self.identity.certificate_pem != pem):
+            self._context = pinned_context(pem)
+        self.identity, self.key, self.credential = enrolment.identity, enrolment.key, enrolment.credential
+        self.expires_at = enrolment.expires_at
+        self._identity_stamp = self.state.identity_stamp()
+
+    def _reload_if_reenrolled(self) -> None:
+        if self.state.identity_stamp() in (None, self._identity_stamp):
+            return
+        try:
+            self._load()
+        except AgentError as error:
+            self.log("state reload failed", error=error.message)
+            return
+        self.status.workload(self.identity.workload_id)
+        self.log("state reloaded", workload=self.identity.workload_id)
+
+    def _credential_times(self, expires_at: str, renewal_due_at: str, state: str | None = None) -> None:
+        self.expires_at = expires_at
+        self.renewal_due_at = _instant(renewal_due_at)
+        self.status.credential(expires_at, renewal_due_at, state)
+
+    # --- the owned table ---
+
+    def _table_seen(self, state: str, *, initial: bool = False) -> None:
+        if state == self.owned_table:
+            return
+        self.owned_table = state
+        self.status.table(state)
+        if initial or state == UNKNOWN:
+            self.log("table checked", state=state)
+            return
+        self.log(f"table {state}")
+        if self._ws is not None and not self._renew_only:
+            self._spawn(self._send(self._ws, p.TableState(state=state)))
+
+    def table_event(self, verdict: str) -> None:
+        """What the table watcher saw: `present`, `absent`, or `unknown` (notifications lost)."""
+        if self._applying:  # our own apply: report after its `applied`, in a stable order
+            self._deferred_verdict = verdict
+        elif verdict == UNKNOWN:  # notifications were lost: ask the kernel
+            self._spawn(self._check_table())
+        else:
+            self._table_seen(verdict)
+
+    async def _check_table(self, *, initial: bool = False) -> None:
+        try:
+            present = await self.dataplane.table_present()
+        except Exception as error:  # noqa: BLE001 - a failed check must not stop the agent
+            self.log("table check failed", error=getattr(error, "message", None) or str(error))
+            self._table_seen(UNKNOWN)
+            return
+        self._table_seen(PRESENT if present else ABSENT, initial=initial)
+
+    def _spawn(self, coroutine) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # --- sending ---
+
+    async def _send(self, ws: ClientConnection, message: p.Message) -> None:
+        try:
+            await ws.send(message.encode())
+        except ConnectionClosed:
+            pass  # the receive loop sees the close and decides what to do
+
+    # --- the main loop ---
+
+    async def run(self) -> None:
+        """Until stop() (returns) or a close code that needs the operator (CredentialBeyondGrace)."""
+        self.log("starting", workload=self.identity.workload_id, gateway=self.identity.gateway, version=__version__)
+        if self.watcher is not None:
+            self.watcher.attach(asyncio.get_running_loop(), self.table_event)
+        await self._check_table(initial=True)
+        attempt = 0
+        try:
+            while not self._stop.is_set():
+                outcome = await self._session_or_stop()
+                if outcome.stopped or self._stop.is_set():
+                    break
+                if outcome.immediate:
+                    attempt = 0
+                    continue
+                if outcome.stable:
+                    attempt = 0
+                delay = backoff_delay(attempt)
+                attempt += 1
+                self.log("backoff", seconds=f"{delay:.2f}", attempt=attempt)
+                try:
+                    await asyncio.wait_for(self._stop.wait(), delay)
+                except TimeoutError:
+                    pass
+        finally:
+            if self.watcher is not None:
+                self.watcher.close()
+            for task in list(self._tasks):
+                task.cancel()
+            self.status.stream("disconnected")
+            self.log("stopped")
+
+    def stop(self, reason: str = "signal") -> None:
+        if not self._stop.is_set():
+            self.log("stopping", reason=reason)
+            self._stop.set()
+
+    async def _session_or_stop(self) -> Outcome:
+        session = asyncio.ensure_future(self._session())
+        stopper = asyncio.ensure_future(self._stop.wait())
+        try:
+            await asyncio.wait({session, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            if not session.done() and self._ws is None:
+                session.cancel()  # still connecting: nothing to close cleanly
+            # A connected session sees the stop itself and closes with 1000.
+            return await session
+        except asyncio.CancelledError:
+            if self._stop.is_set():
+                return Outcome(stopped=True)
+            raise
+        finally:
+            stopper.cancel()
+
+    async def _session(self) -> Outcome:
+        self._reload_if_reenrolled()
+        uri = f"wss://{self.identity.gateway}{p.STREAM_PATH}"
+        self.status.stream("connecting")
+        self.log("stream connecting", url=uri)
+        began = None
+        try:
+            async with connect(
+                uri,
+                ssl=self._context,
+                max_size=p.MAX_MESSAGE_BYTES,
+                open_timeout=HANDSHAKE_SECONDS,
+                close_timeout=5,
+                compression=self.compression,
+                **_DIRECT,
+                user_agent_header=f"palisade-agent/{__version__}",
+            ) as ws:
+                began = await self._authenticate(ws)
+                return await self._converse(ws, began)
+        except CredentialBeyondGrace:
+            raise
+        except ConnectionClosed as closed:
+            code, reason = (closed.rcvd.code, closed.rcvd.reason) if closed.rcvd else (1006, "connection lost")
+            return self._closed(code, reason, began)
+        except p.ProtocolError as error:
+            self.log("protocol error", code=error.code, error=error.reason)
+            self.status.error(f"protocol error from the gateway: {error.reason}")
+        except ssl.SSLCertVerificationError as error:
+            self._connect_failed(f"the gateway no longer presents the pinned certificate ({error.verify_message})")
+        except InvalidStatus as error:
+            self._connect_failed(f"the gateway refused the stream with HTTP {error.response.status_code}")
+        except (OSError, TimeoutError, WebSocketException) as error:
+            self._connect_failed(getattr(error, "strerror", None) or str(error) or type(error).__name__)
+        except Exception as error:  # noqa: BLE001 - a firewall agent logs, backs off and carries on
+            self._connect_failed(f"unexpected {type(error).__name__}: {error}")
+        finally:
+            self._ws = None
+            self._renew_only = False
+            self.status.stream("disconnected")
+        return Outcome(stable=self._was_stable(began))
+
+    def _connect_failed(self, message: str) -> None:
+        self.log("stream error", error=message)
+        self.status.error(message)
+
+    def _was_stable(self, began: float | None) -> bool:
+        return began is not None and time.monotonic() - began >= STABLE_SECONDS
+
+    def _closed(self, code: int, reason: str, began: float | None) -> Outcome:
+        self.log("stream closed", code=code, reason=reason or None)
+        if code == p.CLOSE_FORBIDDEN:
+            message = (
+                f"the control plane refused the credential of workload {self.identity.workload_id}: "
+                f"it expired beyond its grace ({reason or 'close code 4403'}); re-enrol this host with "
+                "'palisade-agent enrol --reenrol --bundle ...' and a new provisioning token"
+            )
+            self.status.error(message)
+            raise CredentialBeyondGrace(message)
+        if code == p.CLOSE_RECONNECT:
+            self.force_apply = True
+            return Outcome(immediate=True)
+        if code == p.CLOSE_UNAUTHENTICATED:
+            self.status.error(f"the gateway refused this agent's proof or credential (4401 {reason})".strip())
+        elif code not in (1000, 1001):
+            self.status.error(f"the stream closed with code {code} {reason}".strip())
+        return Outcome(stable=self._was_stable(began))
+
+    async def _expect(self, ws: ClientConnection, kind: type[p.Message]) -> p.Message:
+        try:
+            text = await asyncio.wait_for(ws.recv(), HANDSHAKE_SECONDS)
+        except TimeoutError:
+            error = p.ProtocolError(p.CLOSE_HANDSHAKE_TIMEOUT, f"no {kind.type} within {HANDSHAKE_SECONDS} s")
+            await ws.close(error.code, error.reason)
+            raise error from None
+        message = await self._decode(ws, text)
+        if not isinstance(message, kind):
+            await self._refuse(ws, p.ProtocolError(p.CLOSE_UNEXPECTED, f"expected {kind.type}, got {message.type}"))
+        return message
+
+    async def _decode(self, ws: ClientConnection, text: str | bytes) -> p.Message:
+        try:
+            return p.decode(text, sender="gateway")
+        except p.ProtocolError as error:
+            await self._refuse(ws, error)
+            raise
+
+    async def _refuse(self, ws: ClientConnection, error: p.ProtocolError) -> None:
+        """Close with the protocol's code for what the gateway got wrong, then fail the session."""
+        await ws.close(error.code, error.reason)
+        raise error
+
+    async def _authenticate(self, ws: ClientConnection) -> float:
+        hello = await self._expect(ws, p.Hello)
+        try:
+            nonce = p.b64decode(hello.nonce, what="hello nonce", length=32)
+        except p.ProtocolError as error:
+            await ws.close(error.code, error.reason)
+            raise
+        proof = p.sign_proof(
+            self.key,
+            nonce=nonce,  # the 32 raw bytes, not their base64 text
+            workload_id=self.identity.workload_id,
+            gateway_fingerprint=self.identity.fingerprint,
+        )
+        auth = p.Auth(
+            workload_id=self.identity.workload_id,
+            credential=self.credential,
+            proof=proof,
+            agent_version=__version__,
+            process_start_id=self.process_start_id,
+            uptime_seconds=round(time.monotonic() - self.started, 3),
+            owned_table=self.owned_table,
+        )
+        await ws.send(auth.encode())
+        welcome = await self._expect(ws, p.Welcome)
+        self._ws = ws
+        self._renew_only = welcome.renew_only
+        self._credential_times(welcome.expires_at, welcome.renewal_due_at, welcome.credential_state)
+        self.status.stream("connected")
+        self.log(
+            "stream connected",
+            workload=welcome.workload_id,
+            credential=welcome.credential_state,
+            renew_only="yes" if welcome.renew_only else None,
+        )
+        return time.monotonic()
+
+    async def _converse(self, ws: ClientConnection, began: float) -> Outcome:
+        jobs = [self._receive(ws), self._stop.wait()]
+        if self._renew_only:
+            jobs.append(self._renew_at_once(ws))
+        else:
+            jobs += [self._heartbeats(ws), self._renewals(ws)]
+        tasks = [asyncio.ensure_future(job) for job in jobs]
+        stopper = tasks[1]
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        if stopper in done:
+            await ws.close(1000, "agent stopping")
+            return Outcome(stopped=True)
+        for task in done:
+            task.result()  # raises what ended the session
+        outcome = tasks[0].result() if tasks[0] in done else Outcome()
+        if outcome is None:
+            return self._closed(ws.close_code or 1006, ws.close_reason or "", began)
+        return outcome
+
+    async def _receive(self, ws: ClientConnection) -> Outcome | None:
+        async for text in ws:  # ends quietly on a 1000/1001 close, raises ConnectionClosed on others
+            message = await self._decode(ws, text)
+            if self._renew_only and not isinstance(message, p.CredentialIssued):
+                await self._refuse(ws, p.ProtocolError(p.CLOSE_UNEXPECTED, f"{message.type} during renew_only"))
+            if isinstance(message, p.Snapshot):
+                await self._on_snapshot(ws, message)
+            elif isinstance(message, p.CredentialIssued):
+                renewed = await self._on_credential(ws, message)
+                if self._renew_only:
+                    # The stream was only good for renewing: a new one, with the new credential,
+                    # begins with a snapshot.
+                    await ws.close(1000, "renewed")
+                    return Outcome(immediate=renewed)
+            elif isinstance(message, p.Reconnect):
+                self.log("reconnect requested", reason=message.reason)
+                self.force_apply = True
+                await ws.close(1000, "reconnecting")
+                return Outcome(immediate=True)
+            else:
+                await self._refuse(ws, p.ProtocolError(p.CLOSE_UNEXPECTED, f"{message.type} after welcome"))
+        return None
+
+    # --- snapshots ---
+
+    async def _on_snapshot(self, ws: ClientConnection, snapshot: p.Snapshot) -> None:
+        if not self.force_apply and snapshot.version == self.applied_version and await self._present_now():
+            self.log("already applied", version=snapshot.version)
+            await self._send(ws, p.Applied(version=snapshot.version))
+            return
+        self._applying, self._deferred_verdict = True, None
+        try:
+            await self._apply(ws, snapshot)
+        finally:
+            self._applying = False
+            if self._deferred_verdict is not None:
+                self.table_event(self._deferred_verdict)
+
+    async def _apply(self, ws: ClientConnection, snapshot: p.Snapshot) -> None:
+        try:
+            await self.dataplane.apply(snapshot.document)
+        except Exception as error:  # noqa: BLE001 - whatever refused the document, report it
+            text = (getattr(error, "message", None) or str(error) or type(error).__name__)[:MAX_ERROR_CHARS]
+            self.log("apply failed", version=snapshot.version, error=text)
+            self.status.error(f"applying version {snapshot.version} failed: {text}")
+            await self._send(ws, p.Failed(version=snapshot.version, error=text))
+            return
+        self.applied_version = snapshot.version
+        self.force_apply = False
+        self.status.applied(snapshot.version, snapshot.mode)
+        self.log("applied", version=snapshot.version, mode=snapshot.mode)
+        await self._send(ws, p.Applied(version=snapshot.version))
+        self._table_seen(PRESENT)
+
+    async def _present_now(self) -> bool:
+        try:
+            return await self.dataplane.table_present()
+        except Exception:  # noqa: BLE001 - unsure means apply again
+            return False
+
+    # --- heartbeats ---
+
+    async def _heartbeats(self, ws: ClientConnection) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_seconds)
+            await self._check_table()  # also catches a delete the watcher could not see
+            await self._send(
+                ws,
+                p.Heartbeat(
+                    process_start_id=self.process_start_id,
+                    uptime_seconds=round(time.monotonic() - self.started, 3),
+                    clock=_now(),
+                    owned_table=self.owned_table,
+                ),
+            )
+
+    # --- credential renewal ---
+
+    async def _request_renewal(self, ws: ClientConnection) -> None:
+        self._renewed.clear()
+        self.log("renewal requested", renewal_due_at=self.status.renewal_due_at)
+        await self._send(ws, p.Renew())
+
+    async def _renew_at_once(self, ws: ClientConnection) -> None:
+        await self._request_renewal(ws)
+        await asyncio.Event().wait()  # the receive loop ends this stream when the credential arrives
+
+    async def _renewals(self, ws: ClientConnection) -> None:
+        while True:
+            due = self.renewal_due_at
+            wait = (due - datetime.now(timezone.utc)).total_seconds() if due else 3600.0
+            if wait > 0:
+                self._renewed.clear()
+                try:  # wake early when a credential arrives unasked and moves the due time
+                    await asyncio.wait_for(self._renewed.wait(), min(wait, 3600.0))
+                except TimeoutError:
+                    pass
+                continue
+            await self._request_renewal(ws)
+            try:
+                await asyncio.wait_for(self._renewed.wait(), RENEW_RETRY_SECONDS)
+            except TimeoutError:
+                self.log("renewal unanswered", seconds=RENEW_RETRY_SECONDS)
+
+    async def _on_credential(self, ws: ClientConnection, issued: p.CredentialIssued) -> bool:
+        try:
+            payload = credential_verify(issued.credential, self.identity.signing_public_key)
+            if payload["public_key"] != public_key_encode(self.key.public_key()):
+                raise CredentialError("the new credential names another key")
+            if payload["workload_id"] != self.identity.workload_id:
+                raise CredentialError("the new credential names another workload")
+            if _instant(issued.renewal_due_at) is None:
+                raise CredentialError(f"renewal_due_at {issued.renewal_due_at!r} is not an RFC 3339 instant")
+            self.state.write_credential(issued.credential)
+        except (CredentialError, AgentError) as error:
+            text = getattr(error, "message", None) or str(error)
+            self.log("renewal failed", error=text)
+            self.status.error(f"renewal failed: {text}")
+            await self._send(ws, p.RenewalFailed(error=text[:2000]))
+            return False
+        self.credential = issued.credential
+        self._credential_times(payload["expires_at"], issued.renewal_due_at, "renews")
+        self._renewed.set()
+        self.log("credential renewed", expires_at=payload["expires_at"], renewal_due_at=issued.renewal_due_at)
+        return True

@@ -1,0 +1,189 @@
+"""Enrolment: turn a provisioning bundle into a key, a pinned gateway and a signed credential.
+
+Nothing is written to the state directory until the control plane has answered with a credential
+that verifies and names our new key: a refused or failed enrolment leaves an existing enrolment as
+it was.
+"""
+
+from __future__ import annotations
+
+import http.client
+import ipaddress
+import json
+import ssl
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from agent import __version__
+from agent.bundle import BundleError, bundle_decode
+from agent.credential import CredentialError, credential_verify, format_instant, public_key_encode
+from agent.errors import AgentError
+from agent.hostinfo import host_addresses, host_name
+from agent.protocol import ENROL_PATH, EnrolRequest, EnrolResponse, ProtocolError
+from agent.state import Identity, StateDir
+from agent.tls import pin_gateway, pinned_context, split_gateway
+
+MAX_RESPONSE_BYTES = 1024 * 1024
+PROBLEM_PREFIX = "urn:service:problem:"
+
+
+@dataclass(frozen=True)
+class Pinned:
+    """A gateway certificate that matched its bundle, and the context that trusts only it."""
+
+    certificate_pem: str
+    context: ssl.SSLContext
+
+
+def decode_bundle(bundle_text: str) -> dict[str, str]:
+    try:
+        return bundle_decode(bundle_text)
+    except BundleError as error:
+        raise AgentError(str(error)) from None
+
+
+def pin(bundle: dict[str, str], *, timeout: float = 10.0) -> Pinned:
+    pem = pin_gateway(bundle["gateway"], bundle["fingerprint"], timeout=timeout)
+    return Pinned(pem, pinned_context(pem))
+
+
+def _check_addresses(addresses: list[str]) -> list[str]:
+    checked = []
+    for text in addresses:
+        try:
+            checked.append(str(ipaddress.ip_address(text.strip())))
+        except ValueError:
+            raise AgentError(f"{text!r} is not an IPv4 or IPv6 address") from None
+    return checked
+
+
+def _refusal(status: int, reason: str, content_type: str, body: bytes) -> str:
+    """One line from the gateway's problem document (its `detail` first), or from the status line."""
+    try:
+        problem = json.loads(body) if "json" in content_type else None
+    except ValueError:
+        problem = None
+    if not isinstance(problem, dict) or not isinstance(problem.get("detail") or problem.get("title"), str):
+        return f"enrolment refused: the gateway answered HTTP {status} {reason}"
+    text = problem.get("detail") or problem.get("title")
+    findings = problem.get("errors")
+    if isinstance(findings, list):
+        notes = [f"{e.get('path', '')}: {e.get('message', '')}" for e in findings[:3] if isinstance(e, dict)]
+        if notes:
+            text = f"{text} ({'; '.join(notes)})"
+    name = problem.get("type", "")
+    name = name[len(PROBLEM_PREFIX) :] if isinstance(name, str) and name.startswith(PROBLEM_PREFIX) else ""
+    return f"enrolment refused: {text} [HTTP {status}{' ' + name if name else ''}]"
+
+
+def post_enrolment(
+    gateway: str, context: ssl.SSLContext, request: EnrolRequest, *, timeout: float = 30.0
+) -> EnrolResponse:
+    host, port = split_gateway(gateway)
+    connection = http.client.HTTPSConnection(host, port, context=context, timeout=timeout)
+    try:
+        connection.request(
+            "POST",
+            ENROL_PATH,
+            body=json.dumps(request.to_dict()).encode(),
+            headers={"Content-Type": "application/json", "Accept": "application/json"},
+        )
+        response = connection.getresponse()
+        body = response.read(MAX_RESPONSE_BYTES)
+    except ssl.SSLCertVerificationError as error:
+        raise AgentError(
+            f"the gateway {gateway} no longer presents the pinned certificate ({error.verify_message})"
+        ) from None
+    except ssl.SSLError as error:
+        raise AgentError(f"TLS with the gateway {gateway} failed: {error.reason or error}") from None
+    except (TimeoutError, OSError) as error:
+        reason = getattr(error, "strerror", None) or str(error) or "timed out"
+        raise AgentError(f"cannot reach the gateway {gateway}: {reason}") from None
+    except http.client.HTTPException as error:
+        raise AgentError(f"the gateway {gateway} sent a broken HTTP response ({type(error).__name__})") from None
+    finally:
+        connection.close()
+    if response.status != 201:
+        raise AgentError(_refusal(response.status, response.reason, response.getheader("Content-Type", ""), body))
+    try:
+        return EnrolResponse.from_dict(json.loads(body))
+    except ValueError as error:  # ProtocolError is a ValueError too
+        reason = error.reason if isinstance(error, ProtocolError) else "it is not JSON"
+        raise AgentError(f"the gateway's enrolment response is unusable: {reason}") from None
+
+
+def _check_credential(response: EnrolResponse, key: Ed25519PrivateKey) -> None:
+    try:
+        payload = credential_verify(response.credential, response.signing_public_key)
+    except CredentialError as error:
+        raise AgentError(f"the gateway returned an unusable credential: {error}") from None
+    if payload["public_key"] != public_key_encode(key.public_key()):
+        raise AgentError("the gateway returned a credential for another key")
+    if payload["workload_id"] != response.workload_id:
+        raise AgentError("the gateway returned a credential for another workload")
+
+
+def enrol(
+    bundle_text: str,
+    state_dir: str,
+    hostname: str | None = None,
+    addresses: list[str] | None = None,
+    reenrol: bool = False,
+    *,
+    pinned: Pinned | None = None,
+    timeout: float = 30.0,
+) -> Identity:
+    """Enrol this host (or re-enrol it with a fresh key when `reenrol`) and store the result.
+    `pinned` lets many simulated agents share one pinned certificate and context."""
+    bundle = decode_bundle(bundle_text)
+    state = StateDir(state_dir)
+    state.create()
+    workload_id = None
+    if state.is_enrolled():
+        if not reenrol:
+            enrolled = state.load_identity().workload_id
+            raise AgentError(
+                f"{state.path} is already enrolled as workload {enrolled}; "
+                "use --reenrol to enrol it again with a new key"
+            )
+        workload_id = state.load_identity().workload_id
+    elif reenrol:
+        raise AgentError(f"nothing to re-enrol: {state.path} holds no enrolment; enrol without --reenrol")
+    checked = _check_addresses(host_addresses() if addresses is None else addresses)
+    pinned = pinned or pin(bundle)
+    key = Ed25519PrivateKey.generate()
+    request = EnrolRequest(
+        token=bundle["token"],
+        public_key=public_key_encode(key.public_key()),
+        hostname=hostname or host_name(),
+        addresses=checked,
+        agent_version=__version__,
+        workload_id=workload_id,
+    )
+    response = post_enrolment(bundle["gateway"], pinned.context, request, timeout=timeout)
+    _check_credential(response, key)
+    identity = Identity(
+        workload_id=response.workload_id,
+        gateway=bundle["gateway"],
+        fingerprint=bundle["fingerprint"].upper(),
+        certificate_pem=pinned.certificate_pem,
+        signing_public_key=response.signing_public_key,
+        hostname=request.hostname,
+        enrolled_at=format_instant(datetime.now(timezone.utc)),
+    )
+    # The identity last: it is what makes the directory count as enrolled.
+    state.write_key(key)
+    state.write_credential(response.credential)
+    state.write_identity(identity)
+    state.write_status(
+        {
+            "workload_id": identity.workload_id,
+            "stream": {"state": "disconnected", "since": None},
+            "credential": {"expires_at": response.expires_at, "renewal_due_at": response.renewal_due_at},
+            "owned_table": {"state": "unknown", "since": None},
+            "updated_at": identity.enrolled_at,
+        }
+    )
+    return identity

@@ -1,0 +1,234 @@
+"""Simulated agents: the real daemon code with an in-memory dataplane, thousands in one process.
+
+Each simulated agent enrols like a real one (its own key and state directory, a fake host name
+sim-00001..., addresses from 10.200.0.0/16 and fd00:200::/64) and then runs the real `Agent` on a
+shared event loop with a shared pinned TLS context. Nothing touches the kernel: a simulated
+agent has no netlink watcher, and its table lives in a RecordingDataplane.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import asyncio.sslproto
+import ipaddress
+import resource
+import signal
+import sys
+from collections import Counter, deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TextIO
+
+from agent.dataplane import ApplyError, owned_table_problem
+from agent.daemon import Agent
+from agent.enrol import Pinned, decode_bundle, enrol, pin
+from agent.errors import AgentError
+from agent.eventlog import EventLog
+from agent.state import StateDir
+from agent.worker import DataplaneWorker
+
+MAX_AGENTS = 65_000  # the address plan: one IPv4 address per agent in 10.200.0.0/16
+IPV4_BASE = ipaddress.IPv4Address("10.200.0.0")
+IPV6_BASE = ipaddress.IPv6Address("fd00:200::")
+SUMMARY_SECONDS = 10.0
+
+
+class RecordingDataplane:
+    """Keeps the owned table in memory. Checks documents as the real dataplane does before it
+    reaches libnftables, so a document that is not just the owned table fails here too."""
+
+    def __init__(self, keep: int | None = None) -> None:
+        self.documents: deque[str] = deque(maxlen=keep)  # applied documents, oldest first
+        self.current: str | None = None  # the table "in the kernel"
+        self.applies = 0
+        self.fail_with: str | None = None  # set to make applies fail with this libnftables text
+
+    def apply(self, document: str) -> None:
+        problem = owned_table_problem(document) or self.fail_with
+        if problem is not None:
+            raise ApplyError(problem)
+        self.current = document
+        self.documents.append(document)
+        self.applies += 1
+
+    def table_present(self) -> bool:
+        return self.current is not None
+
+    def remove(self) -> bool:
+        present, self.current = self.current is not None, None
+        return present
+
+
+def sim_hostname(index: int) -> str:
+    return f"sim-{index:05d}"
+
+
+def sim_addresses(index: int) -> list[str]:
+    if not 1 <= index <= MAX_AGENTS:
+        raise AgentError(f"a simulated fleet has at most {MAX_AGENTS} agents")
+    return [str(IPV4_BASE + index), str(IPV6_BASE + index)]
+
+
+def _shrink_tls_read_buffers(size: int = 16 * 1024) -> None:
+    # asyncio gives every TLS connection a 256 KiB read buffer, most of a simulated agent's
+    # memory; a smaller one only means more reads for a large snapshot. Simulator only.
+    protocol = getattr(asyncio.sslproto, "SSLProtocol", None)
+    if protocol is not None and isinstance(getattr(protocol, "max_size", None), int):
+        protocol.max_size = min(protocol.max_size, size)
+
+
+def _raise_open_file_limit() -> None:
+    # Each agent holds one socket; the usual soft limit of 1024 stops a fleet of thousands.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):
+            pass
+
+
+class SimulatedFleet:
+    def __init__(
+        self, agents: list[Agent], dataplanes: list[RecordingDataplane], log: EventLog, *, start_rate: float = 200.0
+    ) -> None:
+        self.agents = agents
+        self.dataplanes = dataplanes
+        self.log = log
+        self.start_rate = start_rate  # agents started per second: a whole fleet at once swamps the gateway
+        self._stopping: asyncio.Event | None = None
+
+    def summary(self) -> dict[str, int]:
+        counts = Counter(agent.status.stream_state for agent in self.agents)
+        counts["applied"] = sum(1 for agent in self.agents if agent.applied_version is not None)
+        counts["agents"] = len(self.agents)
+        return dict(counts)
+
+    async def run(self, duration: float | None = None) -> None:
+        """Run every agent until stop(), `duration` seconds, or an agent needs re-enrolment."""
+        self._stopping = asyncio.Event()
+        reporter = asyncio.ensure_future(self._report())
+        runs = [asyncio.ensure_future(self._start(agent, i / self.start_rate)) for i, agent in enumerate(self.agents)]
+        try:
+            if duration is None:
+                await asyncio.gather(*runs)
+            else:
+                await asyncio.wait(runs, timeout=duration)
+        finally:
+            self.stop()
+            await asyncio.gather(*runs, return_exceptions=True)
+            reporter.cancel()
+            self.log("fleet stopped", **self.summary())
+
+    async def _start(self, agent: Agent, delay: float) -> None:
+        try:
+            await asyncio.wait_for(self._stopping.wait(), delay)
+            return  # stopped before this agent's turn came
+        except TimeoutError:
+            pass
+        await agent.run()
+
+    def stop(self) -> None:
+        if self._stopping is not None:
+            self._stopping.set()
+        for agent in self.agents:
+            agent.stop("fleet stopping")
+
+    async def _report(self) -> None:
+        while True:
+            await asyncio.sleep(SUMMARY_SECONDS)
+            self.log("fleet", **self.summary())
+
+
+async def start_simulated_fleet(
+    bundle_text: str,
+    count: int,
+    state_root: str | Path,
+    *,
+    heartbeat_seconds: float = 15.0,
+    enrol_workers: int = 16,
+    verbose: bool = False,
+    log_stream: TextIO | None = None,
+    pinned: Pinned | None = None,
+) -> SimulatedFleet:
+    """Enrol `count` simulated agents (those already enrolled under `state_root` are reused) and
+    build them, ready to run."""
+    if count < 1:
+        raise AgentError("--count must be at least 1")
+    root = Path(state_root)
+    StateDir(root).create()
+    log = EventLog("fleet", log_stream)
+    bundle = decode_bundle(bundle_text)
+    loop = asyncio.get_running_loop()
+    # One handshake and one SSL context for the whole fleet; blocking, so off the loop.
+    pinned = pinned or await loop.run_in_executor(None, pin, bundle)
+    indexes = range(1, count + 1)
+    dirs = {i: root / sim_hostname(i) for i in indexes}
+    missing = [i for i in indexes if not StateDir(dirs[i]).is_enrolled()]
+    log("enrolling", agents=len(missing), reusing=count - len(missing))
+
+    def enrol_one(i: int) -> None:
+        enrol(bundle_text, str(dirs[i]), hostname=sim_hostname(i), addresses=sim_addresses(i), pinned=pinned)
+
+    with ThreadPoolExecutor(max(1, enrol_workers), thread_name_prefix="enrol") as pool:
+        jobs = [loop.run_in_executor(pool, enrol_one, i) for i in missing]
+        results = await asyncio.gather(*jobs, return_exceptions=True)
+    failures = [r for r in results if isinstance(r, BaseException)]
+    if failures:
+        first = failures[0]
+        raise AgentError(f"{len(failures)} of {len(missing)} simulated enrolments failed; the first: {first}")
+
+    agents, dataplanes = [], []
+    for i in indexes:
+        dataplane = RecordingDataplane(keep=1)
+        agent_log = EventLog(sim_hostname(i), log_stream) if verbose else _quiet
+        agent = Agent(
+            StateDir(dirs[i]),
+            DataplaneWorker.inline(dataplane),
+            context=pinned.context,
+            heartbeat_seconds=heartbeat_seconds,
+            log=agent_log,
+            compression=None,  # a deflate context per connection costs more memory than it saves
+        )
+        agents.append(agent)
+        dataplanes.append(dataplane)
+    log("enrolled", agents=count)
+    return SimulatedFleet(agents, dataplanes, log)
+
+
+def _quiet(event: str, **fields: object) -> None:
+    pass
+
+
+def run_simulated_fleet(
+    bundle_text: str,
+    count: int,
+    state_root: str | Path,
+    *,
+    heartbeat_seconds: float = 15.0,
+    duration: float | None = None,
+    verbose: bool = False,
+    on_started: Callable[[SimulatedFleet], None] | None = None,
+) -> int:
+    """Enrol and run a simulated fleet in this process until SIGTERM/SIGINT or `duration`."""
+    _raise_open_file_limit()
+    _shrink_tls_read_buffers()
+
+    async def main() -> None:
+        fleet = await start_simulated_fleet(
+            bundle_text,
+            count,
+            state_root,
+            heartbeat_seconds=heartbeat_seconds,
+            verbose=verbose,
+            log_stream=sys.stderr,
+        )
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, fleet.stop)
+        if on_started is not None:
+            on_started(fleet)
+        await fleet.run(duration)
+
+    asyncio.run(main())
+    return 0

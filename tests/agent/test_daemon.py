@@ -1,0 +1,340 @@
+"""The daemon's conversation, driven by the stand-in gateway, with the in-memory dataplane.
+
+Each test runs one asyncio scenario: a FakeGateway and one real `Agent` on the same loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import pytest
+
+from agent.credential import credential_parse
+from agent.daemon import Agent, CredentialBeyondGrace
+from agent.enrol import enrol
+from agent.eventlog import EventLog
+from agent.simulated import RecordingDataplane
+from agent.state import StateDir
+from agent.worker import DataplaneWorker
+from tests.agent.fake_gateway import FakeGateway
+from tests.agent.helpers import document
+
+
+@dataclass
+class World:
+    gateway: FakeGateway
+    agent: Agent
+    dataplane: RecordingDataplane
+    workload: str
+    logs: io.StringIO
+    task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self.task = asyncio.ensure_future(self.agent.run())
+
+    async def stop(self) -> None:
+        self.agent.stop("test")
+        await asyncio.wait_for(self.task, 15)
+
+    def mark(self) -> int:
+        return len(self.gateway.events)
+
+    async def message(self, kind: str, start: int = 0, timeout: float = 15) -> dict:
+        event = await self.gateway.wait_for(
+            lambda e: e["kind"] == "message" and e["type"] == kind and e["workload"] == self.workload, timeout, start
+        )
+        return event["data"]
+
+    async def event(self, kind: str, start: int = 0, timeout: float = 15, **match) -> dict:
+        return await self.gateway.wait_for(
+            lambda e: e["kind"] == kind and all(e.get(k) == v for k, v in match.items()), timeout, start
+        )
+
+    def log_lines(self) -> list[str]:
+        return [line.split(" ", 1)[1] for line in self.logs.getvalue().splitlines()]
+
+    def types_between(self, start: int, end: int | None = None) -> list[str]:
+        return [e["type"] for e in self.gateway.events[start:end] if e["kind"] == "message"]
+
+
+def scenario(tmp_path, body: Callable[[World], Awaitable[None]], *, heartbeat: float = 30.0, prepare=None) -> None:
+    async def main() -> None:
+        gateway = await FakeGateway(tmp_path / "gateway").start()
+        bundle = gateway.bundle(gateway.add_token())
+        state_dir = str(tmp_path / "state")
+        loop = asyncio.get_running_loop()
+        identity = await loop.run_in_executor(
+            None, lambda: enrol(bundle, state_dir, hostname="web-1", addresses=["10.0.0.5"])
+        )
+        dataplane = RecordingDataplane()
+        logs = io.StringIO()
+        agent = Agent(
+            StateDir(state_dir), DataplaneWorker.inline(dataplane), heartbeat_seconds=heartbeat, log=EventLog(stream=logs)
+        )
+        world = World(gateway, agent, dataplane, identity.workload_id, logs)
+        if prepare is not None:
+            await prepare(world)
+        try:
+            await body(world)
+        finally:
+            if world.task is not None and not world.task.done():
+                await world.stop()
+            await gateway.close()
+
+    asyncio.run(asyncio.wait_for(main(), 120))
+
+
+def test_snapshot_is_applied_and_acknowledged(tmp_path):
+    async def body(w: World) -> None:
+        await w.gateway.push_snapshot(w.workload, "v1", document("v1"), mode="simulation")
+        w.start()
+        assert await w.message("applied") == {"v": 1, "type": "applied", "version": "v1"}
+        assert w.dataplane.current == document("v1")
+        auth = (await w.event("auth"))["data"]
+        assert auth["owned_table"] == "absent" and auth["agent_version"] == "0.1.0"
+        assert await w.message("table") == {"v": 1, "type": "table", "state": "present"}
+
+        mark = w.mark()
+        await w.gateway.push_snapshot(w.workload, "v2", document("v2"))
+        assert (await w.message("applied", mark))["version"] == "v2"
+        assert w.dataplane.current == document("v2") and w.dataplane.applies == 2
+
+        status = json.loads((w.agent.state.file("status.json")).read_text())
+        assert status["stream"]["state"] == "connected"
+        assert status["applied"]["version"] == "v2" and status["mode"] == "enforced"
+        assert status["owned_table"]["state"] == "present"
+        await w.stop()
+        lines = w.log_lines()
+        assert "applied version=v1 mode=simulation" in lines
+        assert "applied version=v2 mode=enforced" in lines
+        assert any(line.startswith("stream connected workload=") for line in lines)
+        assert json.loads(w.agent.state.file("status.json").read_text())["stream"]["state"] == "disconnected"
+
+    scenario(tmp_path, body)
+
+
+def test_failed_apply_reports_the_error_and_keeps_the_table(tmp_path):
+    async def body(w: World) -> None:
+        await w.gateway.push_snapshot(w.workload, "v1", document("v1"))
+        w.start()
+        await w.message("applied")
+        mark = w.mark()
+        w.dataplane.fail_with = "document:3:5-9: Error: syntax error, unexpected junk"
+        await w.gateway.push_snapshot(w.workload, "v2", document("v2"))
+        failed = await w.message("failed", mark)
+        assert failed["version"] == "v2" and "syntax error" in failed["error"]
+        assert w.dataplane.current == document("v1")
+
+        mark = w.mark()
+        w.dataplane.fail_with = None
+        await w.gateway.push_snapshot(w.workload, "v3", "table ip other { }")
+        failed = await w.message("failed", mark)
+        assert "must be exactly one 'table inet palisade" in failed["error"]
+        assert any(line.startswith("apply failed version=v2 error=") for line in w.log_lines())
+        status = json.loads(w.agent.state.file("status.json").read_text())
+        assert status["applied"]["version"] == "v1" and "v3" in status["last_error"]["message"]
+
+    scenario(tmp_path, body)
+
+
+def test_same_version_after_a_plain_reconnect_is_acknowledged_without_reapplying(tmp_path):
+    async def body(w: World) -> None:
+        await w.gateway.push_snapshot(w.workload, "v1", document("v1"))
+        w.start()
+        await w.message("applied")
+        mark = w.mark()
+        await w.gateway.close_stream(w.workload, 4503, "shutting down")
+        assert (await w.message("applied", mark))["version"] == "v1"
+        assert w.dataplane.applies == 1
+        lines = w.log_lines()
+        assert 'stream closed code=4503 reason="shutting down"' in lines
+        assert any(line.startswith("backoff seconds=") for line in lines)
+        assert "already applied version=v1" in lines
+
+    scenario(tmp_path, body)
+
+
+def test_outside_delete_is_reported_and_only_a_snapshot_restores(tmp_path):
+    async def body(w: World) -> None:
+        await w.gateway.push_snapshot(w.workload, "v1", document("v1"))
+        w.start()
+        await w.message("applied")
+        await w.message("table")
+        mark = w.mark()
+        w.dataplane.remove()  # someone pulled the kill switch
+        w.agent.table_event("absent")  # what the netlink watcher reports
+        assert (await w.message("table", mark))["state"] == "absent"
+        await asyncio.sleep(0.3)
+        assert w.dataplane.current is None, "the agent must not restore its table by itself"
+
+        mark = w.mark()
+        await w.gateway.resend(w.workload)
+        await w.event("closed", mark, code=4100)
+        assert (await w.message("applied", mark))["version"] == "v1"
+        assert (await w.message("table", mark))["state"] == "present"
+        assert w.dataplane.current == document("v1") and w.dataplane.applies == 2
+        assert "table absent" in w.log_lines() and "reconnect requested reason=resend-snapshot" in w.log_lines()
+
+    scenario(tmp_path, body)
+
+
+def test_resend_reapplies_even_when_the_table_is_present(tmp_path):
+    async def body(w: World) -> None:
+        await w.gateway.push_snapshot(w.workload, "v1", document("v1"))
+        w.start()
+        await w.message("applied")
+        mark = w.mark()
+        await w.gateway.resend(w.workload)
+        await w.message("applied", mark)
+        assert w.dataplane.applies == 2  # a resend may be meant to wipe foreign rules: apply again
+
+    scenario(tmp_path, body)
+
+
+def test_heartbeats_carry_the_table_state_and_catch_a_missed_delete(tmp_path):
+    async def body(w: World) -> None:
+        await w.gateway.push_snapshot(w.workload, "v1", document("v1"))
+        w.start()
+        auth = (await w.event("auth"))["data"]
+        await w.message("applied")
+        beat = await w.message("heartbeat", w.mark())
+        assert beat["process_start_id"] == auth["process_start_id"]
+        assert beat["owned_table"] == "present" and beat["clock"].endswith("Z")
+        assert beat["uptime_seconds"] >= auth["uptime_seconds"]
+
+        mark = w.mark()
+        w.dataplane.remove()  # no watcher event: the heartbeat's own check must notice
+        assert (await w.message("table", mark))["state"] == "absent"
+        assert (await w.message("heartbeat", mark))["owned_table"] == "absent"
+
+    scenario(tmp_path, body, heartbeat=0.2)
+
+
+def test_renewal_when_due(tmp_path):
+    async def prepare(w: World) -> None:
+        w.gateway.welcome_renewal_due_seconds = -1  # due already
+
+    async def body(w: World) -> None:
+        before = credential_parse(w.agent.state.load_credential())
+        w.start()
+        await w.message("renew")
+        await asyncio.sleep(0.2)
+        after = credential_parse(w.agent.state.load_credential())
+        assert after["serial"] > before["serial"] and after["public_key"] == before["public_key"]
+        assert any(line.startswith("credential renewed expires_at=") for line in w.log_lines())
+        status = json.loads(w.agent.state.file("status.json").read_text())
+        assert status["credential"]["expires_at"] == after["expires_at"]
+        assert len(w.gateway.messages("renew")) == 1  # renewed once; the next is due much later
+
+    scenario(tmp_path, body, prepare=prepare)
+
+
+def test_a_renewed_credential_that_does_not_verify_is_reported_and_not_stored(tmp_path):
+    async def prepare(w: World) -> None:
+        w.gateway.welcome_renewal_due_seconds = -1
+        w.gateway.forge_renewals = True
+
+    async def body(w: World) -> None:
+        before = w.agent.state.load_credential()
+        w.start()
+        failed = await w.message("renewal_failed")
+        assert "signature does not verify" in failed["error"]
+        assert w.agent.state.load_credential() == before
+        assert any(line.startswith("renewal failed error=") for line in w.log_lines())
+
+    scenario(tmp_path, body, prepare=prepare)
+
+
+def test_renew_only_sends_renew_and_nothing_else_then_reconnects(tmp_path):
+    async def prepare(w: World) -> None:
+        w.gateway.renew_only.add(w.workload)
+
+    async def body(w: World) -> None:
+        await w.gateway.push_snapshot(w.workload, "v1", document("v1"))
+        w.start()
+        first = await w.event("connected", renew_only=True)
+        closed = await w.event("closed", w.gateway.events.index(first))
+        assert closed["code"] == 1000
+        assert w.types_between(w.gateway.events.index(first), w.gateway.events.index(closed)) == ["renew"]
+        await w.message("applied", w.gateway.events.index(closed))  # the next stream is a normal one
+        assert any(line.startswith("stream connected") and "renew_only=yes" in line for line in w.log_lines())
+
+    scenario(tmp_path, body, heartbeat=0.1, prepare=prepare)
+
+
+def test_close_4403_stops_with_a_reenrol_error(tmp_path):
+    async def prepare(w: World) -> None:
+        w.gateway.refuse[w.workload] = (4403, "credential expired beyond its grace")
+
+    async def body(w: World) -> None:
+        with pytest.raises(CredentialBeyondGrace, match="re-enrol"):
+            await asyncio.wait_for(w.agent.run(), 15)
+        assert len([e for e in w.gateway.events if e["kind"] == "auth"]) == 1  # no retry
+
+    scenario(tmp_path, body, prepare=prepare)
+
+
+def test_close_4401_backs_off_and_tries_again(tmp_path):
+    async def prepare(w: World) -> None:
+        w.gateway.refuse[w.workload] = (4401, "bad proof")
+
+    async def body(w: World) -> None:
+        w.start()
+        first = await w.event("auth")
+        await w.event("auth", w.gateway.events.index(first) + 1, timeout=20)
+        lines = w.log_lines()
+        assert 'stream closed code=4401 reason="bad proof"' in lines
+        assert any(line.startswith("backoff ") for line in lines)
+
+    scenario(tmp_path, body, prepare=prepare)
+
+
+def test_unreachable_gateway_backs_off_and_keeps_the_table(tmp_path):
+    async def body(w: World) -> None:
+        await w.gateway.push_snapshot(w.workload, "v1", document("v1"))
+        w.start()
+        await w.message("applied")
+        await w.gateway.close()  # the control plane goes away
+        for stream in list(w.gateway.streams.values()):
+            await stream.close(1001, "going away")
+        for _ in range(100):
+            if sum(line.startswith("stream error") for line in w.log_lines()) >= 2:
+                break
+            await asyncio.sleep(0.1)
+        assert sum(line.startswith("stream error") for line in w.log_lines()) >= 2
+        assert w.dataplane.current == document("v1")  # fail static
+        status = json.loads(w.agent.state.file("status.json").read_text())
+        assert status["stream"]["state"] in ("connecting", "disconnected") and status["last_error"]
+
+    scenario(tmp_path, body)
+
+
+def test_stop_closes_the_stream_with_1000_and_leaves_the_table(tmp_path):
+    async def body(w: World) -> None:
+        await w.gateway.push_snapshot(w.workload, "v1", document("v1"))
+        w.start()
+        await w.message("applied")
+        mark = w.mark()
+        await w.stop()
+        closed = await w.event("closed", mark)
+        assert closed["code"] == 1000
+        assert w.dataplane.current == document("v1")
+        assert w.log_lines()[-2:] == ["stopping reason=test", "stopped"]
+
+    scenario(tmp_path, body)
+
+
+def test_a_malformed_frame_closes_with_4000(tmp_path):
+    async def body(w: World) -> None:
+        w.start()
+        connected = await w.event("connected")
+        await w.gateway.streams[w.workload].send('{"v": 1, "type": "snapshot", "version": 7}')
+        closed = await w.event("closed", w.gateway.events.index(connected))
+        assert closed["code"] == 4000
+        await w.event("connected", w.gateway.events.index(closed))  # and it comes back
+
+    scenario(tmp_path, body)

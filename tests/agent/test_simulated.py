@@ -1,0 +1,111 @@
+"""Simulated agents: the in-memory dataplane, and a small fleet in one process on the real daemon code."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+
+import pytest
+
+from agent.dataplane import ApplyError
+from agent.simulated import RecordingDataplane, sim_addresses, sim_hostname, start_simulated_fleet
+from tests.agent.fake_gateway import FakeGateway
+from tests.agent.helpers import GatewayThread, document, run_cli
+
+
+def test_recording_dataplane():
+    dataplane = RecordingDataplane(keep=2)
+    assert not dataplane.table_present() and dataplane.remove() is False
+    for version in ("v1", "v2", "v3"):
+        dataplane.apply(document(version))
+    assert dataplane.table_present() and dataplane.current == document("v3")
+    assert list(dataplane.documents) == [document("v2"), document("v3")] and dataplane.applies == 3
+    with pytest.raises(ApplyError, match="exactly one 'table inet palisade"):
+        dataplane.apply("flush ruleset")
+    dataplane.fail_with = "Error: Could not process rule: No such file or directory"
+    with pytest.raises(ApplyError, match="Could not process rule"):
+        dataplane.apply(document("v4"))
+    assert dataplane.current == document("v3")  # a refused document changes nothing
+    assert dataplane.remove() is True and not dataplane.table_present()
+
+
+def test_address_plan():
+    assert sim_hostname(1) == "sim-00001"
+    assert sim_addresses(1) == ["10.200.0.1", "fd00:200::1"]
+    assert sim_addresses(300) == ["10.200.1.44", "fd00:200::12c"]
+
+
+def test_a_fleet_in_one_process(tmp_path):
+    count = 40
+
+    async def main() -> None:
+        gateway = await FakeGateway(tmp_path / "gateway").start()
+        bundle = gateway.bundle(gateway.add_token(uses=count))
+        logs = io.StringIO()
+        fleet = await start_simulated_fleet(bundle, count, tmp_path / "fleet", heartbeat_seconds=0.5, log_stream=logs)
+        fleet.start_rate = 1000.0
+        assert len(gateway.workloads) == count
+        hostnames = sorted(w["hostname"] for w in gateway.workloads.values())
+        assert hostnames[0] == "sim-00001" and hostnames[-1] == f"sim-{count:05d}"
+        assert len({w["public_key"] for w in gateway.workloads.values()}) == count  # a key each
+        contexts = {id(agent._context) for agent in fleet.agents}
+        assert len(contexts) == 1  # one pinned context for everyone
+
+        for workload in gateway.workloads:
+            await gateway.push_snapshot(workload, "v1", document("v1"))
+        runner = asyncio.ensure_future(fleet.run())
+        for workload in gateway.workloads:
+            await gateway.wait_for(
+                lambda e, w=workload: e["kind"] == "message" and e["type"] == "applied" and e["workload"] == w
+            )
+        assert all(d.current == document("v1") for d in fleet.dataplanes)
+        assert fleet.summary()["applied"] == count and fleet.summary()["connected"] == count
+
+        # A new version for one agent reaches only that agent.
+        target = fleet.agents[7].identity.workload_id
+        await gateway.push_snapshot(target, "v2", document("v2"))
+        await gateway.wait_for(
+            lambda e: e["kind"] == "message" and e["workload"] == target and e["data"] == {"v": 1, "type": "applied", "version": "v2"}
+        )
+        assert [d.current for d in fleet.dataplanes].count(document("v2")) == 1
+        await gateway.wait_for(lambda e: e["kind"] == "message" and e["type"] == "heartbeat")
+
+        fleet.stop()
+        await asyncio.wait_for(runner, 30)
+        closes = [e["code"] for e in gateway.events if e["kind"] == "closed"]
+        assert closes.count(1000) == count
+        assert "fleet stopped" in logs.getvalue()
+        await gateway.close()
+
+        # A second run reuses the enrolments instead of spending more token uses.
+        again = await FakeGateway(tmp_path / "gateway").start()
+        again.workloads = gateway.workloads
+        fleet2 = await start_simulated_fleet(again.bundle(again.add_token(uses=0)), count, tmp_path / "fleet", log_stream=logs)
+        assert [a.identity.workload_id for a in fleet2.agents] == [a.identity.workload_id for a in fleet.agents]
+        await again.close()
+
+    asyncio.run(asyncio.wait_for(main(), 120))
+
+
+def test_simulate_command(tmp_path):
+    gateway = GatewayThread(tmp_path / "gateway")
+    try:
+        done = run_cli(
+            "simulate", "--bundle", gateway.bundle(uses=5), "--count", "5", "--state-root", str(tmp_path / "fleet"),
+            "--duration", "2",
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        assert len(gateway.gateway.workloads) == 5
+        assert "fleet stopped" in done.stderr and "connected=5" in done.stderr
+        status = json.loads(run_cli("status", "--state-dir", str(tmp_path / "fleet" / "sim-00003"), "--json").stdout)
+        assert status["hostname"] == "sim-00003"
+
+        refused = run_cli(
+            "simulate", "--bundle", gateway.bundle(uses=1), "--count", "3", "--state-root", str(tmp_path / "other"),
+            "--duration", "1",
+        )  # fmt: skip
+        lines = [line for line in refused.stderr.splitlines() if line.startswith("palisade-agent: error:")]
+        assert refused.returncode == 1 and len(lines) == 1 and "2 of 3 simulated enrolments failed" in lines[0]
+    finally:
+        gateway.close()
