@@ -22,7 +22,7 @@ from controlplane.validation import Findings
 from fleet.credentials import CREDENTIAL_FIELDS, SignedCredential, credential_issue, credential_start
 from fleet.models import Workload
 from fleet.provisioning import provisioning_token_consume
-from fleet.rendering import rerender_for_peer_change
+from fleet.rendering import notify_streams, rerender_for_peer_change
 
 MAX_HOSTNAME = 255
 MAX_ADDRESSES = 64
@@ -181,6 +181,8 @@ def workload_enrol(
                     *CREDENTIAL_FIELDS,
                 ]
             )
+            # A stream still open under the old key must not outlive the re-enrolment.
+            notify_streams([str(workload.id)], {"type": "stream.replaced", "stream_id": ""})
         _render_new_workload(workload, labels_before=labels_before)
         credential = credential_issue(workload=workload)
     return Enrolled(workload=workload, credential=credential, re_enrolled=workload_id is not None)
