@@ -5,9 +5,13 @@ import os
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
 
-from django.core.asgi import get_asgi_application  # noqa: E402
+import django  # noqa: E402
 
-django_http = get_asgi_application()
+django.setup(set_prefix=False)
+
+from controlplane.http_threads import ThreadPoolHttp  # noqa: E402
+
+django_http = ThreadPoolHttp()
 
 from controlplane.listeners import GATEWAY, listener_for_scope  # noqa: E402
 from controlplane.urls_gateway import refuse_websocket, websocket_application  # noqa: E402

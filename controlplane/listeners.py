@@ -17,7 +17,5 @@ def listener_for_scope(scope: dict) -> str:
 
 
 def listener_of(request) -> str:
-    scope = getattr(request, "scope", None)
-    if scope is None:
-        return OPERATOR
-    return scope.get("palisade_listener") or listener_for_scope(scope)
+    """Stamped into the request's environ by the HTTP entry (controlplane/http_threads.py)."""
+    return request.META.get("palisade.listener", OPERATOR)

@@ -1,8 +1,11 @@
-"""What the service says about itself: the advertised gateway address."""
+"""What the service says about itself: the advertised gateway address and certificate fingerprint."""
 
 import socket
 
 from django.conf import settings
+
+from controlplane import clock
+from controlplane.models import GatewayIdentity
 
 
 def gateway_address() -> str:
@@ -12,7 +15,13 @@ def gateway_address() -> str:
     host = getattr(settings, "PALISADE_GATEWAY_HOST", "") or ""
     port = getattr(settings, "PALISADE_GATEWAY_PORT", 8443)
     if host in ("", "0.0.0.0", "::"):
-        host = socket.getfqdn()
+        host = socket.gethostname()
     if ":" in host:
         host = f"[{host}]"
     return f"{host}:{port}"
+
+
+def gateway_identity_record(*, fingerprint: str) -> None:
+    GatewayIdentity.objects.update_or_create(
+        id=1, defaults={"address": gateway_address(), "fingerprint": fingerprint, "updated_at": clock.now()}
+    )

@@ -89,12 +89,16 @@ TEMPLATES = [
 ASGI_APPLICATION = "controlplane.asgi.application"
 
 if os.environ.get("DATABASE_URL"):
-    DATABASES = {"default": dj_database_url.parse(os.environ["DATABASE_URL"], conn_max_age=0)}
+    # Persistent connections: HTTP runs on a fixed pool of threads (controlplane/http_threads.py).
+    DATABASES = {
+        "default": dj_database_url.parse(os.environ["DATABASE_URL"], conn_max_age=300, conn_health_checks=True)
+    }
 else:
     DATABASES = {
         "default": {
             "ENGINE": "django.db.backends.sqlite3",
             "NAME": DATA_DIR / "palisade.sqlite3",
+            "CONN_MAX_AGE": 300,
             "OPTIONS": {
                 # Writers take the lock up front, so two read-then-write transactions serialise
                 # instead of one failing with "database is locked" when it upgrades.
@@ -149,6 +153,7 @@ PALISADE_FLOW_WINDOW_SECONDS = int(os.environ.get("PALISADE_FLOW_WINDOW_SECONDS"
 PALISADE_SITE_LABEL = os.environ.get("PALISADE_SITE_LABEL", "")
 PALISADE_GATEWAY_ADVERTISE = os.environ.get("PALISADE_GATEWAY_ADVERTISE", "")
 PALISADE_LISTENER_PORTS: dict[int, str] = {}
+PALISADE_GATEWAY_FINGERPRINT = ""
 
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [

@@ -29,8 +29,12 @@ log = logging.getLogger("palisade.tls")
 VALIDITY = datetime.timedelta(days=3650)
 # Clients whose clock runs a little behind must not see a certificate from the future.
 BACKDATE = datetime.timedelta(hours=1)
-_DNS_NAME = re.compile(r"^(\*\.)?[A-Za-z0-9_]([A-Za-z0-9_-]{0,62})?(\.[A-Za-z0-9_]([A-Za-z0-9_-]{0,62})?)*\.?$")
-_PEM_CERTIFICATE = re.compile(rb"-----BEGIN CERTIFICATE-----\r?\n.+?\r?\n-----END CERTIFICATE-----", re.DOTALL)
+_DNS_NAME = re.compile(
+    r"^(\*\.)?[A-Za-z0-9_]([A-Za-z0-9_-]{0,62})?(\.[A-Za-z0-9_]([A-Za-z0-9_-]{0,62})?)*\.?$"
+)
+_PEM_CERTIFICATE = re.compile(
+    rb"-----BEGIN CERTIFICATE-----\r?\n.+?\r?\n-----END CERTIFICATE-----", re.DOTALL
+)
 
 
 class CertificateError(Exception):
@@ -100,7 +104,9 @@ def ensure_certificate(data_dir: Path | str, name: str, sans: list[str]) -> Cert
 def _warn_missing_sans(name: str, cert_path: Path, wanted: list[x509.GeneralName]) -> None:
     cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
     try:
-        present = {_san_key(n) for n in cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value}
+        present = {
+            _san_key(n) for n in cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        }
     except x509.ExtensionNotFound:
         present = set()
     missing = [str(n.value) for n in wanted if _san_key(n) not in present]
@@ -134,7 +140,7 @@ def _generate(cert_path: Path, key_path: Path, name: str, sans: list[x509.Genera
             x509.NameAttribute(NameOID.COMMON_NAME, f"Palisade {name} ({socket.gethostname()})"[:64]),
         ]
     )
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     public = key.public_key()
     cert = (
         x509.CertificateBuilder()
@@ -212,7 +218,9 @@ def load_certificate(
     if _spki(cert.public_key()) != _spki(key.public_key()):
         raise CertificateError(f"{what} key {key_path} does not belong to the certificate {cert_path}")
     if key_path.stat().st_mode & 0o077:
-        log.warning("%s key %s is readable by other users (mode %o)", what, key_path, key_path.stat().st_mode & 0o777)
+        log.warning(
+            "%s key %s is readable by other users (mode %o)", what, key_path, key_path.stat().st_mode & 0o777
+        )
     if len(blocks) > 1 and chain_path is not None:
         _write_atomically(chain_path, b"\n".join(blocks[1:]) + b"\n", 0o644)
     else:
@@ -230,4 +238,6 @@ def _read(path: Path, what: str) -> bytes:
 
 
 def _spki(public_key) -> bytes:
-    return public_key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    return public_key.public_bytes(
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
