@@ -31,6 +31,19 @@ from fleet.rendering import stream_group
 log = logging.getLogger("palisade.gateway")
 
 AUTH_TIMEOUT_SECONDS = 10
+
+# The streams this process holds (channel name -> workload id, stream id), so that a shutdown can
+# record them as ended: a stopping server gets no disconnect events from daphne.
+_open_streams: dict[str, tuple[str, str]] = {}
+
+
+def streams_end_all() -> int:
+    """Record every stream this process holds as ended; called once, as the process stops."""
+    held = list(_open_streams.values())
+    _open_streams.clear()
+    for workload_id, stream_id in held:
+        sync.workload_stream_ended(workload_id=workload_id, stream_id=stream_id)
+    return len(held)
 HEARD_FROM_EVERY_SECONDS = 60  # heartbeats refresh last_heard_from at most this often
 
 
@@ -141,6 +154,7 @@ class SyncStreamConsumer(AsyncWebsocketConsumer):
         await database_sync_to_async(sync.workload_stream_opened)(
             workload_id=grant.workload_id, stream_id=self.stream_id, agent_version=auth.agent_version
         )
+        _open_streams[self.channel_name] = (grant.workload_id, self.stream_id)
         if self.table_state:
             await database_sync_to_async(sync.workload_table_reported)(
                 workload_id=grant.workload_id, stream_id=self.stream_id, state=self.table_state
@@ -230,7 +244,7 @@ class SyncStreamConsumer(AsyncWebsocketConsumer):
         if self.grant is None:
             return
         await self.channel_layer.group_discard(stream_group(self.grant.workload_id), self.channel_name)
-        if not self.grant.renew_only:
+        if _open_streams.pop(self.channel_name, None):
             await database_sync_to_async(sync.workload_stream_ended)(workload_id=self.grant.workload_id, stream_id=self.stream_id)
             log.info("stream of %s ended (%s)", self.grant.hostname, code)
 

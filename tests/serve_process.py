@@ -324,12 +324,14 @@ def throwaway_database(base_url: str | None = None):
 
     name = f"palisade_e2e_{secrets.token_hex(6)}"
     parts = urlsplit(base_url)
-    with psycopg.connect(base_url, autocommit=True) as admin:
+    # The maintenance database: the one DATABASE_URL names need not exist (pytest-django makes its own).
+    admin_url = urlunsplit(parts._replace(path="/postgres"))
+    with psycopg.connect(admin_url, autocommit=True) as admin:
         admin.execute(f'CREATE DATABASE "{name}"')
     try:
         yield urlunsplit(parts._replace(path=f"/{name}"))
     finally:
-        with psycopg.connect(base_url, autocommit=True) as admin:
+        with psycopg.connect(admin_url, autocommit=True) as admin:
             admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 

@@ -35,7 +35,7 @@ from twisted.logger import (
     globalLogPublisher,
 )
 
-from agent.protocol import MAX_MESSAGE_BYTES
+from agent.protocol import CLOSE_SHUTDOWN, MAX_MESSAGE_BYTES
 from controlplane import tls
 from controlplane.management.base import PalisadeCommand
 
@@ -142,13 +142,42 @@ def parse_listen(flag: str, value: str) -> ListenAddress:
 
 
 class _Server(daphne.server.Server):
-    """daphne stops quietly, and exits 0, when it cannot listen; keep the reason so serve can fail."""
+    """daphne stops quietly, and exits 0, when it cannot listen; keep the reason so serve can fail.
+    daphne also drops open websockets at shutdown without a word; agents should hear 4503 and the
+    fleet should record their streams as ended, rather than show them connected to nothing."""
 
     listen_failure: Exception | None = None
 
     def listen_error(self, failure):
         self.listen_failure = failure.value
         self.stop()
+
+    def run(self):
+        from twisted.internet import reactor
+
+        reactor.addSystemEventTrigger("before", "shutdown", self.end_streams)
+        super().run()
+
+    def end_streams(self):
+        from autobahn.twisted.websocket import WebSocketServerProtocol
+        from twisted.internet import threads
+
+        from fleet.gateway import streams_end_all
+
+        for protocol in list(getattr(self, "connections", {})):
+            if isinstance(protocol, WebSocketServerProtocol):
+                protocol.sendClose(code=CLOSE_SHUTDOWN, reason="control plane shutting down")
+
+        def record():
+            try:
+                ended = streams_end_all()
+            finally:
+                connections.close_all()
+            if ended:
+                log.info("recorded %d agent streams as ended", ended)
+
+        # The database is not used from the event loop's thread; shutdown waits for this Deferred.
+        return threads.deferToThread(record)
 
 
 class _StopBeforeServing(Exception):
