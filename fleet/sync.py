@@ -19,6 +19,7 @@ cannot take a reconnected workload offline.
 from __future__ import annotations
 
 from collections import defaultdict
+from datetime import timedelta
 
 from django.db import transaction
 from django.db.models import Case, Value, When
@@ -158,3 +159,15 @@ def workload_table_reported(*, workload_id, stream_id: str, state: str) -> None:
     if state not in (ABSENT, PRESENT):
         raise Problem("malformed-request", f"owned table state must be absent or present, not {state!r}")
     workload_heard_from(workload_id=workload_id, stream_id=stream_id, owned_table_state=state)
+
+
+def workload_streams_reap(*, silent_for: timedelta) -> int:
+    """Record as ended the streams nobody has heard from for `silent_for`: their serve process died
+    without recording them (a crash, a kill). Live streams are heard from with every heartbeat."""
+    cutoff = clock.now() - silent_for
+    stale = Workload.objects.exclude(stream_id="").filter(last_heard_from__lt=cutoff).values_list("id", "stream_id")
+    ended = 0
+    for workload_id, stream_id in list(stale):
+        if workload_stream_ended(workload_id=workload_id, stream_id=stream_id):
+            ended += 1
+    return ended

@@ -193,3 +193,12 @@ def test_telemetry_live_is_two_flow_windows(api, db, clock_at, settings):
     assert api.get(f"/api/v1/workloads/{workload.id}").json()["health"]["telemetry_live"] is True
     clock_at(timedelta(seconds=2 * settings.PALISADE_FLOW_WINDOW_SECONDS + 1))
     assert api.get(f"/api/v1/workloads/{workload.id}").json()["health"]["telemetry_live"] is False
+
+
+def test_streams_silent_for_long_are_recorded_as_ended(db, clock_at):
+    alive = connect(make_workload(hostname="alive"))
+    orphan = connect(make_workload(hostname="orphan"))
+    clock_at(timedelta(minutes=4))
+    sync.workload_heard_from(workload_id=alive.id, stream_id="stream-1")
+    assert sync.workload_streams_reap(silent_for=timedelta(minutes=3)) == 1
+    assert state(orphan) == "offline" and state(alive) == "pending"

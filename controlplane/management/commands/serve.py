@@ -41,6 +41,11 @@ from controlplane.management.base import PalisadeCommand
 
 log = logging.getLogger("palisade.serve")
 
+# Heartbeats refresh a stream's last_heard_from at least every minute; a stream silent for three
+# is one whose serve process died.
+STREAM_REAP_EVERY_SECONDS = 60
+STREAM_SILENT_SECONDS = 180
+
 # pg_advisory_lock key shared by every serve process on one database: only one migrates at a time.
 MIGRATE_LOCK_KEY = zlib.crc32(b"palisade:migrate")
 _LISTEN = re.compile(r"^(?:\[(?P<ipv6>[^\]]*)\]|(?P<host>[^:\[\]]*)):(?P<port>[0-9]{1,5})$")
@@ -153,10 +158,35 @@ class _Server(daphne.server.Server):
         self.stop()
 
     def run(self):
-        from twisted.internet import reactor
+        from twisted.internet import reactor, task
 
         reactor.addSystemEventTrigger("before", "shutdown", self.end_streams)
+        reaper = task.LoopingCall(self.reap_streams)
+        reaper.start(STREAM_REAP_EVERY_SECONDS, now=False).addErrback(
+            lambda failure: log.error("stream reaper stopped: %s", failure.getErrorMessage())
+        )
         super().run()
+
+    def reap_streams(self):
+        """Streams left open by a serve process that died without recording them."""
+        from datetime import timedelta
+
+        from twisted.internet import threads
+
+        from fleet.sync import workload_streams_reap
+
+        def reap():
+            try:
+                ended = workload_streams_reap(silent_for=timedelta(seconds=STREAM_SILENT_SECONDS))
+            except DatabaseError as error:
+                log.warning("cannot reap silent streams: %s", _first_line(error))
+                return
+            finally:
+                connections.close_all()
+            if ended:
+                log.info("recorded %d silent agent streams as ended", ended)
+
+        return threads.deferToThread(reap)
 
     def end_streams(self):
         from autobahn.twisted.websocket import WebSocketServerProtocol
