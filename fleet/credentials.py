@@ -34,6 +34,7 @@ from agent.credential import credential_verify as _verify_with
 from controlplane import clock
 from controlplane.problems import Problem
 from fleet.models import Workload
+from fleet.selectors import workload_get
 
 log = logging.getLogger("palisade.credentials")
 
@@ -202,23 +203,12 @@ def credential_verify(text: str) -> dict[str, Any]:
 # --- renewal ---------------------------------------------------------------------------------------
 
 
-def _locked(workload_id: str) -> Workload:
-    try:
-        key = uuid.UUID(str(workload_id))
-    except ValueError:
-        key = None
-    workload = Workload.objects.select_for_update().filter(id=key).first() if key else None
-    if workload is None:
-        raise Problem("not-found", f"No workload {workload_id}.")
-    return workload
-
-
 def credential_renew(*, workload_id: str, now: datetime | None = None) -> SignedCredential:
     """A new credential for the workload (next serial, a full lifetime from now). Admitted while the
     credential is valid and up to the grace after its expiry; a renewal made with an expired
     credential sets `credential_last_late_renewal`. Beyond the grace it is refused: re-enrol."""
     with transaction.atomic():
-        workload = _locked(workload_id)
+        workload = workload_get(workload_id=workload_id, for_update=True)
         now = now or clock.now()
         if now >= credential_grace_ends_at(workload):
             raise Problem(
@@ -241,7 +231,7 @@ def credential_renewal_failed(*, workload_id: str, error: str) -> Workload:
     """Record a failed renewal attempt: `renews` becomes `renewal-failed`; the error stays on the
     workload until a renewal succeeds."""
     with transaction.atomic():
-        workload = _locked(workload_id)
+        workload = workload_get(workload_id=workload_id, for_update=True)
         workload.credential_renewal_failed = True
         workload.credential_last_error = (error or "renewal failed")[:MAX_ERROR_LENGTH]
         workload.save(update_fields=["credential_renewal_failed", "credential_last_error"])

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ipaddress
 import re
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,10 +16,11 @@ from django.db import transaction
 
 from agent.credential import CredentialError, public_key_decode, public_key_encode
 from controlplane import clock
-from controlplane.problems import Problem, pointer
+from controlplane.problems import pointer
 from controlplane.validation import Findings
 from fleet.credentials import CREDENTIAL_FIELDS, SignedCredential, credential_issue, credential_start
 from fleet.models import Workload
+from fleet.selectors import workload_get
 from fleet.provisioning import provisioning_token_consume
 from fleet.rendering import notify_streams, rerender_for_peer_change
 
@@ -161,7 +161,11 @@ def workload_enrol(
             workload.save(force_insert=True)
             labels_before: dict[str, str] = {}
         else:
-            workload = _locked_workload(workload_id)
+            workload = workload_get(
+                workload_id=workload_id,
+                for_update=True,
+                missing=f"No workload {workload_id} to re-enrol; enrol without a workload id.",
+            )
             labels_before = dict(workload.labels)
             workload.hostname = spec.hostname
             workload.addresses = spec.addresses
@@ -186,17 +190,6 @@ def workload_enrol(
         _render_new_workload(workload, labels_before=labels_before)
         credential = credential_issue(workload=workload)
     return Enrolled(workload=workload, credential=credential, re_enrolled=workload_id is not None)
-
-
-def _locked_workload(workload_id: Any) -> Workload:
-    try:
-        key = uuid.UUID(str(workload_id))
-    except ValueError:
-        key = None
-    workload = Workload.objects.select_for_update().filter(id=key).first() if key else None
-    if workload is None:
-        raise Problem("not-found", f"No workload {workload_id} to re-enrol; enrol without a workload id.")
-    return workload
 
 
 def _render_new_workload(workload: Workload, *, labels_before: dict[str, str]) -> None:

@@ -7,6 +7,7 @@ from django.db import models
 MODES = ("visibility", "simulation", "enforced")
 SYNC_STATES = ("synced", "pending", "degraded", "offline")
 TABLE_STATES = ("present", "absent", "unknown")
+ABSENT, PRESENT = "absent", "present"
 
 
 class RenderedPolicy(models.Model):

@@ -10,8 +10,7 @@ from django.db.models.lookups import In
 
 from controlplane.pagination import OrderKey, Page, list_fingerprint, paginate
 from controlplane.problems import Finding, Problem, ValidationFailed
-from fleet.models import SYNC_STATES, Workload
-from fleet.sync import ABSENT
+from fleet.models import ABSENT, SYNC_STATES, Workload
 from policy.grammar import GrammarError, Selector, parse_selector
 
 # Degraded and enforcement-removed first, then offline, pending, synced; by host name within each.
@@ -96,14 +95,16 @@ def workload_counts() -> dict:
     return {"total": row["total"], "sync_state": {s: row[s] for s in SYNC_STATES}, "removed": row["removed"]}
 
 
-def workload_get(*, workload_id) -> Workload:
+def workload_get(*, workload_id, for_update: bool = False, missing: str = "") -> Workload:
+    """One workload. Writes pass `for_update`: the row stays locked until their transaction ends."""
     try:
         key = uuid.UUID(str(workload_id))
     except ValueError:
         key = None
-    workload = Workload.objects.select_related("latest_policy").filter(id=key).first() if key else None
+    queryset = Workload.objects.select_for_update() if for_update else Workload.objects.select_related("latest_policy")
+    workload = queryset.filter(id=key).first() if key else None
     if workload is None:
-        raise Problem("not-found", f"No workload {workload_id}.")
+        raise Problem("not-found", missing or f"No workload {workload_id}.")
     return workload
 
 

@@ -14,22 +14,12 @@ from controlplane.conditional import check_version
 from controlplane.problems import Finding, Problem, ValidationFailed, pointer
 from controlplane.validation import Findings, reject_unknown, require_object
 from fleet.models import MODES, ModeChange, Workload
+from fleet.selectors import workload_get
 from fleet.rendering import notify_streams, rerender_for_peer_change, workloads_rerender
 from policy.grammar import GrammarError, parse_selector, validate_labels
 
 MAX_LABELS = 64
 MAX_SELECTION_IDS = 10_000
-
-
-def workload_locked(workload_id) -> Workload:
-    try:
-        key = uuid.UUID(str(workload_id))
-    except ValueError:
-        key = None
-    workload = Workload.objects.select_for_update().filter(id=key).first() if key else None
-    if workload is None:
-        raise Problem("not-found", f"No workload {workload_id}.")
-    return workload
 
 
 def labels_input(data: Any) -> dict[str, str]:
@@ -53,7 +43,7 @@ def workload_labels_replace(
 ) -> Workload:
     """Replace a workload's labels; re-render it and the workloads whose peers it is or was."""
     with transaction.atomic():
-        workload = workload_locked(workload_id)
+        workload = workload_get(workload_id=workload_id, for_update=True)
         labels = labels_input(data)
         check_version(current=workload.labels_version, expected=expected_version, what="label set")
         before = dict(workload.labels)
@@ -161,7 +151,7 @@ def workload_resend_snapshot(*, actor: Actor, workload_id: str) -> Workload:
     """Direct the workload's agent to reconnect and receive a fresh snapshot. Best effort: nothing
     records or retries the directive; `sync.last_snapshot_sent_at` moving is the confirmation."""
     with transaction.atomic():
-        workload = workload_locked(workload_id)
+        workload = workload_get(workload_id=workload_id, for_update=True)
         if workload.sync_state == "offline":
             heard = workload.last_heard_from
             when = f"last heard from at {clock.rfc3339(heard)}" if heard else "it has never connected"

@@ -26,10 +26,10 @@ from django.db.models import Case, Value, When
 
 from controlplane import clock
 from controlplane.problems import Problem
-from fleet.models import Workload
+from fleet.models import ABSENT, PRESENT, Workload
+from fleet.selectors import workload_get
 
 OFFLINE, PENDING, SYNCED, DEGRADED = "offline", "pending", "synced", "degraded"
-ABSENT, PRESENT = "absent", "present"
 
 
 def rank_of(sync_state: str, owned_table_state: str) -> int:
@@ -39,10 +39,7 @@ def rank_of(sync_state: str, owned_table_state: str) -> int:
 
 
 def _locked(workload_id) -> Workload:
-    workload = Workload.objects.select_for_update().filter(id=workload_id).first()
-    if workload is None:
-        raise Problem("not-found", f"No workload {workload_id}.")
-    return workload
+    return workload_get(workload_id=workload_id, for_update=True)
 
 
 def _save(workload: Workload, *fields: str) -> None:

@@ -1,7 +1,6 @@
 """The API conventions every endpoint shares: problem documents, the origin guard, paging."""
 
 import pytest
-from rest_framework.test import APIClient
 
 from controlplane.auth.actor import CLI_ACTOR
 from controlplane.auth.models import OperatorToken

@@ -1,7 +1,6 @@
 """End to end with real traffic: `serve` and two real agents in network namespaces, nftables in the
 kernel, the operator API over TLS. One scenario, step by step, as an operator would live it."""
 
-import os
 import shutil
 import signal
 import sqlite3
@@ -13,7 +12,7 @@ import pytest
 from tests.e2e.lab import AgentProcess, NamespacedServe, TCP_SERVER, probe, via_unix_socket
 from tests.netns import Lab, require_namespace_lab
 from tests.requirements import require
-from tests.serve_process import manage, throwaway_database
+from tests.serve_process import throwaway_database
 
 pytestmark = [pytest.mark.e2e, pytest.mark.root, pytest.mark.timeout(900)]
 

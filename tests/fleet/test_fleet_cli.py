@@ -1,25 +1,14 @@
 """The fleet commands call the same domain functions as the API and refuse the same things."""
 
-import io
 import json
 
-from django.core.management import call_command
 
 from fleet import sync
 from tests.controlplane.test_conventions import assert_problem
 from tests.fleet.workloads import connect, make_workload
+from tests.helpers import run_command as run
 
 
-def run(*args, stdin_text=None, monkeypatch=None):
-    out, err = io.StringIO(), io.StringIO()
-    if stdin_text is not None:
-        monkeypatch.setattr("sys.stdin", io.StringIO(stdin_text))
-    code = 0
-    try:
-        call_command(*args, stdout=out, stderr=err)
-    except SystemExit as exit:
-        code = exit.code
-    return code, out.getvalue(), err.getvalue()
 
 
 def test_list_show_counts_match_the_api(api, db):

@@ -3,15 +3,12 @@ bundle, and consumption: uses, expiry, revocation and max_uses, also under concu
 
 import base64
 import hashlib
-import io
 import json
-import threading
 from datetime import timedelta
 
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from django.core.management import call_command
-from django.db import connection, connections
+from django.db import connection
 
 from agent.bundle import BUNDLE_PREFIX, BundleError, bundle_decode, bundle_encode
 from agent.credential import public_key_encode
@@ -23,6 +20,7 @@ from fleet.enrolment import workload_enrol
 from fleet.models import ProvisioningToken, Workload
 from fleet.provisioning import provisioning_token_consume, provisioning_token_mint, provisioning_token_revoke
 from tests.controlplane.test_conventions import assert_problem
+from tests.helpers import race, run_command as run
 from tests.requirements import require
 
 FINGERPRINT = ":".join(f"{i:02X}" for i in range(32))
@@ -59,14 +57,6 @@ def enrol(secret, **overrides):
     return workload_enrol(**{**kwargs, **overrides})
 
 
-def run(*args):
-    out, err = io.StringIO(), io.StringIO()
-    code = 0
-    try:
-        call_command(*args, stdout=out, stderr=err)
-    except SystemExit as exit:
-        code = exit.code
-    return code, out.getvalue(), err.getvalue()
 
 
 RECORD_FIELDS = {
@@ -381,26 +371,6 @@ def test_malformed_bundles_are_refused_with_one_line(text, message):
 # --- concurrency: a single-use token enrols exactly one workload ---------------------------------------
 
 
-def race(*calls):
-    """Run the calls at the same instant, each on its own thread and database connection."""
-    barrier = threading.Barrier(len(calls))
-    results = [None] * len(calls)
-
-    def run_one(index, call):
-        try:
-            barrier.wait()
-            results[index] = call()
-        except Exception as error:  # noqa: BLE001  (the outcome is what the test compares)
-            results[index] = error
-        finally:
-            connections.close_all()
-
-    threads = [threading.Thread(target=run_one, args=(i, c)) for i, c in enumerate(calls)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return results
 
 
 @pytest.mark.postgres

@@ -1,12 +1,12 @@
 """The host commands admit and refuse exactly what the API does, with the same findings."""
 
-import io
 import json
 
 import pytest
-from django.core.management import CommandError, call_command
+from django.core.management import CommandError
 
 from tests.controlplane.test_conventions import assert_problem
+from tests.helpers import run_command as run
 
 BAD_BODIES = [
     ("service", "/api/v1/services", {"name": "", "entries": [{"protocol": "tcp", "port": 0}, {"protocol": "icmp", "port": 1}]}),
@@ -19,16 +19,6 @@ BAD_BODIES = [
 ]
 
 
-def run(*args, stdin_text=None, monkeypatch=None):
-    out, err = io.StringIO(), io.StringIO()
-    if stdin_text is not None:
-        monkeypatch.setattr("sys.stdin", io.StringIO(stdin_text))
-    code = 0
-    try:
-        call_command(*args, stdout=out, stderr=err)
-    except SystemExit as exit:
-        code = exit.code
-    return code, out.getvalue(), err.getvalue()
 
 
 @pytest.mark.parametrize("command, path, body", BAD_BODIES)

@@ -1,14 +1,14 @@
 """Concurrent writers on PostgreSQL: the compare-and-set and the reference integrity hold under races."""
 
-import threading
 
 import pytest
-from django.db import connection, connections
+from django.db import connection
 from rest_framework.test import APIClient
 
 from controlplane.auth.actor import CLI_ACTOR
 from controlplane.auth.services import operator_token_mint
 from policy.models import RuleService, Service
+from tests.helpers import race
 from tests.requirements import require
 
 pytestmark = pytest.mark.postgres
@@ -27,24 +27,6 @@ def _client(secret):
     return client
 
 
-def race(*calls):
-    """Run the calls at the same instant, each on its own thread and database connection."""
-    barrier = threading.Barrier(len(calls))
-    results = [None] * len(calls)
-
-    def run(index, call):
-        try:
-            barrier.wait()
-            results[index] = call()
-        finally:
-            connections.close_all()
-
-    threads = [threading.Thread(target=run, args=(i, c)) for i, c in enumerate(calls)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return results
 
 
 def test_two_writers_with_the_same_version_exactly_one_wins(pg_api):
