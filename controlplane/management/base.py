@@ -16,8 +16,23 @@ EXIT_PROBLEM = 1
 EXIT_VALIDATION = 2
 
 
+_schema_checked = False
+
+
+def _ensure_schema() -> None:
+    """A host command may be the first thing run on a fresh data directory (operator-password before
+    the first serve): bring the schema up to date first, once per process."""
+    global _schema_checked
+    if not _schema_checked:
+        from controlplane.database import database_migrate
+
+        database_migrate()
+        _schema_checked = True
+
+
 class PalisadeCommand(BaseCommand):
     json_output = True  # commands that print data offer --json
+    migrates_itself = False  # serve applies migrations at start, or not with --no-migrate
 
     def create_parser(self, prog_name, subcommand, **kwargs):
         parser = super().create_parser(prog_name, subcommand, **kwargs)
@@ -44,6 +59,8 @@ class PalisadeCommand(BaseCommand):
     def execute(self, *args, **options):
         self.as_json = bool(options.get("json"))
         try:
+            if not self.migrates_itself:
+                _ensure_schema()
             return super().execute(*args, **options)
         except Problem as problem:
             self.report_problem(problem)

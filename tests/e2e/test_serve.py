@@ -1,6 +1,7 @@
 """`manage.py serve` as a real process: TLS on both listeners, certificates, routing, start and stop."""
 
 import datetime
+import json
 import re
 import signal
 import socket
@@ -15,7 +16,7 @@ from cryptography.x509.oid import NameOID
 
 from controlplane.tls import ensure_certificate, fingerprint_of
 from tests.requirements import require
-from tests.serve_process import Site, free_port
+from tests.serve_process import Site, free_port, manage, throwaway_database
 
 pytestmark = pytest.mark.e2e
 
@@ -280,3 +281,12 @@ def test_a_given_full_chain_file_serves_its_intermediates(site, tmp_path):
         with context.wrap_socket(raw, server_hostname="localhost") as tls:
             assert tls.getpeercert(binary_form=True) == leaf.public_bytes(serialization.Encoding.DER)
     assert serve.logged_fingerprint("operator") == fingerprint_of(leaf.public_bytes(pem))
+
+
+def test_host_commands_work_on_a_fresh_data_directory_before_the_first_serve(tmp_path):
+    """operator-password may be the very first command a new user runs."""
+    with throwaway_database() as database_url:
+        done = manage(tmp_path / "fresh", "operator-password", "--stdin", input="a long enough password\n", database_url=database_url)
+        assert "Operator password set" in done.stdout
+        listed = manage(tmp_path / "fresh", "operator-token", "list", "--json", database_url=database_url)
+        assert json.loads(listed.stdout) == {"items": []}

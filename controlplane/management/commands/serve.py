@@ -8,7 +8,6 @@ There is no plaintext option.
 # would leave twisted with its default reactor, which daphne cannot run on.
 import daphne.server  # isort: skip
 
-import fcntl
 import ipaddress
 import logging
 import os
@@ -16,15 +15,11 @@ import re
 import shlex
 import signal
 import socket
-import zlib
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 from django.conf import settings
-from django.core.management import call_command
 from django.core.management.base import CommandError
-from django.db import DatabaseError, OperationalError, connection, connections
-from django.db.migrations.executor import MigrationExecutor
+from django.db import DatabaseError, OperationalError, connections
 from twisted.internet.endpoints import quoteStringArgument
 from twisted.internet.error import CannotListenError
 from twisted.logger import (
@@ -37,6 +32,7 @@ from twisted.logger import (
 
 from agent.protocol import CLOSE_SHUTDOWN, MAX_MESSAGE_BYTES
 from controlplane import tls
+from controlplane.database import database_migrate, pending_migrations
 from controlplane.management.base import PalisadeCommand
 
 log = logging.getLogger("palisade.serve")
@@ -46,8 +42,6 @@ log = logging.getLogger("palisade.serve")
 STREAM_REAP_EVERY_SECONDS = 60
 STREAM_SILENT_SECONDS = 180
 
-# pg_advisory_lock key shared by every serve process on one database: only one migrates at a time.
-MIGRATE_LOCK_KEY = zlib.crc32(b"palisade:migrate")
 _LISTEN = re.compile(r"^(?:\[(?P<ipv6>[^\]]*)\]|(?P<host>[^:\[\]]*)):(?P<port>[0-9]{1,5})$")
 _HOST_NAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?$")
 
@@ -221,6 +215,7 @@ def _stop_before_serving(signum, frame):
 class Command(PalisadeCommand):
     help = "Run the control plane: the operator listener (API and console) and the agent gateway, both TLS."
     json_output = False
+    migrates_itself = True
 
     def add_arguments(self, parser):
         super().add_arguments(parser)
@@ -373,15 +368,10 @@ class Command(PalisadeCommand):
             connections.close_all()
 
     def _migrate(self) -> None:
-        with _migration_lock():
-            pending = self._pending_migrations()
-            if pending:
-                log.info("applying %d database migrations", len(pending))
-                call_command("migrate", interactive=False, verbosity=0)
+        database_migrate()
 
     def _pending_migrations(self) -> list:
-        executor = MigrationExecutor(connection)
-        return executor.migration_plan(executor.loader.graph.leaf_nodes())
+        return pending_migrations()
 
     def _record_gateway_identity(self, fingerprint: str) -> None:
         """What provisioning bundles carry and agents bind their proofs to; commands run outside
@@ -420,28 +410,6 @@ class Command(PalisadeCommand):
                     return f"cannot listen on {listen} ({listen.flag}): {reason.lower()}"
             return f"cannot listen on {_bracket(failure.interface or '*')}:{failure.port}: {reason.lower()}"
         return f"cannot listen: {_first_line(failure)}"
-
-
-@contextmanager
-def _migration_lock():
-    """Two serve processes starting together on one database must not both apply the same migration."""
-    if connection.vendor == "postgresql":
-        # Its own session, so that nothing migrate does to the default connection drops the lock.
-        lock = connections.create_connection("default")
-        try:
-            with lock.cursor() as cursor:
-                cursor.execute("SELECT pg_advisory_lock(%s)", [MIGRATE_LOCK_KEY])
-            yield
-        finally:
-            lock.close()  # ending the session releases the lock
-        return
-    # SQLite lives in the data directory, so a lock file there covers everyone sharing the database.
-    fd = os.open(settings.DATA_DIR / ".migrate.lock", os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
 
 
 def _first_line(error: Exception) -> str:
