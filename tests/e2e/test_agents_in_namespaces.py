@@ -32,14 +32,28 @@ def lab():
         yield lab
 
 
-def start_redis(lab):
-    redis = subprocess.Popen(
+@pytest.fixture
+def redis(lab):
+    """A Redis of the control plane's own, on its namespace's loopback, for two serve processes."""
+    process = subprocess.Popen(
         ["ip", "netns", "exec", lab.ns("cp"), "redis-server", "--bind", "127.0.0.1", "--port", str(REDIS_PORT),
          "--save", "", "--appendonly", "no"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     time.sleep(0.5)
-    return redis
+    yield process
+    process.kill()
+    process.wait(10)
+
+
+@pytest.fixture
+def web_servers(lab):
+    """TCP servers on the protected workload: 8080 will be admitted, 9090 not."""
+    process = lab.popen_python("web", TCP_SERVER, "8080", "9090")
+    assert process.stdout.readline().strip() == "ready"
+    yield process
+    process.kill()
+    process.wait(10)
 
 
 def inject_broken_latest(data_dir, database_url, workload_id):
@@ -64,9 +78,7 @@ def table_listing(lab, ns):
     return lab.run(ns, ["nft", "list", "table", "inet", "palisade"])
 
 
-def test_enrol_enforce_degrade_remove_restore_kill_restart_and_resend_across_processes(lab, tmp_path):
-    redis = start_redis(lab)
-    servers = lab.popen_python("web", TCP_SERVER, "8080", "9090")
+def test_enrol_enforce_degrade_remove_restore_kill_restart_and_resend_across_processes(lab, redis, web_servers, tmp_path):
     agents: list[AgentProcess] = []
     with throwaway_database() as tcp_database_url:
         database_url = via_unix_socket(tcp_database_url)
@@ -81,7 +93,6 @@ def test_enrol_enforce_degrade_remove_restore_kill_restart_and_resend_across_pro
 
         first = serve(8080, 8443)
         try:
-            assert servers.stdout.readline().strip() == "ready"
             token = first.mint_operator_token("e2e")
             api = first.api(token)
 
@@ -196,7 +207,5 @@ def test_enrol_enforce_degrade_remove_restore_kill_restart_and_resend_across_pro
             for agent in agents:
                 agent.kill(signal.SIGTERM)
             first.kill()
-            servers.kill()
-            redis.kill()
             print("\n".join(f"--- {a.ns} agent log\n{a.log()}" for a in agents))
             print("--- serve log\n" + first.stderr_text()[-20000:])
