@@ -162,12 +162,19 @@ def percentile(values: list[float], fraction: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(fraction * (len(ordered) - 1))))]
 
 
-def bench_render(count: int) -> tuple[dict, str]:
+def build_synthetic(count: int):
+    """The seeded synthetic fleet and policy: (workloads, services, groups, rulesets).
+    Also used by bench_fleet.py, which writes the same policy into the database."""
     rng = random.Random(SEED)
     workloads = build_fleet(rng, count)
     services = build_services(rng)
     groups = build_groups(rng)
     rulesets = build_rulesets(rng, services)
+    return workloads, services, groups, rulesets
+
+
+def bench_render(count: int) -> tuple[dict, str]:
+    workloads, services, groups, rulesets = build_synthetic(count)
 
     started = time.perf_counter()
     fleet = FleetIndex.build(workloads)

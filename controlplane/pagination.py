@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from django.core import signing
-from django.db.models import Q, QuerySet
+from django.db.models import F, Q, QuerySet
+from django.db.models.fields.tuple_lookups import Tuple, TupleGreaterThan, TupleLessThan
 
 from controlplane.problems import Finding, ValidationFailed
 
@@ -76,7 +77,13 @@ def _decode_value(value: Any) -> Any:
 
 
 def _after(order: Sequence[OrderKey], values: Sequence[Any]) -> Q:
-    """Rows strictly after `values` in `order`: (a > x) or (a = x and b > y) or ..."""
+    """Rows strictly after `values` in `order`. When every key runs the same way this is one row
+    comparison, `(a, b, c) > (x, y, z)`, which the database answers from the order's index; mixed
+    directions need the expanded form (a > x) or (a = x and b > y) or ..."""
+    if len({key.descending for key in order}) == 1:
+        columns = Tuple(*[F(key.field) for key in order])
+        compare = TupleLessThan if order[0].descending else TupleGreaterThan
+        return Q(compare(columns, tuple(values)))
     condition = Q()
     for index, key in enumerate(order):
         step = Q(**{f"{key.field}__{'lt' if key.descending else 'gt'}": values[index]})
