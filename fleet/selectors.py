@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 
+from django.db import connection
 from django.db.models import Count, Q, QuerySet
 from django.db.models.fields.json import KeyTextTransform
 from django.db.models.lookups import In
@@ -32,10 +33,15 @@ def label_filters_parse(texts: list[str]) -> list[Selector]:
 def _label_q(selector: Selector) -> Q:
     """A label selector as a database filter on the JSON labels column (SQLite and PostgreSQL)."""
     q = Q()
+    containment = connection.vendor == "postgresql"  # jsonb @>, answered by the labels GIN index
     for r in selector.requirements:
         has = Q(labels__has_key=r.key)
-        value = KeyTextTransform(r.key, "labels")
-        one_of = Q(In(value, list(r.values))) if r.values else Q()
+        if containment and r.values:
+            one_of = Q()
+            for value in r.values:
+                one_of |= Q(labels__contains={r.key: value})
+        else:
+            one_of = Q(In(KeyTextTransform(r.key, "labels"), list(r.values))) if r.values else Q()
         if r.op == "exists":
             q &= has
         elif r.op == "!exists":
