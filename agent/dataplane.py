@@ -15,6 +15,9 @@ its own, so use one instance per thread.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import gc
 import os
 import re
 
@@ -25,6 +28,16 @@ BATCH_HEADER = f"add table {TABLE}\ndelete table {TABLE}\n"
 _HEADER_LINES = BATCH_HEADER.count("\n")
 # Errors quote whole lines of the document; keep a refusal report a reasonable size.
 _MAX_ERROR_CHARS = 16_000
+
+
+def _find_malloc_trim():
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc: freed memory simply stays with the process
+        return None
+
+
+_malloc_trim = _find_malloc_trim()
 
 _POSITION = re.compile(r"^/proc/self/fd/\d+:(\d+):", re.MULTILINE)
 # Braces count only outside strings and comments; matching those whole skips what they hold.
@@ -48,15 +61,31 @@ class NftablesDataplane:
         # an error the CLI can explain (ImportError here, OSError when loading the library).
         import nftables
 
-        self._nft = nftables.Nftables()
-        self._nft.set_json_output(False)
+        self._nftables = nftables
+        self._nft = self._new_context()
+
+    def _new_context(self):
+        context = self._nftables.Nftables()
+        context.set_json_output(False)
+        return context
+
+    def _release_batch_memory(self) -> None:
+        """A context that applied a large batch keeps its parse and cache (tens of MB for 10,000
+        rules): swap it for a fresh one, and hand the freed heap back to the system."""
+        self._nft = self._new_context()
+        gc.collect()
+        if _malloc_trim is not None:
+            _malloc_trim(0)
 
     def apply(self, document: str) -> None:
         """Replace the owned table with ``document`` (the text of ``table inet palisade {...}``)."""
         problem = owned_table_problem(document)
         if problem is not None:
             raise ApplyError(problem)
-        rc, _output, error = self._run_batch(BATCH_HEADER + document)
+        try:
+            rc, _output, error = self._run_batch(BATCH_HEADER + document)
+        finally:
+            self._release_batch_memory()
         if rc != 0:
             raise ApplyError(_explain(error, rc))
 
