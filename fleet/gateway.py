@@ -14,6 +14,7 @@ import time
 import uuid
 
 from channels.db import database_sync_to_async
+from django.db import connection
 from channels.generic.websocket import AsyncWebsocketConsumer
 from rest_framework.permissions import AllowAny
 from rest_framework.response import Response
@@ -29,6 +30,13 @@ from fleet.enrolment import workload_enrol
 from fleet.rendering import stream_group
 
 log = logging.getLogger("palisade.gateway")
+
+
+def _db(function):
+    """Run a domain function off the event loop. On PostgreSQL on a pool thread, not Channels' one
+    shared thread: after a fleet-wide change thousands of streams acknowledge at once, and their
+    writes must overlap. SQLite takes one writer at a time anyway, so there it stays serial."""
+    return database_sync_to_async(function, thread_sensitive=connection.vendor != "postgresql")
 
 AUTH_TIMEOUT_SECONDS = 10
 
@@ -139,7 +147,7 @@ class SyncStreamConsumer(AsyncWebsocketConsumer):
         await handler(message)
 
     async def authenticate(self, auth: protocol.Auth) -> None:
-        grant = await database_sync_to_async(streams.stream_authenticate)(auth=auth, nonce=self.nonce)
+        grant = await _db(streams.stream_authenticate)(auth=auth, nonce=self.nonce)
         self.auth_timer.cancel()
         self.grant = grant
         self.table_state = auth.owned_table if auth.owned_table in ("present", "absent") else None
@@ -151,31 +159,31 @@ class SyncStreamConsumer(AsyncWebsocketConsumer):
         if grant.renew_only:
             log.info("stream of %s: credential expired, renew only", grant.hostname)
             return
-        await database_sync_to_async(sync.workload_stream_opened)(
+        await _db(sync.workload_stream_opened)(
             workload_id=grant.workload_id, stream_id=self.stream_id, agent_version=auth.agent_version
         )
         _open_streams[self.channel_name] = (grant.workload_id, self.stream_id)
         if self.table_state:
-            await database_sync_to_async(sync.workload_table_reported)(
+            await _db(sync.workload_table_reported)(
                 workload_id=grant.workload_id, stream_id=self.stream_id, state=self.table_state
             )
         log.info("stream of %s opened (agent %s)", grant.hostname, auth.agent_version)
         await self.send_snapshot()
 
     async def send_snapshot(self) -> None:
-        snapshot = await database_sync_to_async(streams.stream_snapshot)(workload_id=self.grant.workload_id)
+        snapshot = await _db(streams.stream_snapshot)(workload_id=self.grant.workload_id)
         await self.send_message(snapshot)
         self.sent_version = snapshot.version
-        await database_sync_to_async(sync.workload_snapshot_sent)(workload_id=self.grant.workload_id, stream_id=self.stream_id)
+        await _db(sync.workload_snapshot_sent)(workload_id=self.grant.workload_id, stream_id=self.stream_id)
 
     async def on_applied(self, message: protocol.Applied) -> None:
-        await database_sync_to_async(sync.workload_applied)(
+        await _db(sync.workload_applied)(
             workload_id=self.grant.workload_id, stream_id=self.stream_id, version=message.version
         )
 
     async def on_failed(self, message: protocol.Failed) -> None:
         log.warning("%s failed to apply %s: %s", self.grant.hostname, message.version, message.error.splitlines()[0:1])
-        await database_sync_to_async(sync.workload_apply_failed)(
+        await _db(sync.workload_apply_failed)(
             workload_id=self.grant.workload_id, stream_id=self.stream_id, version=message.version, error=message.error
         )
 
@@ -184,7 +192,7 @@ class SyncStreamConsumer(AsyncWebsocketConsumer):
         now = time.monotonic()
         if state != self.table_state or now - self.heard_at >= HEARD_FROM_EVERY_SECONDS:
             self.heard_at, self.table_state = now, state
-            await database_sync_to_async(sync.workload_heard_from)(
+            await _db(sync.workload_heard_from)(
                 workload_id=self.grant.workload_id, stream_id=self.stream_id, owned_table_state=state
             )
 
@@ -193,15 +201,15 @@ class SyncStreamConsumer(AsyncWebsocketConsumer):
             raise protocol.ProtocolError(protocol.CLOSE_MALFORMED, "table state must be present or absent")
         self.table_state = message.state
         log.info("%s reports its owned table %s", self.grant.hostname, message.state)
-        await database_sync_to_async(sync.workload_table_reported)(
+        await _db(sync.workload_table_reported)(
             workload_id=self.grant.workload_id, stream_id=self.stream_id, state=message.state
         )
 
     async def renew(self) -> None:
         try:
-            issued = await database_sync_to_async(credentials.credential_renew)(workload_id=self.grant.workload_id)
+            issued = await _db(credentials.credential_renew)(workload_id=self.grant.workload_id)
         except Exception as error:  # the domain refuses with a Problem; anything else is logged too
-            await database_sync_to_async(credentials.credential_renewal_failed)(
+            await _db(credentials.credential_renewal_failed)(
                 workload_id=self.grant.workload_id, error=str(error)
             )
             raise streams.StreamRefused(protocol.CLOSE_FORBIDDEN, "renewal refused: re-enrol") from None
@@ -218,7 +226,7 @@ class SyncStreamConsumer(AsyncWebsocketConsumer):
             await self.close(code=protocol.CLOSE_RECONNECT)
 
     async def on_renewal_failed(self, message: protocol.RenewalFailed) -> None:
-        await database_sync_to_async(credentials.credential_renewal_failed)(
+        await _db(credentials.credential_renewal_failed)(
             workload_id=self.grant.workload_id, error=message.error
         )
 
@@ -245,7 +253,7 @@ class SyncStreamConsumer(AsyncWebsocketConsumer):
             return
         await self.channel_layer.group_discard(stream_group(self.grant.workload_id), self.channel_name)
         if _open_streams.pop(self.channel_name, None):
-            await database_sync_to_async(sync.workload_stream_ended)(workload_id=self.grant.workload_id, stream_id=self.stream_id)
+            await _db(sync.workload_stream_ended)(workload_id=self.grant.workload_id, stream_id=self.stream_id)
             log.info("stream of %s ended (%s)", self.grant.hostname, code)
 
 

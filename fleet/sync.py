@@ -22,7 +22,7 @@ from collections import defaultdict
 from datetime import timedelta
 
 from django.db import connection, transaction
-from django.db.models import Case, Value, When
+from django.db.models import Case, CharField, F, PositiveSmallIntegerField, Q, Value, When
 
 from controlplane import clock
 from controlplane.problems import Problem
@@ -108,18 +108,20 @@ def workload_snapshot_sent(*, workload_id, stream_id: str) -> None:
     Workload.objects.filter(id=workload_id, stream_id=stream_id).update(last_snapshot_sent_at=clock.now())
 
 
-def workload_applied(*, workload_id, stream_id: str, version: str) -> Workload:
-    """The agent applied `version`: pending -> synced when it is the latest."""
-    with transaction.atomic():
-        workload = _locked(workload_id)
-        if not _current_stream(workload, stream_id):
-            return workload
-        workload.applied_version = version[:80]
-        workload.last_heard_from = clock.now()
-        if workload.sync_state == PENDING and version == workload.latest_policy_id:
-            workload.sync_state = SYNCED
-        _save(workload, "applied_version", "last_heard_from", "sync_state")
-    return workload
+def workload_applied(*, workload_id, stream_id: str, version: str) -> None:
+    """The agent applied `version`: pending -> synced when it is the latest. One conditional UPDATE,
+    since thousands of agents acknowledge at once after a fleet-wide change."""
+    becomes_synced = Q(sync_state=PENDING, latest_policy_id=version)
+    Workload.objects.filter(id=workload_id, stream_id=stream_id).exclude(stream_id="").update(
+        applied_version=version[:80],
+        last_heard_from=clock.now(),
+        sync_state=Case(When(becomes_synced, then=Value(SYNCED)), default=F("sync_state"), output_field=CharField()),
+        rank=Case(
+            When(becomes_synced & ~Q(owned_table_state=ABSENT), then=Value(Workload.RANK_SYNCED)),
+            default=F("rank"),
+            output_field=PositiveSmallIntegerField(),
+        ),
+    )
 
 
 def workload_apply_failed(*, workload_id, stream_id: str, version: str, error: str) -> Workload:

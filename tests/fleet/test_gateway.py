@@ -1,6 +1,7 @@
 """The gateway's stream consumer, in process (the real consumer and channel layer; the e2e tests
 drive it over TLS): authentication, the sync events, malformed frames, resend and renewal."""
 
+import asyncio
 import json
 from datetime import timedelta
 from pathlib import Path
@@ -95,6 +96,11 @@ def test_stream_opens_sends_a_snapshot_and_acknowledgement_synchronises():
         snapshot = await receive(communicator)
         assert isinstance(snapshot, protocol.Snapshot) and snapshot.mode == "visibility"
         state = await _state(agent)
+        for _ in range(50):  # the send is recorded just after the frame leaves
+            if state[1] is not None:
+                break
+            await asyncio.sleep(0.05)
+            state = await _state(agent)
         assert state[0] == "pending" and state[1] is not None
         await communicator.send_to(text_data=protocol.Applied(version=snapshot.version).encode())
         await communicator.send_to(text_data=protocol.Heartbeat(process_start_id="p1", uptime_seconds=2, clock="x", owned_table="present").encode())
