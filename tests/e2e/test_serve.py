@@ -57,7 +57,7 @@ def test_first_start_generates_certificates_and_logs_the_fingerprints_it_serves(
         r"operator listener https://\S+:\d+/ certificate SHA-256 fingerprint ([0-9A-F]{2}:){31}", log
     )
     assert f"console https://127.0.0.1:{serve.address('operator')[1]}/" in log
-    assert f"./manage.py operator-password --data-dir {site.data_dir}" in log
+    assert f"manage.py operator-password --data-dir {site.data_dir}" in log
     assert serve.stop() == 0
 
 

@@ -15,6 +15,7 @@ import re
 import shlex
 import signal
 import socket
+import sys
 from dataclasses import dataclass
 
 from django.conf import settings
@@ -311,7 +312,12 @@ class Command(PalisadeCommand):
             # A snapshot of a large policy is one message; the protocol's bound, not daphne's 1 MiB.
             websocket_max_message_size=MAX_MESSAGE_BYTES,
             websocket_max_frame_size=MAX_MESSAGE_BYTES,
-            ready_callable=lambda: log.info("serving: console %s", operator.url()),
+            ready_callable=lambda: log.info(
+                "serving: console %s, API %sapi/v1/ (documentation at %sapi/v1/docs)",
+                operator.url(),
+                operator.url(),
+                operator.url(),
+            ),
         )
 
     def _certificate(self, name: str, listen: ListenAddress, options) -> tls.CertPaths:
@@ -399,7 +405,9 @@ class Command(PalisadeCommand):
         if not exists:
             given = os.environ.get("PALISADE_DATA_DIR")  # manage.py puts --data-dir there
             data_dir = f" --data-dir {shlex.quote(str(settings.DATA_DIR))}" if given else ""
-            log.warning("no operator password is set; set it with: ./manage.py operator-password%s", data_dir)
+            # The interpreter that runs serve has the dependencies; a bare ./manage.py may not.
+            manage = f"{shlex.quote(sys.executable)} {shlex.quote(str(settings.BASE_DIR / 'manage.py'))}"
+            log.warning("no operator password is set; set it with: %s operator-password%s", manage, data_dir)
 
     def _listen_failure_text(self, failure: Exception) -> str:
         if isinstance(failure, CannotListenError):
