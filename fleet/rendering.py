@@ -187,9 +187,10 @@ def rerender_for_scopes(*, scopes: Iterable[str]) -> Rerendered:
 def rerender_for_peer_change(*, workload_id: str, labels_before: Mapping[str, str]) -> Rerendered:
     """After workload W's labels or addresses changed: W, and the workloads whose rules had or now
     have W among their sources."""
-    fleet, inputs = fleet_load()
     policy = policy_inputs_load()
-    labels_after = inputs[str(workload_id)].labels
+    row = Workload.objects.filter(id=workload_id).values_list("id", "labels", "addresses", "mode").get()
+    workload = workload_input_of(*row)
+    labels_after = workload.labels
     scopes = set()
     for ruleset in policy.rulesets:
         for rule in ruleset.rules:
@@ -199,6 +200,12 @@ def rerender_for_peer_change(*, workload_id: str, labels_before: Mapping[str, st
             ):
                 scopes.add(ruleset.scope)
                 break
+    if not scopes and workload.mode == "visibility":
+        # Nobody's peer, and a visibility document depends on no other workload: enrolling into a
+        # large fleet must not load the whole fleet.
+        alone = (FleetIndex.build([workload]), {workload.id: workload})
+        return workloads_rerender(workload_ids=[workload.id], loaded=alone, policy=policy)
+    fleet, inputs = fleet_load()
     affected = _matching(fleet, scopes) | {str(workload_id)}
     return workloads_rerender(workload_ids=affected, loaded=(fleet, inputs), policy=policy)
 
