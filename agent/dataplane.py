@@ -118,7 +118,11 @@ class NftablesDataplane:
         return True
 
     def table_present(self) -> bool:
-        rc, output, error = self._nft.cmd(f"list tables {TABLE_FAMILY}")
+        try:
+            rc, output, error = self._nft.cmd(f"list tables {TABLE_FAMILY}")
+        finally:
+            # Listing fills the context's cache with the whole ruleset (~45 MB at 10,000 rules).
+            self._release_batch_memory()
         if rc != 0:
             raise ApplyError(_explain(error, rc))
         return f"table {TABLE}" in output.splitlines()
