@@ -321,6 +321,16 @@ def run_count(count: int, poll: float, budget: float, py_spy: str | None = None,
     return result
 
 
+def _exit_on_sigterm() -> None:
+    """SIGTERM (a `timeout`, a CI cancel) unwinds like Ctrl-C, so processes, namespaces, the
+    database and temporary directories are still cleaned up."""
+
+    def stop(signum, frame):
+        raise SystemExit(f"stopped by signal {signum}")
+
+    signal.signal(signal.SIGTERM, stop)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--counts", default="2000,5000", help="comma-separated agent counts (default 2000,5000)")
@@ -329,6 +339,7 @@ def main() -> None:
     parser.add_argument("--py-spy", metavar="PATH", help="a py-spy binary: sample serve during each phase")
     parser.add_argument("--profile-dir", type=Path, default=Path(tempfile.gettempdir()) / "palisade-bench-profiles")
     args = parser.parse_args()
+    _exit_on_sigterm()
     os.environ.pop("REDIS_URL", None)  # one serve process: the in-memory channel layer
 
     source = source_state()
