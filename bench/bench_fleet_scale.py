@@ -69,6 +69,46 @@ def vm_rss_mb(pid: int) -> float:
     raise RuntimeError(f"no VmRSS for {pid}")
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of one process so far."""
+    with open(f"/proc/{pid}/stat") as handle:
+        fields = handle.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def postgres_cpu_seconds() -> float:
+    """CPU time of every PostgreSQL server process on this machine (its backends come and go, so
+    this is a floor: a backend that exited during a phase is not counted)."""
+    total = 0.0
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/comm") as handle:
+                    if handle.read().strip() in ("postgres", "postmaster"):
+                        total += cpu_seconds(int(entry))
+            except OSError:
+                continue
+    return total
+
+
+class CpuMeter:
+    """Where the CPU time of a phase went: serve, the simulator, PostgreSQL; on a 2-core machine the
+    three share two cores, so this says which one a faster phase must take work from."""
+
+    def __init__(self, serve_pid: int, simulator_pid: int) -> None:
+        self.pids = {"serve": serve_pid, "simulator": simulator_pid}
+        self.started = time.monotonic()
+        self.before = self._read()
+
+    def _read(self) -> dict:
+        return {**{name: cpu_seconds(pid) for name, pid in self.pids.items()}, "postgres": postgres_cpu_seconds()}
+
+    def stop(self) -> dict:
+        after = self._read()
+        used = {name: round(after[name] - self.before[name], 2) for name in after}
+        return {"wall_s": round(time.monotonic() - self.started, 2), "cpu_s": used}
+
+
 def rss_settled(pid: int, seconds: float = 4.0, interval: float = 0.5) -> float:
     samples = []
     end = time.monotonic() + seconds
@@ -134,7 +174,7 @@ class Profile:
         if py_spy:
             output.parent.mkdir(parents=True, exist_ok=True)
             self.process = subprocess.Popen(
-                [py_spy, "record", "--pid", str(pid), "--format", "raw", "--threads", "--idle", "--rate", "50",
+                [py_spy, "record", "--pid", str(pid), "--format", "raw", "--threads", *os.environ.get("BENCH_PY_SPY_FLAGS", "--idle").split(), "--rate", "50",
                  "--nonblocking", "--output", str(output)],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             )  # fmt: skip
@@ -244,6 +284,7 @@ def run_count(count: int, poll: float, budget: float, py_spy: str | None = None,
         )
 
         profile = Profile(py_spy, serve.process.pid, (profile_dir or work) / f"serve-{count}-mode-change.txt")
+        meter = CpuMeter(serve.process.pid, sim.pid)
         try:
             changed = time.monotonic()
             intent = post("/mode-changes", {"selection": {"all": True}, "mode": "simulation"})
@@ -251,6 +292,7 @@ def run_count(count: int, poll: float, budget: float, py_spy: str | None = None,
             converged, counts = wait_synced("mode change", 300)
         finally:
             profile.stop()
+        cpu = meter.stop()
         converge_s = converged - changed
         walk_started = time.monotonic()
         items, cursor, mismatched, wrong_mode = 0, None, [], 0
@@ -272,6 +314,7 @@ def run_count(count: int, poll: float, budget: float, py_spy: str | None = None,
             "until_all_applied_s": converge_s,
             "changed_count": intent.get("changed_count"),
             "walk": {"items": items, "applied_differs_from_latest": len(mismatched), "wrong_mode": wrong_mode, "seconds": walk_s},
+            "cpu": cpu,
             "target_s": MODE_CHANGE_TARGET_S,
             "met": converge_s <= MODE_CHANGE_TARGET_S and not mismatched and items == count and not wrong_mode,
         }
@@ -280,7 +323,8 @@ def run_count(count: int, poll: float, budget: float, py_spy: str | None = None,
             f"{count}: mode change of {intent.get('changed_count')} to simulation: POST {post_s:.2f} s, "
             f"all applied == latest after {converge_s:.2f} s [target <= {MODE_CHANGE_TARGET_S:.0f} s: "
             f"{'met' if result['mode_change']['met'] else 'MISSED'}]; walk of {items}: "
-            f"{len(mismatched)} with applied != latest, {wrong_mode} not in simulation"
+            f"{len(mismatched)} with applied != latest, {wrong_mode} not in simulation; CPU s in "
+            f"{cpu['wall_s']:.1f} s: " + ", ".join(f"{name} {seconds:.1f}" for name, seconds in cpu["cpu_s"].items())
         )
     except Timeout as error:
         result["error"] = str(error)

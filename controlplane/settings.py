@@ -118,7 +118,7 @@ if os.environ.get("REDIS_URL"):
         }
     }
 else:
-    CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+    CHANNEL_LAYERS = {"default": {"BACKEND": "controlplane.channel_layer.ProcessChannelLayer"}}
 
 LANGUAGE_CODE = "en"
 TIME_ZONE = "UTC"

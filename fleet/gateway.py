@@ -12,10 +12,14 @@ import logging
 import os
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
+from channels.consumer import get_handler_name
 from channels.db import database_sync_to_async
-from django.db import connection
 from channels.generic.websocket import AsyncWebsocketConsumer
+from channels.layers import get_channel_layer
+from django.db import connection
 from rest_framework.permissions import AllowAny
 from rest_framework.response import Response
 from rest_framework.views import APIView
@@ -32,26 +36,87 @@ from fleet.rendering import stream_group
 log = logging.getLogger("palisade.gateway")
 
 
+# On PostgreSQL the stream's database calls run on this pool, not on Channels' one shared thread:
+# after a fleet-wide change thousands of streams acknowledge at once, and their writes must overlap.
+# Each call is one hop to a pool thread that keeps its connection. database_sync_to_async made a
+# second hop per call to close old connections, after which the health check cost a `SELECT 1` per
+# call; here a connection is checked (and dropped if broken) only after it raised a database error.
+# SQLite takes one writer at a time anyway, so there the calls stay on Channels' thread, serial.
+DB_THREADS = 8
+_db_pool = ThreadPoolExecutor(DB_THREADS, thread_name_prefix="gateway-db")
+
+
 def _db(function):
-    """Run a domain function off the event loop. On PostgreSQL on a pool thread, not Channels' one
-    shared thread: after a fleet-wide change thousands of streams acknowledge at once, and their
-    writes must overlap. SQLite takes one writer at a time anyway, so there it stays serial."""
-    return database_sync_to_async(function, thread_sensitive=connection.vendor != "postgresql")
+    if connection.vendor != "postgresql":
+        return database_sync_to_async(function)
+
+    def in_thread(kwargs):
+        if connection.errors_occurred:
+            connection.close_if_unusable_or_obsolete()
+        return function(**kwargs)
+
+    async def call(**kwargs):
+        return await asyncio.get_running_loop().run_in_executor(_db_pool, in_thread, kwargs)
+
+    return call
+
 
 AUTH_TIMEOUT_SECONDS = 10
+CATCH_UP_EVERY_SECONDS = 2.0
 
-# The streams this process holds (channel name -> workload id, stream id), so that a shutdown can
-# record them as ended: a stopping server gets no disconnect events from daphne.
-_open_streams: dict[str, tuple[str, str]] = {}
+
+@dataclass
+class HeldStream:
+    workload_id: str
+    stream_id: str
+    sent_version: str | None = None
+
+
+# The streams this process holds, by channel name: a shutdown records them as ended (a stopping
+# server gets no disconnect events from daphne), and the catch-up sweep compares what each was sent
+# with its workload's latest version.
+_open_streams: dict[str, HeldStream] = {}
+_behind_at_last_sweep: dict[str, str] = {}
 
 
 def streams_end_all() -> int:
     """Record every stream this process holds as ended; called once, as the process stops."""
     held = list(_open_streams.values())
     _open_streams.clear()
-    for workload_id, stream_id in held:
-        sync.workload_stream_ended(workload_id=workload_id, stream_id=stream_id)
+    for stream in held:
+        sync.workload_stream_ended(workload_id=stream.workload_id, stream_id=stream.stream_id)
     return len(held)
+
+
+async def streams_catch_up() -> int:
+    """Nudge the streams that have been behind their workload's latest version for a whole sweep.
+
+    Notifications are sent after commit and are not stored; one can be lost (a channel-layer
+    hiccup), and a management command in another process without Redis reaches no stream at all.
+    This sweep makes every held stream converge anyway, within two sweeps. A stream behind at only
+    one sweep is left alone: its notification is most likely still on its way.
+    """
+    held = dict(_open_streams)
+    if not held:
+        _behind_at_last_sweep.clear()
+        return 0
+    latest = await _db(streams.streams_latest_versions)(streams={h.workload_id: h.stream_id for h in held.values()})
+    behind = {
+        channel: latest[h.stream_id]
+        for channel, h in held.items()
+        if latest.get(h.stream_id) and latest[h.stream_id] != h.sent_version
+    }
+    due = [channel for channel, version in behind.items() if _behind_at_last_sweep.get(channel) == version]
+    _behind_at_last_sweep.clear()
+    _behind_at_last_sweep.update(behind)
+    layer = get_channel_layer()
+    for channel in due:
+        await layer.send(channel, {"type": "policy.updated"})
+    if due:
+        log.info("caught up %d streams whose change notification did not arrive", len(due))
+    return len(due)
+
+
 HEARD_FROM_EVERY_SECONDS = 60  # heartbeats refresh last_heard_from at most this often
 
 
@@ -90,6 +155,15 @@ class EnrolView(APIView):
 
 class SyncStreamConsumer(AsyncWebsocketConsumer):
     """One agent's sync stream. States: awaiting `auth`, renew-only, streaming."""
+
+    async def dispatch(self, message):
+        # Channels closes the loop thread's old database connections before every frame and event,
+        # a thread hop each. This consumer never touches the database from the loop's thread (every
+        # call goes through _db, which looks after its own connections), so the hop is skipped.
+        handler = getattr(self, get_handler_name(message), None)
+        if handler is None:
+            raise ValueError(f"No handler for message type {message['type']}")
+        await handler(message)
 
     async def connect(self):
         self.nonce = os.urandom(32)
@@ -162,7 +236,7 @@ class SyncStreamConsumer(AsyncWebsocketConsumer):
         await _db(sync.workload_stream_opened)(
             workload_id=grant.workload_id, stream_id=self.stream_id, agent_version=auth.agent_version
         )
-        _open_streams[self.channel_name] = (grant.workload_id, self.stream_id)
+        _open_streams[self.channel_name] = HeldStream(grant.workload_id, self.stream_id)
         if self.table_state:
             await _db(sync.workload_table_reported)(
                 workload_id=grant.workload_id, stream_id=self.stream_id, state=self.table_state
@@ -170,11 +244,17 @@ class SyncStreamConsumer(AsyncWebsocketConsumer):
         log.info("stream of %s opened (agent %s)", grant.hostname, auth.agent_version)
         await self.send_snapshot()
 
-    async def send_snapshot(self) -> None:
-        snapshot = await _db(streams.stream_snapshot)(workload_id=self.grant.workload_id)
+    async def send_snapshot(self, *, unless_version: str | None = None) -> None:
+        snapshot = await _db(streams.stream_snapshot)(
+            workload_id=self.grant.workload_id, stream_id=self.stream_id, unless_version=unless_version
+        )
+        if snapshot is None:
+            return
         await self.send_message(snapshot)
         self.sent_version = snapshot.version
-        await _db(sync.workload_snapshot_sent)(workload_id=self.grant.workload_id, stream_id=self.stream_id)
+        held = _open_streams.get(self.channel_name)
+        if held is not None:
+            held.sent_version = snapshot.version
 
     async def on_applied(self, message: protocol.Applied) -> None:
         await _db(sync.workload_applied)(
@@ -192,6 +272,8 @@ class SyncStreamConsumer(AsyncWebsocketConsumer):
         now = time.monotonic()
         if state != self.table_state or now - self.heard_at >= HEARD_FROM_EVERY_SECONDS:
             self.heard_at, self.table_state = now, state
+            # Group memberships expire after a day; a stream may live for months.
+            await self.channel_layer.group_add(stream_group(self.grant.workload_id), self.channel_name)
             await _db(sync.workload_heard_from)(
                 workload_id=self.grant.workload_id, stream_id=self.stream_id, owned_table_state=state
             )
@@ -233,8 +315,9 @@ class SyncStreamConsumer(AsyncWebsocketConsumer):
     # --- channel-layer events for this workload's group ---
 
     async def policy_updated(self, event):
+        # Several notifications (a burst of writes, the catch-up sweep) may name one version.
         if self.grant and not self.grant.renew_only:
-            await self.send_snapshot()
+            await self.send_snapshot(unless_version=self.sent_version)
 
     async def resend_snapshot(self, event):
         if self.grant:

@@ -2,7 +2,7 @@
 
 import uuid
 
-from django.db import models
+from django.db import connection, models
 
 MODES = ("visibility", "simulation", "enforced")
 SYNC_STATES = ("synced", "pending", "degraded", "offline")
@@ -88,3 +88,9 @@ class ModeChange(models.Model):
     mode = models.CharField(max_length=16)
     resolved_count = models.PositiveIntegerField()
     changed_count = models.PositiveIntegerField()
+
+
+def workload_column_value(field: str, value):
+    """`value` as the database stores `field` of a workload, for the few hot statements written in
+    SQL (a UUID is 32 hex digits on SQLite; datetimes are naive UTC there)."""
+    return Workload._meta.get_field(field).get_db_prep_value(value, connection)

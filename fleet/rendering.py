@@ -13,7 +13,9 @@ Which workloads a change can affect:
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -30,6 +32,8 @@ from policy.models import AddressGroup, Rule, Ruleset, RuleService, RuleSource, 
 from policy.render_inputs import AddressGroupInput, FleetIndex, PortEntry, RuleInput, RulesetInput, WorkloadInput
 from policy.render_inputs import RuleSource as SourceInput
 from policy.renderer import render
+
+log = logging.getLogger("palisade.fleet")
 
 
 @dataclass(frozen=True)
@@ -215,21 +219,47 @@ def stream_group(workload_id) -> str:
     return f"workload.{workload_id}"
 
 
+# The event loop of this `serve` process, which holds the streams. Set once at start; None in
+# management commands and tests, where the notification is sent in place instead.
+_serving_loop: asyncio.AbstractEventLoop | None = None
+
+
+def notify_streams_on(loop: asyncio.AbstractEventLoop) -> None:
+    """Deliver later notifications on `loop`, the loop serving this process's streams."""
+    global _serving_loop
+    _serving_loop = loop
+
+
 def notify_streams(workload_ids: Iterable[str], message: dict) -> None:
-    """Send `message` to each workload's stream, once the transaction has committed."""
+    """Send `message` to each workload's stream, once the transaction has committed.
+
+    Inside `serve` the sends are handed to the loop that holds the streams and not waited for: a
+    fleet-wide change must not hold the request's thread while thousands of snapshots go out, and
+    the in-process channel layer's queues may only be touched from their own loop. Elsewhere (a
+    management command) they are sent in place, through Redis when it is configured; without Redis a
+    command reaches no stream, and serve's catch-up sweep delivers the change instead.
+    """
     ids = list(workload_ids)
     if not ids:
         return
 
-    def send():
+    async def send_all():
         layer = get_channel_layer()
         if layer is None:
             return
+        for workload_id in ids:
+            await layer.group_send(stream_group(workload_id), message)
 
-        async def send_all():
-            for workload_id in ids:
-                await layer.group_send(stream_group(workload_id), message)
-
-        async_to_sync(send_all)()
+    def send():
+        loop = _serving_loop
+        if loop is not None and loop.is_running():
+            asyncio.run_coroutine_threadsafe(send_all(), loop).add_done_callback(_log_failure)
+        else:
+            async_to_sync(send_all)()
 
     transaction.on_commit(send)
+
+
+def _log_failure(future) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.error("could not notify streams: %s", future.exception())

@@ -8,13 +8,14 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from django.conf import settings
+from django.db import connection
 
 from agent import protocol
 from controlplane import clock
 from controlplane.models import GatewayIdentity
 from controlplane.problems import Problem
 from fleet.credentials import credential_grace_ends_at, credential_renewal_due_at, credential_state, credential_verify
-from fleet.models import RenderedPolicy, Workload
+from fleet.models import RenderedPolicy, Workload, workload_column_value
 from fleet.rendering import workloads_rerender
 
 
@@ -89,11 +90,47 @@ def _rendered(version: str) -> tuple[str, dict]:
     return policy.document, policy.rule_index
 
 
-def stream_snapshot(*, workload_id: str) -> protocol.Snapshot:
-    """The workload's latest rendered policy, rendering it first if it has none yet."""
-    row = Workload.objects.filter(id=workload_id).values("latest_policy_id", "mode").get()
-    if row["latest_policy_id"] is None:
+def stream_snapshot(*, workload_id: str, stream_id: str, unless_version: str | None = None) -> protocol.Snapshot | None:
+    """The workload's latest rendered policy (rendering it first if it has none yet), recorded as
+    sent on this stream. None when this is no longer the workload's stream, or when its latest
+    version is `unless_version`, already sent."""
+    marked = _latest_marked_sent(workload_id, stream_id, unless_version)
+    if marked is None and Workload.objects.filter(id=workload_id, latest_policy__isnull=True).exists():
         workloads_rerender(workload_ids=[workload_id])
-        row = Workload.objects.filter(id=workload_id).values("latest_policy_id", "mode").get()
-    document, rule_index = _rendered(row["latest_policy_id"])
-    return protocol.Snapshot(version=row["latest_policy_id"], mode=row["mode"], document=document, rule_index=dict(rule_index))
+        marked = _latest_marked_sent(workload_id, stream_id, unless_version)
+    if marked is None:
+        return None
+    version, mode = marked
+    document, rule_index = _rendered(version)
+    return protocol.Snapshot(version=version, mode=mode, document=document, rule_index=dict(rule_index))
+
+
+def _latest_marked_sent(workload_id, stream_id: str, unless_version: str | None) -> tuple[str, str] | None:
+    # One statement, since every stream of the fleet runs this after a fleet-wide change: stamp
+    # last_snapshot_sent_at and read the version and mode to send.
+    table = Workload._meta.db_table
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"UPDATE {table} SET last_snapshot_sent_at = %s "  # noqa: S608
+            "WHERE id = %s AND stream_id = %s AND latest_policy_id IS NOT NULL AND latest_policy_id <> %s "
+            "RETURNING latest_policy_id, mode",
+            [
+                workload_column_value("last_snapshot_sent_at", clock.now()),
+                workload_column_value("id", uuid.UUID(str(workload_id))),
+                stream_id,
+                unless_version or "",
+            ],
+        )
+        row = cursor.fetchone()
+    return (row[0], row[1]) if row else None
+
+
+def streams_latest_versions(*, streams: dict[str, str]) -> dict[str, str]:
+    """Workload id -> stream id in; stream id -> its workload's latest version out, for the streams
+    that are still their workload's open stream."""
+    latest: dict[str, str] = {}
+    ids = list(streams)
+    for start in range(0, len(ids), 500):  # under SQLite's bound-parameter limit
+        rows = Workload.objects.filter(id__in=ids[start : start + 500]).values_list("id", "stream_id", "latest_policy_id")
+        latest.update({stream_id: version for workload_id, stream_id, version in rows if streams[str(workload_id)] == stream_id})
+    return latest

@@ -18,6 +18,7 @@ cannot take a reconnected workload offline.
 
 from __future__ import annotations
 
+import uuid
 from collections import defaultdict
 from datetime import timedelta
 
@@ -26,7 +27,7 @@ from django.db.models import Case, CharField, F, PositiveSmallIntegerField, Q, V
 
 from controlplane import clock
 from controlplane.problems import Problem
-from fleet.models import ABSENT, PRESENT, Workload
+from fleet.models import ABSENT, PRESENT, Workload, workload_column_value
 from fleet.selectors import workload_get
 
 OFFLINE, PENDING, SYNCED, DEGRADED = "offline", "pending", "synced", "degraded"
@@ -109,19 +110,30 @@ def workload_snapshot_sent(*, workload_id, stream_id: str) -> None:
 
 
 def workload_applied(*, workload_id, stream_id: str, version: str) -> None:
-    """The agent applied `version`: pending -> synced when it is the latest. One conditional UPDATE,
-    since thousands of agents acknowledge at once after a fleet-wide change."""
-    becomes_synced = Q(sync_state=PENDING, latest_policy_id=version)
-    Workload.objects.filter(id=workload_id, stream_id=stream_id).exclude(stream_id="").update(
-        applied_version=version[:80],
-        last_heard_from=clock.now(),
-        sync_state=Case(When(becomes_synced, then=Value(SYNCED)), default=F("sync_state"), output_field=CharField()),
-        rank=Case(
-            When(becomes_synced & ~Q(owned_table_state=ABSENT), then=Value(Workload.RANK_SYNCED)),
-            default=F("rank"),
-            output_field=PositiveSmallIntegerField(),
-        ),
-    )
+    """The agent applied `version`: pending -> synced when it is the latest.
+
+    One conditional UPDATE, written out: thousands of agents acknowledge at once after a fleet-wide
+    change, and building the same statement with the ORM's Case/When cost a third of the gateway's
+    Python time in the 2,000-agent benchmark."""
+    if not stream_id:
+        return
+    table = Workload._meta.db_table
+    becomes_synced = "sync_state = %s AND latest_policy_id = %s"
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"UPDATE {table} SET applied_version = %s, last_heard_from = %s, "  # noqa: S608
+            f"sync_state = CASE WHEN {becomes_synced} THEN %s ELSE sync_state END, "
+            f"rank = CASE WHEN {becomes_synced} AND owned_table_state <> %s THEN %s ELSE rank END "
+            "WHERE id = %s AND stream_id = %s",
+            [
+                version[:80],
+                workload_column_value("last_heard_from", clock.now()),
+                PENDING, version, SYNCED,
+                PENDING, version, ABSENT, Workload.RANK_SYNCED,
+                workload_column_value("id", uuid.UUID(str(workload_id))),
+                stream_id,
+            ],
+        )  # fmt: skip
 
 
 def workload_apply_failed(*, workload_id, stream_id: str, version: str, error: str) -> Workload:

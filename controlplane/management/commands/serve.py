@@ -8,6 +8,7 @@ There is no plaintext option.
 # would leave twisted with its default reactor, which daphne cannot run on.
 import daphne.server  # isort: skip
 
+import asyncio
 import ipaddress
 import logging
 import os
@@ -155,12 +156,33 @@ class _Server(daphne.server.Server):
     def run(self):
         from twisted.internet import reactor, task
 
+        from fleet.gateway import CATCH_UP_EVERY_SECONDS
+        from fleet.rendering import notify_streams_on
+
         reactor.addSystemEventTrigger("before", "shutdown", self.end_streams)
+        reactor.callWhenRunning(lambda: notify_streams_on(asyncio.get_event_loop()))
         reaper = task.LoopingCall(self.reap_streams)
         reaper.start(STREAM_REAP_EVERY_SECONDS, now=False).addErrback(
             lambda failure: log.error("stream reaper stopped: %s", failure.getErrorMessage())
         )
+        catch_up = task.LoopingCall(self.catch_up_streams)
+        catch_up.start(CATCH_UP_EVERY_SECONDS, now=False).addErrback(
+            lambda failure: log.error("stream catch-up stopped: %s", failure.getErrorMessage())
+        )
         super().run()
+
+    def catch_up_streams(self):
+        from twisted.internet.defer import Deferred
+
+        from fleet.gateway import streams_catch_up
+
+        async def sweep():
+            try:
+                await streams_catch_up()
+            except DatabaseError as error:
+                log.warning("cannot compare streams with their latest versions: %s", _first_line(error))
+
+        return Deferred.fromFuture(asyncio.ensure_future(sweep()))
 
     def reap_streams(self):
         """Streams left open by a serve process that died without recording them."""
