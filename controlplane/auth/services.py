@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import math
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from argon2 import PasswordHasher
 from argon2.exceptions import InvalidHashError, VerificationError
 from django.conf import settings
-from django.db import transaction
+from django.db import connection, transaction
 
 from controlplane import clock
 from controlplane.auth.actor import Actor
@@ -186,12 +187,34 @@ def operator_token_revoke(*, actor: Actor, token_id: str) -> OperatorToken:
     return token
 
 
-def _token_by_digest(token_digest: str) -> OperatorToken | None:
-    # Every API request authenticates: a raw query skips the ORM's query compilation, which measured
-    # as about half of the cost of a whole authenticated GET.
+@dataclass(frozen=True)
+class _TokenRow:
+    id: str
+    name: str
+    prefix: str
+    revoked_at: datetime | None
+    expires_at: datetime | None
+    last_used_at: datetime | None
+
+
+def _token_by_digest(token_digest: str) -> _TokenRow | None:
+    # Every API request authenticates: a plain cursor skips the ORM's query compilation and model
+    # building, which measured as about a fifth of serve's CPU per authenticated GET /me.
     table = OperatorToken._meta.db_table
-    rows = OperatorToken.objects.raw(f"SELECT * FROM {table} WHERE digest = %s", [token_digest])  # noqa: S608
-    return next(iter(rows), None)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"SELECT id, name, prefix, revoked_at, expires_at, last_used_at FROM {table} WHERE digest = %s",  # noqa: S608
+            [token_digest],
+        )
+        row = cursor.fetchone()
+    if row is None:
+        return None
+    token_id, name, prefix, *instants = row
+    # SQLite hands back naive UTC datetimes and UUIDs as 32 hex digits; PostgreSQL aware ones and UUIDs.
+    revoked_at, expires_at, last_used_at = (
+        value.replace(tzinfo=UTC) if value is not None and value.tzinfo is None else value for value in instants
+    )
+    return _TokenRow(str(uuid.UUID(str(token_id))), name, prefix, revoked_at, expires_at, last_used_at)
 
 
 def operator_token_authenticate(*, secret: str) -> Actor | None:
