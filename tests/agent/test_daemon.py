@@ -1,4 +1,6 @@
-"""The daemon's conversation, driven by the stand-in gateway, with the in-memory dataplane.
+"""The daemon's conversation, driven by the stand-in gateway, with the in-memory dataplane: fault
+injection a correct server never produces, and exact message sequences. What the real serve does is
+checked against it in test_daemon_on_serve.py.
 
 Each test runs one asyncio scenario: a FakeGateway and one real `Agent` on the same loop.
 """
