@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -19,7 +20,7 @@ from channels.consumer import get_handler_name
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
 from channels.layers import get_channel_layer
-from django.db import connection
+from django.db import connection, connections
 from rest_framework.permissions import AllowAny
 from rest_framework.response import Response
 from rest_framework.views import APIView
@@ -61,6 +62,18 @@ def _db(function):
     return call
 
 
+def db_pool_close_connections() -> None:
+    """Close the pool threads' database connections (the test suite drops its database after)."""
+    everyone = threading.Barrier(DB_THREADS)
+
+    def close():
+        connections.close_all()
+        everyone.wait(10)  # one task per thread: each waits until every thread has closed its own
+
+    for future in [_db_pool.submit(close) for _ in range(DB_THREADS)]:
+        future.result(20)
+
+
 AUTH_TIMEOUT_SECONDS = 10
 CATCH_UP_EVERY_SECONDS = 2.0
 
@@ -76,7 +89,7 @@ class HeldStream:
 # server gets no disconnect events from daphne), and the catch-up sweep compares what each was sent
 # with its workload's latest version.
 _open_streams: dict[str, HeldStream] = {}
-_behind_at_last_sweep: dict[str, str] = {}
+_behind_at_last_sweep: dict[str, tuple] = {}
 
 
 def streams_end_all() -> int:
@@ -89,32 +102,37 @@ def streams_end_all() -> int:
 
 
 async def streams_catch_up() -> int:
-    """Nudge the streams that have been behind their workload's latest version for a whole sweep.
+    """Nudge the streams that have been behind their workload for a whole sweep: a latest version
+    not sent, or a resend not answered by a snapshot.
 
     Notifications are sent after commit and are not stored; one can be lost (a channel-layer
-    hiccup), and a management command in another process without Redis reaches no stream at all.
-    This sweep makes every held stream converge anyway, within two sweeps. A stream behind at only
-    one sweep is left alone: its notification is most likely still on its way.
+    hiccup), and a host command in another process without Redis reaches no stream at all. This
+    sweep makes every held stream converge anyway, within two sweeps. A stream behind at only one
+    sweep is left alone: its notification is most likely still on its way.
     """
     held = dict(_open_streams)
     if not held:
         _behind_at_last_sweep.clear()
         return 0
-    latest = await _db(streams.streams_latest_versions)(streams={h.workload_id: h.stream_id for h in held.values()})
-    behind = {
-        channel: latest[h.stream_id]
-        for channel, h in held.items()
-        if latest.get(h.stream_id) and latest[h.stream_id] != h.sent_version
-    }
-    due = [channel for channel, version in behind.items() if _behind_at_last_sweep.get(channel) == version]
+    state = await _db(streams.streams_state)(streams={h.workload_id: h.stream_id for h in held.values()})
+    behind: dict[str, tuple] = {}
+    for channel, stream in held.items():
+        due = state.get(stream.stream_id)
+        if due is None:
+            continue
+        if due.resend_requested_at is not None:
+            behind[channel] = ("resend.snapshot", due.resend_requested_at)
+        elif due.latest_version and due.latest_version != stream.sent_version:
+            behind[channel] = ("policy.updated", due.latest_version)
+    nudge = [(channel, why) for channel, why in behind.items() if _behind_at_last_sweep.get(channel) == why]
     _behind_at_last_sweep.clear()
     _behind_at_last_sweep.update(behind)
     layer = get_channel_layer()
-    for channel in due:
-        await layer.send(channel, {"type": "policy.updated"})
-    if due:
-        log.info("caught up %d streams whose change notification did not arrive", len(due))
-    return len(due)
+    for channel, (event, _) in nudge:
+        await layer.send(channel, {"type": event})
+    if nudge:
+        log.info("caught up %d streams whose change notification did not arrive", len(nudge))
+    return len(nudge)
 
 
 HEARD_FROM_EVERY_SECONDS = 60  # heartbeats refresh last_heard_from at most this often

@@ -148,8 +148,8 @@ def mode_change_create(*, actor: Actor, data: Mapping[str, Any]) -> ModeChange:
 
 
 def workload_resend_snapshot(*, actor: Actor, workload_id: str) -> Workload:
-    """Direct the workload's agent to reconnect and receive a fresh snapshot. Best effort: nothing
-    records or retries the directive; `sync.last_snapshot_sent_at` moving is the confirmation."""
+    """Direct the workload's agent to reconnect and receive a fresh snapshot; the confirmation is
+    `sync.last_snapshot_sent_at` moving past the request."""
     with transaction.atomic():
         workload = workload_get(workload_id=workload_id, for_update=True)
         if workload.sync_state == "offline":
@@ -160,5 +160,9 @@ def workload_resend_snapshot(*, actor: Actor, workload_id: str) -> Workload:
                 f"Workload {workload.hostname} is offline ({when}); it gets a fresh snapshot when it reconnects.",
                 last_heard_from=clock.rfc3339(heard),
             )
+        # Recorded as well as sent: serve's catch-up sweep repeats the directive until a snapshot
+        # answers it, so a resend from a host command reaches a serve process without Redis.
+        workload.resend_requested_at = clock.now()
+        workload.save(update_fields=["resend_requested_at"])
         notify_streams([str(workload.id)], {"type": "resend.snapshot"})
     return workload

@@ -125,12 +125,23 @@ def _latest_marked_sent(workload_id, stream_id: str, unless_version: str | None)
     return (row[0], row[1]) if row else None
 
 
-def streams_latest_versions(*, streams: dict[str, str]) -> dict[str, str]:
-    """Workload id -> stream id in; stream id -> its workload's latest version out, for the streams
-    that are still their workload's open stream."""
-    latest: dict[str, str] = {}
+@dataclass(frozen=True)
+class StreamDue:
+    latest_version: str | None
+    resend_requested_at: object  # a datetime, or None when no resend waits for a snapshot
+
+
+def streams_state(*, streams: dict[str, str]) -> dict[str, StreamDue]:
+    """Workload id -> stream id in; stream id -> what its workload expects of it out (latest version,
+    an unanswered resend), for the streams that are still their workload's open stream."""
+    state: dict[str, StreamDue] = {}
     ids = list(streams)
     for start in range(0, len(ids), 500):  # under SQLite's bound-parameter limit
-        rows = Workload.objects.filter(id__in=ids[start : start + 500]).values_list("id", "stream_id", "latest_policy_id")
-        latest.update({stream_id: version for workload_id, stream_id, version in rows if streams[str(workload_id)] == stream_id})
-    return latest
+        rows = Workload.objects.filter(id__in=ids[start : start + 500]).values_list(
+            "id", "stream_id", "latest_policy_id", "resend_requested_at", "last_snapshot_sent_at"
+        )
+        for workload_id, stream_id, latest, resend_at, sent_at in rows:
+            if streams[str(workload_id)] == stream_id:
+                unanswered = resend_at if resend_at and (sent_at is None or sent_at < resend_at) else None
+                state[stream_id] = StreamDue(latest, unanswered)
+    return state

@@ -42,3 +42,14 @@ def clock_at(monkeypatch):
         monkeypatch.setattr(clock, "_offset", clock._offset + delta)
 
     return move
+
+
+@pytest.fixture(scope="session", autouse=True)
+def gateway_connections_closed(django_db_setup, django_db_blocker):
+    """The gateway's pool threads keep their database connections; close them before pytest-django
+    drops the test database, which refuses while sessions are open."""
+    yield
+    from fleet.gateway import db_pool_close_connections
+
+    with django_db_blocker.unblock():
+        db_pool_close_connections()

@@ -84,3 +84,19 @@ def test_a_mode_change_by_a_host_command_reaches_agents_without_redis(fleet):
     assert all(w["latest_version"] != versions_before[w["id"]] for w in after)
     serve.wait_for_stderr(rf"caught up {AGENTS} streams whose change notification did not arrive")
     assert took < 10, f"the catch-up sweep took {took:.1f} s"
+
+
+def test_a_resend_by_a_host_command_reaches_the_agent_without_redis(fleet):
+    site, serve, http, before = fleet
+    workload = before[0]
+    done = site.manage("workload", "resend-snapshot", workload["id"], "--json")
+    assert '"directive": "sent"' in done.stdout
+    sent_before = workload["sync"]["last_snapshot_sent_at"]
+    after = wait_for(
+        http,
+        lambda items: any(w["id"] == workload["id"] and w["sync"]["last_snapshot_sent_at"] != sent_before and in_sync(w) for w in items),
+        20,
+    )
+    serve.wait_for_stderr(r"caught up 1 streams whose change notification did not arrive")
+    others = {w["id"]: w["sync"]["last_snapshot_sent_at"] for w in after if w["id"] != workload["id"]}
+    assert others == {w["id"]: w["sync"]["last_snapshot_sent_at"] for w in before if w["id"] != workload["id"]}
