@@ -148,7 +148,7 @@ def workloads_rerender(
 
 def _store_documents(results) -> None:
     versions = [r.version for r in results]
-    known = set(RenderedPolicy.objects.filter(version__in=versions).values_list("version", flat=True))
+    known = _existing_versions(versions)
     now = clock.now()
     fresh = [r for r in results if r.version not in known]
     if not fresh:
@@ -168,6 +168,19 @@ def _store_documents(results) -> None:
         [RenderedPolicy(version=r.version, document=r.document, rule_index=_index(r), created_at=now) for r in fresh],
         ignore_conflicts=True,
     )
+
+
+def _existing_versions(versions: list[str]) -> set[str]:
+    """The versions already stored. On PostgreSQL their rows stay key-share locked until this
+    transaction ends, so fleet.retention cannot delete a document this change is about to name."""
+    if connection.vendor != "postgresql":
+        return set(RenderedPolicy.objects.filter(version__in=versions).values_list("version", flat=True))
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"SELECT version FROM {RenderedPolicy._meta.db_table} WHERE version = ANY(%s) FOR KEY SHARE",  # noqa: S608
+            [versions],
+        )
+        return {row[0] for row in cursor.fetchall()}
 
 
 def _index(result) -> dict:

@@ -101,7 +101,12 @@ def stream_snapshot(*, workload_id: str, stream_id: str, unless_version: str | N
     if marked is None:
         return None
     version, mode = marked
-    document, rule_index = _rendered(version)
+    try:
+        document, rule_index = _rendered(version)
+    except RenderedPolicy.DoesNotExist:
+        # The latest version moved on between the two reads and fleet.retention removed this one;
+        # the newer snapshot follows with the notification of that change.
+        return None
     return protocol.Snapshot(version=version, mode=mode, document=document, rule_index=dict(rule_index))
 
 

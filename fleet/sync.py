@@ -23,7 +23,7 @@ from collections import defaultdict
 from datetime import timedelta
 
 from django.db import connection, transaction
-from django.db.models import Case, CharField, F, PositiveSmallIntegerField, Q, Value, When
+from django.db.models import Case, Value, When
 
 from controlplane import clock
 from controlplane.problems import Problem

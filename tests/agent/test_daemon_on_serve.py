@@ -42,7 +42,9 @@ class RunningAgent:
             log=EventLog(stream=self.logs),
         )  # fmt: skip
         self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_until_complete, args=(self.agent.run(),), daemon=True)
+        self.thread = threading.Thread(
+            target=self.loop.run_until_complete, args=(self.agent.run(),), daemon=True
+        )
         self.thread.start()
 
     def call(self, function, *args):
@@ -72,7 +74,9 @@ def world(tmp_path):
     with Site.fresh(tmp_path / "data") as site:
         serve = site.serve()
         http = serve.client("operator", headers={"Authorization": f"Bearer {serve.mint_operator_token()}"})
-        bundle = http.post("/api/v1/provisioning-tokens", json={"description": "daemon", "max_uses": 1}).json()["bundle"]
+        bundle = http.post(
+            "/api/v1/provisioning-tokens", json={"description": "daemon", "max_uses": 1}
+        ).json()["bundle"]
         agent = RunningAgent(bundle, tmp_path / "state")
         try:
             workload = wait(http, lambda w: in_sync(w), "first sync")
@@ -115,7 +119,9 @@ def test_the_agent_applies_exactly_the_rendered_document_and_follows_a_mode_chan
     assert workload["mode"] == "visibility" and workload["hostname"] == "web-1"
     assert agent.dataplane.current == rendered(http, workload)
 
-    http.post("/api/v1/mode-changes", json={"selection": {"workload_ids": [workload["id"]]}, "mode": "enforced"})
+    http.post(
+        "/api/v1/mode-changes", json={"selection": {"workload_ids": [workload["id"]]}, "mode": "enforced"}
+    )
     after = wait(http, lambda w: w["mode"] == "enforced" and in_sync(w), "enforced and synced")
     assert after["latest_version"] != workload["latest_version"]
     assert agent.dataplane.current == rendered(http, after)
@@ -126,7 +132,9 @@ def test_a_refused_document_degrades_the_workload_keeps_the_table_and_a_resend_r
     _, _, http, agent, workload = world
     kept = agent.dataplane.current
     agent.call(setattr, agent.dataplane, "fail_with", REFUSAL)
-    http.post("/api/v1/mode-changes", json={"selection": {"workload_ids": [workload["id"]]}, "mode": "simulation"})
+    http.post(
+        "/api/v1/mode-changes", json={"selection": {"workload_ids": [workload["id"]]}, "mode": "simulation"}
+    )
     degraded = wait(http, lambda w: w["sync"]["state"] == "degraded", "degraded")
     assert REFUSAL in degraded["sync"]["error"]
     assert degraded["applied_version"] == workload["latest_version"] != degraded["latest_version"]
@@ -150,7 +158,9 @@ def test_a_table_deleted_on_the_host_shows_absent_and_only_a_resend_restores_it(
     assert agent.call(agent.dataplane.table_present) is False
 
     assert http.post(f"/api/v1/workloads/{workload['id']}/resend-snapshot").status_code == 200
-    restored = wait(http, lambda w: w["health"]["owned_table"]["state"] == "present" and in_sync(w), "restored")
+    restored = wait(
+        http, lambda w: w["health"]["owned_table"]["state"] == "present" and in_sync(w), "restored"
+    )
     assert agent.dataplane.current == rendered(http, restored)
     assert http.get("/api/v1/workloads/counts").json()["removed"] == 0
 
@@ -162,11 +172,17 @@ def test_the_table_stays_while_serve_is_down_and_the_agent_comes_back_by_itself(
     assert serve.stop() == 0
     time.sleep(2)
     assert agent.dataplane.current == document  # fail static
-    assert any(line.startswith("stream disconnected") or line.startswith("backoff") for line in agent.log_lines())
+    assert any(
+        line.startswith("stream disconnected") or line.startswith("backoff") for line in agent.log_lines()
+    )
 
     again = site.serve(operator_listen=serve.operator_listen, gateway_listen=serve.gateway_listen)
     http.close()
-    with again.client("operator", headers={"Authorization": f"Bearer {again.mint_operator_token()}"}) as http_again:
+    with again.client(
+        "operator", headers={"Authorization": f"Bearer {again.mint_operator_token()}"}
+    ) as http_again:
         back = wait(http_again, in_sync, "synced after serve came back", timeout=60)
     assert back["latest_version"] == workload["latest_version"]
-    assert agent.dataplane.current == document and agent.dataplane.applies == applies  # same version: not reapplied
+    assert (
+        agent.dataplane.current == document and agent.dataplane.applies == applies
+    )  # same version: not reapplied

@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -39,7 +38,9 @@ def fleet(tmp_path):
             env=dict(os.environ, PYTHONPATH=str(REPO)), cwd=REPO, start_new_session=True,
         )  # fmt: skip
         try:
-            workloads = wait_for(http, lambda items: len(items) == AGENTS and all(in_sync(w) for w in items), 60)
+            workloads = wait_for(
+                http, lambda items: len(items) == AGENTS and all(in_sync(w) for w in items), 60
+            )
             yield site, serve, http, workloads
         finally:
             simulator.send_signal(signal.SIGTERM)
@@ -94,9 +95,14 @@ def test_a_resend_by_a_host_command_reaches_the_agent_without_redis(fleet):
     sent_before = workload["sync"]["last_snapshot_sent_at"]
     after = wait_for(
         http,
-        lambda items: any(w["id"] == workload["id"] and w["sync"]["last_snapshot_sent_at"] != sent_before and in_sync(w) for w in items),
+        lambda items: any(
+            w["id"] == workload["id"] and w["sync"]["last_snapshot_sent_at"] != sent_before and in_sync(w)
+            for w in items
+        ),
         20,
     )
     serve.wait_for_stderr(r"caught up 1 streams whose change notification did not arrive")
     others = {w["id"]: w["sync"]["last_snapshot_sent_at"] for w in after if w["id"] != workload["id"]}
-    assert others == {w["id"]: w["sync"]["last_snapshot_sent_at"] for w in before if w["id"] != workload["id"]}
+    assert others == {
+        w["id"]: w["sync"]["last_snapshot_sent_at"] for w in before if w["id"] != workload["id"]
+    }

@@ -18,6 +18,7 @@ import signal
 import socket
 import sys
 from dataclasses import dataclass
+from datetime import timedelta
 
 from django.conf import settings
 from django.core.management.base import CommandError
@@ -42,6 +43,8 @@ log = logging.getLogger("palisade.serve")
 # Heartbeats refresh a stream's last_heard_from at least every minute; a stream silent for three
 # is one whose serve process died.
 STREAM_REAP_EVERY_SECONDS = 60
+PRUNE_DOCUMENTS_EVERY_SECONDS = 600
+UNREFERENCED_DOCUMENT_GRACE_SECONDS = 3600
 STREAM_SILENT_SECONDS = 180
 
 _LISTEN = re.compile(r"^(?:\[(?P<ipv6>[^\]]*)\]|(?P<host>[^:\[\]]*)):(?P<port>[0-9]{1,5})$")
@@ -165,6 +168,10 @@ class _Server(daphne.server.Server):
         reaper.start(STREAM_REAP_EVERY_SECONDS, now=False).addErrback(
             lambda failure: log.error("stream reaper stopped: %s", failure.getErrorMessage())
         )
+        pruner = task.LoopingCall(self.prune_documents)
+        pruner.start(PRUNE_DOCUMENTS_EVERY_SECONDS, now=False).addErrback(
+            lambda failure: log.error("document pruning stopped: %s", failure.getErrorMessage())
+        )
         catch_up = task.LoopingCall(self.catch_up_streams)
         catch_up.start(CATCH_UP_EVERY_SECONDS, now=False).addErrback(
             lambda failure: log.error("stream catch-up stopped: %s", failure.getErrorMessage())
@@ -186,24 +193,25 @@ class _Server(daphne.server.Server):
 
     def reap_streams(self):
         """Streams left open by a serve process that died without recording them."""
-        from datetime import timedelta
-
-        from twisted.internet import threads
-
         from fleet.sync import workload_streams_reap
 
         def reap():
-            try:
-                ended = workload_streams_reap(silent_for=timedelta(seconds=STREAM_SILENT_SECONDS))
-            except DatabaseError as error:
-                log.warning("cannot reap silent streams: %s", _first_line(error))
-                return
-            finally:
-                connections.close_all()
+            ended = workload_streams_reap(silent_for=timedelta(seconds=STREAM_SILENT_SECONDS))
             if ended:
                 log.info("recorded %d silent agent streams as ended", ended)
 
-        return threads.deferToThread(reap)
+        return _housekeeping("reap silent streams", reap)
+
+    def prune_documents(self):
+        """Rendered documents no workload names any more (fleet.retention)."""
+        from fleet.retention import rendered_policies_prune
+
+        def prune():
+            removed = rendered_policies_prune(older_than=timedelta(seconds=UNREFERENCED_DOCUMENT_GRACE_SECONDS))
+            if removed:
+                log.info("pruned %d rendered documents no workload names", removed)
+
+        return _housekeeping("prune rendered documents", prune)
 
     def end_streams(self):
         from autobahn.twisted.websocket import WebSocketServerProtocol
@@ -225,6 +233,22 @@ class _Server(daphne.server.Server):
 
         # The database is not used from the event loop's thread; shutdown waits for this Deferred.
         return threads.deferToThread(record)
+
+
+def _housekeeping(what: str, work):
+    """Periodic database work on a reactor thread; a failure (the database away, a lost race) is
+    one warning line, and the next period tries again."""
+    from twisted.internet import threads
+
+    def run():
+        try:
+            work()
+        except DatabaseError as error:
+            log.warning("cannot %s: %s", what, _first_line(error))
+        finally:
+            connections.close_all()
+
+    return threads.deferToThread(run)
 
 
 class _StopBeforeServing(Exception):
