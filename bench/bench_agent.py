@@ -338,7 +338,7 @@ def bench_rss(policy: dict, deadline_s: float) -> dict:
     import httpx
 
     from tests.nsthread import NamespaceThread
-    from tests.serve_process import ServeProcess, _drain, served_certificate
+    from tests.serve_process import ServeProcess, _drain, served_certificate, terminate
 
     namespace = f"palbenchr{os.getpid()}"
     deadline = time.monotonic() + deadline_s
@@ -478,13 +478,8 @@ def bench_rss(policy: dict, deadline_s: float) -> dict:
             "met": idle["vm_rss_max_of_samples_mb"] < RSS_TARGET_MB and after["vm_rss_max_of_samples_mb"] < RSS_TARGET_MB,
         }
     finally:
-        if agent is not None and agent.poll() is None:
-            agent.send_signal(signal.SIGTERM)
-            try:
-                agent.wait(20)
-            except subprocess.TimeoutExpired:
-                agent.kill()
-                agent.wait()
+        if agent is not None:
+            terminate(agent)
         if serve is not None and serve.process is not None:
             try:
                 serve.stop()

@@ -48,7 +48,7 @@ from urllib.parse import urlsplit, urlunsplit
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.serve_process import ServeProcess  # noqa: E402
+from tests.serve_process import ServeProcess, terminate  # noqa: E402
 
 ADMIN_URL = os.environ.get("BENCH_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 MODE_CHANGE_TARGET_S = 10.0
@@ -337,13 +337,8 @@ def run_count(count: int, poll: float, budget: float, py_spy: str | None = None,
     finally:
         if http is not None:
             http.close()
-        if sim is not None and sim.poll() is None:
-            sim.send_signal(signal.SIGTERM)
-            try:
-                sim.wait(60)
-            except subprocess.TimeoutExpired:
-                sim.kill()
-                sim.wait()
+        if sim is not None:
+            terminate(sim, 60)
         if serve is not None and serve.process is not None:
             try:
                 result["serve_exit"] = serve.stop(timeout=60)

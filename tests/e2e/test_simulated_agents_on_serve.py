@@ -8,14 +8,13 @@ another process cannot notify the streams; serve's catch-up sweep must still del
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
 
 import pytest
 
-from tests.serve_process import REPO, Site
+from tests.serve_process import REPO, Site, terminate
 
 pytestmark = pytest.mark.e2e
 
@@ -43,11 +42,7 @@ def fleet(tmp_path):
             )
             yield site, serve, http, workloads
         finally:
-            simulator.send_signal(signal.SIGTERM)
-            try:
-                simulator.wait(20)
-            except subprocess.TimeoutExpired:
-                simulator.kill()
+            terminate(simulator)
             http.close()
 
 
