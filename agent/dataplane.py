@@ -21,6 +21,8 @@ import gc
 import os
 import re
 
+from agent.tablewatch import NFPROTO_INET, table_exists
+
 TABLE_FAMILY = "inet"
 TABLE_NAME = "palisade"
 TABLE = f"{TABLE_FAMILY} {TABLE_NAME}"
@@ -119,13 +121,9 @@ class NftablesDataplane:
 
     def table_present(self) -> bool:
         try:
-            rc, output, error = self._nft.cmd(f"list tables {TABLE_FAMILY}")
-        finally:
-            # Listing fills the context's cache with the whole ruleset (~45 MB at 10,000 rules).
-            self._release_batch_memory()
-        if rc != 0:
-            raise ApplyError(_explain(error, rc))
-        return f"table {TABLE}" in output.splitlines()
+            return table_exists(NFPROTO_INET, TABLE_NAME)
+        except OSError as error:
+            raise ApplyError(f"cannot ask the kernel for table {TABLE}: {error.strerror or error}") from None
 
     def _run_batch(self, text: str) -> tuple[int, str, str]:
         fd = os.memfd_create("palisade-batch", os.MFD_CLOEXEC)

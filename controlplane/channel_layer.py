@@ -1,8 +1,6 @@
-"""The channel layers: in process for one `serve`, Redis for several.
+"""The channel layers: ProcessChannelLayer for one `serve`, BoundedRedisChannelLayer for several.
 
-The Redis one:
-
-channels-redis' default pool raises once more than 100 connections are busy and inherits redis-py's
+BoundedRedisChannelLayer: channels-redis' default pool raises once more than 100 connections are busy and inherits redis-py's
 5 s socket timeout, equal to the layer's own 5 s blocking read: under a few thousand agents
 consumers then die with 1011 (measured, see notes-from-probes.md). A bounded blocking pool that
 waits for a free connection, with a socket timeout well above the blocking read, holds 5,000 agents.

@@ -76,6 +76,7 @@ def db_pool_close_connections() -> None:
 
 AUTH_TIMEOUT_SECONDS = 10
 CATCH_UP_EVERY_SECONDS = 2.0
+HEARD_FROM_EVERY_SECONDS = 60  # heartbeats refresh last_heard_from at most this often
 
 
 @dataclass
@@ -135,7 +136,6 @@ async def streams_catch_up() -> int:
     return len(nudge)
 
 
-HEARD_FROM_EVERY_SECONDS = 60  # heartbeats refresh last_heard_from at most this often
 
 
 class EnrolView(APIView):

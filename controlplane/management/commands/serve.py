@@ -43,9 +43,10 @@ log = logging.getLogger("palisade.serve")
 # Heartbeats refresh a stream's last_heard_from at least every minute; a stream silent for three
 # is one whose serve process died.
 STREAM_REAP_EVERY_SECONDS = 60
+STREAM_SILENT_SECONDS = 180
+# Rendered documents no workload names are removed once they are an hour old (fleet.retention).
 PRUNE_DOCUMENTS_EVERY_SECONDS = 600
 UNREFERENCED_DOCUMENT_GRACE_SECONDS = 3600
-STREAM_SILENT_SECONDS = 180
 
 _LISTEN = re.compile(r"^(?:\[(?P<ipv6>[^\]]*)\]|(?P<host>[^:\[\]]*)):(?P<port>[0-9]{1,5})$")
 _HOST_NAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?$")
@@ -186,7 +187,7 @@ class _Server(daphne.server.Server):
         async def sweep():
             try:
                 await streams_catch_up()
-            except DatabaseError as error:
+            except Exception as error:  # noqa: BLE001 - the database away: the next sweep tries again
                 log.warning("cannot compare streams with their latest versions: %s", _first_line(error))
 
         return Deferred.fromFuture(asyncio.ensure_future(sweep()))
