@@ -54,7 +54,8 @@ class Workload(models.Model):
     sync_error = models.TextField(blank=True)
     stream_id = models.CharField(max_length=64, blank=True)  # the open stream; empty when none
     last_snapshot_sent_at = models.DateTimeField(null=True)
-    # A resend asked for and not yet answered by a snapshot (see fleet.gateway.streams_catch_up).
+    # A resend asked for and not yet answered by a snapshot, which clears it (fleet.streams); no clock
+    # comparison, so a host command on a machine whose clock runs ahead cannot repeat it forever.
     resend_requested_at = models.DateTimeField(null=True)
     last_heard_from = models.DateTimeField(null=True)  # null: never connected
     owned_table_state = models.CharField(max_length=16, default="unknown")

@@ -112,11 +112,11 @@ def stream_snapshot(*, workload_id: str, stream_id: str, unless_version: str | N
 
 def _latest_marked_sent(workload_id, stream_id: str, unless_version: str | None) -> tuple[str, str] | None:
     # One statement, since every stream of the fleet runs this after a fleet-wide change: stamp
-    # last_snapshot_sent_at and read the version and mode to send.
+    # last_snapshot_sent_at, answer a pending resend, and read the version and mode to send.
     table = Workload._meta.db_table
     with connection.cursor() as cursor:
         cursor.execute(
-            f"UPDATE {table} SET last_snapshot_sent_at = %s "  # noqa: S608
+            f"UPDATE {table} SET last_snapshot_sent_at = %s, resend_requested_at = NULL "  # noqa: S608
             "WHERE id = %s AND stream_id = %s AND latest_policy_id IS NOT NULL AND latest_policy_id <> %s "
             "RETURNING latest_policy_id, mode",
             [
@@ -143,10 +143,9 @@ def streams_state(*, streams: dict[str, str]) -> dict[str, StreamDue]:
     ids = list(streams)
     for start in range(0, len(ids), 500):  # under SQLite's bound-parameter limit
         rows = Workload.objects.filter(id__in=ids[start : start + 500]).values_list(
-            "id", "stream_id", "latest_policy_id", "resend_requested_at", "last_snapshot_sent_at"
+            "id", "stream_id", "latest_policy_id", "resend_requested_at"
         )
-        for workload_id, stream_id, latest, resend_at, sent_at in rows:
+        for workload_id, stream_id, latest, resend_at in rows:
             if streams[str(workload_id)] == stream_id:
-                unanswered = resend_at if resend_at and (sent_at is None or sent_at < resend_at) else None
-                state[stream_id] = StreamDue(latest, unanswered)
+                state[stream_id] = StreamDue(latest, resend_at)
     return state

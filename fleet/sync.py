@@ -92,7 +92,7 @@ def _set_latest_versions(moved: dict[str, str]) -> None:
 
 def workload_stream_opened(*, workload_id, stream_id: str, agent_version: str = "") -> Workload:
     """A sync stream began (the agent proved its key): offline -> pending; the caller sends the
-    snapshot next and records it with `workload_snapshot_sent`."""
+    snapshot next (fleet.streams.stream_snapshot, which records it as sent)."""
     with transaction.atomic():
         workload = _locked(workload_id)
         workload.stream_id = stream_id
@@ -103,10 +103,6 @@ def workload_stream_opened(*, workload_id, stream_id: str, agent_version: str = 
             workload.agent_version = agent_version[:64]
         _save(workload, "stream_id", "sync_state", "sync_error", "last_heard_from", "agent_version")
     return workload
-
-
-def workload_snapshot_sent(*, workload_id, stream_id: str) -> None:
-    Workload.objects.filter(id=workload_id, stream_id=stream_id).update(last_snapshot_sent_at=clock.now())
 
 
 def workload_applied(*, workload_id, stream_id: str, version: str) -> None:

@@ -32,9 +32,10 @@ def make_workload(*, hostname=None, labels=None, addresses=None, mode="visibilit
 
 
 def connect(workload: Workload, stream_id: str = "stream-1") -> Workload:
-    from fleet.sync import workload_snapshot_sent, workload_stream_opened
+    from fleet.streams import stream_snapshot
+    from fleet.sync import workload_stream_opened
 
     workload_stream_opened(workload_id=workload.id, stream_id=stream_id, agent_version="0.1.0")
-    workload_snapshot_sent(workload_id=workload.id, stream_id=stream_id)
+    stream_snapshot(workload_id=workload.id, stream_id=stream_id)
     workload.refresh_from_db()
     return workload
