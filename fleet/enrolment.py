@@ -21,7 +21,7 @@ from controlplane.validation import Findings
 from fleet.credentials import CREDENTIAL_FIELDS, SignedCredential, credential_issue, credential_start
 from fleet.models import Workload
 from fleet.selectors import workload_get
-from fleet.provisioning import provisioning_token_consume
+from fleet.provisioning import provisioning_token_check, provisioning_token_consume
 from fleet.rendering import notify_streams, rerender_for_peer_change
 
 MAX_HOSTNAME = 255
@@ -138,7 +138,7 @@ def workload_enrol(
     renewal failure. The token is checked first (`unauthenticated`), then the input (`validation`),
     then the workload (`not-found`)."""
     with transaction.atomic():
-        token = provisioning_token_consume(secret=token_secret)
+        token = provisioning_token_check(secret=token_secret)
         spec = enrolment_input(
             public_key=public_key, hostname=hostname, addresses=addresses, agent_version=agent_version
         )
@@ -189,6 +189,7 @@ def workload_enrol(
             notify_streams([str(workload.id)], {"type": "stream.replaced", "stream_id": ""})
         _render_new_workload(workload, labels_before=labels_before)
         credential = credential_issue(workload=workload)
+        provisioning_token_consume(secret=token_secret)
     return Enrolled(workload=workload, credential=credential, re_enrolled=workload_id is not None)
 
 

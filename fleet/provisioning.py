@@ -174,31 +174,48 @@ def provisioning_token_list(*, cursor: str | None, limit: int) -> Page:
     )
 
 
+def provisioning_token_check(*, secret: str) -> ProvisioningToken:
+    """The token an enrolment presents, if it can still be used: `unauthenticated` when it is not a
+    token, unknown, revoked, expired or used up. Reads without locking; the use is taken by
+    `provisioning_token_consume` at the end of the enrolment."""
+    return _usable(_token_of(secret, lock=False))
+
+
 def provisioning_token_consume(*, secret: str) -> ProvisioningToken:
-    """Use the token once, for an enrolment: `unauthenticated` when it is unknown, revoked, expired
-    or used up. The row stays locked until the caller's transaction ends, so of concurrent
-    enrolments with a token that has one use left exactly one gets it; call it inside the
-    enrolment's transaction so a failed enrolment gives the use back."""
+    """Use the token once, refusing like `provisioning_token_check`. The row stays locked until the
+    caller's transaction ends, so of concurrent enrolments with a token that has one use left exactly
+    one gets it; call it last inside the enrolment's transaction, so the lock is held only while it
+    commits (enrolments with one token would otherwise queue behind each other's rendering) and a
+    failed enrolment gives the use back."""
+    with transaction.atomic():
+        token = _usable(_token_of(secret, lock=True))
+        token.uses += 1
+        token.last_used_at = clock.now()
+        token.save(update_fields=["uses", "last_used_at"])
+    return token
+
+
+def _token_of(secret: str, *, lock: bool) -> ProvisioningToken:
     if not isinstance(secret, str) or not secret.startswith(PROVISIONING_TOKEN_PREFIX):
         raise Problem(
             "unauthenticated", f"That is not a provisioning token (they start with {PROVISIONING_TOKEN_PREFIX})."
         )
-    with transaction.atomic():
-        token = ProvisioningToken.objects.select_for_update().filter(digest=digest(secret)).first()
-        if token is None:
-            raise Problem("unauthenticated", "The provisioning token is not known to this control plane.")
-        now = clock.now()
-        state = provisioning_token_state(token, now)
-        name = f"The provisioning token {token.prefix}"
-        if state == REVOKED:
-            raise Problem("unauthenticated", f"{name} was revoked at {clock.rfc3339(token.revoked_at)}.")
-        if state == EXPIRED:
-            raise Problem("unauthenticated", f"{name} expired at {clock.rfc3339(token.expires_at)}.")
-        if state == USED_UP:
-            raise Problem(
-                "unauthenticated", f"{name} is used up: it was used {token.uses} of {token.max_uses} times."
-            )
-        token.uses += 1
-        token.last_used_at = now
-        token.save(update_fields=["uses", "last_used_at"])
+    tokens = ProvisioningToken.objects
+    # NO KEY UPDATE: the workloads enrolled in this transaction reference the token (a key-share lock
+    # each), which a plain FOR UPDATE would wait for across concurrent enrolments.
+    token = (tokens.select_for_update(no_key=True) if lock else tokens).filter(digest=digest(secret)).first()
+    if token is None:
+        raise Problem("unauthenticated", "The provisioning token is not known to this control plane.")
+    return token
+
+
+def _usable(token: ProvisioningToken) -> ProvisioningToken:
+    state = provisioning_token_state(token, clock.now())
+    name = f"The provisioning token {token.prefix}"
+    if state == REVOKED:
+        raise Problem("unauthenticated", f"{name} was revoked at {clock.rfc3339(token.revoked_at)}.")
+    if state == EXPIRED:
+        raise Problem("unauthenticated", f"{name} expired at {clock.rfc3339(token.expires_at)}.")
+    if state == USED_UP:
+        raise Problem("unauthenticated", f"{name} is used up: it was used {token.uses} of {token.max_uses} times.")
     return token
