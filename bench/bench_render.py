@@ -8,9 +8,10 @@ and an IPv6 address on every fifth; 50 named services, 100 address groups, 300 r
 holding 3,000 rules. Modes: 70% enforced, 25% simulation, 5% visibility.
 
 Rendering runs single process with one FleetIndex for the fleet. Applying runs in a child
-process inside a throwaway network namespace (root only): the largest document replaces
-the owned table through NftablesDataplane (libnftables) and through `nft -f` of the same
-batch text, alternately, several times each. Results go to bench/results/render.json.
+process inside a throwaway network namespace (root only), measured as bench_agent.py measures
+the agent's apply: the largest document replaces the owned table through NftablesDataplane
+(libnftables) and through `nft -f` of the same batch text, alternately, several times each.
+Results go to bench/results/render.json.
 """
 
 from __future__ import annotations
@@ -23,9 +24,7 @@ import platform
 import random
 import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -235,81 +234,16 @@ def bench_render(count: int) -> tuple[dict, str]:
     return results, largest[1]
 
 
-# --- apply: runs in a child inside a throwaway namespace ----------------------------------
-
-
-def apply_child(document_path: str, reps: int) -> None:
-    from agent.dataplane import BATCH_HEADER, NftablesDataplane
-
-    document = Path(document_path).read_text()
-    dataplane = NftablesDataplane()
-    with tempfile.NamedTemporaryFile("w", suffix=".nft", delete=False, dir="/dev/shm") as batch:
-        batch.write(BATCH_HEADER + document)
-    try:
-        dataplane.apply(document)  # both then replace an existing table, as the agent does
-        libnftables, nft = [], []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            dataplane.apply(document)
-            libnftables.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            subprocess.run(["nft", "-f", batch.name], check=True)
-            nft.append(time.perf_counter() - t0)
-        listed = subprocess.run(
-            ["nft", "list", "table", "inet", "palisade"], capture_output=True, text=True, check=True
-        )
-        counts = {
-            "nft_rules": sum(
-                1 for line in listed.stdout.splitlines() if "ct mark set" in line or " accept" in line
-            ),
-            "sets": listed.stdout.count("\tset "),
-        }
-    finally:
-        os.unlink(batch.name)
-    print(json.dumps({"libnftables_s": libnftables, "nft_f_s": nft, **counts}))
-
-
-def bench_apply(document: str, reps: int) -> dict:
+def bench_apply_largest(document: str, reps: int, *, skip: bool) -> dict:
+    """The largest document applied by the agent's dataplane against `nft -f`, in a throwaway
+    namespace: the agent benchmark's measurement (bench_agent.bench_apply), on this document."""
+    if skip:
+        return {"skipped": "--no-apply"}
     if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("nft"):
         return {"skipped": "needs root, ip and nft"}
-    namespace = f"palbench{os.getpid()}"
-    subprocess.run(["ip", "netns", "add", namespace], check=True)
-    try:
-        with tempfile.NamedTemporaryFile("w", suffix=".nft", delete=False) as handle:
-            handle.write(document)
-        env = dict(os.environ, PYTHONPATH=str(REPO))
-        done = subprocess.run(
-            [
-                "ip",
-                "netns",
-                "exec",
-                namespace,
-                sys.executable,
-                __file__,
-                "--apply-child",
-                handle.name,
-                str(reps),
-            ],
-            capture_output=True,
-            text=True,
-            env=env,
-            check=True,
-        )
-        os.unlink(handle.name)
-    finally:
-        subprocess.run(["ip", "netns", "del", namespace], check=False)
-    raw = json.loads(done.stdout)
-    lib, nft = statistics.median(raw["libnftables_s"]), statistics.median(raw["nft_f_s"])
-    return {
-        "repetitions": reps,
-        "libnftables_median_s": lib,
-        "nft_f_median_s": nft,
-        "libnftables_min_s": min(raw["libnftables_s"]),
-        "nft_f_min_s": min(raw["nft_f_s"]),
-        "ratio_libnftables_over_nft": lib / nft,
-        "table_nft_rules": raw["nft_rules"],
-        "table_sets": raw["sets"],
-    }
+    from bench_agent import bench_apply
+
+    return bench_apply(document, reps)
 
 
 def main() -> None:
@@ -317,14 +251,10 @@ def main() -> None:
     parser.add_argument("--workloads", type=int, default=10_000)
     parser.add_argument("--apply-reps", type=int, default=9)
     parser.add_argument("--no-apply", action="store_true")
-    parser.add_argument("--apply-child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.apply_child:
-        apply_child(args.apply_child[0], int(args.apply_child[1]))
-        return
 
     results, largest = bench_render(args.workloads)
-    results["apply"] = {"skipped": "--no-apply"} if args.no_apply else bench_apply(largest, args.apply_reps)
+    results["apply"] = bench_apply_largest(largest, args.apply_reps, skip=args.no_apply)
     results["machine"] = {
         "cpus": os.cpu_count(),
         "python": platform.python_version(),
@@ -353,9 +283,9 @@ def main() -> None:
     else:
         print(
             f"apply largest ({apply['table_sets']} sets): "
-            f"libnftables {apply['libnftables_median_s'] * 1e3:.1f} ms, "
+            f"agent (NftablesDataplane.apply) {apply['agent_median_s'] * 1e3:.1f} ms, "
             f"nft -f {apply['nft_f_median_s'] * 1e3:.1f} ms (medians of {apply['repetitions']}); "
-            f"ratio {apply['ratio_libnftables_over_nft']:.2f} [target <= 1.3]"
+            f"ratio {apply['ratio_agent_over_nft']:.2f} [target <= 1.3]"
         )
     out = REPO / "bench" / "results" / "render.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -15,6 +15,7 @@ from agent.bundle import bundle_encode
 from agent.cli import check_root, main
 from agent.errors import AgentError
 from tests.agent.helpers import assert_one_line_error, run_cli
+from tests.requirements import require
 
 FINGERPRINT = ":".join(["AB"] * 32)
 TOKEN = "pal_pt_" + "x" * 32
@@ -99,8 +100,7 @@ def test_state_dir_that_is_a_file(tmp_path):
 
 def test_unreadable_state_dir(tmp_path):
     """Run `status` as an unprivileged user against a root-only state directory."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root to switch to another user")
+    require(os.geteuid() == 0, "needs root to switch to another user")
     state = tmp_path / "state"
     state.mkdir(mode=0o700)
     os.chmod(tmp_path, 0o755)
