@@ -39,7 +39,6 @@ import platform
 import random
 import re
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -50,6 +49,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+from benchlib import exit_on_sigterm, results_write  # noqa: E402
 
 SEED = 20240905
 RULES_PER_RULESET = 500  # policy.validation.MAX_RULES_PER_RULESET
@@ -492,16 +493,6 @@ def bench_rss(policy: dict, deadline_s: float) -> dict:
     return result
 
 
-def _exit_on_sigterm() -> None:
-    """SIGTERM (a `timeout`, a CI cancel) unwinds like Ctrl-C, so processes, namespaces, the
-    database and temporary directories are still cleaned up."""
-
-    def stop(signum, frame):
-        raise SystemExit(f"stopped by signal {signum}")
-
-    signal.signal(signal.SIGTERM, stop)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rules", type=int, default=10_000)
@@ -511,7 +502,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=900, help="bound for the memory part, seconds")
     parser.add_argument("--apply-child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    _exit_on_sigterm()
+    exit_on_sigterm()
     if args.apply_child:
         apply_child(args.apply_child[0], int(args.apply_child[1]))
         return
@@ -579,10 +570,7 @@ def main() -> None:
         "kernel": platform.release(),
         "nft": subprocess.run(["nft", "--version"], capture_output=True, text=True).stdout.strip(),
     }
-    out = REPO / "bench" / "results" / "agent.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {out.relative_to(REPO)}")
+    results_write("agent", results)
 
 
 if __name__ == "__main__":

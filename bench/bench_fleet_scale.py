@@ -29,7 +29,6 @@ removed even on failure. Results: bench/results/fleet_scale.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import re
@@ -49,6 +48,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from tests.serve_process import ServeProcess, terminate  # noqa: E402
+from benchlib import exit_on_sigterm, results_write  # noqa: E402
 
 ADMIN_URL = os.environ.get("BENCH_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 MODE_CHANGE_TARGET_S = 10.0
@@ -360,16 +360,6 @@ def run_count(count: int, poll: float, budget: float, py_spy: str | None = None,
     return result
 
 
-def _exit_on_sigterm() -> None:
-    """SIGTERM (a `timeout`, a CI cancel) unwinds like Ctrl-C, so processes, namespaces, the
-    database and temporary directories are still cleaned up."""
-
-    def stop(signum, frame):
-        raise SystemExit(f"stopped by signal {signum}")
-
-    signal.signal(signal.SIGTERM, stop)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--counts", default="2000,5000", help="comma-separated agent counts (default 2000,5000)")
@@ -378,7 +368,7 @@ def main() -> None:
     parser.add_argument("--py-spy", metavar="PATH", help="a py-spy binary: sample serve during each phase")
     parser.add_argument("--profile-dir", type=Path, default=Path(tempfile.gettempdir()) / "palisade-bench-profiles")
     args = parser.parse_args()
-    _exit_on_sigterm()
+    exit_on_sigterm()
     os.environ.pop("REDIS_URL", None)  # one serve process: the in-memory channel layer
 
     source = source_state()
@@ -401,10 +391,7 @@ def main() -> None:
             f"{change['until_all_applied_s']:.1f} s (POST {change['post_s']:.1f} s) "
             f"[target <= {MODE_CHANGE_TARGET_S:.0f} s: {'met' if change['met'] else 'MISSED'}]"
         )
-    out = REPO / "bench" / "results" / "fleet_scale.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {out.relative_to(REPO)}")
+    results_write("fleet_scale", results)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
-import json
 import os
 import platform
 import random
@@ -30,6 +29,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+from benchlib import results_write  # noqa: E402
 
 from policy.grammar import parse_selector  # noqa: E402
 from policy.render_inputs import (  # noqa: E402
@@ -287,10 +288,7 @@ def main() -> None:
             f"nft -f {apply['nft_f_median_s'] * 1e3:.1f} ms (medians of {apply['repetitions']}); "
             f"ratio {apply['ratio_agent_over_nft']:.2f} [target <= 1.3]"
         )
-    out = REPO / "bench" / "results" / "render.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {out.relative_to(REPO)}")
+    results_write("render", results)
 
 
 if __name__ == "__main__":
