@@ -311,6 +311,8 @@ class Agent:
             return Outcome(immediate=True)
         if code == p.CLOSE_UNAUTHENTICATED:
             self.status.error(f"the gateway refused this agent's proof or credential (4401 {reason})".strip())
+        elif code == p.CLOSE_TRY_AGAIN:
+            self.status.error(f"the control plane failed on its side ({reason or code}); retrying")
         elif code not in (1000, 1001):
             self.status.error(f"the stream closed with code {code} {reason}".strip())
         return Outcome(stable=self._was_stable(began))

@@ -37,6 +37,7 @@ CLOSE_HANDSHAKE_TIMEOUT = 4408
 CLOSE_REPLACED = 4409  # a newer stream of the same workload took over
 CLOSE_RECONNECT = 4100  # the operator asked for a fresh snapshot: reconnect now
 CLOSE_SHUTDOWN = 4503  # the control plane is shutting down: reconnect with backoff
+CLOSE_TRY_AGAIN = 4500  # the control plane failed on its side (e.g. during a renewal): reconnect with backoff
 
 
 class ProtocolError(ValueError):

@@ -203,6 +203,18 @@ def credential_verify(text: str) -> dict[str, Any]:
 # --- renewal ---------------------------------------------------------------------------------------
 
 
+class CredentialBeyondGrace(Problem):
+    """The one renewal refusal after which only a new enrolment helps (the stream closes with 4403).
+    Every other failure of a renewal is the control plane's and the agent retries it."""
+
+    def __init__(self, detail: str):
+        super().__init__("unauthenticated", detail)
+
+
+def credential_beyond_grace(workload: Workload, now: datetime) -> bool:
+    return now >= credential_grace_ends_at(workload)
+
+
 def credential_renew(*, workload_id: str, now: datetime | None = None) -> SignedCredential:
     """A new credential for the workload (next serial, a full lifetime from now). Admitted while the
     credential is valid and up to the grace after its expiry; a renewal made with an expired
@@ -210,9 +222,8 @@ def credential_renew(*, workload_id: str, now: datetime | None = None) -> Signed
     with transaction.atomic():
         workload = workload_get(workload_id=workload_id, for_update=True)
         now = now or clock.now()
-        if now >= credential_grace_ends_at(workload):
-            raise Problem(
-                "unauthenticated",
+        if credential_beyond_grace(workload, now):
+            raise CredentialBeyondGrace(
                 f"The credential of workload {workload.id} expired at "
                 f"{clock.rfc3339(workload.credential_expires_at)}, "
                 f"more than the renewal grace ({_duration(credential_grace())}) ago; it cannot be renewed: "

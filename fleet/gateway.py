@@ -226,7 +226,9 @@ class SyncStreamConsumer(AsyncWebsocketConsumer):
             await self.renew()
             return
         if self.grant.renew_only:
-            raise streams.StreamRefused(protocol.CLOSE_FORBIDDEN, f"credential expired: only renew is allowed, got {message.type}")
+            raise protocol.ProtocolError(
+                protocol.CLOSE_UNEXPECTED, f"credential expired: only renew is allowed, got {message.type}"
+            )
         handler = {
             protocol.Applied: self.on_applied,
             protocol.Failed: self.on_failed,
@@ -308,11 +310,13 @@ class SyncStreamConsumer(AsyncWebsocketConsumer):
     async def renew(self) -> None:
         try:
             issued = await _db(credentials.credential_renew)(workload_id=self.grant.workload_id)
-        except Exception as error:  # the domain refuses with a Problem; anything else is logged too
-            await _db(credentials.credential_renewal_failed)(
-                workload_id=self.grant.workload_id, error=str(error)
-            )
+        except credentials.CredentialBeyondGrace as refused:
+            await self.record_renewal_failure(refused.detail)
             raise streams.StreamRefused(protocol.CLOSE_FORBIDDEN, "renewal refused: re-enrol") from None
+        except Exception as error:  # noqa: BLE001 - the control plane's own failure: the agent retries
+            log.exception("renewing the credential of %s failed", self.grant.hostname)
+            await self.record_renewal_failure(f"the control plane failed to renew: {type(error).__name__}")
+            raise streams.StreamRefused(protocol.CLOSE_TRY_AGAIN, "renewal failed: try again later") from None
         await self.send_message(
             protocol.CredentialIssued(
                 credential=issued.text,
@@ -324,6 +328,12 @@ class SyncStreamConsumer(AsyncWebsocketConsumer):
         if self.grant.renew_only:
             # The renewed agent starts over with a normal stream under its new credential.
             await self.close(code=protocol.CLOSE_RECONNECT)
+
+    async def record_renewal_failure(self, error: str) -> None:
+        try:
+            await _db(credentials.credential_renewal_failed)(workload_id=self.grant.workload_id, error=error)
+        except Exception:  # noqa: BLE001 - the database may be what failed; the close must still happen
+            log.exception("recording the failed renewal of %s failed too", self.grant.hostname)
 
     async def on_renewal_failed(self, message: protocol.RenewalFailed) -> None:
         await _db(credentials.credential_renewal_failed)(

@@ -280,6 +280,25 @@ def test_close_4403_stops_with_a_reenrol_error(tmp_path):
     scenario(tmp_path, body, prepare=prepare)
 
 
+def test_close_4500_after_a_failed_renewal_backs_off_and_tries_again(tmp_path):
+    """The control plane failed on its side: the agent keeps running and retries, it does not exit."""
+
+    async def prepare(w: World) -> None:
+        w.gateway.refuse[w.workload] = (4500, "renewal failed: try again later")
+
+    async def body(w: World) -> None:
+        w.start()
+        first = await w.event("auth")
+        await w.event("auth", w.gateway.events.index(first) + 1, timeout=20)
+        lines = w.log_lines()
+        assert 'stream closed code=4500 reason="renewal failed: try again later"' in lines
+        assert any(line.startswith("backoff ") for line in lines)
+        status = json.loads(w.agent.state.file("status.json").read_text())
+        assert status["last_error"]["message"].endswith("; retrying")
+
+    scenario(tmp_path, body, prepare=prepare)
+
+
 def test_close_4401_backs_off_and_tries_again(tmp_path):
     async def prepare(w: World) -> None:
         w.gateway.refuse[w.workload] = (4401, "bad proof")

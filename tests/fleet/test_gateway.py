@@ -271,7 +271,8 @@ def test_expired_credential_within_grace_may_renew_and_nothing_else(settings):
         welcome = await receive(communicator)
         assert welcome.renew_only is True and welcome.credential_state == "expired"
         await communicator.send_to(text_data=protocol.Heartbeat(process_start_id="p", uptime_seconds=1, clock="c", owned_table="present").encode())
-        assert await communicator.receive_output(timeout=5) == {"type": "websocket.close", "code": protocol.CLOSE_FORBIDDEN}
+        # A protocol violation, not "beyond grace": 4403 would make the agent give up for good.
+        assert await communicator.receive_output(timeout=5) == {"type": "websocket.close", "code": protocol.CLOSE_UNEXPECTED}
         again = await open_stream(agent)
         await receive(again)
         await again.send_to(text_data=protocol.Renew().encode())
@@ -282,6 +283,60 @@ def test_expired_credential_within_grace_may_renew_and_nothing_else(settings):
     async_to_sync(scenario)()
     w = workload(agent)
     assert w.credential_last_late_renewal is not None and w.credential_serial == 2
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_renewal_that_fails_on_the_control_plane_side_closes_retryable_not_reenrol(monkeypatch):
+    """A fault of ours (here the signing key cannot be read) must not tell the agent to re-enrol: 4403
+    makes it exit for good. The stream closes with 4500, the failure is on the workload, and the next
+    renewal, once the fault is gone, succeeds."""
+    from fleet import credentials
+
+    agent = Agent()
+    real_issue = credentials.credential_issue
+
+    def broken_issue(**kwargs):
+        raise OSError(5, "Input/output error")
+
+    async def renew_once():
+        communicator = await open_stream(agent)
+        await receive(communicator)  # welcome
+        assert isinstance(await receive(communicator), protocol.Snapshot)
+        await communicator.send_to(text_data=protocol.Renew().encode())
+        return communicator
+
+    async def scenario():
+        monkeypatch.setattr(credentials, "credential_issue", broken_issue)
+        communicator = await renew_once()
+        assert await communicator.receive_output(timeout=5) == {"type": "websocket.close", "code": protocol.CLOSE_TRY_AGAIN}
+        monkeypatch.setattr(credentials, "credential_issue", real_issue)
+        again = await renew_once()
+        assert isinstance(await receive(again), protocol.CredentialIssued)
+        await again.disconnect()
+
+    async_to_sync(scenario)()
+    w = workload(agent)
+    assert w.credential_serial == 2 and w.credential_renewal_failed is False
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_failed_renewal_is_recorded_on_the_workload(monkeypatch):
+    from fleet import credentials
+
+    agent = Agent()
+    monkeypatch.setattr(credentials, "credential_issue", lambda **kwargs: 1 / 0)
+
+    async def scenario():
+        communicator = await open_stream(agent)
+        await receive(communicator)  # welcome
+        assert isinstance(await receive(communicator), protocol.Snapshot)
+        await communicator.send_to(text_data=protocol.Renew().encode())
+        assert (await communicator.receive_output(timeout=5))["code"] == protocol.CLOSE_TRY_AGAIN
+
+    async_to_sync(scenario)()
+    w = workload(agent)
+    assert w.credential_renewal_failed is True
+    assert w.credential_last_error == "the control plane failed to renew: ZeroDivisionError"
 
 
 @pytest.mark.django_db(transaction=True)
