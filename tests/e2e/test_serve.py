@@ -152,6 +152,72 @@ def test_a_signal_stops_it_cleanly(site, sig):
     assert "palisade.serve stopped" in serve.stderr_text()
 
 
+def test_stopping_right_after_websocket_upgrades_logs_no_traceback(site):
+    """daphne's shutdown read the application instance of connections that had none yet (a websocket
+    upgraded a moment before), and its KeyError aborted the step that cancels open streams."""
+    from websockets.sync.client import connect
+
+    from agent.protocol import STREAM_PATH
+    from tests.serve_process import pinned_context
+
+    serve = site.serve()
+    host, port = serve.address("gateway")
+    context = pinned_context(serve.served_certificate("gateway"))
+    sockets = []
+    for _ in range(8):
+        try:
+            sockets.append(connect(f"wss://{host}:{port}{STREAM_PATH}", ssl=context, open_timeout=3))
+        except TimeoutError:
+            # A rare upgrade goes unanswered for 60 s while other streams are open (seen before this fix too);
+            # this test needs upgrades just before the stop, not every one of them.
+            continue
+    assert sockets
+    try:
+        assert serve.stop(signal.SIGTERM) == 0
+    finally:
+        for ws in sockets:
+            ws.close_socket()
+    log = serve.stderr_text()
+    assert "Traceback" not in log and "CRITICAL" not in log, log
+    assert "palisade.serve stopped" in log
+
+
+def _raw_request(serve, request: bytes, timeout: float = 10) -> bytes:
+    from tests.serve_process import pinned_context
+
+    host, port = serve.address("operator")
+    with socket.create_connection((host, port), timeout=timeout) as raw:
+        with pinned_context(serve.served_certificate("operator")).wrap_socket(raw) as tls_socket:
+            tls_socket.sendall(request)
+            answer = b""
+            while chunk := tls_socket.recv(65536):
+                answer += chunk
+    return answer
+
+
+@pytest.mark.parametrize(
+    "request_bytes, status, name",
+    [
+        (b"GET /api/v1/me?" + b"q" * 20_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n", 431, "header-too-large"),
+        (b"GET /api/v1/me HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 20_000 + b"\r\n\r\n", 431, "header-too-large"),
+        (
+            b"GET /api/v1/me HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-%d: %s\r\n" % (i, b"a" * 1000) for i in range(17)) + b"\r\n",
+            431,
+            "header-too-large",
+        ),
+        (b"GET /api/v1/me HTTP/1.1\r\nHost: x\r\nno colon here\r\n\r\n", 400, "malformed-request"),
+    ],
+    ids=["long-request-line", "long-header", "headers-over-16k", "malformed-header"],
+)
+def test_requests_refused_by_the_http_layer_get_a_problem_at_once(site, request_bytes, status, name):
+    serve = site.serve()
+    answer = _raw_request(serve, request_bytes)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 %d " % status), answer[:200]
+    assert b"Content-Type: application/problem+json" in head
+    assert json.loads(body)["type"] == f"urn:service:problem:{name}"
+
+
 def test_a_port_in_use_is_a_one_line_error(site):
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))

@@ -36,6 +36,7 @@ from twisted.logger import (
 from agent.protocol import CLOSE_SHUTDOWN, MAX_MESSAGE_BYTES
 from controlplane import tls
 from controlplane.database import database_migrate, pending_migrations
+from controlplane.http_limits import limited_channel_protocol
 from controlplane.management.base import PalisadeCommand
 
 log = logging.getLogger("palisade.serve")
@@ -164,6 +165,8 @@ class _Server(daphne.server.Server):
         from fleet.rendering import notify_streams_on
 
         reactor.addSystemEventTrigger("before", "shutdown", self.end_streams)
+        # daphne builds its HTTP factory in run(); no connection is accepted before the reactor runs.
+        reactor.callWhenRunning(lambda: setattr(self.http_factory, "protocol", limited_channel_protocol))
         reactor.callWhenRunning(lambda: notify_streams_on(asyncio.get_event_loop()))
         reaper = task.LoopingCall(self.reap_streams)
         reaper.start(STREAM_REAP_EVERY_SECONDS, now=False).addErrback(
@@ -178,6 +181,24 @@ class _Server(daphne.server.Server):
             lambda failure: log.error("stream catch-up stopped: %s", failure.getErrorMessage())
         )
         super().run()
+
+    def kill_all_applications(self):
+        """daphne's own version reads `details["application_instance"]` of every connection, and a
+        websocket upgraded a moment before shutdown has none yet: its KeyError aborted the step that
+        cancels open requests and streams (and logged a CRITICAL traceback)."""
+        from twisted.internet.defer import Deferred
+
+        pending = [
+            instance
+            for details in self.connections.values()
+            if (instance := details.get("application_instance")) is not None and not instance.done()
+        ]
+        for instance in pending:
+            instance.cancel()
+        log.info("cancelled %d pending application instances", len(pending))
+        waiting = Deferred.fromFuture(asyncio.gather(*pending))
+        waiting.addErrback(lambda failure: None)
+        return waiting
 
     def catch_up_streams(self):
         from twisted.internet.defer import Deferred

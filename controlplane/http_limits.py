@@ -1,0 +1,58 @@
+"""serve's HTTP/1.1 channel: requests Twisted refuses before any application code runs still get an
+immediate problem document.
+
+Twisted closes the connection without a word when the request line or one header passes 16 KiB
+(`LineReceiver.lineLengthExceeded`), and answers all headers over 16 KiB, or a malformed one, with a
+bare `400 Bad Request` and no body. Clients then waited for a timeout, or got an error they could not
+read. The limits stay Twisted's; only the answers change.
+"""
+
+from __future__ import annotations
+
+import json
+
+from twisted.web import http
+
+from controlplane.api.errors import PROBLEM_CONTENT_TYPE
+from controlplane.problems import Problem
+
+
+def _problem_bytes(problem: Problem) -> bytes:
+    body = json.dumps(problem.document()).encode()
+    reason = http.RESPONSES.get(problem.status, b"Error")
+    head = (
+        b"HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
+        % (problem.status, reason, PROBLEM_CONTENT_TYPE.encode(), len(body))
+    )
+    return head + body
+
+
+class LimitedHTTPChannel(http.HTTPChannel):
+    def lineLengthExceeded(self, line):
+        self.transport.write(
+            _problem_bytes(
+                Problem(
+                    "header-too-large",
+                    f"The request line or a header is longer than {self.MAX_LENGTH} bytes.",
+                    max_bytes=self.MAX_LENGTH,
+                )
+            )
+        )
+        self.loseConnection()
+
+    def _respondToBadRequestAndDisconnect(self):
+        if self._receivedHeaderSize > self.totalHeadersSize:
+            problem = Problem(
+                "header-too-large",
+                f"The request's headers are longer than {self.totalHeadersSize} bytes in all.",
+                max_bytes=self.totalHeadersSize,
+            )
+        else:
+            problem = Problem("malformed-request", "The request line or a header is malformed.")
+        self.transport.write(_problem_bytes(problem))
+        self.loseConnection()
+
+
+def limited_channel_protocol() -> http._GenericHTTPChannelProtocol:
+    """For `HTTPFactory.protocol`: Twisted's own wrapper (it switches to HTTP/2 after ALPN) around our channel."""
+    return http._GenericHTTPChannelProtocol(LimitedHTTPChannel())
