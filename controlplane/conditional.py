@@ -22,6 +22,12 @@ def etag(version: int) -> str:
     return f'"{version_text(version)}"'
 
 
+MAX_IF_MATCH_LENGTH = 200  # versions are short; a longer header is not one of ours
+
+# What a weak entity tag becomes: RFC 9110 compares If-Match strongly, so a weak tag never matches.
+_NEVER_MATCHES = "W/"
+
+
 def if_match_from_header(header: str | None) -> str:
     """The version an `If-Match` header carries; 428 when there is none."""
     if header is None or not header.strip():
@@ -29,10 +35,14 @@ def if_match_from_header(header: str | None) -> str:
             "precondition-required", "This write requires If-Match carrying the version you read (the ETag)."
         )
     value = header.strip()
-    if value == "*" or "," in value:
-        raise Problem("precondition-required", "If-Match must carry exactly one version; `*` is not accepted.")
+    if len(value) > MAX_IF_MATCH_LENGTH:
+        raise Problem("malformed-request", f"If-Match is longer than {MAX_IF_MATCH_LENGTH} characters.")
+    if value == "*":
+        raise Problem("precondition-required", "If-Match must carry the version you read; `*` is not accepted.")
+    if "," in value:
+        raise Problem("precondition-required", "If-Match must carry exactly one version (the ETag you read), not a list.")
     if value.startswith("W/"):
-        value = value[2:]
+        return _NEVER_MATCHES
     if len(value) >= 2 and value[0] == value[-1] == '"':
         value = value[1:-1]
     return value
@@ -52,8 +62,9 @@ def locked_for_write(queryset: QuerySet, *, pk: Any, expected_version: str, what
 
 def check_version(*, current: int, expected: str, what: str) -> None:
     if version_text(current) != expected:
-        raise Problem(
-            "precondition-failed",
-            f"The {what} changed since you read it: it is at version {version_text(current)}, not {expected}.",
-            current_version=version_text(current),
+        detail = (
+            f"A weak ETag never matches If-Match; send the {what}'s version {version_text(current)} as a strong ETag."
+            if expected == _NEVER_MATCHES
+            else f"The {what} changed since you read it: it is at version {version_text(current)}."
         )
+        raise Problem("precondition-failed", detail, current_version=version_text(current))

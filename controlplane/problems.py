@@ -47,6 +47,9 @@ PROBLEM_TYPES: dict[str, ProblemType] = {
     "validation": ProblemType(
         422, "Validation failed", "The request fails validation; `errors` holds one finding per field to fix."
     ),
+    "header-too-large": ProblemType(
+        431, "Request header fields too large", "The request line or the headers exceed `max_bytes`."
+    ),
     "precondition-required": ProblemType(
         428, "Precondition required", "Updates and deletes require If-Match carrying the object's version."
     ),
@@ -100,10 +103,13 @@ class Finding:
 
 
 class ValidationFailed(Problem):
+    MAX_FINDINGS = 50  # enough to fix a body by; a body of 10,000 bad items does not echo them all
+
     def __init__(self, findings: list[Finding]):
-        self.findings = list(findings)
+        findings = list(findings)
+        self.findings = findings[: self.MAX_FINDINGS]
         summary = "; ".join(f"{f.path or '/'}: {f.message}" for f in self.findings[:3])
-        more = f" (+{len(self.findings) - 3} more)" if len(self.findings) > 3 else ""
+        more = f" (+{len(findings) - 3} more)" if len(findings) > 3 else ""
         super().__init__("validation", summary + more, errors=[f.as_dict() for f in self.findings])
 
 

@@ -29,6 +29,15 @@ class Findings:
             raise ValidationFailed(self.items)
 
 
+MAX_ECHOED_KEY = 128
+
+
+def quoted(text: Any, limit: int = 64) -> str:
+    """The caller's text quoted in a message, bounded: messages never echo unbounded input."""
+    text = str(text)
+    return repr(text if len(text) <= limit else text[:limit] + "...")
+
+
 def require_object(data: Any, path: str = "") -> Mapping[str, Any]:
     if not isinstance(data, Mapping):
         raise ValidationFailed([Finding(path, "type", "Expected a JSON object.")])
@@ -39,7 +48,9 @@ def reject_unknown(data: Mapping[str, Any], allowed: Iterable[str], findings: Fi
     allowed = set(allowed)
     for key in data:
         if key not in allowed:
-            findings.add(base + pointer(key), "unknown-field", f"Unknown field {key!r}.")
+            # A pointer to an absurdly long name would echo it whole: point at the object instead.
+            path = base + pointer(key) if len(key) <= MAX_ECHOED_KEY else base
+            findings.add(path, "unknown-field", f"Unknown field {quoted(key)}.")
 
 
 def take_string(
@@ -70,7 +81,27 @@ def take_string(
         )
     if len(value) > max_length:
         findings.add(path, "too-long", f"{key} must have at most {max_length} characters.")
+    elif (position := unsafe_character_at(value)) is not None:
+        findings.add(
+            path,
+            "unsafe-character",
+            f"{key} contains U+{ord(value[position]):04X} at position {position}: control and "
+            "bidirectional-formatting characters are not admitted (they can disguise text in consoles and terminals).",
+        )
     return value
+
+
+# Bidirectional embeddings, overrides, isolates and marks: text that displays other than it reads.
+_BIDI_FORMATTING = frozenset("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+
+
+def unsafe_character_at(text: str) -> int | None:
+    """The position of the first control (C0, DEL, C1) or bidirectional-formatting character."""
+    for position, character in enumerate(text):
+        code = ord(character)
+        if code < 0x20 or 0x7F <= code <= 0x9F or character in _BIDI_FORMATTING:
+            return position
+    return None
 
 
 def take_bool(data: Mapping[str, Any], key: str, findings: Findings, *, base: str = "", default: bool) -> bool:
@@ -117,11 +148,12 @@ def parse_instant(value: str) -> datetime | None:
         return None
     try:
         parsed = datetime.fromisoformat(value.replace("z", "Z").replace("Z", "+00:00"))
-    except ValueError:
+        if parsed.tzinfo is None or "T" not in value.upper():
+            return None
+        # 9999-12-31T23:59:59-14:00 is past the last instant a datetime holds in UTC.
+        return parsed.astimezone(timezone.utc)
+    except (ValueError, OverflowError):
         return None
-    if parsed.tzinfo is None or "T" not in value.upper():
-        return None
-    return parsed.astimezone(timezone.utc)
 
 
 def take_instant(

@@ -7,7 +7,7 @@ import uuid
 from typing import Any
 
 from controlplane.problems import Finding, ValidationFailed, pointer
-from controlplane.validation import Findings, reject_unknown, require_object, take_string
+from controlplane.validation import Findings, quoted, reject_unknown, require_object, take_string
 from fleet.models import RenderedPolicy, Workload
 from fleet.rendering import PolicyInputs, fleet_load, policy_inputs_load
 from fleet.selectors import selector_preview as matching_workloads
@@ -77,7 +77,7 @@ class _Catalogue:
         query = {"id": uuid.UUID(reference)} if _is_uuid(reference) else {"name": reference}
         service = Service.objects.filter(**query).prefetch_related("entries").first()
         if service is None:
-            findings.add(path, "unknown-reference", f"No service {reference!r}.")
+            findings.add(path, "unknown-reference", f"No service {quoted(reference)}.")
             return ()
         if service.name in self.services:
             return self.services[service.name]
@@ -91,7 +91,7 @@ class _Catalogue:
             return self.groups[name].id if name in self.groups else reference
         if reference in self._stored_group_by_name:
             return self.group_id(self._stored_group_by_name[reference], findings, path)
-        findings.add(path, "unknown-reference", f"No address group {reference!r}.")
+        findings.add(path, "unknown-reference", f"No address group {quoted(reference)}.")
         return reference
 
 
@@ -163,7 +163,7 @@ def _unmatched_selectors(specs, fleet) -> list[dict]:
                     checks.append((pointer("rulesets", r_index) + source.path + "/selector", source.selector))
         for path, text in checks:
             if not fleet.positions_matching(parse_selector(text)):
-                flagged.append({"path": path, "rule": "selector-matches-nothing", "message": f"{text!r} matches no workload now."})
+                flagged.append({"path": path, "rule": "selector-matches-nothing", "message": f"{quoted(text)} matches no workload now."})
     return flagged
 
 

@@ -17,7 +17,7 @@ from django.db import transaction
 from agent.credential import CredentialError, public_key_decode, public_key_encode
 from controlplane import clock
 from controlplane.problems import pointer
-from controlplane.validation import Findings
+from controlplane.validation import Findings, quoted
 from fleet.credentials import CREDENTIAL_FIELDS, SignedCredential, credential_issue, credential_start
 from fleet.models import Workload
 from fleet.selectors import workload_get
@@ -62,7 +62,7 @@ def _hostname_input(hostname: Any, findings: Findings) -> str:
         findings.add(
             "/hostname",
             "hostname",
-            f"{hostname!r} is not a host name: dot-separated parts of letters, digits, '-' and '_', "
+            f"{quoted(hostname)} is not a host name: dot-separated parts of letters, digits, '-' and '_', "
             "each 1-63 characters, not starting or ending with '-'.",
         )
         return ""
@@ -85,10 +85,10 @@ def _addresses_input(addresses: Any, findings: Findings) -> list[str]:
         try:
             address = ipaddress.ip_address(item.strip())
         except ValueError:
-            findings.add(path, "address", f"{item!r} is not an IPv4 or IPv6 address (no prefix length).")
+            findings.add(path, "address", f"{quoted(item)} is not an IPv4 or IPv6 address (no prefix length).")
             continue
         if isinstance(address, ipaddress.IPv6Address) and address.scope_id:
-            findings.add(path, "address", f"{item!r} carries a zone (%{address.scope_id}); give the address alone.")
+            findings.add(path, "address", f"{quoted(item)} carries a zone (%{address.scope_id}); give the address alone.")
             continue
         if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped:
             address = address.ipv4_mapped

@@ -12,7 +12,7 @@ from controlplane import clock
 from controlplane.auth.actor import Actor
 from controlplane.conditional import check_version
 from controlplane.problems import Finding, Problem, ValidationFailed, pointer
-from controlplane.validation import Findings, reject_unknown, require_object
+from controlplane.validation import Findings, quoted, reject_unknown, require_object
 from fleet.models import MODES, ModeChange, Workload
 from fleet.selectors import workload_get
 from fleet.rendering import notify_streams, rerender_for_peer_change, workloads_rerender
@@ -88,7 +88,7 @@ def _selection_input(data: Any, findings: Findings) -> dict:
         try:
             parsed_ids.append(str(uuid.UUID(str(text))))
         except ValueError:
-            findings.add(pointer("selection", "workload_ids", index), "type", f"{text!r} is not a workload id.")
+            findings.add(pointer("selection", "workload_ids", index), "type", f"{quoted(text)} is not a workload id.")
     if parsed_ids:
         selection["workload_ids"] = sorted(set(parsed_ids))
     if not selection and not findings:

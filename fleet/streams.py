@@ -14,7 +14,7 @@ from agent import protocol
 from controlplane import clock
 from controlplane.models import GatewayIdentity
 from controlplane.problems import Problem
-from fleet.credentials import credential_grace_ends_at, credential_renewal_due_at, credential_state, credential_verify
+from fleet.credentials import credential_beyond_grace, credential_renewal_due_at, credential_state, credential_verify
 from fleet.models import RenderedPolicy, Workload, workload_column_value
 from fleet.rendering import workloads_rerender
 
@@ -69,7 +69,7 @@ def stream_authenticate(*, auth: protocol.Auth, nonce: bytes) -> StreamGrant:
     ):
         raise StreamRefused(protocol.CLOSE_UNAUTHENTICATED, "proof of possession failed")
     now = clock.now()
-    if now >= credential_grace_ends_at(workload):
+    if credential_beyond_grace(workload, now):
         raise StreamRefused(protocol.CLOSE_FORBIDDEN, "credential expired beyond its grace: re-enrol")
     state = credential_state(workload, now)
     welcome = protocol.Welcome(

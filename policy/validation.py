@@ -13,7 +13,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from controlplane.problems import pointer
-from controlplane.validation import Findings, reject_unknown, require_object, take_bool, take_int, take_string
+from controlplane.validation import (
+    Findings,
+    quoted,
+    reject_unknown,
+    require_object,
+    take_bool,
+    take_int,
+    take_string,
+)
 from policy.grammar import GrammarError, parse_selector
 
 PROTOCOLS = ("tcp", "udp", "icmp", "icmpv6")
@@ -193,14 +201,23 @@ def address_group_input(data: Any) -> AddressGroupSpec:
         if not isinstance(item, str):
             findings.add(path, "type", "A member must be a string: an IPv4 or IPv6 address or CIDR.")
             continue
+        if "%" in item:
+            # ipaddress accepts fe80::1%eth0, but a zone names an interface of one host and the
+            # renderer cannot put it in a set: every workload using the group would fail to render.
+            findings.add(
+                path,
+                "address-zone",
+                f"{quoted(item)} has an IPv6 zone (after '%'); a member names an address without a zone.",
+            )
+            continue
         try:
             members.append(normalise_member(item))
         except ValueError:
             try:
                 network = ipaddress.ip_network(item.strip(), strict=False)
-                findings.add(path, "cidr-host-bits", f"{item!r} has host bits set; did you mean {network}?")
+                findings.add(path, "cidr-host-bits", f"{quoted(item)} has host bits set; did you mean {network}?")
             except ValueError:
-                findings.add(path, "address", f"{item!r} is not an IPv4 or IPv6 address or CIDR.")
+                findings.add(path, "address", f"{quoted(item)} is not an IPv4 or IPv6 address or CIDR.")
     findings.raise_if_any()
     return AddressGroupSpec(
         name=name, description=description, members=tuple(sorted(set(members), key=_member_sort_key))
@@ -236,7 +253,7 @@ def _source_input(item: Any, findings: Findings, path: str) -> SourceSpec | None
             findings.add(path + "/any", "type", "any must be true.")
             return None
         return SourceSpec(kind="any", path=path)
-    findings.add(path + pointer(key), "unknown-field", f"Unknown source kind {key!r}.")
+    findings.add(path + pointer(key), "unknown-field", f"Unknown source kind {quoted(key)}.")
     return None
 
 

@@ -11,6 +11,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError
 
 from controlplane.problems import Problem, ValidationFailed
+from controlplane.strict_json import json_loads_strict
 
 EXIT_PROBLEM = 1
 EXIT_VALIDATION = 2
@@ -89,7 +90,4 @@ class PalisadeCommand(BaseCommand):
             raw = sys.stdin.read() if source == "-" else open(source, encoding="utf-8").read()
         except OSError as error:
             raise CommandError(f"cannot read {source}: {error.strerror}") from None
-        try:
-            return json.loads(raw)
-        except json.JSONDecodeError as error:
-            raise Problem("malformed-request", f"{source} is not valid JSON: {error}") from None
+        return json_loads_strict(raw, what="standard input" if source == "-" else source)

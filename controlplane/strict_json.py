@@ -1,0 +1,89 @@
+"""JSON as the service admits it, for the API and the host commands alike.
+
+`json.loads` accepts things that later fail far from the request: a body nested thousands of levels
+deep raises RecursionError, a lone surrogate (`"\\ud800"`) decodes and then fails the database write,
+NUL is refused by PostgreSQL but stored by SQLite (so the data could not move), a 5,000-digit number
+raises an error naming a Python setting, and NaN/Infinity are not JSON at all. Every one of those is
+refused here, with a neutral message, before any domain code sees the data.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from controlplane.problems import Problem
+
+MAX_DEPTH = 32  # the deepest request body of the API is a ruleset's rules' sources: about 6
+MAX_NUMBER_DIGITS = 40  # far beyond any count or port the API takes
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _parse_int(text: str) -> int:
+    if len(text) > MAX_NUMBER_DIGITS:
+        raise ValueError("a number has too many digits")
+    return int(text)
+
+
+def _parse_float(text: str) -> float:
+    if len(text) > MAX_NUMBER_DIGITS:
+        raise ValueError("a number has too many digits")
+    return float(text)
+
+
+def json_loads_strict(raw: bytes | str, *, what: str = "The body") -> Any:
+    """Parse UTF-8 JSON, or raise a `malformed-request` problem that says why in plain words."""
+    if isinstance(raw, bytes):
+        try:
+            raw = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise Problem("malformed-request", f"{what} is not UTF-8 text.") from None
+    try:
+        data = json.loads(
+            raw, parse_constant=_refuse_constant, parse_int=_parse_int, parse_float=_parse_float
+        )
+    except RecursionError:
+        raise Problem("malformed-request", f"{what} is nested more than {MAX_DEPTH} levels deep.") from None
+    except json.JSONDecodeError as error:
+        raise Problem(
+            "malformed-request", f"{what} is not valid JSON: {error.msg} at line {error.lineno} column {error.colno}."
+        ) from None
+    except ValueError as error:
+        raise Problem("malformed-request", f"{what} is not valid JSON: {error}.") from None
+    _check_values(data, what)
+    return data
+
+
+def _check_values(data: Any, what: str) -> None:
+    """Depth, NUL and lone surrogates, walked without recursion (the depth is what is being checked)."""
+    stack: list[tuple[Any, int]] = [(data, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, str):
+            _check_text(value, what)
+            continue
+        if not isinstance(value, (dict, list)):
+            continue
+        if depth > MAX_DEPTH:
+            raise Problem("malformed-request", f"{what} is nested more than {MAX_DEPTH} levels deep.")
+        if isinstance(value, dict):
+            for key, item in value.items():
+                _check_text(key, what)
+                stack.append((item, depth + 1))
+        else:
+            stack.extend((item, depth + 1) for item in value)
+
+
+def _check_text(text: str, what: str) -> None:
+    if "\x00" in text:
+        raise Problem("malformed-request", f"{what} contains a NUL character (\\u0000), which no field admits.")
+    if _SURROGATE.search(text):
+        raise Problem(
+            "malformed-request", f"{what} contains a lone UTF-16 surrogate escape, which is not a character."
+        )
