@@ -21,6 +21,12 @@ from django.core.handlers.wsgi import WSGIHandler
 from controlplane.problems import Problem
 
 POOL_THREADS = int(os.environ.get("PALISADE_HTTP_THREADS", 4))
+# Requests whose work grows with the body and the fleet (a 400 KB render dry-run takes seconds of CPU)
+# run on their own small pool, and only so many may wait: sixteen of them at once held every pool
+# thread, and `GET /me` waited seconds behind them.
+HEAVY_PATHS = frozenset({"/api/v1/policies/render-dryrun", "/api/v1/selectors/preview"})
+HEAVY_THREADS = int(os.environ.get("PALISADE_HEAVY_THREADS", 2))
+HEAVY_WAITING = 8
 LISTENER_KEY = "palisade.listener"
 
 
@@ -31,15 +37,41 @@ def _client_address(scope: dict) -> str:
     return host[7:] if host.startswith("::ffff:") and "." in host else host
 
 
-def _problem(problem: Problem) -> tuple[int, list, bytes]:
-    document = json.dumps(problem.document()).encode()
-    return problem.status, [("Content-Type", "application/problem+json")], document
+def _problem(problem: Problem, *, instance: str | None = None) -> tuple[int, list, bytes]:
+    document = json.dumps(problem.document(instance=instance)).encode()
+    return problem.status, [("Content-Type", "application/problem+json"), *problem.headers.items()], document
+
+
+def _heavy_refusal(path: str) -> tuple[int, list, bytes]:
+    problem = Problem(
+        "rate-limited",
+        "Too many render dry-runs and selector previews are running or waiting; retry in a second.",
+        headers={"Retry-After": "1"},
+        retry_after=1,
+    )
+    return _problem(problem, instance=path)
 
 
 class ThreadPoolHttp:
-    def __init__(self, threads: int = POOL_THREADS):
+    def __init__(self, threads: int = POOL_THREADS, heavy_threads: int = HEAVY_THREADS, heavy_waiting: int = HEAVY_WAITING):
         self.handler = WSGIHandler()
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="http")
+        self.heavy_pool = ThreadPoolExecutor(heavy_threads, thread_name_prefix="http-heavy")
+        self.heavy_admitted = 0  # running or queued; only the event loop's thread changes it
+        self.heavy_limit = heavy_threads + heavy_waiting
+
+    async def _run(self, environ: dict) -> tuple[int, list, bytes]:
+        loop = asyncio.get_running_loop()
+        path = environ.get("PATH_INFO", "")
+        if path not in HEAVY_PATHS:
+            return await loop.run_in_executor(self.pool, self._respond, environ)
+        if self.heavy_admitted >= self.heavy_limit:
+            return _heavy_refusal(path)
+        self.heavy_admitted += 1
+        try:
+            return await loop.run_in_executor(self.heavy_pool, self._respond, environ)
+        finally:
+            self.heavy_admitted -= 1
 
     def _respond(self, environ: dict) -> tuple[int, list, bytes]:
         started: list = []
@@ -82,8 +114,7 @@ class ThreadPoolHttp:
                     environ["CONTENT_LENGTH"] = str(size)  # a chunked body: let the size check see it
                 environ[LISTENER_KEY] = scope.get("palisade_listener", "operator")
                 environ["REMOTE_ADDR"] = _client_address(scope)
-                loop = asyncio.get_running_loop()
-                status, headers, content = await loop.run_in_executor(self.pool, self._respond, environ)
+                status, headers, content = await self._run(environ)
         await send(
             {
                 "type": "http.response.start",
