@@ -54,7 +54,7 @@ PROBLEM_TYPES: dict[str, ProblemType] = {
         428, "Precondition required", "Updates and deletes require If-Match carrying the object's version."
     ),
     "rate-limited": ProblemType(
-        429, "Too many requests", "Too many failed attempts from this client; retry after `retry_after` seconds."
+        429, "Too many requests", "Too many failed logins from this client, or too many heavy requests (render dry-runs, selector previews) at once; retry after `retry_after` seconds."
     ),
     "internal": ProblemType(500, "Internal error", "The service failed; the error is logged on the host."),
 }

@@ -44,6 +44,35 @@ def clock_at(monkeypatch):
     return move
 
 
+UNCHECKED_PATHS = {"/api/v1/schema", "/api/v1/docs"}  # the document itself, and its HTML viewer
+
+
+@pytest.fixture(autouse=True)
+def responses_match_the_published_schema(monkeypatch):
+    """Every response an in-process API test receives is checked against docs/openapi.yaml."""
+    from django.test.client import Client
+
+    from tests.support.openapi_check import committed_document
+
+    document = committed_document()
+    request = Client.request
+
+    def checked_request(self, **environ):
+        response = request(self, **environ)
+        path = response.request.get("PATH_INFO", "")
+        if path.startswith("/api/v1/") and path not in UNCHECKED_PATHS and not getattr(response, "streaming", False):
+            document.check(
+                method=response.request["REQUEST_METHOD"],
+                path=path,
+                status=response.status_code,
+                content_type=response.get("Content-Type", ""),
+                body=response.content,
+            )
+        return response
+
+    monkeypatch.setattr(Client, "request", checked_request)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def gateway_connections_closed(django_db_setup, django_db_blocker):
     """The gateway's pool threads keep their database connections; close them before pytest-django

@@ -309,7 +309,25 @@ class ServeProcess(_HostCommands):
     def client(self, listener: str = "operator", **kwargs) -> httpx.Client:
         """An httpx client for one listener that trusts exactly the certificate it served at start."""
         der = self._served.get(listener) or self.served_certificate(listener)
-        return httpx.Client(base_url=self.url(listener), verify=pinned_context(der), timeout=30, **kwargs)
+        hooks = {"response": [_check_against_the_published_schema]} if listener == "operator" else {}
+        return httpx.Client(
+            base_url=self.url(listener), verify=pinned_context(der), timeout=30, event_hooks=hooks, **kwargs
+        )
+
+
+def _check_against_the_published_schema(response: httpx.Response) -> None:
+    from tests.support.openapi_check import committed_document
+
+    path = response.request.url.path
+    if path.startswith("/api/v1/") and path not in ("/api/v1/schema", "/api/v1/docs"):
+        response.read()
+        committed_document().check(
+            method=response.request.method,
+            path=path,
+            status=response.status_code,
+            content_type=response.headers.get("content-type", ""),
+            body=response.content,
+        )
 
 
 def _other_free_port(taken: int) -> int:

@@ -61,10 +61,16 @@ CONDITIONAL_ERRORS = {
 }
 
 IF_MATCH = OpenApiParameter(
-    "If-Match", OpenApiTypes.STR, OpenApiParameter.HEADER, required=True, description="The version you read (its ETag)."
+    "If-Match",
+    {"type": "string", "pattern": '^"[^"*]+"$', "maxLength": 200},
+    OpenApiParameter.HEADER,
+    required=True,
+    description="The version you read: its strong ETag, quoted (a weak ETag, `*` or a list is refused).",
 )
 CURSOR = OpenApiParameter("cursor", OpenApiTypes.STR, description="Opaque cursor from `next_cursor`.")
-LIMIT = OpenApiParameter("limit", OpenApiTypes.INT, description="Page size, 1-500 (default 100).")
+LIMIT = OpenApiParameter(
+    "limit", {"type": "integer", "minimum": 1, "maximum": 500, "default": 100}, description="Page size, 1-500 (default 100)."
+)
 PAGE_PARAMETERS = [CURSOR, LIMIT]
 
 
@@ -73,3 +79,33 @@ def page_of(name: str, item: serializers.Serializer):
         name=name,
         fields={"items": item.__class__(many=True), "next_cursor": serializers.CharField(allow_null=True)},
     )
+
+
+_ANY_REQUEST_ERROR = "`malformed-request`: the body is not JSON, or a header (If-Match, Authorization) is malformed."
+_INTERNAL_ERROR = "`internal`: the service failed; the error is in the host's log, never in the response."
+_PAGING_ERROR = "`validation`: `?limit` out of range or a `?cursor` this service did not issue."
+
+
+def problems_as_problem_json(result, generator, request, public):
+    """drf-spectacular post-processing hook: every error is `application/problem+json` (as the server
+    sends it), and the errors any operation can meet are declared on every operation that can meet them:
+    400 and 500 on all (a malformed header; a failure), 422 on paged lists (a bad `limit` or `cursor`)."""
+    problem_ref = {"$ref": "#/components/schemas/Problem"}
+    # Request bodies refuse members they do not name (`unknown-field`); say so.
+    for name, component in result.get("components", {}).get("schemas", {}).items():
+        if name.endswith("Request") and "properties" in component:
+            component.setdefault("additionalProperties", False)
+    for operations in result.get("paths", {}).values():
+        for operation in operations.values():
+            if not isinstance(operation, dict) or "responses" not in operation:
+                continue
+            responses = operation["responses"]
+            responses.setdefault("400", {"description": _ANY_REQUEST_ERROR})
+            responses.setdefault("500", {"description": _INTERNAL_ERROR})
+            if any(parameter.get("name") == "cursor" for parameter in operation.get("parameters", [])):
+                responses.setdefault("422", {"description": _PAGING_ERROR})
+            for status, response in responses.items():
+                if int(status) >= 400:
+                    response["content"] = {"application/problem+json": {"schema": problem_ref}}
+            operation["responses"] = dict(sorted(responses.items()))
+    return result

@@ -8,7 +8,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from controlplane import __version__
-from controlplane.api.schema import COMMON_ERRORS, WRITE_ERRORS
+from controlplane.api.schema import COMMON_ERRORS, WRITE_ERRORS, problem
 from controlplane.auth.services import session_close, session_input, session_open
 from controlplane.clock import rfc3339
 from controlplane.service_identity import gateway_address
@@ -69,7 +69,11 @@ class SessionView(APIView):
         )
         return response
 
-    @extend_schema(operation_id="session_logout", request=None, responses={204: None, **COMMON_ERRORS})
+    @extend_schema(
+        operation_id="session_logout",
+        request=None,
+        responses={204: None, 422: problem("`validation` (`not-a-session`): the request carried no session cookie."), **COMMON_ERRORS},
+    )
     def delete(self, request):
         session_close(actor=request.user)
         response = Response(status=204)
