@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
 """Palisade's host command line: `./manage.py serve`, `operator-password`, `operator-token`, ..."""
+
 import os
 import sys
 

@@ -18,7 +18,7 @@ import json
 import re
 
 BUNDLE_PREFIX = "palisade-enrol-v1:"
-PROVISIONING_TOKEN_PREFIX = "pal_pt_"
+PROVISIONING_TOKEN_PREFIX = "pal_pt_"  # noqa: S105 - a public prefix, not a secret
 FIELDS = ("gateway", "fingerprint", "token")
 
 _BASE64URL = re.compile(r"[A-Za-z0-9_-]+")

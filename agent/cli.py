@@ -28,7 +28,9 @@ class _Parser(argparse.ArgumentParser):
 
 def check_root(command: str, euid: int | None = None) -> None:
     if (os.geteuid() if euid is None else euid) != 0:
-        raise AgentError(f"'{command}' needs root (it changes and watches nftables); run it as root or with sudo")
+        raise AgentError(
+            f"'{command}' needs root (it changes and watches nftables); run it as root or with sudo"
+        )
 
 
 def nftables_dataplane():
@@ -42,7 +44,9 @@ def nftables_dataplane():
             f"the nftables Python module is missing ({error}); install the Debian package python3-nftables"
         ) from None
     except OSError as error:
-        raise AgentError(f"libnftables cannot be loaded ({error}); install the Debian package libnftables1") from None
+        raise AgentError(
+            f"libnftables cannot be loaded ({error}); install the Debian package libnftables1"
+        ) from None
 
 
 def _read_bundle(args: argparse.Namespace) -> str:
@@ -72,7 +76,9 @@ def cmd_enrol(args: argparse.Namespace) -> int:
         reenrol=args.reenrol,
     )
     verb = "re-enrolled" if args.reenrol else "enrolled"
-    print(f"{verb} as workload {identity.workload_id} via {identity.gateway}; start the daemon with '{PROG} run'")
+    print(
+        f"{verb} as workload {identity.workload_id} via {identity.gateway}; start the daemon with '{PROG} run'"
+    )
     return 0
 
 
@@ -95,8 +101,10 @@ def cmd_run(args: argparse.Namespace) -> int:
             worker.start()
         except AgentError:
             raise
-        except Exception as error:  # ApplyError from the first `list tables`
-            raise AgentError(f"nftables does not answer: {getattr(error, 'message', None) or error}") from None
+        except Exception as error:  # noqa: BLE001 - ApplyError from the first `list tables`, or any other
+            raise AgentError(
+                f"nftables does not answer: {getattr(error, 'message', None) or error}"
+            ) from None
         try:
             watcher = TableWatcher().open()  # joined before the first table check, so nothing slips between
         except OSError as error:
@@ -126,7 +134,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_remove_table(args: argparse.Namespace) -> int:
-    from agent.dataplane import ApplyError, TABLE
+    from agent.dataplane import TABLE, ApplyError
 
     check_root("remove-table")
     try:
@@ -161,7 +169,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 def _bundle_options(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--bundle", help="the enrolment bundle (palisade-enrol-v1:...)")
-    source.add_argument("--bundle-file", metavar="FILE", help="read the enrolment bundle from FILE ('-': stdin)")
+    source.add_argument(
+        "--bundle-file", metavar="FILE", help="read the enrolment bundle from FILE ('-': stdin)"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -169,7 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
 
-    def command(name: str, handler: Callable[[argparse.Namespace], int], help: str) -> argparse.ArgumentParser:
+    def command(
+        name: str, handler: Callable[[argparse.Namespace], int], help: str
+    ) -> argparse.ArgumentParser:
         sub = commands.add_parser(name, help=help, description=help)
         sub.set_defaults(handler=handler)
         return sub
@@ -197,7 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
     state_dir(status)
     status.add_argument("--json", action="store_true", help="print JSON")
 
-    remove = command("remove-table", cmd_remove_table, "delete table inet palisade: the local kill switch (root)")
+    remove = command(
+        "remove-table", cmd_remove_table, "delete table inet palisade: the local kill switch (root)"
+    )
     state_dir(remove)
 
     simulate = command("simulate", cmd_simulate, "run many simulated agents in one process (no kernel)")
@@ -206,7 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("--state-root", required=True, help="one state directory per agent goes here")
     simulate.add_argument("--heartbeat-seconds", type=float, default=15.0, help="default 15")
     simulate.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
-    simulate.add_argument("--verbose", action="store_true", help="log every agent's events, not just summaries")
+    simulate.add_argument(
+        "--verbose", action="store_true", help="log every agent's events, not just summaries"
+    )
     return parser
 
 

@@ -24,7 +24,7 @@ import base64
 import binascii
 import json
 import re
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from cryptography.exceptions import InvalidSignature
@@ -69,7 +69,9 @@ def public_key_decode(text: object) -> Ed25519PublicKey:
     try:
         raw = base64.b64decode(text, validate=True)
     except binascii.Error:
-        raise CredentialError("the public key must be standard base64 of the raw 32-byte Ed25519 key") from None
+        raise CredentialError(
+            "the public key must be standard base64 of the raw 32-byte Ed25519 key"
+        ) from None
     if len(raw) != PUBLIC_KEY_BYTES:
         raise CredentialError(f"the public key has {len(raw)} bytes; an Ed25519 key has {PUBLIC_KEY_BYTES}")
     try:
@@ -82,7 +84,7 @@ def format_instant(instant: datetime) -> str:
     """RFC 3339 in UTC with a `Z`, to the microsecond."""
     if instant.tzinfo is None:
         raise ValueError("instants must carry a time zone")
-    return instant.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return instant.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 def parse_instant(text: object) -> datetime:
@@ -111,14 +113,18 @@ def credential_sign(payload: dict[str, Any], private_key: Ed25519PrivateKey) -> 
     """The credential text for `payload`, signed with `private_key`."""
     raw = json.dumps(payload, separators=(",", ":")).encode()
     signature = private_key.sign(SIGNING_CONTEXT + raw)
-    return json.dumps({"payload": b64url_encode(raw), "signature": b64url_encode(signature)}, separators=(",", ":"))
+    return json.dumps(
+        {"payload": b64url_encode(raw), "signature": b64url_encode(signature)}, separators=(",", ":")
+    )
 
 
 def _check_payload(payload: object) -> dict[str, Any]:
     if not isinstance(payload, dict):
         raise CredentialError("the credential's payload is not a JSON object")
     if payload.get("v") != CREDENTIAL_VERSION:
-        raise CredentialError(f"unsupported credential version {payload.get('v')!r}; expected {CREDENTIAL_VERSION}")
+        raise CredentialError(
+            f"unsupported credential version {payload.get('v')!r}; expected {CREDENTIAL_VERSION}"
+        )
     missing = [name for name in PAYLOAD_FIELDS if name not in payload]
     if missing:
         raise CredentialError(f"the credential's payload lacks {', '.join(missing)}")

@@ -21,7 +21,7 @@ import ssl
 import time
 import uuid
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from websockets.asyncio.client import ClientConnection, connect
@@ -29,7 +29,13 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus, WebSocketExce
 
 from agent import __version__
 from agent import protocol as p
-from agent.credential import CredentialError, credential_verify, format_instant, parse_instant, public_key_encode
+from agent.credential import (
+    CredentialError,
+    credential_verify,
+    format_instant,
+    parse_instant,
+    public_key_encode,
+)
 from agent.errors import AgentError, EnrolmentNeeded
 from agent.eventlog import EventLog
 from agent.state import Identity, StateDir
@@ -55,7 +61,7 @@ def backoff_delay(attempt: int, rng: random.Random | None = None) -> float:
 
 
 def _now() -> str:
-    return format_instant(datetime.now(timezone.utc))
+    return format_instant(datetime.now(UTC))
 
 
 def _instant(text: str | None) -> datetime | None:
@@ -197,7 +203,9 @@ class Agent:
 
     async def run(self) -> None:
         """Until stop() (returns) or a close code that needs the operator (CredentialBeyondGrace)."""
-        self.log("starting", workload=self.identity.workload_id, gateway=self.identity.gateway, version=__version__)
+        self.log(
+            "starting", workload=self.identity.workload_id, gateway=self.identity.gateway, version=__version__
+        )
         if self.watcher is not None:
             self.watcher.attach(asyncio.get_running_loop(), self.table_event)
         await self._check_table(initial=True)
@@ -270,13 +278,17 @@ class Agent:
         except CredentialBeyondGrace:
             raise
         except ConnectionClosed as closed:
-            code, reason = (closed.rcvd.code, closed.rcvd.reason) if closed.rcvd else (1006, "connection lost")
+            code, reason = (
+                (closed.rcvd.code, closed.rcvd.reason) if closed.rcvd else (1006, "connection lost")
+            )
             return self._closed(code, reason, began)
         except p.ProtocolError as error:
             self.log("protocol error", code=error.code, error=error.reason)
             self.status.error(f"protocol error from the gateway: {error.reason}")
         except ssl.SSLCertVerificationError as error:
-            self._connect_failed(f"the gateway no longer presents the pinned certificate ({error.verify_message})")
+            self._connect_failed(
+                f"the gateway no longer presents the pinned certificate ({error.verify_message})"
+            )
         except InvalidStatus as error:
             self._connect_failed(f"the gateway refused the stream with HTTP {error.response.status_code}")
         except (OSError, TimeoutError, WebSocketException) as error:
@@ -326,7 +338,9 @@ class Agent:
             raise error from None
         message = await self._decode(ws, text)
         if not isinstance(message, kind):
-            await self._refuse(ws, p.ProtocolError(p.CLOSE_UNEXPECTED, f"expected {kind.type}, got {message.type}"))
+            await self._refuse(
+                ws, p.ProtocolError(p.CLOSE_UNEXPECTED, f"expected {kind.type}, got {message.type}")
+            )
         return message
 
     async def _decode(self, ws: ClientConnection, text: str | bytes) -> p.Message:
@@ -405,7 +419,9 @@ class Agent:
         async for text in ws:  # ends quietly on a 1000/1001 close, raises ConnectionClosed on others
             message = await self._decode(ws, text)
             if self._renew_only and not isinstance(message, p.CredentialIssued):
-                await self._refuse(ws, p.ProtocolError(p.CLOSE_UNEXPECTED, f"{message.type} during renew_only"))
+                await self._refuse(
+                    ws, p.ProtocolError(p.CLOSE_UNEXPECTED, f"{message.type} during renew_only")
+                )
             if isinstance(message, p.Snapshot):
                 await self._on_snapshot(ws, message)
             elif isinstance(message, p.CredentialIssued):
@@ -491,7 +507,7 @@ class Agent:
     async def _renewals(self, ws: ClientConnection) -> None:
         while True:
             due = self.renewal_due_at
-            wait = (due - datetime.now(timezone.utc)).total_seconds() if due else 3600.0
+            wait = (due - datetime.now(UTC)).total_seconds() if due else 3600.0
             if wait > 0:
                 self._renewed.clear()
                 try:  # wake early when a credential arrives unasked and moves the due time

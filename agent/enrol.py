@@ -12,7 +12,7 @@ import ipaddress
 import json
 import ssl
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
@@ -102,11 +102,15 @@ def post_enrolment(
         reason = getattr(error, "strerror", None) or str(error) or "timed out"
         raise AgentError(f"cannot reach the gateway {gateway}: {reason}") from None
     except http.client.HTTPException as error:
-        raise AgentError(f"the gateway {gateway} sent a broken HTTP response ({type(error).__name__})") from None
+        raise AgentError(
+            f"the gateway {gateway} sent a broken HTTP response ({type(error).__name__})"
+        ) from None
     finally:
         connection.close()
     if response.status != 201:
-        raise AgentError(_refusal(response.status, response.reason, response.getheader("Content-Type", ""), body))
+        raise AgentError(
+            _refusal(response.status, response.reason, response.getheader("Content-Type", ""), body)
+        )
     try:
         return EnrolResponse.from_dict(json.loads(body))
     except ValueError as error:  # ProtocolError is a ValueError too
@@ -171,7 +175,7 @@ def enrol(
         certificate_pem=pinned.certificate_pem,
         signing_public_key=response.signing_public_key,
         hostname=request.hostname,
-        enrolled_at=format_instant(datetime.now(timezone.utc)),
+        enrolled_at=format_instant(datetime.now(UTC)),
     )
     # The identity last: it is what makes the directory count as enrolled.
     state.write_key(key)

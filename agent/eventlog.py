@@ -1,13 +1,13 @@
 """One line per event on stderr, easy to grep from a test or the journal:
 
-    2026-11-21T12:00:00.123Z applied version=v7 mode=enforced
-    2026-11-21T12:00:00.456Z [sim-00002] stream closed code=4100 reason="resend-snapshot"
+2026-11-21T12:00:00.123Z applied version=v7 mode=enforced
+2026-11-21T12:00:00.456Z [sim-00002] stream closed code=4100 reason="resend-snapshot"
 """
 
 from __future__ import annotations
 
 import sys
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import TextIO
 
 
@@ -19,7 +19,7 @@ def _value(value: object) -> str:
 
 
 def now_text() -> str:
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
 
 
 class EventLog:

@@ -35,7 +35,11 @@ def _from_ip_command() -> list[str] | None:
     found = []
     for interface in interfaces:
         for info in interface.get("addr_info", []) if isinstance(interface, dict) else []:
-            if isinstance(info, dict) and info.get("scope") == "global" and isinstance(info.get("local"), str):
+            if (
+                isinstance(info, dict)
+                and info.get("scope") == "global"
+                and isinstance(info.get("local"), str)
+            ):
                 found.append(info["local"])
     return found
 

@@ -15,7 +15,8 @@ import base64
 import binascii
 import json
 from dataclasses import MISSING, asdict, dataclass, field, fields
-from typing import Any, ClassVar
+from collections.abc import Callable
+from typing import Any, ClassVar, TypeVar
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
@@ -80,7 +81,14 @@ def verify_proof(public_key_b64: str, signature_b64: str, **binding: Any) -> boo
     return True
 
 
-_TYPES: dict[type, tuple[type, ...]] = {str: (str,), int: (int,), float: (int, float), bool: (bool,), dict: (dict,), list: (list,)}
+_TYPES: dict[type, tuple[type, ...]] = {
+    str: (str,),
+    int: (int,),
+    float: (int, float),
+    bool: (bool,),
+    dict: (dict,),
+    list: (list,),
+}
 
 
 @dataclass(frozen=True)
@@ -100,7 +108,7 @@ class Message:
         unknown = set(data) - set(known) - {"v", "type"}
         if unknown:
             raise ProtocolError(CLOSE_MALFORMED, f"{cls.type}: unknown field {sorted(unknown)[0]!r}")
-        values = {}
+        values: dict[str, Any] = {}
         for name, spec in known.items():
             if name not in data:
                 if spec.default is MISSING and spec.default_factory is MISSING:
@@ -123,22 +131,30 @@ _FIELD_TYPES: dict[type, dict[str, type]] = {}
 _OPTIONAL: dict[type, dict[str, bool]] = {}
 
 
-def message(type_name: str, direction: str):
+MessageClass = TypeVar("MessageClass", bound="type[Message]")
+
+
+def message(type_name: str, direction: str) -> Callable[[MessageClass], MessageClass]:
     """Register a message class: its field annotations become the wire schema."""
 
-    def register(cls):
-        cls = dataclass(frozen=True)(cls)
+    def register(cls: MessageClass) -> MessageClass:
+        cls = dataclass(frozen=True)(cls)  # type: ignore[assignment]  # the same class, now a dataclass
         cls.type = type_name
         cls.direction = direction
-        hints = {}
-        optional = {}
+        hints: dict[str, type] = {}
+        optional: dict[str, bool] = {}
         for f in fields(cls):
             text = f.type if isinstance(f.type, str) else f.type.__name__
             optional[f.name] = "None" in text
             base = text.replace("| None", "").strip()
-            hints[f.name] = {"str": str, "int": int, "float": float, "bool": bool, "dict": dict, "list": list}[
-                base.split("[")[0]
-            ]
+            hints[f.name] = {
+                "str": str,
+                "int": int,
+                "float": float,
+                "bool": bool,
+                "dict": dict,
+                "list": list,
+            }[base.split("[")[0]]
         _FIELD_TYPES[cls] = hints
         _OPTIONAL[cls] = optional
         _REGISTRY[type_name] = cls
@@ -261,7 +277,8 @@ def decode(text: str | bytes, *, sender: str) -> Message:
         raise ProtocolError(CLOSE_MALFORMED, "message is not a JSON object")
     if data.get("v") != PROTOCOL_VERSION:
         raise ProtocolError(CLOSE_VERSION, f"protocol version {data.get('v')!r} is not {PROTOCOL_VERSION}")
-    cls = _REGISTRY.get(data.get("type")) if isinstance(data.get("type"), str) else None
+    type_name = data.get("type")
+    cls = _REGISTRY.get(type_name) if isinstance(type_name, str) else None
     if cls is None:
         raise ProtocolError(CLOSE_MALFORMED, f"unknown message type {data.get('type')!r}")
     if cls.direction != sender:

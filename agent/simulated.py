@@ -20,8 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TextIO
 
-from agent.dataplane import ApplyError, owned_table_problem
 from agent.daemon import Agent
+from agent.dataplane import ApplyError, owned_table_problem
 from agent.enrol import Pinned, decode_bundle, enrol, pin
 from agent.errors import AgentError
 from agent.eventlog import EventLog
@@ -90,7 +90,12 @@ def _raise_open_file_limit() -> None:
 
 class SimulatedFleet:
     def __init__(
-        self, agents: list[Agent], dataplanes: list[RecordingDataplane], log: EventLog, *, start_rate: float = 200.0
+        self,
+        agents: list[Agent],
+        dataplanes: list[RecordingDataplane],
+        log: EventLog,
+        *,
+        start_rate: float = 200.0,
     ) -> None:
         self.agents = agents
         self.dataplanes = dataplanes
@@ -108,7 +113,10 @@ class SimulatedFleet:
         """Run every agent until stop(), `duration` seconds, or an agent needs re-enrolment."""
         self._stopping = asyncio.Event()
         reporter = asyncio.ensure_future(self._report())
-        runs = [asyncio.ensure_future(self._start(agent, i / self.start_rate)) for i, agent in enumerate(self.agents)]
+        runs = [
+            asyncio.ensure_future(self._start(agent, i / self.start_rate))
+            for i, agent in enumerate(self.agents)
+        ]
         try:
             if duration is None:
                 await asyncio.gather(*runs)

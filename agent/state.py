@@ -109,7 +109,9 @@ class StateDir:
         try:
             is_dir = stat.S_ISDIR(os.stat(self.path).st_mode)
         except FileNotFoundError:
-            raise EnrolmentNeeded(f"not enrolled: the state directory {self.path} does not exist; {ENROL_HINT}") from None
+            raise EnrolmentNeeded(
+                f"not enrolled: the state directory {self.path} does not exist; {ENROL_HINT}"
+            ) from None
         except OSError as error:  # e.g. a parent directory we may not enter
             raise AgentError(
                 f"cannot {what} the state directory {self.path}: {_reason(error)} (run as root?)"
@@ -117,7 +119,9 @@ class StateDir:
         if not is_dir:
             raise AgentError(f"the state directory {self.path} is not a directory")
         if not os.access(self.path, os.R_OK | os.X_OK | (os.W_OK if write else 0)):
-            raise AgentError(f"cannot {what} the state directory {self.path}: Permission denied (run as root?)")
+            raise AgentError(
+                f"cannot {what} the state directory {self.path}: Permission denied (run as root?)"
+            )
 
     def is_enrolled(self) -> bool:
         return self.file(IDENTITY_FILE).exists()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from agent import __version__
@@ -15,7 +15,7 @@ from agent.state import StateDir
 
 
 def now_instant() -> str:
-    return format_instant(datetime.now(timezone.utc))
+    return format_instant(datetime.now(UTC))
 
 
 def daemon_running(pid: object) -> bool | None:
@@ -100,7 +100,9 @@ def to_json(doc: dict[str, Any]) -> str:
 class DaemonStatus:
     """status.json as the running daemon keeps it: rewritten (atomically) at every change."""
 
-    def __init__(self, state: StateDir, *, workload_id: str, process_start_id: str, expires_at: str, log) -> None:
+    def __init__(
+        self, state: StateDir, *, workload_id: str, process_start_id: str, expires_at: str, log
+    ) -> None:
         self.state = state
         self.log = log
         now = now_instant()
@@ -132,7 +134,10 @@ class DaemonStatus:
             if previous.get(name) is not None:
                 self.data[name] = previous[name]
         credential = previous.get("credential")
-        if isinstance(credential, dict) and credential.get("expires_at") == self.data["credential"]["expires_at"]:
+        if (
+            isinstance(credential, dict)
+            and credential.get("expires_at") == self.data["credential"]["expires_at"]
+        ):
             self.data["credential"]["renewal_due_at"] = credential.get("renewal_due_at")
 
     @property

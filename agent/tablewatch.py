@@ -80,7 +80,9 @@ def table_exists(family: int = NFPROTO_INET, name: str = "palisade", timeout: fl
                         return found
                     if -code == errno.ENOENT:
                         return False
-                    raise OSError(-code, f"asking the kernel for table {name}: {errno.errorcode.get(-code, -code)}")
+                    raise OSError(
+                        -code, f"asking the kernel for table {name}: {errno.errorcode.get(-code, -code)}"
+                    )
                 found = found or reply == (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWTABLE
                 if length < _NLMSGHDR.size:
                     break

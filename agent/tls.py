@@ -47,8 +47,10 @@ def fetch_certificate(gateway: str, *, timeout: float = 10.0) -> bytes:
             with context.wrap_socket(sock, server_hostname=None if _is_ip(host) else host) as tls:
                 der = tls.getpeercert(binary_form=True)
     except ssl.SSLError as error:
-        raise AgentError(f"TLS handshake with the gateway {gateway} failed: {error.reason or error}") from None
-    except (socket.timeout, TimeoutError):
+        raise AgentError(
+            f"TLS handshake with the gateway {gateway} failed: {error.reason or error}"
+        ) from None
+    except TimeoutError:
         raise AgentError(f"cannot reach the gateway {gateway}: timed out after {timeout:g} s") from None
     except OSError as error:
         raise AgentError(f"cannot reach the gateway {gateway}: {error.strerror or error}") from None

@@ -67,10 +67,15 @@ def source_state() -> dict:
     """The commit measured, and tracked files that differed from it (read-only git commands)."""
 
     def git(*args: str) -> str:
-        done = subprocess.run(["git", "--no-optional-locks", "-C", str(REPO), *args], capture_output=True, text=True)
+        done = subprocess.run(
+            ["git", "--no-optional-locks", "-C", str(REPO), *args], capture_output=True, text=True
+        )
         return done.stdout.strip()
 
-    return {"commit": git("rev-parse", "--short", "HEAD"), "modified": git("diff", "--name-only", "HEAD").split()}
+    return {
+        "commit": git("rev-parse", "--short", "HEAD"),
+        "modified": git("diff", "--name-only", "HEAD").split(),
+    }
 
 
 # --- the policy, as plain data (the API's shapes), and as renderer inputs -------------------------
@@ -145,9 +150,13 @@ def render_document(policy: dict) -> tuple[str, int]:
                 RuleSource("any") if "any" in s else RuleSource("group", group_id=f"gid-{s['address_group']}")
                 for s in rule["sources"]
             )
-            entries = tuple(PortEntry(s["protocol"], s["port"], s.get("port_to", s["port"])) for s in rule["services"])
+            entries = tuple(
+                PortEntry(s["protocol"], s["port"], s.get("port_to", s["port"])) for s in rule["services"]
+            )
             rules.append(RuleInput(f"rule-{r}-{position}", position, rule["description"], sources, entries))
-        rulesets.append(RulesetInput(f"rs-{r}", ruleset["name"], parse_selector(ruleset["scope"]), tuple(rules)))
+        rulesets.append(
+            RulesetInput(f"rs-{r}", ruleset["name"], parse_selector(ruleset["scope"]), tuple(rules))
+        )
     workload = WorkloadInput("wl-bench", {"app": "bench"}, ("10.99.0.1",), "enforced")
     result = render(workload, rulesets, groups, FleetIndex.build([workload]))
     return result.document, len(result.rule_index)
@@ -248,7 +257,17 @@ def bench_apply(document: str, reps: int) -> dict:
             handle.write(document)
         env = dict(os.environ, PYTHONPATH=str(REPO))
         done = subprocess.run(
-            ["ip", "netns", "exec", namespace, sys.executable, __file__, "--apply-child", handle.name, str(reps)],
+            [
+                "ip",
+                "netns",
+                "exec",
+                namespace,
+                sys.executable,
+                __file__,
+                "--apply-child",
+                handle.name,
+                str(reps),
+            ],
             capture_output=True,
             text=True,
             env=env,
@@ -273,7 +292,9 @@ def bench_apply(document: str, reps: int) -> dict:
         "table_present_median_s": statistics.median(raw["table_present_s"]),
         "table_present_rss_growth_mb": raw["table_present_rss_growth_kb"] / 1024,
         "table_present_peak_growth_mb": (
-            raw["table_present_peak_growth_kb"] / 1024 if raw["table_present_peak_growth_kb"] is not None else None
+            raw["table_present_peak_growth_kb"] / 1024
+            if raw["table_present_peak_growth_kb"] is not None
+            else None
         ),
         "ratio_agent_over_nft": agent / nft,
         "target_ratio": RATIO_TARGET,
@@ -398,7 +419,9 @@ def bench_rss(policy: dict, deadline_s: float) -> dict:
             if agent.poll() is not None:
                 raise RuntimeError(f"the agent exited {agent.returncode}:\n{''.join(agent_lines)[-4000:]}")
             time.sleep(0.2)
-        raise TimeoutError(f"{what}: not converged; last {last!r}\nagent log:\n{''.join(agent_lines)[-4000:]}")
+        raise TimeoutError(
+            f"{what}: not converged; last {last!r}\nagent log:\n{''.join(agent_lines)[-4000:]}"
+        )
 
     subprocess.run(["ip", "netns", "add", namespace], check=True)
     try:
@@ -476,7 +499,8 @@ def bench_rss(policy: dict, deadline_s: float) -> dict:
             "after_enforced_apply": after,
             "agent_log_applied": applied_lines[-3:],
             "target_mb": RSS_TARGET_MB,
-            "met": idle["vm_rss_max_of_samples_mb"] < RSS_TARGET_MB and after["vm_rss_max_of_samples_mb"] < RSS_TARGET_MB,
+            "met": idle["vm_rss_max_of_samples_mb"] < RSS_TARGET_MB
+            and after["vm_rss_max_of_samples_mb"] < RSS_TARGET_MB,
         }
     finally:
         if agent is not None:

@@ -349,9 +349,8 @@ def label_edit_candidates(sample: int = 400) -> tuple[list, dict]:
     """Label edits (a workload's app changes to app000, or app001 if it has app000) and how many
     workloads each must re-render, computed as rerender_for_peer_change does, for a sample of the
     fleet. Returns the edits sorted by that count, and its distribution."""
-    from fleet.rendering import fleet_load, policy_inputs_load
-
     from fleet.models import Workload
+    from fleet.rendering import fleet_load, policy_inputs_load
 
     fleet, inputs = fleet_load()
     policy = policy_inputs_load()
@@ -451,9 +450,9 @@ def bench_mode_change(api, steps: Steps, reps: int) -> dict:
 
     ids = [
         str(i)
-        for i in Workload.objects.filter(mode="enforced").order_by("hostname").values_list("id", flat=True)[
-            :MODE_CHANGE_SIZE
-        ]
+        for i in Workload.objects.filter(mode="enforced")
+        .order_by("hostname")
+        .values_list("id", flat=True)[:MODE_CHANGE_SIZE]
     ]
     calls = []
     for rep in range(reps):
@@ -737,7 +736,9 @@ def run(args) -> dict:
     workloads, services, groups, rulesets = build_synthetic(args.fleet)
     results["policy"] = policy_create(services, groups, rulesets)
     results["policy"].update(
-        services=len(services), address_groups=len(groups), rulesets=len(rulesets),
+        services=len(services),
+        address_groups=len(groups),
+        rulesets=len(rulesets),
         rules=sum(len(r.rules) for r in rulesets),
     )
     log(f"policy written through policy.services: {results['policy']['seconds']:.1f} s")

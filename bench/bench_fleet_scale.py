@@ -47,8 +47,9 @@ from urllib.parse import urlsplit, urlunsplit
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.serve_process import ServeProcess, terminate  # noqa: E402
 from benchlib import exit_on_sigterm, results_write  # noqa: E402
+
+from tests.serve_process import ServeProcess, terminate  # noqa: E402
 
 ADMIN_URL = os.environ.get("BENCH_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 MODE_CHANGE_TARGET_S = 10.0
@@ -101,7 +102,10 @@ class CpuMeter:
         self.before = self._read()
 
     def _read(self) -> dict:
-        return {**{name: cpu_seconds(pid) for name, pid in self.pids.items()}, "postgres": postgres_cpu_seconds()}
+        return {
+            **{name: cpu_seconds(pid) for name, pid in self.pids.items()},
+            "postgres": postgres_cpu_seconds(),
+        }
 
     def stop(self) -> dict:
         after = self._read()
@@ -123,10 +127,15 @@ def source_state() -> dict:
     """The commit measured, and tracked files that differed from it (read-only git commands)."""
 
     def git(*args: str) -> str:
-        done = subprocess.run(["git", "--no-optional-locks", "-C", str(REPO), *args], capture_output=True, text=True)
+        done = subprocess.run(
+            ["git", "--no-optional-locks", "-C", str(REPO), *args], capture_output=True, text=True
+        )
         return done.stdout.strip()
 
-    return {"commit": git("rev-parse", "--short", "HEAD"), "modified": git("diff", "--name-only", "HEAD").split()}
+    return {
+        "commit": git("rev-parse", "--short", "HEAD"),
+        "modified": git("diff", "--name-only", "HEAD").split(),
+    }
 
 
 class Timeout(Exception):
@@ -189,7 +198,9 @@ class Profile:
                 self.process.wait()
 
 
-def run_count(count: int, poll: float, budget: float, py_spy: str | None = None, profile_dir: Path | None = None) -> dict:
+def run_count(
+    count: int, poll: float, budget: float, py_spy: str | None = None, profile_dir: Path | None = None
+) -> dict:
     deadline = time.monotonic() + budget
 
     def left(cap: float) -> float:
@@ -239,7 +250,9 @@ def run_count(count: int, poll: float, budget: float, py_spy: str | None = None,
 
         for _ in range(3):
             get("/workloads/counts")
-        bundle = post("/provisioning-tokens", {"description": f"bench scale {count}", "max_uses": count})["bundle"]
+        bundle = post("/provisioning-tokens", {"description": f"bench scale {count}", "max_uses": count})[
+            "bundle"
+        ]
         time.sleep(2)
         result["serve_rss_idle_mb"] = rss_settled(serve.process.pid)
         log(f"{count}: serve idle RSS {result['serve_rss_idle_mb']:.1f} MB")
@@ -313,10 +326,18 @@ def run_count(count: int, poll: float, budget: float, py_spy: str | None = None,
             "post_s": post_s,
             "until_all_applied_s": converge_s,
             "changed_count": intent.get("changed_count"),
-            "walk": {"items": items, "applied_differs_from_latest": len(mismatched), "wrong_mode": wrong_mode, "seconds": walk_s},
+            "walk": {
+                "items": items,
+                "applied_differs_from_latest": len(mismatched),
+                "wrong_mode": wrong_mode,
+                "seconds": walk_s,
+            },
             "cpu": cpu,
             "target_s": MODE_CHANGE_TARGET_S,
-            "met": converge_s <= MODE_CHANGE_TARGET_S and not mismatched and items == count and not wrong_mode,
+            "met": converge_s <= MODE_CHANGE_TARGET_S
+            and not mismatched
+            and items == count
+            and not wrong_mode,
         }
         result["serve_rss_after_mode_change_mb"] = rss_settled(serve.process.pid, 2)
         log(
@@ -324,7 +345,8 @@ def run_count(count: int, poll: float, budget: float, py_spy: str | None = None,
             f"all applied == latest after {converge_s:.2f} s [target <= {MODE_CHANGE_TARGET_S:.0f} s: "
             f"{'met' if result['mode_change']['met'] else 'MISSED'}]; walk of {items}: "
             f"{len(mismatched)} with applied != latest, {wrong_mode} not in simulation; CPU s in "
-            f"{cpu['wall_s']:.1f} s: " + ", ".join(f"{name} {seconds:.1f}" for name, seconds in cpu["cpu_s"].items())
+            f"{cpu['wall_s']:.1f} s: "
+            + ", ".join(f"{name} {seconds:.1f}" for name, seconds in cpu["cpu_s"].items())
         )
     except Timeout as error:
         result["error"] = str(error)
@@ -344,7 +366,11 @@ def run_count(count: int, poll: float, budget: float, py_spy: str | None = None,
                 result["serve_exit"] = serve.stop(timeout=60)
             except AssertionError:
                 serve.kill()
-            warnings = [line for line in serve.stderr_text().splitlines() if re.search(r"WARNING|ERROR|Traceback", line)]
+            warnings = [
+                line
+                for line in serve.stderr_text().splitlines()
+                if re.search(r"WARNING|ERROR|Traceback", line)
+            ]
             result["serve_warning_lines"] = len(warnings)
             result["serve_warnings_first"] = [line.strip()[:300] for line in warnings[:10]]
             closes = Counter(
@@ -362,21 +388,32 @@ def run_count(count: int, poll: float, budget: float, py_spy: str | None = None,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--counts", default="2000,5000", help="comma-separated agent counts (default 2000,5000)")
+    parser.add_argument(
+        "--counts", default="2000,5000", help="comma-separated agent counts (default 2000,5000)"
+    )
     parser.add_argument("--poll", type=float, default=0.25, help="seconds between GET /workloads/counts")
     parser.add_argument("--budget", type=float, default=1200, help="seconds allowed per count")
     parser.add_argument("--py-spy", metavar="PATH", help="a py-spy binary: sample serve during each phase")
-    parser.add_argument("--profile-dir", type=Path, default=Path(tempfile.gettempdir()) / "palisade-bench-profiles")
+    parser.add_argument(
+        "--profile-dir", type=Path, default=Path(tempfile.gettempdir()) / "palisade-bench-profiles"
+    )
     args = parser.parse_args()
     exit_on_sigterm()
     os.environ.pop("REDIS_URL", None)  # one serve process: the in-memory channel layer
 
     source = source_state()
-    runs = [run_count(int(c), args.poll, args.budget, args.py_spy, args.profile_dir) for c in args.counts.split(",")]
+    runs = [
+        run_count(int(c), args.poll, args.budget, args.py_spy, args.profile_dir)
+        for c in args.counts.split(",")
+    ]
     results = {
         "runs": runs,
         "source": {"at_start": source, "at_end": source_state()},
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "kernel": platform.release()},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "kernel": platform.release(),
+        },
     }
     print()
     for run in runs:

@@ -20,7 +20,12 @@ class BoundedRedisChannelLayer(RedisChannelLayer):
     def create_pool(self, index):
         host = dict(self.hosts[index])
         address = host.pop("address", None)
-        options = {"max_connections": POOL_SIZE, "timeout": None, "socket_timeout": SOCKET_TIMEOUT_SECONDS, **host}
+        options = {
+            "max_connections": POOL_SIZE,
+            "timeout": None,
+            "socket_timeout": SOCKET_TIMEOUT_SECONDS,
+            **host,
+        }
         if address:
             return aioredis.BlockingConnectionPool.from_url(address, **options)
         return aioredis.BlockingConnectionPool(**options)

@@ -1,9 +1,7 @@
 """The service's notion of now. Every instant the domain stores or compares comes from here, so tests
 move time forward instead of waiting."""
 
-from datetime import datetime, timedelta
-
-from datetime import timezone as _tz
+from datetime import UTC, datetime, timedelta
 
 from django.utils import timezone
 
@@ -17,4 +15,4 @@ def now() -> datetime:
 def rfc3339(instant: datetime | None) -> str | None:
     if instant is None:
         return None
-    return instant.astimezone(_tz.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return instant.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")

@@ -38,9 +38,14 @@ def if_match_from_header(header: str | None) -> str:
     if len(value) > MAX_IF_MATCH_LENGTH:
         raise Problem("malformed-request", f"If-Match is longer than {MAX_IF_MATCH_LENGTH} characters.")
     if value == "*":
-        raise Problem("precondition-required", "If-Match must carry the version you read; `*` is not accepted.")
+        raise Problem(
+            "precondition-required", "If-Match must carry the version you read; `*` is not accepted."
+        )
     if "," in value:
-        raise Problem("precondition-required", "If-Match must carry exactly one version (the ETag you read), not a list.")
+        raise Problem(
+            "precondition-required",
+            "If-Match must carry exactly one version (the ETag you read), not a list.",
+        )
     if value.startswith("W/"):
         return _NEVER_MATCHES
     if len(value) >= 2 and value[0] == value[-1] == '"':

@@ -7,4 +7,6 @@ AGENT_PROTOCOL_VERSION = 1
 
 def gateway_info(request):
     """Lets an agent check it reached a Palisade gateway that speaks its protocol, before enrolling."""
-    return JsonResponse({"service": "palisade-gateway", "version": __version__, "protocol": AGENT_PROTOCOL_VERSION})
+    return JsonResponse(
+        {"service": "palisade-gateway", "version": __version__, "protocol": AGENT_PROTOCOL_VERSION}
+    )

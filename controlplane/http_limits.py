@@ -20,9 +20,11 @@ from controlplane.problems import Problem
 def _problem_bytes(problem: Problem) -> bytes:
     body = json.dumps(problem.document()).encode()
     reason = http.RESPONSES.get(problem.status, b"Error")
-    head = (
-        b"HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
-        % (problem.status, reason, PROBLEM_CONTENT_TYPE.encode(), len(body))
+    head = b"HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % (
+        problem.status,
+        reason,
+        PROBLEM_CONTENT_TYPE.encode(),
+        len(body),
     )
     return head + body
 

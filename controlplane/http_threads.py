@@ -53,7 +53,12 @@ def _heavy_refusal(path: str) -> tuple[int, list, bytes]:
 
 
 class ThreadPoolHttp:
-    def __init__(self, threads: int = POOL_THREADS, heavy_threads: int = HEAVY_THREADS, heavy_waiting: int = HEAVY_WAITING):
+    def __init__(
+        self,
+        threads: int = POOL_THREADS,
+        heavy_threads: int = HEAVY_THREADS,
+        heavy_waiting: int = HEAVY_WAITING,
+    ):
         self.handler = WSGIHandler()
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="http")
         self.heavy_pool = ThreadPoolExecutor(heavy_threads, thread_name_prefix="http-heavy")
@@ -108,7 +113,9 @@ class ThreadPoolHttp:
             try:
                 environ = builder.build_environ(scope, body)
             except ValueError:  # more duplicate headers than asgiref's limit
-                status, headers, content = _problem(Problem("malformed-request", "Too many duplicate headers."))
+                status, headers, content = _problem(
+                    Problem("malformed-request", "Too many duplicate headers.")
+                )
             else:
                 if size > limit:
                     environ["CONTENT_LENGTH"] = str(size)  # a chunked body: let the size check see it
@@ -119,7 +126,9 @@ class ThreadPoolHttp:
             {
                 "type": "http.response.start",
                 "status": status,
-                "headers": [(name.lower().encode("latin1"), value.encode("latin1")) for name, value in headers],
+                "headers": [
+                    (name.lower().encode("latin1"), value.encode("latin1")) for name, value in headers
+                ],
             }
         )
         await send({"type": "http.response.body", "body": content})

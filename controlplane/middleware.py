@@ -8,6 +8,7 @@ import time
 from urllib.parse import urlsplit
 
 from django.conf import settings
+from django.core.exceptions import DisallowedHost
 
 from controlplane.api.errors import problem_response
 from controlplane.listeners import GATEWAY, listener_of
@@ -50,7 +51,9 @@ class ListenerRoutingMiddleware:
         if listener_of(request) == GATEWAY:
             request.urlconf = settings.GATEWAY_URLCONF
             if request.path.startswith(settings.STATIC_URL):
-                return problem_response(Problem("not-found", f"No resource at {request.path}."), instance=request.path)
+                return problem_response(
+                    Problem("not-found", f"No resource at {request.path}."), instance=request.path
+                )
         return self.get_response(request)
 
 
@@ -93,7 +96,7 @@ def _origin_matches_host(origin: str, host: str) -> bool:
 def _host_of(request) -> str:
     try:
         return request.get_host()
-    except Exception:  # DisallowedHost: a Host header that is not a host at all
+    except DisallowedHost:  # a Host header that is not a host at all
         return ""
 
 
@@ -103,7 +106,9 @@ def cross_origin_refusal(request) -> Problem | None:
         return None
     site = request.META.get("HTTP_SEC_FETCH_SITE")
     if site is not None and site not in ("same-origin", "none"):
-        return Problem("cross-origin", f"Refused a {request.method} that the browser marked Sec-Fetch-Site: {site}.")
+        return Problem(
+            "cross-origin", f"Refused a {request.method} that the browser marked Sec-Fetch-Site: {site}."
+        )
     origin = request.META.get("HTTP_ORIGIN")
     if origin is not None and not _origin_matches_host(origin, _host_of(request)):
         return Problem("cross-origin", f"Refused a {request.method} from origin {origin}.")

@@ -51,7 +51,9 @@ def parse_limit(raw: str | None) -> int:
     except ValueError:
         raise ValidationFailed([Finding("?limit", "type", "limit must be an integer.")]) from None
     if not 1 <= limit <= MAX_LIMIT:
-        raise ValidationFailed([Finding("?limit", "out-of-range", f"limit must be between 1 and {MAX_LIMIT}.")])
+        raise ValidationFailed(
+            [Finding("?limit", "out-of-range", f"limit must be between 1 and {MAX_LIMIT}.")]
+        )
     return limit
 
 
@@ -87,7 +89,7 @@ def _after(order: Sequence[OrderKey], values: Sequence[Any]) -> Q:
     condition = Q()
     for index, key in enumerate(order):
         step = Q(**{f"{key.field}__{'lt' if key.descending else 'gt'}": values[index]})
-        for previous, earlier in zip(order[:index], values[:index]):
+        for previous, earlier in zip(order[:index], values[:index], strict=True):
             step &= Q(**{previous.field: earlier})
         condition |= step
     return condition
@@ -97,10 +99,18 @@ def decode_cursor(cursor: str, fingerprint: str, width: int) -> list[Any]:
     try:
         payload = signing.loads(cursor, salt=_SALT)
     except signing.BadSignature:
-        raise ValidationFailed([Finding("?cursor", "cursor-invalid", "The cursor is not one this service issued.")]) from None
+        raise ValidationFailed(
+            [Finding("?cursor", "cursor-invalid", "The cursor is not one this service issued.")]
+        ) from None
     if not isinstance(payload, dict) or payload.get("f") != fingerprint or len(payload.get("k", ())) != width:
         raise ValidationFailed(
-            [Finding("?cursor", "cursor-stale", "The cursor belongs to another list or other filters; start again without it.")]
+            [
+                Finding(
+                    "?cursor",
+                    "cursor-stale",
+                    "The cursor belongs to another list or other filters; start again without it.",
+                )
+            ]
         )
     return [_decode_value(v) for v in payload["k"]]
 
@@ -119,6 +129,8 @@ def paginate(
         rows = rows[:limit]
         last = rows[-1]
         next_cursor = signing.dumps(
-            {"f": fingerprint, "k": [_encode_value(k.value_of(last)) for k in order]}, salt=_SALT, compress=True
+            {"f": fingerprint, "k": [_encode_value(k.value_of(last)) for k in order]},
+            salt=_SALT,
+            compress=True,
         )
     return Page(items=rows, next_cursor=next_cursor)

@@ -21,18 +21,28 @@ class ProblemType:
 
 
 PROBLEM_TYPES: dict[str, ProblemType] = {
-    "malformed-request": ProblemType(400, "Malformed request", "The body is not valid JSON, or a header is malformed."),
+    "malformed-request": ProblemType(
+        400, "Malformed request", "The body is not valid JSON, or a header is malformed."
+    ),
     "unauthenticated": ProblemType(
-        401, "Unauthenticated", "No valid credential: missing, malformed, revoked or expired; or a wrong password."
+        401,
+        "Unauthenticated",
+        "No valid credential: missing, malformed, revoked or expired; or a wrong password.",
     ),
     "cross-origin": ProblemType(
-        403, "Cross-origin request refused", "A non-read request that a browser marked as coming from another origin."
+        403,
+        "Cross-origin request refused",
+        "A non-read request that a browser marked as coming from another origin.",
     ),
     "not-found": ProblemType(404, "Not found", "No such resource or path on this listener."),
-    "method-not-allowed": ProblemType(405, "Method not allowed", "The resource does not support this method."),
+    "method-not-allowed": ProblemType(
+        405, "Method not allowed", "The resource does not support this method."
+    ),
     "not-acceptable": ProblemType(406, "Not acceptable", "The API only produces JSON."),
     "in-use": ProblemType(
-        409, "Object in use", "The object is referenced and cannot be deleted; `referenced_by` names the referencing rules."
+        409,
+        "Object in use",
+        "The object is referenced and cannot be deleted; `referenced_by` names the referencing rules.",
     ),
     "workload-offline": ProblemType(
         409,
@@ -40,10 +50,14 @@ PROBLEM_TYPES: dict[str, ProblemType] = {
         "The workload was last recorded as offline; `last_heard_from` says when it was last heard from (null: never connected).",
     ),
     "precondition-failed": ProblemType(
-        412, "Precondition failed", "The If-Match version has moved; `current_version` carries the current one."
+        412,
+        "Precondition failed",
+        "The If-Match version has moved; `current_version` carries the current one.",
     ),
     "payload-too-large": ProblemType(413, "Payload too large", "The request body exceeds `max_bytes`."),
-    "unsupported-media-type": ProblemType(415, "Unsupported media type", "Request bodies must be application/json."),
+    "unsupported-media-type": ProblemType(
+        415, "Unsupported media type", "Request bodies must be application/json."
+    ),
     "validation": ProblemType(
         422, "Validation failed", "The request fails validation; `errors` holds one finding per field to fix."
     ),
@@ -54,7 +68,9 @@ PROBLEM_TYPES: dict[str, ProblemType] = {
         428, "Precondition required", "Updates and deletes require If-Match carrying the object's version."
     ),
     "rate-limited": ProblemType(
-        429, "Too many requests", "Too many failed logins from this client, or too many heavy requests (render dry-runs, selector previews) at once; retry after `retry_after` seconds."
+        429,
+        "Too many requests",
+        "Too many failed logins from this client, or too many heavy requests (render dry-runs, selector previews) at once; retry after `retry_after` seconds.",
     ),
     "internal": ProblemType(500, "Internal error", "The service failed; the error is logged on the host."),
 }
@@ -63,7 +79,9 @@ PROBLEM_TYPES: dict[str, ProblemType] = {
 class Problem(Exception):
     """A failure with a stable problem name; `extensions` become extra members of the document."""
 
-    def __init__(self, name: str, detail: str = "", *, headers: dict[str, str] | None = None, **extensions: Any):
+    def __init__(
+        self, name: str, detail: str = "", *, headers: dict[str, str] | None = None, **extensions: Any
+    ):
         if name not in PROBLEM_TYPES:
             raise ValueError(f"unknown problem type {name!r}")
         super().__init__(detail or PROBLEM_TYPES[name].title)

@@ -14,7 +14,7 @@ def gateway_address() -> str:
         return settings.PALISADE_GATEWAY_ADVERTISE
     host = getattr(settings, "PALISADE_GATEWAY_HOST", "") or ""
     port = getattr(settings, "PALISADE_GATEWAY_PORT", 8443)
-    if host in ("", "0.0.0.0", "::"):
+    if host in ("", "0.0.0.0", "::"):  # noqa: S104 - recognising a wildcard, not binding one
         host = socket.gethostname()
     if ":" in host:
         host = f"[{host}]"

@@ -91,7 +91,9 @@ ASGI_APPLICATION = "controlplane.asgi.application"
 if os.environ.get("DATABASE_URL"):
     # Persistent connections: HTTP runs on a fixed pool of threads (controlplane/http_threads.py).
     DATABASES = {
-        "default": dj_database_url.parse(os.environ["DATABASE_URL"], conn_max_age=300, conn_health_checks=True)
+        "default": dj_database_url.parse(
+            os.environ["DATABASE_URL"], conn_max_age=300, conn_health_checks=True
+        )
     }
 else:
     DATABASES = {
@@ -143,7 +145,9 @@ PALISADE_LOGIN_LOCKOUT_SECONDS = int(os.environ.get("PALISADE_LOGIN_LOCKOUT_SECO
 PALISADE_TOKEN_LAST_USED_RESOLUTION_SECONDS = 60
 
 # Agent credentials: lifetime, and how long after expiry a renewal is still admitted.
-PALISADE_CREDENTIAL_LIFETIME_SECONDS = int(os.environ.get("PALISADE_CREDENTIAL_LIFETIME_SECONDS", 30 * 24 * 3600))
+PALISADE_CREDENTIAL_LIFETIME_SECONDS = int(
+    os.environ.get("PALISADE_CREDENTIAL_LIFETIME_SECONDS", 30 * 24 * 3600)
+)
 PALISADE_CREDENTIAL_GRACE_SECONDS = int(os.environ.get("PALISADE_CREDENTIAL_GRACE_SECONDS", 72 * 3600))
 
 # Flow evidence: windows are one minute unless configured (tests use seconds).

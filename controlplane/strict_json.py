@@ -52,7 +52,8 @@ def json_loads_strict(raw: bytes | str, *, what: str = "The body") -> Any:
         raise Problem("malformed-request", f"{what} is nested more than {MAX_DEPTH} levels deep.") from None
     except json.JSONDecodeError as error:
         raise Problem(
-            "malformed-request", f"{what} is not valid JSON: {error.msg} at line {error.lineno} column {error.colno}."
+            "malformed-request",
+            f"{what} is not valid JSON: {error.msg} at line {error.lineno} column {error.colno}.",
         ) from None
     except ValueError as error:
         raise Problem("malformed-request", f"{what} is not valid JSON: {error}.") from None
@@ -82,7 +83,9 @@ def _check_values(data: Any, what: str) -> None:
 
 def _check_text(text: str, what: str) -> None:
     if "\x00" in text:
-        raise Problem("malformed-request", f"{what} contains a NUL character (\\u0000), which no field admits.")
+        raise Problem(
+            "malformed-request", f"{what} contains a NUL character (\\u0000), which no field admits."
+        )
     if _SURROGATE.search(text):
         raise Problem(
             "malformed-request", f"{what} contains a lone UTF-16 surrogate escape, which is not a character."

@@ -3,8 +3,8 @@
 from channels.routing import URLRouter
 from django.urls import path, re_path
 
-from controlplane.api.errors import handler404, handler500  # noqa: F401  (Django looks them up here)
 from agent.protocol import ENROL_PATH, STREAM_PATH
+from controlplane.api.errors import handler404, handler500  # noqa: F401  (Django looks them up here)
 from controlplane.gateway_views import gateway_info
 from fleet.gateway import EnrolView, SyncStreamConsumer
 

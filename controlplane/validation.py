@@ -5,7 +5,7 @@ same parsed JSON through the same domain parser, so both print the same findings
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from controlplane.problems import Finding, ValidationFailed, pointer
@@ -44,7 +44,9 @@ def require_object(data: Any, path: str = "") -> Mapping[str, Any]:
     return data
 
 
-def reject_unknown(data: Mapping[str, Any], allowed: Iterable[str], findings: Findings, base: str = "") -> None:
+def reject_unknown(
+    data: Mapping[str, Any], allowed: Iterable[str], findings: Findings, base: str = ""
+) -> None:
     allowed = set(allowed)
     for key in data:
         if key not in allowed:
@@ -77,7 +79,9 @@ def take_string(
         findings.add(
             path,
             "too-short",
-            f"{key} must not be empty." if min_length == 1 else f"{key} must have at least {min_length} characters.",
+            f"{key} must not be empty."
+            if min_length == 1
+            else f"{key} must have at least {min_length} characters.",
         )
     if len(value) > max_length:
         findings.add(path, "too-long", f"{key} must have at most {max_length} characters.")
@@ -104,7 +108,9 @@ def unsafe_character_at(text: str) -> int | None:
     return None
 
 
-def take_bool(data: Mapping[str, Any], key: str, findings: Findings, *, base: str = "", default: bool) -> bool:
+def take_bool(
+    data: Mapping[str, Any], key: str, findings: Findings, *, base: str = "", default: bool
+) -> bool:
     if key not in data:
         return default
     value = data[key]
@@ -151,7 +157,7 @@ def parse_instant(value: str) -> datetime | None:
         if parsed.tzinfo is None or "T" not in value.upper():
             return None
         # 9999-12-31T23:59:59-14:00 is past the last instant a datetime holds in UTC.
-        return parsed.astimezone(timezone.utc)
+        return parsed.astimezone(UTC)
     except (ValueError, OverflowError):
         return None
 
@@ -166,5 +172,7 @@ def take_instant(
         return None
     parsed = parse_instant(data[key])
     if parsed is None:
-        findings.add(path, "instant", f"{key} must be an RFC 3339 instant with an offset, e.g. 2026-01-31T12:00:00Z.")
+        findings.add(
+            path, "instant", f"{key} must be an RFC 3339 instant with an offset, e.g. 2026-01-31T12:00:00Z."
+        )
     return parsed

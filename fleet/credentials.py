@@ -68,7 +68,9 @@ def signing_key() -> Ed25519PrivateKey:
         return cached[1]
     key = _load_signing_key(path)
     if stat.st_mode & 0o077:
-        log.warning("the agent signing key %s is readable by other users (mode %o)", path, stat.st_mode & 0o777)
+        log.warning(
+            "the agent signing key %s is readable by other users (mode %o)", path, stat.st_mode & 0o777
+        )
     _key_cache[str(path)] = (identity, key)
     return key
 

@@ -64,10 +64,14 @@ class _Catalogue:
     stored ones (by id or name)."""
 
     def __init__(self, services, groups):
-        self.services = {s.name: tuple(PortEntry(e.protocol, e.port, e.port_to) for e in s.entries) for s in services}
+        self.services = {
+            s.name: tuple(PortEntry(e.protocol, e.port, e.port_to) for e in s.entries) for s in services
+        }
         self.groups = {g.name: AddressGroupInput(f"hypothetical:{g.name}", g.name, g.members) for g in groups}
         stored_groups = {str(g.id): g for g in AddressGroup.objects.all()}
-        self.group_inputs = {gid: AddressGroupInput(gid, g.name, tuple(g.members)) for gid, g in stored_groups.items()}
+        self.group_inputs = {
+            gid: AddressGroupInput(gid, g.name, tuple(g.members)) for gid, g in stored_groups.items()
+        }
         self.group_inputs.update({g.id: g for g in self.groups.values()})
         self._stored_group_by_name = {g.name: gid for gid, g in stored_groups.items()}
 
@@ -114,7 +118,12 @@ def _hypothetical_rulesets(specs, catalogue: _Catalogue, findings: Findings) -> 
                 if source.kind == "selector":
                     sources.append(SourceInput("selector", selector=parse_selector(source.selector)))
                 elif source.kind == "address_group":
-                    sources.append(SourceInput("group", group_id=catalogue.group_id(source.reference, findings, path + "/address_group")))
+                    sources.append(
+                        SourceInput(
+                            "group",
+                            group_id=catalogue.group_id(source.reference, findings, path + "/address_group"),
+                        )
+                    )
                 else:
                     sources.append(SourceInput("any"))
             entries = []
@@ -134,7 +143,14 @@ def _hypothetical_rulesets(specs, catalogue: _Catalogue, findings: Findings) -> 
                 )
             )
         if spec.enabled:
-            rulesets.append(RulesetInput(id=f"hypothetical:{spec.name}", name=spec.name, scope=parse_selector(spec.scope), rules=tuple(rules)))
+            rulesets.append(
+                RulesetInput(
+                    id=f"hypothetical:{spec.name}",
+                    name=spec.name,
+                    scope=parse_selector(spec.scope),
+                    rules=tuple(rules),
+                )
+            )
     return rulesets
 
 
@@ -147,7 +163,8 @@ def _rule_definitions(policy: PolicyInputs) -> dict[str, tuple]:
     for ruleset in policy.rulesets:
         for rule in ruleset.rules:
             groups = tuple(
-                policy.groups[s.group_id].members if s.group_id in policy.groups else None for s in rule.sources
+                policy.groups[s.group_id].members if s.group_id in policy.groups else None
+                for s in rule.sources
             )
             out[rule.id] = (ruleset.name, rule.sources, rule.entries, groups)
     return out
@@ -163,7 +180,13 @@ def _unmatched_selectors(specs, fleet) -> list[dict]:
                     checks.append((pointer("rulesets", r_index) + source.path + "/selector", source.selector))
         for path, text in checks:
             if not fleet.positions_matching(parse_selector(text)):
-                flagged.append({"path": path, "rule": "selector-matches-nothing", "message": f"{quoted(text)} matches no workload now."})
+                flagged.append(
+                    {
+                        "path": path,
+                        "rule": "selector-matches-nothing",
+                        "message": f"{quoted(text)} matches no workload now.",
+                    }
+                )
     return flagged
 
 
@@ -175,20 +198,26 @@ def render_dryrun(*, data: Any) -> dict:
     findings = Findings()
     reject_unknown(data, {"rulesets", "services", "address_groups"}, findings)
     if "rulesets" not in data:
-        findings.add("/rulesets", "required", "rulesets is required: the complete hypothetical set of rulesets.")
+        findings.add(
+            "/rulesets", "required", "rulesets is required: the complete hypothetical set of rulesets."
+        )
     specs = _parse_list(data, "rulesets", ruleset_input, findings)
     services = _parse_list(data, "services", service_input, findings)
     groups = _parse_list(data, "address_groups", address_group_input, findings)
     findings.raise_if_any()
     catalogue = _Catalogue(services, groups)
-    hypothetical = PolicyInputs(rulesets=tuple(_hypothetical_rulesets(specs, catalogue, findings)), groups=catalogue.group_inputs)
+    hypothetical = PolicyInputs(
+        rulesets=tuple(_hypothetical_rulesets(specs, catalogue, findings)), groups=catalogue.group_inputs
+    )
     findings.raise_if_any()
 
     fleet, inputs = fleet_load()
     current_policy = policy_inputs_load()
     before_rules, after_rules = _rule_definitions(current_policy), _rule_definitions(hypothetical)
     latest = dict(Workload.objects.values_list("id", "latest_policy_id"))
-    indexes = dict(RenderedPolicy.objects.filter(version__in=set(latest.values())).values_list("version", "rule_index"))
+    indexes = dict(
+        RenderedPolicy.objects.filter(version__in=set(latest.values())).values_list("version", "rule_index")
+    )
     changed = []
     for workload_id, workload in inputs.items():
         result = render(workload, hypothetical.rulesets, hypothetical.groups, fleet)
@@ -206,7 +235,9 @@ def render_dryrun(*, data: Any) -> dict:
                 "rules_added": sorted(after[k] for k in after.keys() - before.keys()),
                 "rules_removed": sorted(before[k] for k in before.keys() - after.keys()),
                 "rules_changed": sorted(
-                    after[k] for k in after.keys() & before.keys() if before_rules.get(k) != after_rules.get(k)
+                    after[k]
+                    for k in after.keys() & before.keys()
+                    if before_rules.get(k) != after_rules.get(k)
                 ),
             }
         )

@@ -20,9 +20,9 @@ from controlplane.problems import pointer
 from controlplane.validation import Findings, quoted
 from fleet.credentials import CREDENTIAL_FIELDS, SignedCredential, credential_issue, credential_start
 from fleet.models import Workload
-from fleet.selectors import workload_get
 from fleet.provisioning import provisioning_token_check, provisioning_token_consume
 from fleet.rendering import notify_streams, rerender_for_peer_change
+from fleet.selectors import workload_get
 
 MAX_HOSTNAME = 255
 MAX_ADDRESSES = 64
@@ -49,7 +49,9 @@ class EnrolmentInput:
 
 def _hostname_input(hostname: Any, findings: Findings) -> str:
     if not isinstance(hostname, str):
-        findings.add("/hostname", "type" if hostname is not None else "required", "hostname must be a string.")
+        findings.add(
+            "/hostname", "type" if hostname is not None else "required", "hostname must be a string."
+        )
         return ""
     if not hostname:
         findings.add("/hostname", "too-short", "hostname must not be empty.")
@@ -85,10 +87,16 @@ def _addresses_input(addresses: Any, findings: Findings) -> list[str]:
         try:
             address = ipaddress.ip_address(item.strip())
         except ValueError:
-            findings.add(path, "address", f"{quoted(item)} is not an IPv4 or IPv6 address (no prefix length).")
+            findings.add(
+                path, "address", f"{quoted(item)} is not an IPv4 or IPv6 address (no prefix length)."
+            )
             continue
         if isinstance(address, ipaddress.IPv6Address) and address.scope_id:
-            findings.add(path, "address", f"{quoted(item)} carries a zone (%{address.scope_id}); give the address alone.")
+            findings.add(
+                path,
+                "address",
+                f"{quoted(item)} carries a zone (%{address.scope_id}); give the address alone.",
+            )
             continue
         if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped:
             address = address.ipv4_mapped
@@ -96,9 +104,7 @@ def _addresses_input(addresses: Any, findings: Findings) -> list[str]:
     return list(dict.fromkeys(normalised))
 
 
-def enrolment_input(
-    *, public_key: Any, hostname: Any, addresses: Any, agent_version: Any
-) -> EnrolmentInput:
+def enrolment_input(*, public_key: Any, hostname: Any, addresses: Any, agent_version: Any) -> EnrolmentInput:
     """Check what an agent sends at enrolment; one finding per field to fix (paths as in the
     enrolment request body: /public_key, /hostname, /addresses/0, /agent_version)."""
     findings = Findings()
@@ -115,9 +121,13 @@ def enrolment_input(
     if not isinstance(agent_version, str):
         findings.add("/agent_version", "type", "agent_version must be a string.")
     elif len(agent_version) > MAX_AGENT_VERSION:
-        findings.add("/agent_version", "too-long", f"agent_version must have at most {MAX_AGENT_VERSION} characters.")
+        findings.add(
+            "/agent_version", "too-long", f"agent_version must have at most {MAX_AGENT_VERSION} characters."
+        )
     findings.raise_if_any()
-    return EnrolmentInput(public_key=canonical_key, hostname=name, addresses=normalised, agent_version=agent_version)
+    return EnrolmentInput(
+        public_key=canonical_key, hostname=name, addresses=normalised, agent_version=agent_version
+    )
 
 
 def workload_enrol(

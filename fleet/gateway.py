@@ -136,8 +136,6 @@ async def streams_catch_up() -> int:
     return len(nudge)
 
 
-
-
 class EnrolView(APIView):
     """POST /agent/v1/enrol: a provisioning token and the agent's public key -> a workload and its
     credential. Refusals are problem documents like everywhere else."""
@@ -149,7 +147,13 @@ class EnrolView(APIView):
         data = require_object(request.data)
         if data.get("v") != protocol.PROTOCOL_VERSION:
             raise ValidationFailed(
-                [Finding("/v", "protocol-version", f"This gateway speaks agent protocol {protocol.PROTOCOL_VERSION}.")]
+                [
+                    Finding(
+                        "/v",
+                        "protocol-version",
+                        f"This gateway speaks agent protocol {protocol.PROTOCOL_VERSION}.",
+                    )
+                ]
             )
         enrolled = workload_enrol(
             token_secret=str(data.get("token") or ""),
@@ -191,12 +195,16 @@ class SyncStreamConsumer(AsyncWebsocketConsumer):
         self.heard_at = 0.0
         self.table_state: str | None = None
         await self.accept()
-        await self.send_message(protocol.Hello(nonce=protocol.b64encode(self.nonce), server_time=clock.rfc3339(clock.now())))
+        await self.send_message(
+            protocol.Hello(nonce=protocol.b64encode(self.nonce), server_time=clock.rfc3339(clock.now()))
+        )
         self.auth_timer = asyncio.get_running_loop().call_later(AUTH_TIMEOUT_SECONDS, self._auth_timeout)
 
     def _auth_timeout(self):
         if self.grant is None:
-            asyncio.ensure_future(self.refuse(protocol.CLOSE_HANDSHAKE_TIMEOUT, "no auth within the handshake time"))
+            asyncio.ensure_future(
+                self.refuse(protocol.CLOSE_HANDSHAKE_TIMEOUT, "no auth within the handshake time")
+            )
 
     async def send_message(self, message: protocol.Message) -> None:
         await self.send(text_data=message.encode())
@@ -282,9 +290,14 @@ class SyncStreamConsumer(AsyncWebsocketConsumer):
         )
 
     async def on_failed(self, message: protocol.Failed) -> None:
-        log.warning("%s failed to apply %s: %s", self.grant.hostname, message.version, message.error.splitlines()[0:1])
+        log.warning(
+            "%s failed to apply %s: %s", self.grant.hostname, message.version, message.error.splitlines()[0:1]
+        )
         await _db(sync.workload_apply_failed)(
-            workload_id=self.grant.workload_id, stream_id=self.stream_id, version=message.version, error=message.error
+            workload_id=self.grant.workload_id,
+            stream_id=self.stream_id,
+            version=message.version,
+            error=message.error,
         )
 
     async def on_heartbeat(self, message: protocol.Heartbeat) -> None:
@@ -364,7 +377,7 @@ class SyncStreamConsumer(AsyncWebsocketConsumer):
             return
         await self.channel_layer.group_discard(stream_group(self.grant.workload_id), self.channel_name)
         if _open_streams.pop(self.channel_name, None):
-            await _db(sync.workload_stream_ended)(workload_id=self.grant.workload_id, stream_id=self.stream_id)
+            await _db(sync.workload_stream_ended)(
+                workload_id=self.grant.workload_id, stream_id=self.stream_id
+            )
             log.info("stream of %s ended (%s)", self.grant.hostname, code)
-
-

@@ -71,7 +71,9 @@ class Workload(models.Model):
     credential_last_late_renewal = models.DateTimeField(null=True)
 
     enrolled_at = models.DateTimeField()
-    enrolled_with = models.ForeignKey(ProvisioningToken, on_delete=models.SET_NULL, null=True, related_name="+")
+    enrolled_with = models.ForeignKey(
+        ProvisioningToken, on_delete=models.SET_NULL, null=True, related_name="+"
+    )
 
     class Meta:
         indexes = [

@@ -25,7 +25,14 @@ from controlplane.auth.actor import Actor
 from controlplane.auth.secrets import digest, display_prefix, new_secret
 from controlplane.pagination import OrderKey, Page, list_fingerprint, paginate
 from controlplane.problems import Problem, pointer
-from controlplane.validation import Findings, reject_unknown, require_object, take_instant, take_int, take_string
+from controlplane.validation import (
+    Findings,
+    reject_unknown,
+    require_object,
+    take_instant,
+    take_int,
+    take_string,
+)
 from fleet.models import ProvisioningToken
 from policy.grammar import validate_labels
 
@@ -115,7 +122,9 @@ def enrolment_bundle(secret: str) -> str:
         return bundle_encode(gateway=address, fingerprint=fingerprint, token=secret)
     except BundleError as error:
         # e.g. an advertised address without a port: no agent could use such a bundle.
-        raise Problem("internal", f"Cannot make an enrolment bundle: {error}; check --gateway-advertise.") from None
+        raise Problem(
+            "internal", f"Cannot make an enrolment bundle: {error}; check --gateway-advertise."
+        ) from None
 
 
 def provisioning_token_mint(*, actor: Actor, data: Mapping[str, Any]) -> MintedProvisioningToken:
@@ -198,7 +207,8 @@ def provisioning_token_consume(*, secret: str) -> ProvisioningToken:
 def _token_of(secret: str, *, lock: bool) -> ProvisioningToken:
     if not isinstance(secret, str) or not secret.startswith(PROVISIONING_TOKEN_PREFIX):
         raise Problem(
-            "unauthenticated", f"That is not a provisioning token (they start with {PROVISIONING_TOKEN_PREFIX})."
+            "unauthenticated",
+            f"That is not a provisioning token (they start with {PROVISIONING_TOKEN_PREFIX}).",
         )
     tokens = ProvisioningToken.objects
     # NO KEY UPDATE: the workloads enrolled in this transaction reference the token (a key-share lock
@@ -217,5 +227,7 @@ def _usable(token: ProvisioningToken) -> ProvisioningToken:
     if state == EXPIRED:
         raise Problem("unauthenticated", f"{name} expired at {clock.rfc3339(token.expires_at)}.")
     if state == USED_UP:
-        raise Problem("unauthenticated", f"{name} is used up: it was used {token.uses} of {token.max_uses} times.")
+        raise Problem(
+            "unauthenticated", f"{name} is used up: it was used {token.uses} of {token.max_uses} times."
+        )
     return token

@@ -28,8 +28,15 @@ from controlplane import clock
 from fleet.models import RenderedPolicy, Workload
 from fleet.sync import latest_version_moved
 from policy.grammar import Selector, parse_selector
-from policy.models import AddressGroup, Rule, Ruleset, RuleService, RuleSource, ServiceEntry
-from policy.render_inputs import AddressGroupInput, FleetIndex, PortEntry, RuleInput, RulesetInput, WorkloadInput
+from policy.models import AddressGroup, Rule, RuleService, Ruleset, RuleSource, ServiceEntry
+from policy.render_inputs import (
+    AddressGroupInput,
+    FleetIndex,
+    PortEntry,
+    RuleInput,
+    RulesetInput,
+    WorkloadInput,
+)
 from policy.render_inputs import RuleSource as SourceInput
 from policy.renderer import render
 
@@ -49,12 +56,18 @@ def policy_inputs_load() -> PolicyInputs:
     """
     rulesets = list(Ruleset.objects.filter(enabled=True).values_list("id", "name", "scope"))
     ruleset_ids = [r[0] for r in rulesets]
-    rules = list(Rule.objects.filter(ruleset_id__in=ruleset_ids).values_list("id", "ruleset_id", "position", "description"))
+    rules = list(
+        Rule.objects.filter(ruleset_id__in=ruleset_ids).values_list(
+            "id", "ruleset_id", "position", "description"
+        )
+    )
     rule_ids = [r[0] for r in rules]
     sources = defaultdict(list)
-    for rule_id, _, kind, selector, group_id in RuleSource.objects.filter(rule_id__in=rule_ids).order_by(
-        "rule_id", "position"
-    ).values_list("rule_id", "position", "kind", "selector", "address_group_id"):
+    for rule_id, _, kind, selector, group_id in (
+        RuleSource.objects.filter(rule_id__in=rule_ids)
+        .order_by("rule_id", "position")
+        .values_list("rule_id", "position", "kind", "selector", "address_group_id")
+    ):
         if kind == RuleSource.SELECTOR:
             sources[rule_id].append(SourceInput("selector", selector=parse_selector(selector)))
         elif kind == RuleSource.GROUP:
@@ -62,14 +75,16 @@ def policy_inputs_load() -> PolicyInputs:
         else:
             sources[rule_id].append(SourceInput("any"))
     service_entries = defaultdict(list)
-    for service_id, protocol, port, port_to in ServiceEntry.objects.order_by("service_id", "position").values_list(
-        "service_id", "protocol", "port", "port_to"
-    ):
+    for service_id, protocol, port, port_to in ServiceEntry.objects.order_by(
+        "service_id", "position"
+    ).values_list("service_id", "protocol", "port", "port_to"):
         service_entries[service_id].append(PortEntry(protocol, port, port_to))
     entries = defaultdict(list)
-    for rule_id, service_id, protocol, port, port_to in RuleService.objects.filter(rule_id__in=rule_ids).order_by(
-        "rule_id", "position"
-    ).values_list("rule_id", "service_id", "protocol", "port", "port_to"):
+    for rule_id, service_id, protocol, port, port_to in (
+        RuleService.objects.filter(rule_id__in=rule_ids)
+        .order_by("rule_id", "position")
+        .values_list("rule_id", "service_id", "protocol", "port", "port_to")
+    ):
         if service_id is not None:
             entries[rule_id].extend(service_entries[service_id])
         else:
@@ -165,7 +180,10 @@ def _store_documents(results) -> None:
             )
         return
     RenderedPolicy.objects.bulk_create(
-        [RenderedPolicy(version=r.version, document=r.document, rule_index=_index(r), created_at=now) for r in fresh],
+        [
+            RenderedPolicy(version=r.version, document=r.document, rule_index=_index(r), created_at=now)
+            for r in fresh
+        ],
         ignore_conflicts=True,
     )
 
@@ -212,7 +230,8 @@ def rerender_for_peer_change(*, workload_id: str, labels_before: Mapping[str, st
     for ruleset in policy.rulesets:
         for rule in ruleset.rules:
             if any(
-                s.kind == "selector" and (s.selector.matches(labels_before) or s.selector.matches(labels_after))
+                s.kind == "selector"
+                and (s.selector.matches(labels_before) or s.selector.matches(labels_after))
                 for s in rule.sources
             ):
                 scopes.add(ruleset.scope)

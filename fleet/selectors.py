@@ -53,14 +53,20 @@ def _label_q(selector: Selector) -> Q:
     return q
 
 
-def workload_queryset(*, labels: list[Selector] = (), sync_state: str | None = None, removed: bool | None = None) -> QuerySet:
+def workload_queryset(
+    *, labels: list[Selector] = (), sync_state: str | None = None, removed: bool | None = None
+) -> QuerySet:
     queryset = Workload.objects.select_related(None)
     for selector in labels:
         queryset = queryset.filter(_label_q(selector))
     if sync_state is not None:
         queryset = queryset.filter(sync_state=sync_state)
     if removed is not None:
-        queryset = queryset.filter(owned_table_state=ABSENT) if removed else queryset.exclude(owned_table_state=ABSENT)
+        queryset = (
+            queryset.filter(owned_table_state=ABSENT)
+            if removed
+            else queryset.exclude(owned_table_state=ABSENT)
+        )
     return queryset
 
 
@@ -68,7 +74,9 @@ def workload_filters_parse(*, labels: list[str], sync_state: str | None, removed
     findings = []
     parsed: dict = {"labels": label_filters_parse(labels)}
     if sync_state not in (None, "") and sync_state not in SYNC_STATES:
-        findings.append(Finding("?sync_state", "sync-state", f"sync_state must be one of {', '.join(SYNC_STATES)}."))
+        findings.append(
+            Finding("?sync_state", "sync-state", f"sync_state must be one of {', '.join(SYNC_STATES)}.")
+        )
     parsed["sync_state"] = sync_state or None
     if removed not in (None, "", "true", "false"):
         findings.append(Finding("?removed", "type", "removed must be true or false."))
@@ -78,7 +86,9 @@ def workload_filters_parse(*, labels: list[str], sync_state: str | None, removed
     return parsed
 
 
-def workload_list(*, labels: list[Selector] = (), sync_state=None, removed=None, cursor=None, limit=100) -> Page:
+def workload_list(
+    *, labels: list[Selector] = (), sync_state=None, removed=None, cursor=None, limit=100
+) -> Page:
     fingerprint = list_fingerprint(
         "workloads", {"labels": [str(s) for s in labels], "sync_state": sync_state, "removed": removed}
     )
@@ -112,7 +122,11 @@ def workload_get(*, workload_id, for_update: bool = False, missing: str = "") ->
         key = uuid.UUID(str(workload_id))
     except ValueError:
         key = None
-    queryset = Workload.objects.select_for_update() if for_update else Workload.objects.select_related("latest_policy")
+    queryset = (
+        Workload.objects.select_for_update()
+        if for_update
+        else Workload.objects.select_related("latest_policy")
+    )
     workload = queryset.filter(id=key).first() if key else None
     if workload is None:
         raise Problem("not-found", missing or f"No workload {workload_id}.")

@@ -14,8 +14,8 @@ from controlplane.conditional import check_version
 from controlplane.problems import Finding, Problem, ValidationFailed, pointer
 from controlplane.validation import Findings, quoted, reject_unknown, require_object
 from fleet.models import MODES, ModeChange, Workload
-from fleet.selectors import workload_get
 from fleet.rendering import notify_streams, rerender_for_peer_change, workloads_rerender
+from fleet.selectors import workload_get
 from policy.grammar import GrammarError, parse_selector, validate_labels
 
 MAX_LABELS = 64
@@ -57,7 +57,11 @@ def workload_labels_replace(
 
 def _selection_input(data: Any, findings: Findings) -> dict:
     if not isinstance(data, dict):
-        findings.add("/selection", "type", 'selection must be an object: {"labels": [...], "workload_ids": [...]} or {"all": true}.')
+        findings.add(
+            "/selection",
+            "type",
+            'selection must be an object: {"labels": [...], "workload_ids": [...]} or {"all": true}.',
+        )
         return {}
     reject_unknown(data, {"labels", "workload_ids", "all"}, findings, "/selection")
     selection: dict = {}
@@ -81,18 +85,28 @@ def _selection_input(data: Any, findings: Findings) -> dict:
         selection["labels"] = requirements
     ids = data.get("workload_ids", [])
     if not isinstance(ids, list) or len(ids) > MAX_SELECTION_IDS:
-        findings.add("/selection/workload_ids", "type", f"workload_ids must be a list of at most {MAX_SELECTION_IDS} ids.")
+        findings.add(
+            "/selection/workload_ids",
+            "type",
+            f"workload_ids must be a list of at most {MAX_SELECTION_IDS} ids.",
+        )
         ids = []
     parsed_ids = []
     for index, text in enumerate(ids):
         try:
             parsed_ids.append(str(uuid.UUID(str(text))))
         except ValueError:
-            findings.add(pointer("selection", "workload_ids", index), "type", f"{quoted(text)} is not a workload id.")
+            findings.add(
+                pointer("selection", "workload_ids", index), "type", f"{quoted(text)} is not a workload id."
+            )
     if parsed_ids:
         selection["workload_ids"] = sorted(set(parsed_ids))
     if not selection and not findings:
-        findings.add("/selection", "empty-selection", 'Select workloads by labels and/or workload_ids, or {"all": true}.')
+        findings.add(
+            "/selection",
+            "empty-selection",
+            'Select workloads by labels and/or workload_ids, or {"all": true}.',
+        )
     return selection
 
 
@@ -107,7 +121,9 @@ def mode_change_input(data: Any) -> tuple[dict, str]:
         selection = _selection_input(data["selection"], findings)
     mode = data.get("mode")
     if mode not in MODES:
-        findings.add("/mode", "mode" if "mode" in data else "required", f"mode must be one of {', '.join(MODES)}.")
+        findings.add(
+            "/mode", "mode" if "mode" in data else "required", f"mode must be one of {', '.join(MODES)}."
+        )
     findings.raise_if_any()
     return selection, mode
 
@@ -130,9 +146,14 @@ def mode_change_create(*, actor: Actor, data: Mapping[str, Any]) -> ModeChange:
     with transaction.atomic():
         ids = selection_resolve(selection)
         if not ids:
-            raise ValidationFailed([Finding("/selection", "selects-nothing", "The selection matches no workload.")])
+            raise ValidationFailed(
+                [Finding("/selection", "selects-nothing", "The selection matches no workload.")]
+            )
         changed = list(
-            Workload.objects.select_for_update().filter(id__in=ids).exclude(mode=mode).values_list("id", flat=True)
+            Workload.objects.select_for_update()
+            .filter(id__in=ids)
+            .exclude(mode=mode)
+            .values_list("id", flat=True)
         )
         Workload.objects.filter(id__in=changed).update(mode=mode)
         workloads_rerender(workload_ids=[str(i) for i in changed])

@@ -14,7 +14,12 @@ from agent import protocol
 from controlplane import clock
 from controlplane.models import GatewayIdentity
 from controlplane.problems import Problem
-from fleet.credentials import credential_beyond_grace, credential_renewal_due_at, credential_state, credential_verify
+from fleet.credentials import (
+    credential_beyond_grace,
+    credential_renewal_due_at,
+    credential_state,
+    credential_verify,
+)
 from fleet.models import RenderedPolicy, Workload, workload_column_value
 from fleet.rendering import workloads_rerender
 
@@ -65,7 +70,11 @@ def stream_authenticate(*, auth: protocol.Auth, nonce: bytes) -> StreamGrant:
         raise StreamRefused(protocol.CLOSE_UNAUTHENTICATED, "credential is not the workload's current one")
     fingerprint = gateway_fingerprint()
     if not protocol.verify_proof(
-        workload.public_key, auth.proof, nonce=nonce, workload_id=str(workload.id), gateway_fingerprint=fingerprint
+        workload.public_key,
+        auth.proof,
+        nonce=nonce,
+        workload_id=str(workload.id),
+        gateway_fingerprint=fingerprint,
     ):
         raise StreamRefused(protocol.CLOSE_UNAUTHENTICATED, "proof of possession failed")
     now = clock.now()
@@ -79,7 +88,12 @@ def stream_authenticate(*, auth: protocol.Auth, nonce: bytes) -> StreamGrant:
         renewal_due_at=clock.rfc3339(credential_renewal_due_at(workload)),
         renew_only=state == "expired",
     )
-    return StreamGrant(workload_id=str(workload.id), hostname=workload.hostname, renew_only=state == "expired", welcome=welcome)
+    return StreamGrant(
+        workload_id=str(workload.id),
+        hostname=workload.hostname,
+        renew_only=state == "expired",
+        welcome=welcome,
+    )
 
 
 @lru_cache(maxsize=256)
@@ -90,7 +104,9 @@ def _rendered(version: str) -> tuple[str, dict]:
     return policy.document, policy.rule_index
 
 
-def stream_snapshot(*, workload_id: str, stream_id: str, unless_version: str | None = None) -> protocol.Snapshot | None:
+def stream_snapshot(
+    *, workload_id: str, stream_id: str, unless_version: str | None = None
+) -> protocol.Snapshot | None:
     """The workload's latest rendered policy (rendering it first if it has none yet), recorded as
     sent on this stream. None when this is no longer the workload's stream, or when its latest
     version is `unless_version`, already sent."""

@@ -36,7 +36,9 @@ OFFLINE, PENDING, SYNCED, DEGRADED = "offline", "pending", "synced", "degraded"
 def rank_of(sync_state: str, owned_table_state: str) -> int:
     if sync_state == DEGRADED or owned_table_state == ABSENT:
         return Workload.RANK_ATTENTION
-    return {OFFLINE: Workload.RANK_OFFLINE, PENDING: Workload.RANK_PENDING}.get(sync_state, Workload.RANK_SYNCED)
+    return {OFFLINE: Workload.RANK_OFFLINE, PENDING: Workload.RANK_PENDING}.get(
+        sync_state, Workload.RANK_SYNCED
+    )
 
 
 def _locked(workload_id) -> Workload:
@@ -186,7 +188,11 @@ def workload_streams_reap(*, silent_for: timedelta) -> int:
     """Record as ended the streams nobody has heard from for `silent_for`: their serve process died
     without recording them (a crash, a kill). Live streams are heard from with every heartbeat."""
     cutoff = clock.now() - silent_for
-    stale = Workload.objects.exclude(stream_id="").filter(last_heard_from__lt=cutoff).values_list("id", "stream_id")
+    stale = (
+        Workload.objects.exclude(stream_id="")
+        .filter(last_heard_from__lt=cutoff)
+        .values_list("id", "stream_id")
+    )
     ended = 0
     for workload_id, stream_id in list(stale):
         if workload_stream_ended(workload_id=workload_id, stream_id=stream_id):

@@ -37,7 +37,7 @@ on their own and for problems that belong to no single place.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -221,7 +221,7 @@ def _expected(what: str, pos: int) -> GrammarError:
     return GrammarError("selector-syntax", f"expected {what} at position {pos}", pos)
 
 
-def _checked(check, token: str, pos: int) -> str:
+def _checked(check: Callable[[str], object], token: str, pos: int) -> str:
     try:
         check(token)
     except GrammarError as error:
@@ -235,7 +235,8 @@ class _Parser:
     __slots__ = ("tokens", "i")
 
     def __init__(self, text: str) -> None:
-        self.tokens = [(m.lastgroup, m.group(), m.start()) for m in _TOKEN.finditer(text)]
+        # Every alternative of _TOKEN is a named group, so lastgroup is never None.
+        self.tokens: list[tuple[str, str, int]] = [(m.lastgroup or "", m.group(), m.start()) for m in _TOKEN.finditer(text)]
         self.tokens.append((_END, "", len(text)))
         self.i = 0
 

@@ -34,12 +34,6 @@ class ServiceEntry(models.Model):
 
     class Meta:
         ordering = ["position"]
-        constraints = [
-            models.CheckConstraint(
-                condition=models.Q(service__isnull=False, protocol="") | models.Q(service__isnull=True) & ~models.Q(protocol=""),
-                name="rule_service_reference_or_inline",
-            )
-        ]
         constraints = [models.UniqueConstraint(fields=["service", "position"], name="service_entry_position")]
 
 
@@ -114,7 +108,8 @@ class RuleService(models.Model):
         ordering = ["position"]
         constraints = [
             models.CheckConstraint(
-                condition=models.Q(service__isnull=False, protocol="") | models.Q(service__isnull=True) & ~models.Q(protocol=""),
+                condition=models.Q(service__isnull=False, protocol="")
+                | models.Q(service__isnull=True) & ~models.Q(protocol=""),
                 name="rule_service_reference_or_inline",
             )
         ]

@@ -83,7 +83,7 @@ class PortEntry:
             for port in (self.port_from, self.port_to):
                 if type(port) is not int or not 0 <= port <= 65535:
                     raise ValueError(f"port {port!r} is not an integer in 0-65535")
-            if self.port_from > self.port_to:
+            if self.port_from > self.port_to:  # type: ignore[operator]  # both set just above
                 raise ValueError(f"port range {self.port_from}-{self.port_to} is reversed")
         elif ports != (None, None):
             raise ValueError(f"{self.protocol} entries take no ports")
@@ -205,7 +205,8 @@ class FleetIndex:
         for position, workload in enumerate(workloads):
             ids.append(workload.id)
             labels.append(workload.labels)
-            four, six = [], []
+            four: list[int] = []
+            six: list[int] = []
             for text in workload.addresses:
                 try:
                     address = parse_host_address(text)

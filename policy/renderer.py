@@ -289,12 +289,12 @@ def _compile_rule(ruleset: RulesetInput, rule: RuleInput) -> _CompiledRule:
                 seen.add(match)
                 lines.append(_Line(None, family, match, uses_service))
     else:
-        sources = set()
+        sources: set[tuple[str, str]] = set()
         for s in rule.sources:
-            if s.kind == "selector":
+            if s.selector is not None:
                 selectors[str(s.selector)] = s.selector
                 sources.add(("sel", str(s.selector)))
-            else:
+            elif s.group_id is not None:
                 sources.add(("grp", s.group_id))
         for source in sorted(sources):
             base = _set_base(source)
@@ -363,6 +363,7 @@ def _resolved(
             name, definition = source.sets[line.family]
             sets[name] = definition
         if line.uses_service_set:
+            assert compiled.service_set is not None  # a line uses the set only when the rule has one
             name, definition = compiled.service_set
             sets[name] = _claimed(fleet, name, definition, definition)
         heads.append(f"\t\t{line.match} ct mark set ")
@@ -403,15 +404,13 @@ def _source_sets(
         group = groups.get(key)
         if group is None:
             raise ValueError(f"a rule refers to address group {key!r}, which is not among the groups")
-        memo_key = ("grp", id(group))
-        entry = fleet.memo.get(memo_key)
+        entry = fleet.memo.get(("grp", id(group)))
         if entry is None or entry[0] is not group:
-            entry = fleet.memo[memo_key] = (group, _group_sets(group, fleet))
+            entry = fleet.memo[("grp", id(group))] = (group, _group_sets(group, fleet))
         return entry[1]
-    memo_key = ("sel", key)
-    found = fleet.memo.get(memo_key)
+    found = fleet.memo.get(("sel", key))
     if found is None:
-        found = fleet.memo[memo_key] = _selector_sets(compiled.selectors[key], fleet)
+        found = fleet.memo[("sel", key)] = _selector_sets(compiled.selectors[key], fleet)
     return found
 
 

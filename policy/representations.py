@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from controlplane.clock import rfc3339
 from controlplane.conditional import version_text
-from policy.models import AddressGroup, Rule, RuleService, RuleSource, Ruleset, Service
+from policy.models import AddressGroup, Rule, RuleService, Ruleset, RuleSource, Service
 
 
 def port_entry_data(protocol: str, port: int | None, port_to: int | None) -> dict:

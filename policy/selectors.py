@@ -16,7 +16,9 @@ def policy_version() -> int:
 
 
 def _rules() -> Prefetch:
-    return Prefetch("rules", queryset=Rule.objects.prefetch_related("sources", "services").order_by("position"))
+    return Prefetch(
+        "rules", queryset=Rule.objects.prefetch_related("sources", "services").order_by("position")
+    )
 
 
 def ruleset_queryset() -> QuerySet:

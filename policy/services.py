@@ -19,8 +19,8 @@ from policy.models import (
     AddressGroup,
     PolicyState,
     Rule,
-    Ruleset,
     RuleService,
+    Ruleset,
     RuleSource,
     Service,
     ServiceEntry,
@@ -36,6 +36,7 @@ from policy.validation import (
     service_input,
     single_rule_input,
 )
+
 
 def _lock_policy() -> PolicyState:
     state = PolicyState.objects.select_for_update().filter(id=1).first()
@@ -125,12 +126,16 @@ def service_create(*, actor: Actor, data: Mapping[str, Any]) -> Service:
     return service
 
 
-def service_replace(*, actor: Actor, service_id: str, expected_version: str, data: Mapping[str, Any]) -> Service:
+def service_replace(
+    *, actor: Actor, service_id: str, expected_version: str, data: Mapping[str, Any]
+) -> Service:
     _get(Service, service_id, "service")
     spec = service_input(data)
     with transaction.atomic():
         state = _lock_policy()
-        service = locked_for_write(Service.objects, pk=service_id, expected_version=expected_version, what="service")
+        service = locked_for_write(
+            Service.objects, pk=service_id, expected_version=expected_version, what="service"
+        )
         findings = Findings()
         _check_unique_name(Service, spec.name, findings, exclude_id=service.id)
         findings.raise_if_any()
@@ -167,7 +172,9 @@ def service_delete(*, actor: Actor, service_id: str, expected_version: str) -> N
     _get(Service, service_id, "service")
     with transaction.atomic():
         state = _lock_policy()
-        service = locked_for_write(Service.objects, pk=service_id, expected_version=expected_version, what="service")
+        service = locked_for_write(
+            Service.objects, pk=service_id, expected_version=expected_version, what="service"
+        )
         rules = Rule.objects.filter(services__service=service).select_related("ruleset").distinct()
         _refuse_if_used(service, rules, "service")
         service.delete()
@@ -187,7 +194,11 @@ def address_group_create(*, actor: Actor, data: Mapping[str, Any]) -> AddressGro
         findings.raise_if_any()
         now = clock.now()
         group = AddressGroup(
-            name=spec.name, description=spec.description, members=list(spec.members), created_at=now, updated_at=now
+            name=spec.name,
+            description=spec.description,
+            members=list(spec.members),
+            created_at=now,
+            updated_at=now,
         )
         _save_unique(group)
         _policy_changed(state)
@@ -246,15 +257,21 @@ def _resolve_rule(spec: RuleSpec, findings: Findings):
     for position, source in enumerate(spec.sources):
         group = None
         if source.kind == RuleSource.GROUP:
-            group = _resolve(AddressGroup, source.reference, findings, source.path + "/address_group", "address group")
-        sources.append(RuleSource(position=position, kind=source.kind, selector=source.selector, address_group=group))
+            group = _resolve(
+                AddressGroup, source.reference, findings, source.path + "/address_group", "address group"
+            )
+        sources.append(
+            RuleSource(position=position, kind=source.kind, selector=source.selector, address_group=group)
+        )
     for position, ref in enumerate(spec.services):
         if ref.entry is None:
             service = _resolve(Service, ref.reference, findings, ref.path + "/service", "service")
             services.append(RuleService(position=position, service=service))
         else:
             e = ref.entry
-            services.append(RuleService(position=position, protocol=e.protocol, port=e.port, port_to=e.port_to))
+            services.append(
+                RuleService(position=position, protocol=e.protocol, port=e.port, port_to=e.port_to)
+            )
     return sources, services
 
 
@@ -291,7 +308,9 @@ def ruleset_create(*, actor: Actor, data: Mapping[str, Any]) -> Ruleset:
         resolved = [_resolve_rule(rule, findings) for rule in spec.rules]
         for rule in spec.rules:
             if rule.id:
-                findings.add(rule.path + "/id", "unknown-rule", "A new ruleset has no rules yet: leave out rule ids.")
+                findings.add(
+                    rule.path + "/id", "unknown-rule", "A new ruleset has no rules yet: leave out rule ids."
+                )
         findings.raise_if_any()
         now = clock.now()
         ruleset = Ruleset(
@@ -303,35 +322,45 @@ def ruleset_create(*, actor: Actor, data: Mapping[str, Any]) -> Ruleset:
             updated_at=now,
         )
         _save_unique(ruleset)
-        for position, (rule, (sources, services)) in enumerate(zip(spec.rules, resolved)):
+        for position, (rule, (sources, services)) in enumerate(zip(spec.rules, resolved, strict=True)):
             row = Rule.objects.create(
-                ruleset=ruleset, position=position, description=rule.description, created_at=now, updated_at=now
+                ruleset=ruleset,
+                position=position,
+                description=rule.description,
+                created_at=now,
+                updated_at=now,
             )
             _write_rule(row, sources, services)
         _policy_changed(state, scopes=[ruleset.scope])
     return ruleset
 
 
-def ruleset_replace(*, actor: Actor, ruleset_id: str, expected_version: str, data: Mapping[str, Any]) -> Ruleset:
+def ruleset_replace(
+    *, actor: Actor, ruleset_id: str, expected_version: str, data: Mapping[str, Any]
+) -> Ruleset:
     """Replace a ruleset whole: rules whose ids the body carries are kept (their version moves only if
     they changed), rules without an id are added, and the ruleset's other rules are removed."""
     _get(Ruleset, ruleset_id, "ruleset")
     spec = ruleset_input(data)
     with transaction.atomic():
         state = _lock_policy()
-        ruleset = locked_for_write(Ruleset.objects, pk=ruleset_id, expected_version=expected_version, what="ruleset")
+        ruleset = locked_for_write(
+            Ruleset.objects, pk=ruleset_id, expected_version=expected_version, what="ruleset"
+        )
         findings = Findings()
         _check_unique_name(Ruleset, spec.name, findings, exclude_id=ruleset.id)
         existing = {str(r.id): r for r in ruleset.rules.prefetch_related("sources", "services")}
         for rule in spec.rules:
             if rule.id and rule.id not in existing:
-                findings.add(rule.path + "/id", "unknown-rule", f"Rule {rule.id} is not a rule of this ruleset.")
+                findings.add(
+                    rule.path + "/id", "unknown-rule", f"Rule {rule.id} is not a rule of this ruleset."
+                )
         resolved = [_resolve_rule(rule, findings) for rule in spec.rules]
         findings.raise_if_any()
         now = clock.now()
         kept = {rule.id for rule in spec.rules if rule.id}
         Rule.objects.filter(ruleset=ruleset).exclude(id__in=[uuid.UUID(i) for i in kept]).delete()
-        for position, (rule, (sources, services)) in enumerate(zip(spec.rules, resolved)):
+        for position, (rule, (sources, services)) in enumerate(zip(spec.rules, resolved, strict=True)):
             if rule.id:
                 row = existing[rule.id]
                 changed = (
@@ -347,7 +376,11 @@ def ruleset_replace(*, actor: Actor, ruleset_id: str, expected_version: str, dat
                     _write_rule(row, sources, services)
             else:
                 row = Rule.objects.create(
-                    ruleset=ruleset, position=position, description=rule.description, created_at=now, updated_at=now
+                    ruleset=ruleset,
+                    position=position,
+                    description=rule.description,
+                    created_at=now,
+                    updated_at=now,
                 )
                 _write_rule(row, sources, services)
         scope_before = ruleset.scope
@@ -364,7 +397,9 @@ def ruleset_delete(*, actor: Actor, ruleset_id: str, expected_version: str) -> N
     _get(Ruleset, ruleset_id, "ruleset")
     with transaction.atomic():
         state = _lock_policy()
-        ruleset = locked_for_write(Ruleset.objects, pk=ruleset_id, expected_version=expected_version, what="ruleset")
+        ruleset = locked_for_write(
+            Ruleset.objects, pk=ruleset_id, expected_version=expected_version, what="ruleset"
+        )
         ruleset.delete()
         _policy_changed(state, scopes=[ruleset.scope])
 
@@ -417,7 +452,10 @@ def rule_replace(
     with transaction.atomic():
         state = _lock_policy()
         rule = locked_for_write(
-            Rule.objects.filter(ruleset_id=ruleset_id), pk=rule_id, expected_version=expected_version, what="rule"
+            Rule.objects.filter(ruleset_id=ruleset_id),
+            pk=rule_id,
+            expected_version=expected_version,
+            what="rule",
         )
         findings = Findings()
         sources, services = _resolve_rule(spec, findings)
@@ -439,7 +477,10 @@ def rule_delete(*, actor: Actor, ruleset_id: str, rule_id: str, expected_version
     with transaction.atomic():
         state = _lock_policy()
         rule = locked_for_write(
-            Rule.objects.filter(ruleset_id=ruleset_id), pk=rule_id, expected_version=expected_version, what="rule"
+            Rule.objects.filter(ruleset_id=ruleset_id),
+            pk=rule_id,
+            expected_version=expected_version,
+            what="rule",
         )
         rule.delete()
         ruleset = Ruleset.objects.select_for_update().get(id=ruleset_id)

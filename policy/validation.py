@@ -143,7 +143,9 @@ def port_entry_input(data: Any, findings: Findings, base: str) -> PortEntrySpec 
     port_to = take_int(data, "port_to", findings, base=base, minimum=1, maximum=65535)
     if protocol in PORTED:
         if port is None and "port" not in data:
-            findings.add(base + "/port", "port-required", f"{protocol} entries need a port (and port_to for a range).")
+            findings.add(
+                base + "/port", "port-required", f"{protocol} entries need a port (and port_to for a range)."
+            )
         if port is not None and port_to is not None and port_to < port:
             findings.add(base + "/port_to", "port-range-order", "port_to must not be below port.")
     elif protocol in PROTOCOLS:
@@ -215,7 +217,9 @@ def address_group_input(data: Any) -> AddressGroupSpec:
         except ValueError:
             try:
                 network = ipaddress.ip_network(item.strip(), strict=False)
-                findings.add(path, "cidr-host-bits", f"{quoted(item)} has host bits set; did you mean {network}?")
+                findings.add(
+                    path, "cidr-host-bits", f"{quoted(item)} has host bits set; did you mean {network}?"
+                )
             except ValueError:
                 findings.add(path, "address", f"{quoted(item)} is not an IPv4 or IPv6 address or CIDR.")
     findings.raise_if_any()
@@ -234,9 +238,13 @@ def selector_input(value: Any, findings: Findings, path: str) -> str:
 
 def _source_input(item: Any, findings: Findings, path: str) -> SourceSpec | None:
     if not isinstance(item, dict) or len(item) != 1:
-        findings.add(path, "source", 'A source is one of {"selector": "..."}, {"address_group": "id or name"}, {"any": true}.')
+        findings.add(
+            path,
+            "source",
+            'A source is one of {"selector": "..."}, {"address_group": "id or name"}, {"any": true}.',
+        )
         return None
-    (key, value), = item.items()
+    ((key, value),) = item.items()
     if key == "selector":
         if not isinstance(value, str):
             findings.add(path + "/selector", "type", "selector must be a string.")
@@ -245,7 +253,9 @@ def _source_input(item: Any, findings: Findings, path: str) -> SourceSpec | None
         return SourceSpec(kind="selector", selector=text, path=path)
     if key == "address_group":
         if not isinstance(value, str) or not value:
-            findings.add(path + "/address_group", "type", "address_group must be an address group id or name.")
+            findings.add(
+                path + "/address_group", "type", "address_group must be an address group id or name."
+            )
             return None
         return SourceSpec(kind="address_group", reference=value, path=path)
     if key == "any":
@@ -280,14 +290,21 @@ def rule_input(data: Any, *, base: str = "", allow_id: bool = False) -> tuple[Ru
         if not isinstance(rule_id, str) or not _looks_like_id(rule_id):
             findings.add(base + "/id", "type", "id must be the id of a rule of this ruleset.")
             rule_id = None
-    description = take_string(data, "description", findings, base=base, required=False, max_length=MAX_DESCRIPTION)
+    description = take_string(
+        data, "description", findings, base=base, required=False, max_length=MAX_DESCRIPTION
+    )
     raw_sources = _take_list(data, "sources", findings, base=base, maximum=MAX_SOURCES_PER_RULE)
     raw_services = _take_list(data, "services", findings, base=base, maximum=MAX_SERVICES_PER_RULE)
-    for key, raw in (("sources", raw_sources), ("services", raw_services)):
+    for key in ("sources", "services"):
         if key in data and isinstance(data[key], list) and not data[key]:
             findings.add(base + pointer(key), "empty", f"A rule needs at least one of {key}.")
-    sources = [_source_input(item, findings, base + pointer("sources", i)) for i, item in enumerate(raw_sources)]
-    services = [_service_ref_input(item, findings, base + pointer("services", i)) for i, item in enumerate(raw_services)]
+    sources = [
+        _source_input(item, findings, base + pointer("sources", i)) for i, item in enumerate(raw_sources)
+    ]
+    services = [
+        _service_ref_input(item, findings, base + pointer("services", i))
+        for i, item in enumerate(raw_services)
+    ]
     if findings:
         return None, findings
     spec = RuleSpec(
@@ -315,7 +332,9 @@ def ruleset_input(data: Any) -> RulesetSpec:
     enabled = take_bool(data, "enabled", findings, default=True)
     scope = ""
     if "scope" not in data:
-        findings.add("/scope", "required", "scope is required: the selector of the workloads this ruleset protects.")
+        findings.add(
+            "/scope", "required", "scope is required: the selector of the workloads this ruleset protects."
+        )
     elif not isinstance(data["scope"], str):
         findings.add("/scope", "type", "scope must be a selector string.")
     else:

@@ -60,7 +60,11 @@ def responses_match_the_published_schema(monkeypatch):
     def checked_request(self, **environ):
         response = request(self, **environ)
         path = response.request.get("PATH_INFO", "")
-        if path.startswith("/api/v1/") and path not in UNCHECKED_PATHS and not getattr(response, "streaming", False):
+        if (
+            path.startswith("/api/v1/")
+            and path not in UNCHECKED_PATHS
+            and not getattr(response, "streaming", False)
+        ):
             document.check(
                 method=response.request["REQUEST_METHOD"],
                 path=path,

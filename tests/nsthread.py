@@ -29,7 +29,9 @@ class NamespaceThread:
     """One worker thread inside `ip netns` namespace `name`; `call(fn, ...)` runs fn there."""
 
     def __init__(self, name: str):
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"netns-{name}", initializer=_join, initargs=(f"/run/netns/{name}",))
+        self._pool = ThreadPoolExecutor(
+            1, thread_name_prefix=f"netns-{name}", initializer=_join, initargs=(f"/run/netns/{name}",)
+        )
 
     def call(self, fn, *args, **kwargs):
         return self._pool.submit(fn, *args, **kwargs).result()

@@ -9,7 +9,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_import_contracts_hold():
     result = subprocess.run(
-        [str(Path(sys.executable).parent / "lint-imports"), "--config", str(ROOT / "pyproject.toml"), "--no-cache"],
+        [
+            str(Path(sys.executable).parent / "lint-imports"),
+            "--config",
+            str(ROOT / "pyproject.toml"),
+            "--no-cache",
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,

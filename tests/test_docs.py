@@ -7,7 +7,9 @@ from controlplane.problems import PROBLEM_TYPES
 
 ROOT = Path(__file__).resolve().parent.parent
 API_DOC = (ROOT / "docs" / "api.md").read_text()
-RULE_USE = re.compile(r'(?:\.add|Finding)\((?:f?"[^"]*"|[^()"]|\([^()]*\)){0,80}?,\s*"([a-z][a-z0-9-]+)"', re.S)
+RULE_USE = re.compile(
+    r'(?:\.add|Finding)\((?:f?"[^"]*"|[^()"]|\([^()]*\)){0,80}?,\s*"([a-z][a-z0-9-]+)"', re.S
+)
 GRAMMAR_RULE = re.compile(r'GrammarError\(\s*"([a-z][a-z0-9-]+)"')
 
 

@@ -12,7 +12,9 @@ COMMITTED = Path(__file__).resolve().parent.parent / "docs" / "openapi.yaml"
 
 def test_committed_schema_has_not_drifted(tmp_path):
     generated = tmp_path / "openapi.yaml"
-    call_command("spectacular", "--fail-on-warn", "--validate", "--file", str(generated), stdout=io.StringIO())
+    call_command(
+        "spectacular", "--fail-on-warn", "--validate", "--file", str(generated), stdout=io.StringIO()
+    )
     assert generated.read_text() == COMMITTED.read_text(), (
         "docs/openapi.yaml is stale: regenerate it with "
         "`.venv/bin/python manage.py spectacular --fail-on-warn --validate --file docs/openapi.yaml`"
@@ -22,12 +24,24 @@ def test_committed_schema_has_not_drifted(tmp_path):
 def _document():
     from tests.support.openapi_check import OpenAPIDocument
 
-    item = {"type": "object", "properties": {"id": {"type": "string"}, "note": {"type": "string", "nullable": True}}, "required": ["id"]}
+    item = {
+        "type": "object",
+        "properties": {"id": {"type": "string"}, "note": {"type": "string", "nullable": True}},
+        "required": ["id"],
+    }
     return OpenAPIDocument(
         {
             "paths": {
                 "/api/v1/things/{id}": {
-                    "get": {"responses": {"200": {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Thing"}}}}}}
+                    "get": {
+                        "responses": {
+                            "200": {
+                                "content": {
+                                    "application/json": {"schema": {"$ref": "#/components/schemas/Thing"}}
+                                }
+                            }
+                        }
+                    }
                 }
             },
             "components": {"schemas": {"Thing": item}},
@@ -36,7 +50,13 @@ def _document():
 
 
 def test_the_schema_check_accepts_what_the_document_declares():
-    _document().check(method="GET", path="/api/v1/things/1", status=200, content_type="application/json", body=b'{"id": "1", "note": null}')
+    _document().check(
+        method="GET",
+        path="/api/v1/things/1",
+        status=200,
+        content_type="application/json",
+        body=b'{"id": "1", "note": null}',
+    )
 
 
 @pytest.mark.parametrize(
@@ -53,4 +73,6 @@ def test_the_schema_check_catches_what_the_document_does_not_declare(status, con
     from tests.support.openapi_check import SchemaMismatch
 
     with pytest.raises(SchemaMismatch, match=re.escape(complaint)):
-        _document().check(method="GET", path="/api/v1/things/1", status=status, content_type=content_type, body=body)
+        _document().check(
+            method="GET", path="/api/v1/things/1", status=status, content_type=content_type, body=body
+        )

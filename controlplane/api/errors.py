@@ -39,7 +39,8 @@ def _findings_from_drf(detail, path: tuple = ()) -> list[Finding]:
     if isinstance(detail, list):
         if all(isinstance(item, str) for item in detail):
             return [
-                Finding(pointer(*path), getattr(item, "code", "invalid") or "invalid", str(item)) for item in detail
+                Finding(pointer(*path), getattr(item, "code", "invalid") or "invalid", str(item))
+                for item in detail
             ]
         out = []
         for index, item in enumerate(detail):
@@ -91,7 +92,9 @@ def exception_handler(exc, context):
     problem = problem_from_exception(exc)
     request = context.get("request")
     if problem is None:
-        log.exception("unhandled error in %s %s", getattr(request, "method", "?"), getattr(request, "path", "?"))
+        log.exception(
+            "unhandled error in %s %s", getattr(request, "method", "?"), getattr(request, "path", "?")
+        )
         problem = Problem("internal", "The service failed; see the host's log.")
     response = problem_response(problem, instance=getattr(request, "path", None))
     response.exception = True
@@ -103,7 +106,9 @@ def handler404(request, exception=None):
 
 
 def handler500(request):
-    return problem_response(Problem("internal", "The service failed; see the host's log."), instance=request.path)
+    return problem_response(
+        Problem("internal", "The service failed; see the host's log."), instance=request.path
+    )
 
 
 def handler400(request, exception=None):

@@ -40,7 +40,10 @@ MintRequest = inline_serializer(
 )
 MintResponse = inline_serializer(
     "OperatorTokenMinted",
-    {"token": serializers.CharField(help_text="The plaintext, shown this once."), "record": OperatorTokenSerializer()},
+    {
+        "token": serializers.CharField(help_text="The plaintext, shown this once."),
+        "record": OperatorTokenSerializer(),
+    },
 )
 
 
@@ -55,7 +58,11 @@ class OperatorTokenListView(APIView):
         page = operator_token_list(cursor=cursor, limit=limit)
         return page_response(page, [operator_token_data(t) for t in page.items])
 
-    @extend_schema(operation_id="operator_tokens_mint", request=MintRequest, responses={201: MintResponse, **WRITE_ERRORS})
+    @extend_schema(
+        operation_id="operator_tokens_mint",
+        request=MintRequest,
+        responses={201: MintResponse, **WRITE_ERRORS},
+    )
     def post(self, request):
         minted = operator_token_mint(actor=request.user, data=request.data)
         return Response({"token": minted.secret, "record": operator_token_data(minted.token)}, status=201)

@@ -15,15 +15,15 @@ PROBLEM_TYPE_CHOICES = [PROBLEM_URN + name for name in PROBLEM_TYPES]
 
 
 class FindingSerializer(serializers.Serializer):
-    path = serializers.CharField(help_text="JSON Pointer into the request body; `?name` for a query parameter.")
+    path = serializers.CharField(
+        help_text="JSON Pointer into the request body; `?name` for a query parameter."
+    )
     rule = serializers.CharField(help_text="Stable name of the rule broken.")
     message = serializers.CharField()
 
 
 class ProblemSerializer(serializers.Serializer):
-    type = serializers.ChoiceField(
-        choices=PROBLEM_TYPE_CHOICES, help_text="Problem types:\n" + _TYPES_TEXT
-    )
+    type = serializers.ChoiceField(choices=PROBLEM_TYPE_CHOICES, help_text="Problem types:\n" + _TYPES_TEXT)
     title = serializers.CharField()
     status = serializers.IntegerField()
     detail = serializers.CharField()
@@ -32,7 +32,9 @@ class ProblemSerializer(serializers.Serializer):
     current_version = serializers.CharField(required=False, help_text="`precondition-failed` only.")
     retry_after = serializers.IntegerField(required=False, help_text="`rate-limited` only.")
     max_bytes = serializers.IntegerField(required=False, help_text="`payload-too-large` only.")
-    referenced_by = serializers.ListField(child=serializers.DictField(), required=False, help_text="`in-use` only.")
+    referenced_by = serializers.ListField(
+        child=serializers.DictField(), required=False, help_text="`in-use` only."
+    )
     last_heard_from = serializers.DateTimeField(
         required=False, allow_null=True, help_text="`workload-offline` only; null: never connected."
     )
@@ -69,7 +71,9 @@ IF_MATCH = OpenApiParameter(
 )
 CURSOR = OpenApiParameter("cursor", OpenApiTypes.STR, description="Opaque cursor from `next_cursor`.")
 LIMIT = OpenApiParameter(
-    "limit", {"type": "integer", "minimum": 1, "maximum": 500, "default": 100}, description="Page size, 1-500 (default 100)."
+    "limit",
+    {"type": "integer", "minimum": 1, "maximum": 500, "default": 100},
+    description="Page size, 1-500 (default 100).",
 )
 PAGE_PARAMETERS = [CURSOR, LIMIT]
 
@@ -81,7 +85,9 @@ def page_of(name: str, item: serializers.Serializer):
     )
 
 
-_ANY_REQUEST_ERROR = "`malformed-request`: the body is not JSON, or a header (If-Match, Authorization) is malformed."
+_ANY_REQUEST_ERROR = (
+    "`malformed-request`: the body is not JSON, or a header (If-Match, Authorization) is malformed."
+)
 _INTERNAL_ERROR = "`internal`: the service failed; the error is in the host's log, never in the response."
 _PAGING_ERROR = "`validation`: `?limit` out of range or a `?cursor` this service did not issue."
 

@@ -72,7 +72,11 @@ class SessionView(APIView):
     @extend_schema(
         operation_id="session_logout",
         request=None,
-        responses={204: None, 422: problem("`validation` (`not-a-session`): the request carried no session cookie."), **COMMON_ERRORS},
+        responses={
+            204: None,
+            422: problem("`validation` (`not-a-session`): the request carried no session cookie."),
+            **COMMON_ERRORS,
+        },
     )
     def delete(self, request):
         session_close(actor=request.user)

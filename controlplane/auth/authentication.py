@@ -28,7 +28,9 @@ class BearerTokenAuthentication(BaseAuthentication):
         # DRF stops at the first class that authenticates: the cookie beside the token is checked here.
         cookie = request.COOKIES.get(settings.PALISADE_SESSION_COOKIE)
         if cookie is not None and session_authenticate(secret=cookie) is None:
-            raise AuthenticationFailed("The session cookie sent beside the token has ended or expired; drop it or log in again.")
+            raise AuthenticationFailed(
+                "The session cookie sent beside the token has ended or expired; drop it or log in again."
+            )
         return actor, actor
 
     def authenticate_header(self, request):

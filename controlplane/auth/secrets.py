@@ -3,7 +3,7 @@
 import hashlib
 import secrets
 
-OPERATOR_TOKEN_PREFIX = "pal_op_"
+OPERATOR_TOKEN_PREFIX = "pal_op_"  # noqa: S105 - a public prefix, not a secret
 SESSION_PREFIX = "pal_s_"
 DISPLAY_PREFIX_LENGTH = 12
 

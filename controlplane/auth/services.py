@@ -38,11 +38,21 @@ def operator_set_password(*, actor: Actor, password: str) -> None:
     """Set or reset the one operator's password; every open session ends (tokens stay valid)."""
     if len(password) < PASSWORD_MIN_LENGTH:
         raise ValidationFailed(
-            [Finding("/password", "too-short", f"The password needs at least {PASSWORD_MIN_LENGTH} characters.")]
+            [
+                Finding(
+                    "/password", "too-short", f"The password needs at least {PASSWORD_MIN_LENGTH} characters."
+                )
+            ]
         )
     if len(password) > PASSWORD_MAX_LENGTH:
         raise ValidationFailed(
-            [Finding("/password", "too-long", f"The password may have at most {PASSWORD_MAX_LENGTH} characters.")]
+            [
+                Finding(
+                    "/password",
+                    "too-long",
+                    f"The password may have at most {PASSWORD_MAX_LENGTH} characters.",
+                )
+            ]
         )
     hashed = _hasher.hash(password)
     with transaction.atomic():
@@ -119,14 +129,18 @@ def session_open(*, password: str, client: str) -> OpenedSession:
     expires_at = now + timedelta(seconds=settings.PALISADE_SESSION_LIFETIME_SECONDS)
     with transaction.atomic():
         LoginThrottle.objects.filter(client=client).delete()
-        OperatorSession.objects.create(key_digest=digest(secret), created_at=now, expires_at=expires_at, client=client)
+        OperatorSession.objects.create(
+            key_digest=digest(secret), created_at=now, expires_at=expires_at, client=client
+        )
         OperatorSession.objects.filter(expires_at__lte=now).delete()
     return OpenedSession(secret=secret, expires_at=expires_at)
 
 
 def session_close(*, actor: Actor) -> None:
     if actor.session_id is None:
-        raise ValidationFailed([Finding("", "not-a-session", "This request was not made with a session cookie.")])
+        raise ValidationFailed(
+            [Finding("", "not-a-session", "This request was not made with a session cookie.")]
+        )
     OperatorSession.objects.filter(id=actor.session_id).delete()
 
 
@@ -212,7 +226,8 @@ def _token_by_digest(token_digest: str) -> _TokenRow | None:
     token_id, name, prefix, *instants = row
     # SQLite hands back naive UTC datetimes and UUIDs as 32 hex digits; PostgreSQL aware ones and UUIDs.
     revoked_at, expires_at, last_used_at = (
-        value.replace(tzinfo=UTC) if value is not None and value.tzinfo is None else value for value in instants
+        value.replace(tzinfo=UTC) if value is not None and value.tzinfo is None else value
+        for value in instants
     )
     return _TokenRow(str(uuid.UUID(str(token_id))), name, prefix, revoked_at, expires_at, last_used_at)
 

@@ -37,7 +37,9 @@ class PalisadeCommand(BaseCommand):
 
     def create_parser(self, prog_name, subcommand, **kwargs):
         parser = super().create_parser(prog_name, subcommand, **kwargs)
-        parser.epilog = (parser.epilog or "") + " Every command also takes --data-dir DIR (or PALISADE_DATA_DIR)."
+        parser.epilog = (
+            parser.epilog or ""
+        ) + " Every command also takes --data-dir DIR (or PALISADE_DATA_DIR)."
         return parser
 
     def add_arguments(self, parser):
@@ -51,7 +53,9 @@ class PalisadeCommand(BaseCommand):
 
         def add_action(name, **kwargs):
             sub = add_parser(name, **kwargs)
-            sub.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print JSON for scripts")
+            sub.add_argument(
+                "--json", action="store_true", default=argparse.SUPPRESS, help="print JSON for scripts"
+            )
             return sub
 
         actions.add_parser = add_action

@@ -47,7 +47,9 @@ class ObjectCommand(PalisadeCommand):
 
     def do_list(self, options):
         items = [type(self).represent(obj) for obj in type(self).list_items()]
-        lines = [f"{'ID':36}  {'VERSION':8}  NAME"] + [f"{i['id']:36}  {i['version']:8}  {i['name']}" for i in items]
+        lines = [f"{'ID':36}  {'VERSION':8}  NAME"] + [
+            f"{i['id']:36}  {i['version']:8}  {i['name']}" for i in items
+        ]
         self.emit(items, "\n".join(lines))
 
     def do_show(self, options):
@@ -68,6 +70,8 @@ class ObjectCommand(PalisadeCommand):
 
     def do_delete(self, options):
         type(self).delete_item(
-            actor=CLI_ACTOR, expected_version=if_match_from_header(options["if_match"]), **{self.id_keyword: options["id"]}
+            actor=CLI_ACTOR,
+            expected_version=if_match_from_header(options["if_match"]),
+            **{self.id_keyword: options["id"]},
         )
         self.emit({"deleted": options["id"]}, f"deleted {self.noun} {options['id']}")

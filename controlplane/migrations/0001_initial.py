@@ -4,20 +4,23 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
-    dependencies = [
-    ]
+    dependencies = []
 
     operations = [
         migrations.CreateModel(
-            name='GatewayIdentity',
+            name="GatewayIdentity",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('address', models.CharField(max_length=300)),
-                ('fingerprint', models.CharField(max_length=200)),
-                ('updated_at', models.DateTimeField()),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("address", models.CharField(max_length=300)),
+                ("fingerprint", models.CharField(max_length=200)),
+                ("updated_at", models.DateTimeField()),
             ],
         ),
     ]

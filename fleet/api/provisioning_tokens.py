@@ -60,7 +60,9 @@ MintRequest = inline_serializer(
     {
         "description": serializers.CharField(max_length=1000),
         "expires_at": serializers.DateTimeField(
-            required=False, allow_null=True, help_text="Future RFC 3339 instant; absent or null: never expires."
+            required=False,
+            allow_null=True,
+            help_text="Future RFC 3339 instant; absent or null: never expires.",
         ),
         "max_uses": serializers.IntegerField(required=False, allow_null=True, min_value=1),
         "labels": serializers.DictField(
@@ -95,12 +97,18 @@ class ProvisioningTokenListView(APIView):
         return page_response(page, [provisioning_token_data(t) for t in page.items])
 
     @extend_schema(
-        operation_id="provisioning_tokens_mint", request=MintRequest, responses={201: MintResponse, **WRITE_ERRORS}
+        operation_id="provisioning_tokens_mint",
+        request=MintRequest,
+        responses={201: MintResponse, **WRITE_ERRORS},
     )
     def post(self, request):
         minted = provisioning_token_mint(actor=request.user, data=request.data)
         return Response(
-            {"token": minted.secret, "bundle": minted.bundle, "record": provisioning_token_data(minted.token)},
+            {
+                "token": minted.secret,
+                "bundle": minted.bundle,
+                "record": provisioning_token_data(minted.token),
+            },
             status=201,
         )
 

@@ -12,7 +12,9 @@ class SyncSerializer(serializers.Serializer):
     last_heard_from = serializers.DateTimeField(allow_null=True, help_text="null: never connected.")
     never_connected = serializers.BooleanField()
     error = serializers.CharField(allow_null=True, help_text="The agent's error while `degraded`.")
-    pending_version = serializers.CharField(allow_null=True, help_text="The version not yet applied while `pending`.")
+    pending_version = serializers.CharField(
+        allow_null=True, help_text="The version not yet applied while `pending`."
+    )
 
 
 class CredentialSerializer(serializers.Serializer):
@@ -20,12 +22,16 @@ class CredentialSerializer(serializers.Serializer):
     expires_at = serializers.DateTimeField()
     renewal_due_at = serializers.DateTimeField()
     last_error = serializers.CharField(allow_null=True)
-    last_late_renewal = serializers.DateTimeField(allow_null=True, help_text="Set by a renewal made after expiry.")
+    last_late_renewal = serializers.DateTimeField(
+        allow_null=True, help_text="Set by a renewal made after expiry."
+    )
 
 
 class HealthSerializer(serializers.Serializer):
     telemetry_live = serializers.BooleanField(help_text="A flow report arrived within two flow windows.")
-    owned_table = inline_serializer("OwnedTable", {"state": serializers.ChoiceField(choices=["present", "absent", "unknown"])})
+    owned_table = inline_serializer(
+        "OwnedTable", {"state": serializers.ChoiceField(choices=["present", "absent", "unknown"])}
+    )
     credential = CredentialSerializer()
 
 
@@ -36,7 +42,9 @@ class WorkloadSerializer(serializers.Serializer):
     labels = serializers.DictField(child=serializers.CharField())
     labels_version = serializers.CharField()
     mode = serializers.ChoiceField(choices=MODES)
-    latest_version = serializers.CharField(allow_null=True, help_text="Version of the latest rendered policy.")
+    latest_version = serializers.CharField(
+        allow_null=True, help_text="Version of the latest rendered policy."
+    )
     applied_version = serializers.CharField(allow_null=True, help_text="Version the agent last applied.")
     agent_version = serializers.CharField(allow_null=True)
     sync = SyncSerializer()
@@ -45,13 +53,16 @@ class WorkloadSerializer(serializers.Serializer):
 
 
 WorkloadPage = inline_serializer(
-    "WorkloadPage", {"items": WorkloadSerializer(many=True), "next_cursor": serializers.CharField(allow_null=True)}
+    "WorkloadPage",
+    {"items": WorkloadSerializer(many=True), "next_cursor": serializers.CharField(allow_null=True)},
 )
 WorkloadCounts = inline_serializer(
     "WorkloadCounts",
     {
         "total": serializers.IntegerField(),
-        "sync_state": inline_serializer("SyncStateCounts", {s: serializers.IntegerField() for s in SYNC_STATES}),
+        "sync_state": inline_serializer(
+            "SyncStateCounts", {s: serializers.IntegerField() for s in SYNC_STATES}
+        ),
         "removed": serializers.IntegerField(help_text="Owned table absent; these count in no sync state."),
     },
 )
@@ -85,7 +96,9 @@ Selection = inline_serializer(
         "all": serializers.BooleanField(required=False),
     },
 )
-ModeChangeRequest = inline_serializer("ModeChangeRequest", {"selection": Selection, "mode": serializers.ChoiceField(choices=MODES)})
+ModeChangeRequest = inline_serializer(
+    "ModeChangeRequest", {"selection": Selection, "mode": serializers.ChoiceField(choices=MODES)}
+)
 
 
 class ModeChangeSerializer(serializers.Serializer):

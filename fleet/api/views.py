@@ -7,7 +7,14 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from controlplane.api.responses import expected_version, page_params, versioned
-from controlplane.api.schema import COMMON_ERRORS, CONDITIONAL_ERRORS, IF_MATCH, PAGE_PARAMETERS, WRITE_ERRORS, problem
+from controlplane.api.schema import (
+    COMMON_ERRORS,
+    CONDITIONAL_ERRORS,
+    IF_MATCH,
+    PAGE_PARAMETERS,
+    WRITE_ERRORS,
+    problem,
+)
 from fleet import dryrun, selectors, services
 from fleet.api import schemas
 from fleet.representations import labels_data, mode_change_data, rendered_policy_data, workload_data
@@ -15,10 +22,15 @@ from fleet.representations import labels_data, mode_change_data, rendered_policy
 NOT_FOUND = {404: problem("`not-found`.")}
 LIST_FILTERS = [
     OpenApiParameter(
-        "label", OpenApiTypes.STR, many=True, description="Label requirement in the selector grammar; repeatable, ANDed."
+        "label",
+        OpenApiTypes.STR,
+        many=True,
+        description="Label requirement in the selector grammar; repeatable, ANDed.",
     ),
     OpenApiParameter("sync_state", OpenApiTypes.STR, enum=["synced", "pending", "degraded", "offline"]),
-    OpenApiParameter("removed", OpenApiTypes.BOOL, description="Only workloads whose owned table is (not) absent."),
+    OpenApiParameter(
+        "removed", OpenApiTypes.BOOL, description="Only workloads whose owned table is (not) absent."
+    ),
 ]
 
 
@@ -46,14 +58,18 @@ class WorkloadCountsView(APIView):
 
 
 class WorkloadView(APIView):
-    @extend_schema(operation_id="workloads_get", responses={200: schemas.WorkloadSerializer, **NOT_FOUND, **COMMON_ERRORS})
+    @extend_schema(
+        operation_id="workloads_get",
+        responses={200: schemas.WorkloadSerializer, **NOT_FOUND, **COMMON_ERRORS},
+    )
     def get(self, request, workload_id):
         return Response(workload_data(selectors.workload_get(workload_id=workload_id)))
 
 
 class RenderedPolicyView(APIView):
     @extend_schema(
-        operation_id="workloads_rendered_policy", responses={200: schemas.RenderedPolicySerializer, **NOT_FOUND, **COMMON_ERRORS}
+        operation_id="workloads_rendered_policy",
+        responses={200: schemas.RenderedPolicySerializer, **NOT_FOUND, **COMMON_ERRORS},
     )
     def get(self, request, workload_id):
         workload = selectors.workload_get(workload_id=workload_id)
@@ -61,7 +77,10 @@ class RenderedPolicyView(APIView):
 
 
 class LabelsView(APIView):
-    @extend_schema(operation_id="workloads_labels_get", responses={200: schemas.LabelsSerializer, **NOT_FOUND, **COMMON_ERRORS})
+    @extend_schema(
+        operation_id="workloads_labels_get",
+        responses={200: schemas.LabelsSerializer, **NOT_FOUND, **COMMON_ERRORS},
+    )
     def get(self, request, workload_id):
         workload = selectors.workload_get(workload_id=workload_id)
         return versioned(labels_data(workload), workload.labels_version)
@@ -74,7 +93,10 @@ class LabelsView(APIView):
     )
     def put(self, request, workload_id):
         workload = services.workload_labels_replace(
-            actor=request.user, workload_id=workload_id, expected_version=expected_version(request), data=request.data
+            actor=request.user,
+            workload_id=workload_id,
+            expected_version=expected_version(request),
+            data=request.data,
         )
         return versioned(labels_data(workload), workload.labels_version)
 
@@ -108,7 +130,9 @@ class ModeChangeView(APIView):
 
 class SelectorPreviewView(APIView):
     @extend_schema(
-        operation_id="selectors_preview", request=schemas.PreviewRequest, responses={200: schemas.PreviewSerializer, **WRITE_ERRORS}
+        operation_id="selectors_preview",
+        request=schemas.PreviewRequest,
+        responses={200: schemas.PreviewSerializer, **WRITE_ERRORS},
     )
     def post(self, request):
         return Response(dryrun.selector_preview(data=request.data))

@@ -9,7 +9,9 @@ def use_lz4(apps, schema_editor):
     if connection.vendor != "postgresql" or connection.pg_version < 140000:
         return
     with connection.cursor() as cursor:
-        cursor.execute("SELECT 1 FROM pg_settings WHERE name = 'default_toast_compression' AND 'lz4' = ANY(enumvals)")
+        cursor.execute(
+            "SELECT 1 FROM pg_settings WHERE name = 'default_toast_compression' AND 'lz4' = ANY(enumvals)"
+        )
         if cursor.fetchone() is None:
             return  # a server built without lz4 keeps pglz
         for column in ("document", "rule_index"):

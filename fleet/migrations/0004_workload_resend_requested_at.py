@@ -4,15 +4,14 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('fleet', '0003_workload_labels_gin'),
+        ("fleet", "0003_workload_labels_gin"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='workload',
-            name='resend_requested_at',
+            model_name="workload",
+            name="resend_requested_at",
             field=models.DateTimeField(null=True),
         ),
     ]

@@ -8,7 +8,9 @@ from policy.validation import PROTOCOLS
 
 class PortEntrySerializer(serializers.Serializer):
     protocol = serializers.ChoiceField(choices=PROTOCOLS)
-    port = serializers.IntegerField(min_value=1, max_value=65535, required=False, help_text="tcp/udp only; required for them.")
+    port = serializers.IntegerField(
+        min_value=1, max_value=65535, required=False, help_text="tcp/udp only; required for them."
+    )
     port_to = serializers.IntegerField(
         min_value=1, max_value=65535, required=False, help_text="Inclusive end of a port range; tcp/udp only."
     )
@@ -16,7 +18,9 @@ class PortEntrySerializer(serializers.Serializer):
 
 class _Stamped(serializers.Serializer):
     id = serializers.UUIDField(read_only=True)
-    version = serializers.CharField(read_only=True, help_text="Opaque; also the ETag. Send it back in If-Match.")
+    version = serializers.CharField(
+        read_only=True, help_text="Opaque; also the ETag. Send it back in If-Match."
+    )
     created_at = serializers.DateTimeField(read_only=True)
     updated_at = serializers.DateTimeField(read_only=True)
 
@@ -36,7 +40,9 @@ class AddressGroupSerializer(_Stamped):
 
 
 class SelectorSource(serializers.Serializer):
-    selector = serializers.CharField(help_text="A label selector over workloads, e.g. `role=client,env in (prod)`.")
+    selector = serializers.CharField(
+        help_text="A label selector over workloads, e.g. `role=client,env in (prod)`."
+    )
 
 
 class AddressGroupSource(serializers.Serializer):
@@ -64,9 +70,13 @@ SERVICE_ITEM = PolymorphicProxySerializer(
 
 
 class RuleSerializer(_Stamped):
-    id = serializers.UUIDField(required=False, help_text="In a ruleset PUT: keep this rule (omit to add a new one).")
+    id = serializers.UUIDField(
+        required=False, help_text="In a ruleset PUT: keep this rule (omit to add a new one)."
+    )
     description = serializers.CharField(max_length=1000, required=False, allow_blank=True)
-    sources = serializers.ListField(child=SOURCE, help_text="Admit new inbound connections from any of these.")
+    sources = serializers.ListField(
+        child=SOURCE, help_text="Admit new inbound connections from any of these."
+    )
     services = serializers.ListField(child=SERVICE_ITEM, help_text="to any of these protocols and ports.")
 
 
@@ -74,13 +84,17 @@ class RulesetSerializer(_Stamped):
     name = serializers.CharField(max_length=100)
     description = serializers.CharField(max_length=1000, required=False, allow_blank=True)
     enabled = serializers.BooleanField(default=True)
-    scope = serializers.CharField(help_text="Selector of the workloads whose inbound traffic the rules admit.")
+    scope = serializers.CharField(
+        help_text="Selector of the workloads whose inbound traffic the rules admit."
+    )
     rules = RuleSerializer(many=True, required=False)
 
 
 class RulesetListSerializer(serializers.Serializer):
     rulesets = RulesetSerializer(many=True)
-    policy_version = serializers.CharField(help_text="Moves with any ruleset, rule, service or address group change.")
+    policy_version = serializers.CharField(
+        help_text="Moves with any ruleset, rule, service or address group change."
+    )
 
 
 class ServiceListSerializer(serializers.Serializer):

@@ -39,7 +39,11 @@ class RulesetListView(APIView):
             }
         )
 
-    @extend_schema(operation_id="rulesets_create", request=RulesetSerializer, responses={201: RulesetSerializer, **WRITE_ERRORS})
+    @extend_schema(
+        operation_id="rulesets_create",
+        request=RulesetSerializer,
+        responses={201: RulesetSerializer, **WRITE_ERRORS},
+    )
     def post(self, request):
         ruleset = services.ruleset_create(actor=request.user, data=request.data)
         ruleset = selectors.ruleset_get(ruleset_id=ruleset.id)
@@ -47,7 +51,9 @@ class RulesetListView(APIView):
 
 
 class RulesetView(APIView):
-    @extend_schema(operation_id="rulesets_get", responses={200: RulesetSerializer, **NOT_FOUND, **COMMON_ERRORS})
+    @extend_schema(
+        operation_id="rulesets_get", responses={200: RulesetSerializer, **NOT_FOUND, **COMMON_ERRORS}
+    )
     def get(self, request, ruleset_id):
         ruleset = selectors.ruleset_get(ruleset_id=ruleset_id)
         return versioned(ruleset_data(ruleset), ruleset.version)
@@ -60,20 +66,29 @@ class RulesetView(APIView):
     )
     def put(self, request, ruleset_id):
         services.ruleset_replace(
-            actor=request.user, ruleset_id=ruleset_id, expected_version=expected_version(request), data=request.data
+            actor=request.user,
+            ruleset_id=ruleset_id,
+            expected_version=expected_version(request),
+            data=request.data,
         )
         ruleset = selectors.ruleset_get(ruleset_id=ruleset_id)
         return versioned(ruleset_data(ruleset), ruleset.version)
 
-    @extend_schema(operation_id="rulesets_delete", parameters=[IF_MATCH], responses={204: None, **CONDITIONAL_ERRORS})
+    @extend_schema(
+        operation_id="rulesets_delete", parameters=[IF_MATCH], responses={204: None, **CONDITIONAL_ERRORS}
+    )
     def delete(self, request, ruleset_id):
-        services.ruleset_delete(actor=request.user, ruleset_id=ruleset_id, expected_version=expected_version(request))
+        services.ruleset_delete(
+            actor=request.user, ruleset_id=ruleset_id, expected_version=expected_version(request)
+        )
         return Response(status=204)
 
 
 class RuleListView(APIView):
     @extend_schema(
-        operation_id="rules_add", request=RuleSerializer, responses={201: RuleSerializer, **NOT_FOUND, **WRITE_ERRORS}
+        operation_id="rules_add",
+        request=RuleSerializer,
+        responses={201: RuleSerializer, **NOT_FOUND, **WRITE_ERRORS},
     )
     def post(self, request, ruleset_id):
         rule = services.rule_add(actor=request.user, ruleset_id=ruleset_id, data=request.data)
@@ -104,10 +119,15 @@ class RuleView(APIView):
         rule = selectors.rule_get(ruleset_id=ruleset_id, rule_id=rule_id)
         return versioned(rule_data(rule), rule.version)
 
-    @extend_schema(operation_id="rules_delete", parameters=[IF_MATCH], responses={204: None, **CONDITIONAL_ERRORS})
+    @extend_schema(
+        operation_id="rules_delete", parameters=[IF_MATCH], responses={204: None, **CONDITIONAL_ERRORS}
+    )
     def delete(self, request, ruleset_id, rule_id):
         services.rule_delete(
-            actor=request.user, ruleset_id=ruleset_id, rule_id=rule_id, expected_version=expected_version(request)
+            actor=request.user,
+            ruleset_id=ruleset_id,
+            rule_id=rule_id,
+            expected_version=expected_version(request),
         )
         return Response(status=204)
 
@@ -122,7 +142,11 @@ class ServiceListView(APIView):
             }
         )
 
-    @extend_schema(operation_id="services_create", request=ServiceSerializer, responses={201: ServiceSerializer, **WRITE_ERRORS})
+    @extend_schema(
+        operation_id="services_create",
+        request=ServiceSerializer,
+        responses={201: ServiceSerializer, **WRITE_ERRORS},
+    )
     def post(self, request):
         service = services.service_create(actor=request.user, data=request.data)
         service = selectors.service_get(service_id=service.id)
@@ -130,7 +154,9 @@ class ServiceListView(APIView):
 
 
 class ServiceView(APIView):
-    @extend_schema(operation_id="services_get", responses={200: ServiceSerializer, **NOT_FOUND, **COMMON_ERRORS})
+    @extend_schema(
+        operation_id="services_get", responses={200: ServiceSerializer, **NOT_FOUND, **COMMON_ERRORS}
+    )
     def get(self, request, service_id):
         service = selectors.service_get(service_id=service_id)
         return versioned(service_data(service), service.version)
@@ -143,21 +169,30 @@ class ServiceView(APIView):
     )
     def put(self, request, service_id):
         services.service_replace(
-            actor=request.user, service_id=service_id, expected_version=expected_version(request), data=request.data
+            actor=request.user,
+            service_id=service_id,
+            expected_version=expected_version(request),
+            data=request.data,
         )
         service = selectors.service_get(service_id=service_id)
         return versioned(service_data(service), service.version)
 
     @extend_schema(
-        operation_id="services_delete", parameters=[IF_MATCH], responses={204: None, **IN_USE, **CONDITIONAL_ERRORS}
+        operation_id="services_delete",
+        parameters=[IF_MATCH],
+        responses={204: None, **IN_USE, **CONDITIONAL_ERRORS},
     )
     def delete(self, request, service_id):
-        services.service_delete(actor=request.user, service_id=service_id, expected_version=expected_version(request))
+        services.service_delete(
+            actor=request.user, service_id=service_id, expected_version=expected_version(request)
+        )
         return Response(status=204)
 
 
 class AddressGroupListView(APIView):
-    @extend_schema(operation_id="address_groups_list", responses={200: AddressGroupListSerializer, **COMMON_ERRORS})
+    @extend_schema(
+        operation_id="address_groups_list", responses={200: AddressGroupListSerializer, **COMMON_ERRORS}
+    )
     def get(self, request):
         return Response(
             {
@@ -178,7 +213,8 @@ class AddressGroupListView(APIView):
 
 class AddressGroupView(APIView):
     @extend_schema(
-        operation_id="address_groups_get", responses={200: AddressGroupSerializer, **NOT_FOUND, **COMMON_ERRORS}
+        operation_id="address_groups_get",
+        responses={200: AddressGroupSerializer, **NOT_FOUND, **COMMON_ERRORS},
     )
     def get(self, request, group_id):
         group = selectors.address_group_get(group_id=group_id)
@@ -192,13 +228,20 @@ class AddressGroupView(APIView):
     )
     def put(self, request, group_id):
         group = services.address_group_replace(
-            actor=request.user, group_id=group_id, expected_version=expected_version(request), data=request.data
+            actor=request.user,
+            group_id=group_id,
+            expected_version=expected_version(request),
+            data=request.data,
         )
         return versioned(address_group_data(group), group.version)
 
     @extend_schema(
-        operation_id="address_groups_delete", parameters=[IF_MATCH], responses={204: None, **IN_USE, **CONDITIONAL_ERRORS}
+        operation_id="address_groups_delete",
+        parameters=[IF_MATCH],
+        responses={204: None, **IN_USE, **CONDITIONAL_ERRORS},
     )
     def delete(self, request, group_id):
-        services.address_group_delete(actor=request.user, group_id=group_id, expected_version=expected_version(request))
+        services.address_group_delete(
+            actor=request.user, group_id=group_id, expected_version=expected_version(request)
+        )
         return Response(status=204)

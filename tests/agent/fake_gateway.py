@@ -24,7 +24,7 @@ import secrets
 import ssl
 import sys
 import uuid
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -78,7 +78,9 @@ class FakeGateway:
     # --- set-up ---
 
     async def start(self) -> FakeGateway:
-        self._inner = await serve(self._stream, "127.0.0.1", 0, max_size=p.MAX_MESSAGE_BYTES, compression=None)
+        self._inner = await serve(
+            self._stream, "127.0.0.1", 0, max_size=p.MAX_MESSAGE_BYTES, compression=None
+        )
         self._inner_port = self._inner.sockets[0].getsockname()[1]
         self._front = await asyncio.start_server(self._accept, self.host, 0, ssl=self.tls)
         self.port = self._front.sockets[0].getsockname()[1]
@@ -135,7 +137,9 @@ class FakeGateway:
         return [
             e["data"]
             for e in self.events
-            if e["kind"] == "message" and e["type"] == kind and (workload is None or e["workload"] == workload)
+            if e["kind"] == "message"
+            and e["type"] == kind
+            and (workload is None or e["workload"] == workload)
         ]
 
     # --- operations a test drives ---
@@ -173,7 +177,9 @@ class FakeGateway:
         inner_writer.write(head)
         await asyncio.gather(_pipe(reader, inner_writer), _pipe(inner_reader, writer))
 
-    async def _enrol_http(self, head: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _enrol_http(
+        self, head: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
         length = 0
         for line in head.decode("latin-1").split("\r\n")[1:]:
             name, _, value = line.partition(":")
@@ -191,11 +197,15 @@ class FakeGateway:
         writer.close()
 
     def _problem(self, status: int, name: str, detail: str) -> tuple[int, str, dict]:
-        return status, PROBLEM, {"type": f"urn:service:problem:{name}", "title": name, "status": status, "detail": detail}
+        return (
+            status,
+            PROBLEM,
+            {"type": f"urn:service:problem:{name}", "title": name, "status": status, "detail": detail},
+        )
 
     def issue(self, workload: str, signer: Ed25519PrivateKey | None = None) -> p.CredentialIssued:
         self._serial += 1
-        now = datetime.now(timezone.utc)
+        now = datetime.now(UTC)
         payload = credential_payload(
             workload_id=workload,
             public_key=self.workloads[workload]["public_key"],
@@ -212,7 +222,9 @@ class FakeGateway:
     def enrol(self, request: dict[str, Any]) -> tuple[int, str, dict]:
         token = request.get("token")
         if self.tokens.get(token, 0) < 1:
-            return self._problem(401, "unauthenticated", "The provisioning token is unknown, revoked, expired or used up.")
+            return self._problem(
+                401, "unauthenticated", "The provisioning token is unknown, revoked, expired or used up."
+            )
         workload = request.get("workload_id")
         if workload is not None and workload not in self.workloads:
             return self._problem(404, "not-found", f"No workload {workload}.")
@@ -263,7 +275,9 @@ class FakeGateway:
 
     async def _authenticate(self, ws: ServerConnection) -> str | None:
         nonce = secrets.token_bytes(32)
-        await ws.send(p.Hello(nonce=p.b64encode(nonce), server_time=format_instant(datetime.now(timezone.utc))).encode())
+        await ws.send(
+            p.Hello(nonce=p.b64encode(nonce), server_time=format_instant(datetime.now(UTC))).encode()
+        )
         auth = p.decode(await ws.recv(), sender="agent")
         if not isinstance(auth, p.Auth) or auth.workload_id not in self.workloads:
             await ws.close(p.CLOSE_UNAUTHENTICATED, "unknown workload")
@@ -290,7 +304,7 @@ class FakeGateway:
         issued = self.issue(workload)  # only for its instants: the stored credential stays as it is
         renewal_due_at = issued.renewal_due_at
         if self.welcome_renewal_due_seconds is not None:
-            due = datetime.now(timezone.utc) + timedelta(seconds=self.welcome_renewal_due_seconds)
+            due = datetime.now(UTC) + timedelta(seconds=self.welcome_renewal_due_seconds)
             renewal_due_at = format_instant(due)
         await ws.send(
             p.Welcome(

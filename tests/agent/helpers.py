@@ -30,12 +30,16 @@ def document(comment: str = "v1", port: int = 22) -> str:
     )
 
 
-def run_cli(*args: str, input: str | None = None, timeout: float = 60, netns: str | None = None) -> subprocess.CompletedProcess:
+def run_cli(
+    *args: str, input: str | None = None, timeout: float = 60, netns: str | None = None
+) -> subprocess.CompletedProcess:
     argv = [sys.executable, "-m", "agent", *args]
     if netns:
         argv = ["ip", "netns", "exec", netns, *argv]
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    return subprocess.run(argv, capture_output=True, text=True, input=input, timeout=timeout, env=env, cwd=REPO)
+    return subprocess.run(
+        argv, capture_output=True, text=True, input=input, timeout=timeout, env=env, cwd=REPO
+    )
 
 
 def assert_one_line_error(done: subprocess.CompletedProcess, *fragments: str) -> str:

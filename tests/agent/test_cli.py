@@ -59,7 +59,8 @@ def test_bundle_file_errors(tmp_path):
     wrapped = tmp_path / "bundle.txt"
     wrapped.write_text("not-a-bundle\n")
     assert_one_line_error(
-        run_cli("enrol", "--bundle-file", str(wrapped), "--state-dir", str(tmp_path / "s")), "not an enrolment bundle"
+        run_cli("enrol", "--bundle-file", str(wrapped), "--state-dir", str(tmp_path / "s")),
+        "not an enrolment bundle",
     )
 
 
@@ -121,7 +122,9 @@ def test_unreadable_state_dir(tmp_path):
         stderr = pipe.read()
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 1
-    assert stderr.count("\n") == 1 and stderr.startswith("palisade-agent: error: cannot read the state directory")
+    assert stderr.count("\n") == 1 and stderr.startswith(
+        "palisade-agent: error: cannot read the state directory"
+    )
 
 
 def test_check_root():

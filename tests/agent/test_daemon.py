@@ -47,7 +47,9 @@ class World:
 
     async def message(self, kind: str, start: int = 0, timeout: float = 15) -> dict:
         event = await self.gateway.wait_for(
-            lambda e: e["kind"] == "message" and e["type"] == kind and e["workload"] == self.workload, timeout, start
+            lambda e: e["kind"] == "message" and e["type"] == kind and e["workload"] == self.workload,
+            timeout,
+            start,
         )
         return event["data"]
 
@@ -63,7 +65,9 @@ class World:
         return [e["type"] for e in self.gateway.events[start:end] if e["kind"] == "message"]
 
 
-def scenario(tmp_path, body: Callable[[World], Awaitable[None]], *, heartbeat: float = 30.0, prepare=None) -> None:
+def scenario(
+    tmp_path, body: Callable[[World], Awaitable[None]], *, heartbeat: float = 30.0, prepare=None
+) -> None:
     async def main() -> None:
         gateway = await FakeGateway(tmp_path / "gateway").start()
         bundle = gateway.bundle(gateway.add_token())
@@ -75,7 +79,10 @@ def scenario(tmp_path, body: Callable[[World], Awaitable[None]], *, heartbeat: f
         dataplane = RecordingDataplane()
         logs = io.StringIO()
         agent = Agent(
-            StateDir(state_dir), DataplaneWorker.inline(dataplane), heartbeat_seconds=heartbeat, log=EventLog(stream=logs)
+            StateDir(state_dir),
+            DataplaneWorker.inline(dataplane),
+            heartbeat_seconds=heartbeat,
+            log=EventLog(stream=logs),
         )
         world = World(gateway, agent, dataplane, identity.workload_id, logs)
         if prepare is not None:
@@ -179,7 +186,9 @@ def test_outside_delete_is_reported_and_only_a_snapshot_restores(tmp_path):
         assert (await w.message("applied", mark))["version"] == "v1"
         assert (await w.message("table", mark))["state"] == "present"
         assert w.dataplane.current == document("v1") and w.dataplane.applies == 2
-        assert "table absent" in w.log_lines() and "reconnect requested reason=resend-snapshot" in w.log_lines()
+        assert (
+            "table absent" in w.log_lines() and "reconnect requested reason=resend-snapshot" in w.log_lines()
+        )
 
     scenario(tmp_path, body)
 

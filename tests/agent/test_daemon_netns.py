@@ -41,7 +41,9 @@ class Lines:
             try:
                 line = self._queue.get(timeout=max(0.01, remaining))
             except queue.Empty:
-                raise AssertionError(f"nothing matching within {timeout} s; saw:\n" + "\n".join(self.seen)) from None
+                raise AssertionError(
+                    f"nothing matching within {timeout} s; saw:\n" + "\n".join(self.seen)
+                ) from None
             self.seen.append(line)
             if predicate(line):
                 return line
@@ -118,7 +120,9 @@ def test_run_in_a_namespace(tmp_path):
             log.wait(lambda line: _event(line) == "reconnect requested reason=resend-snapshot")
             log.wait(lambda line: _event(line) == "applied version=v2 mode=enforced")
             log.wait(lambda line: _event(line) == "table present")
-            assert "tcp dport 2222 accept" in lab.run("wl", ["nft", "list", "table", "inet", "palisade"]).stdout
+            assert (
+                "tcp dport 2222 accept" in lab.run("wl", ["nft", "list", "table", "inet", "palisade"]).stdout
+            )
 
             # An outside `nft delete` is the same kill switch.
             assert lab.run("wl", ["nft", "delete", "table", "inet", "palisade"]).returncode == 0
@@ -146,9 +150,13 @@ def test_run_in_a_namespace(tmp_path):
                 capture_output=True, text=True, timeout=60, cwd=REPO, env={"PYTHONPATH": str(REPO)},
             )  # fmt: skip
             assert refused.returncode == 3  # the unit's RestartPreventExitStatus
-            errors = [line for line in refused.stderr.splitlines() if line.startswith("palisade-agent: error:")]
+            errors = [
+                line for line in refused.stderr.splitlines() if line.startswith("palisade-agent: error:")
+            ]
             assert len(errors) == 1 and "re-enrol" in errors[0] and "Traceback" not in refused.stderr
-            assert lab.run("wl", ["nft", "list", "table", "inet", "palisade"]).returncode == 0  # still fail static
+            assert (
+                lab.run("wl", ["nft", "list", "table", "inet", "palisade"]).returncode == 0
+            )  # still fail static
         finally:
             if daemon is not None and daemon.poll() is None:
                 daemon.kill()

@@ -65,7 +65,9 @@ def test_used_up_token_shows_the_gateways_detail(gateway, tmp_path):
     bundle = gateway.bundle(uses=1)
     assert run_cli("enrol", "--bundle", bundle, "--state-dir", str(tmp_path / "a")).returncode == 0
     done = run_cli("enrol", "--bundle", bundle, "--state-dir", str(tmp_path / "b"))
-    assert_one_line_error(done, "enrolment refused", "unknown, revoked, expired or used up", "401 unauthenticated")
+    assert_one_line_error(
+        done, "enrolment refused", "unknown, revoked, expired or used up", "401 unauthenticated"
+    )
     assert not StateDir(tmp_path / "b").is_enrolled()
 
 
@@ -75,9 +77,13 @@ def test_already_enrolled_and_reenrol(gateway, tmp_path):
     first_key = public_key_encode(StateDir(state_dir).load_key().public_key())
 
     assert_one_line_error(
-        run_cli("enrol", "--bundle", gateway.bundle(), "--state-dir", state_dir), "already enrolled", "--reenrol"
+        run_cli("enrol", "--bundle", gateway.bundle(), "--state-dir", state_dir),
+        "already enrolled",
+        "--reenrol",
     )
-    done = run_cli("enrol", "--reenrol", "--bundle", gateway.bundle(), "--state-dir", state_dir, "--hostname", "h")
+    done = run_cli(
+        "enrol", "--reenrol", "--bundle", gateway.bundle(), "--state-dir", state_dir, "--hostname", "h"
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith(f"re-enrolled as workload {first.workload_id}")
     second_key = public_key_encode(StateDir(state_dir).load_key().public_key())
@@ -88,7 +94,10 @@ def test_already_enrolled_and_reenrol(gateway, tmp_path):
 def test_refused_reenrolment_keeps_the_old_enrolment(gateway, tmp_path):
     state_dir = str(tmp_path / "s")
     enrol(gateway.bundle(), state_dir, hostname="h", addresses=[])
-    before = {name: StateDir(state_dir).file(name).read_bytes() for name in ("key.pem", "credential", "identity.json")}
+    before = {
+        name: StateDir(state_dir).file(name).read_bytes()
+        for name in ("key.pem", "credential", "identity.json")
+    }
     used_up = gateway.bundle(uses=0)
     with pytest.raises(AgentError, match="enrolment refused"):
         enrol(used_up, state_dir, reenrol=True, hostname="h", addresses=[])
@@ -105,7 +114,15 @@ def test_reenrol_without_enrolment(gateway, tmp_path):
 
 def test_bad_address_option(gateway, tmp_path):
     assert_one_line_error(
-        run_cli("enrol", "--bundle", gateway.bundle(), "--state-dir", str(tmp_path / "s"), "--address", "10.0.0.300"),
+        run_cli(
+            "enrol",
+            "--bundle",
+            gateway.bundle(),
+            "--state-dir",
+            str(tmp_path / "s"),
+            "--address",
+            "10.0.0.300",
+        ),
         "'10.0.0.300' is not an IPv4 or IPv6 address",
     )
 
@@ -122,6 +139,11 @@ def test_credential_for_another_key_is_refused(gateway, tmp_path):
     )
     with pytest.raises(AgentError, match="credential for another key"):
         _check_credential(response, Ed25519PrivateKey.generate())
-    forged = EnrolResponse(**{**response.__dict__, "signing_public_key": public_key_encode(Ed25519PrivateKey.generate().public_key())})
+    forged = EnrolResponse(
+        **{
+            **response.__dict__,
+            "signing_public_key": public_key_encode(Ed25519PrivateKey.generate().public_key()),
+        }
+    )
     with pytest.raises(AgentError, match="signature does not verify"):
         _check_credential(forged, Ed25519PrivateKey.generate())

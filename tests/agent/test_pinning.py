@@ -27,7 +27,7 @@ def throwaway_certificate(tmp_path, name: str) -> tuple[str, str, str]:
     """(cert path, key path, fingerprint) of a fresh self-signed certificate."""
     key = ec.generate_private_key(ec.SECP256R1())
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     cert = (
         x509.CertificateBuilder()
         .subject_name(subject)
@@ -42,7 +42,9 @@ def throwaway_certificate(tmp_path, name: str) -> tuple[str, str, str]:
     cert_path, key_path = tmp_path / f"{name}.crt", tmp_path / f"{name}.key"
     cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     key_path.write_bytes(
-        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
     )
     return str(cert_path), str(key_path), cert.fingerprint(hashes.SHA256()).hex(":").upper()
 

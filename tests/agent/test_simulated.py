@@ -43,7 +43,9 @@ def test_a_fleet_in_one_process(tmp_path):
         gateway = await FakeGateway(tmp_path / "gateway").start()
         bundle = gateway.bundle(gateway.add_token(uses=count))
         logs = io.StringIO()
-        fleet = await start_simulated_fleet(bundle, count, tmp_path / "fleet", heartbeat_seconds=0.5, log_stream=logs)
+        fleet = await start_simulated_fleet(
+            bundle, count, tmp_path / "fleet", heartbeat_seconds=0.5, log_stream=logs
+        )
         fleet.start_rate = 1000.0
         assert len(gateway.workloads) == count
         hostnames = sorted(w["hostname"] for w in gateway.workloads.values())
@@ -66,7 +68,11 @@ def test_a_fleet_in_one_process(tmp_path):
         target = fleet.agents[7].identity.workload_id
         await gateway.push_snapshot(target, "v2", document("v2"))
         await gateway.wait_for(
-            lambda e: e["kind"] == "message" and e["workload"] == target and e["data"] == {"v": 1, "type": "applied", "version": "v2"}
+            lambda e: (
+                e["kind"] == "message"
+                and e["workload"] == target
+                and e["data"] == {"v": 1, "type": "applied", "version": "v2"}
+            )
         )
         assert [d.current for d in fleet.dataplanes].count(document("v2")) == 1
         await gateway.wait_for(lambda e: e["kind"] == "message" and e["type"] == "heartbeat")
@@ -81,8 +87,12 @@ def test_a_fleet_in_one_process(tmp_path):
         # A second run reuses the enrolments instead of spending more token uses.
         again = await FakeGateway(tmp_path / "gateway").start()
         again.workloads = gateway.workloads
-        fleet2 = await start_simulated_fleet(again.bundle(again.add_token(uses=0)), count, tmp_path / "fleet", log_stream=logs)
-        assert [a.identity.workload_id for a in fleet2.agents] == [a.identity.workload_id for a in fleet.agents]
+        fleet2 = await start_simulated_fleet(
+            again.bundle(again.add_token(uses=0)), count, tmp_path / "fleet", log_stream=logs
+        )
+        assert [a.identity.workload_id for a in fleet2.agents] == [
+            a.identity.workload_id for a in fleet.agents
+        ]
         await again.close()
 
     asyncio.run(asyncio.wait_for(main(), 120))
@@ -98,7 +108,9 @@ def test_simulate_command(tmp_path):
         assert done.returncode == 0, done.stderr
         assert len(gateway.gateway.workloads) == 5
         assert "fleet stopped" in done.stderr and "connected=5" in done.stderr
-        status = json.loads(run_cli("status", "--state-dir", str(tmp_path / "fleet" / "sim-00003"), "--json").stdout)
+        status = json.loads(
+            run_cli("status", "--state-dir", str(tmp_path / "fleet" / "sim-00003"), "--json").stdout
+        )
         assert status["hostname"] == "sim-00003"
 
         refused = run_cli(
@@ -106,6 +118,8 @@ def test_simulate_command(tmp_path):
             "--duration", "1",
         )  # fmt: skip
         lines = [line for line in refused.stderr.splitlines() if line.startswith("palisade-agent: error:")]
-        assert refused.returncode == 1 and len(lines) == 1 and "2 of 3 simulated enrolments failed" in lines[0]
+        assert (
+            refused.returncode == 1 and len(lines) == 1 and "2 of 3 simulated enrolments failed" in lines[0]
+        )
     finally:
         gateway.close()

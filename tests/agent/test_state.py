@@ -7,6 +7,7 @@ import os
 import random
 import stat
 import threading
+from datetime import UTC
 
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -24,13 +25,13 @@ def _mode(path) -> int:
 
 def enrolled_state(path, *, workload_id="5b0c2d8e-0000-4000-8000-000000000001") -> StateDir:
     """A state directory as enrolment leaves it, signed by a throwaway control-plane key."""
-    from datetime import datetime, timedelta, timezone
+    from datetime import datetime, timedelta
 
     state = StateDir(path)
     state.create()
     key = Ed25519PrivateKey.generate()
     signer = Ed25519PrivateKey.generate()
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     payload = credential_payload(
         workload_id=workload_id,
         public_key=public_key_encode(key.public_key()),
@@ -129,7 +130,10 @@ STATUS = {
     "pid": 2**22 + 12345,  # beyond pid_max: certainly not running
     "started_at": "2026-11-21T10:00:00.000000Z",
     "stream": {"state": "connected", "since": "2026-11-21T10:00:01.000000Z"},
-    "last_error": {"message": "the stream closed with code 4503 shutting down", "at": "2026-11-21T09:59:00.000000Z"},
+    "last_error": {
+        "message": "the stream closed with code 4503 shutting down",
+        "at": "2026-11-21T09:59:00.000000Z",
+    },
     "applied": {"version": "v42", "mode": "enforced", "at": "2026-11-21T10:00:02.000000Z"},
     "mode": "enforced",
     "owned_table": {"state": "present", "since": "2026-11-21T10:00:02.000000Z"},

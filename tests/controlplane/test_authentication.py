@@ -85,12 +85,18 @@ def test_login_without_password_set_explains_how_to_set_it(anon):
 
 @pytest.mark.parametrize(
     "body, rule, path",
-    [({}, "required", "/password"), ({"password": 5}, "type", "/password"), ({"password": "x", "user": "a"}, "unknown-field", "/user")],
+    [
+        ({}, "required", "/password"),
+        ({"password": 5}, "type", "/password"),
+        ({"password": "x", "user": "a"}, "unknown-field", "/user"),
+    ],
 )
 def test_login_body_is_validated(anon, operator_password, body, rule, path):
     response = anon.post("/api/v1/session", body, format="json")
     assert response.status_code == 422
-    assert {"path": path, "rule": rule} in [{"path": e["path"], "rule": e["rule"]} for e in response.json()["errors"]]
+    assert {"path": path, "rule": rule} in [
+        {"path": e["path"], "rule": e["rule"]} for e in response.json()["errors"]
+    ]
 
 
 def test_a_stale_cookie_does_not_block_login(anon, operator_password):
@@ -100,7 +106,9 @@ def test_a_stale_cookie_does_not_block_login(anon, operator_password):
 
 def test_password_reset_ends_sessions(anon, operator_password):
     login(anon)
-    call_command("operator-password", "--stdin", input_stream=__import__("io").StringIO("another long password\n"))
+    call_command(
+        "operator-password", "--stdin", input_stream=__import__("io").StringIO("another long password\n")
+    )
     assert anon.get("/api/v1/me").status_code == 401
 
 
@@ -111,7 +119,15 @@ def test_no_api_endpoint_sets_the_password(api):
 
 @pytest.mark.parametrize(
     "header",
-    ["", "Bearer", "Bearer ", "Basic dXNlcjpwYXNz", "Bearer pal_op_doesnotexist", "Token abc", "bearer pal_s_x"],
+    [
+        "",
+        "Bearer",
+        "Bearer ",
+        "Basic dXNlcjpwYXNz",
+        "Bearer pal_op_doesnotexist",
+        "Token abc",
+        "bearer pal_s_x",
+    ],
 )
 def test_every_bad_credential_is_401_unauthenticated(db, header):
     client = APIClient()

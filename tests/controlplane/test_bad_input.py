@@ -63,7 +63,9 @@ def test_strings_and_numbers_json_cannot_carry_safely_are_400s(api, raw, fragmen
 @pytest.mark.parametrize("charset", ["latin-1", "utf-7", "cp500", "utf-16"])
 def test_a_body_in_another_charset_is_a_415_and_nothing_is_stored(api, charset):
     raw = json.dumps({"name": "café", "entries": [{"protocol": "tcp", "port": 80}]}, ensure_ascii=False)
-    response = post_raw(api, "/api/v1/services", raw.encode("latin-1"), content_type=f"application/json; charset={charset}")
+    response = post_raw(
+        api, "/api/v1/services", raw.encode("latin-1"), content_type=f"application/json; charset={charset}"
+    )
     assert_problem(response, 415, "unsupported-media-type")
     assert not Service.objects.exists()
 
@@ -78,7 +80,11 @@ def test_utf8_bodies_store_exactly_what_was_sent(api, charset):
 
 @pytest.mark.parametrize("member", ["fe80::1%eth0", "fe80::1%1", "fe80::%x/64", "::1%"])
 def test_an_address_group_member_with_an_ipv6_zone_is_refused(api, member):
-    body = assert_problem(api.post("/api/v1/address-groups", {"name": "g", "members": [member]}, format="json"), 422, "validation")
+    body = assert_problem(
+        api.post("/api/v1/address-groups", {"name": "g", "members": [member]}, format="json"),
+        422,
+        "validation",
+    )
     assert body["errors"][0]["path"] == "/members/0" and body["errors"][0]["rule"] == "address-zone"
     assert not AddressGroup.objects.exists()
 
@@ -96,7 +102,11 @@ def test_names_and_descriptions_refuse_control_and_bidi_characters(api, field, t
 
 def test_an_expiry_past_the_last_representable_instant_is_a_finding(api):
     body = assert_problem(
-        api.post("/api/v1/provisioning-tokens", {"description": "d", "expires_at": "9999-12-31T23:59:59-14:00"}, format="json"),
+        api.post(
+            "/api/v1/provisioning-tokens",
+            {"description": "d", "expires_at": "9999-12-31T23:59:59-14:00"},
+            format="json",
+        ),
         422,
         "validation",
     )
@@ -104,7 +114,11 @@ def test_an_expiry_past_the_last_representable_instant_is_a_finding(api):
 
 
 def test_an_unknown_field_of_eight_kilobytes_is_not_echoed_back(api):
-    body = assert_problem(api.post("/api/v1/services", {"x" * 8192: 1, "name": "n", "entries": []}, format="json"), 422, "validation")
+    body = assert_problem(
+        api.post("/api/v1/services", {"x" * 8192: 1, "name": "n", "entries": []}, format="json"),
+        422,
+        "validation",
+    )
     assert len(json.dumps(body)) < 2000
 
 
@@ -127,7 +141,9 @@ def test_an_invalid_session_cookie_beside_a_valid_token_is_refused(api):
 
 @pytest.fixture
 def service(api):
-    response = api.post("/api/v1/services", {"name": "web", "entries": [{"protocol": "tcp", "port": 80}]}, format="json")
+    response = api.post(
+        "/api/v1/services", {"name": "web", "entries": [{"protocol": "tcp", "port": 80}]}, format="json"
+    )
     return response.json()
 
 
@@ -152,7 +168,9 @@ def test_a_weak_etag_never_matches_if_match(api, service):
     ],
     ids=["list", "star", "8kb"],
 )
-def test_if_match_that_is_not_one_version_says_why_without_echoing_it(api, service, header, status, name, fragment):
+def test_if_match_that_is_not_one_version_says_why_without_echoing_it(
+    api, service, header, status, name, fragment
+):
     response = api.delete(f"/api/v1/services/{service['id']}", HTTP_IF_MATCH=header)
     body = assert_problem(response, status, name)
     assert fragment in body["detail"] and len(body["detail"]) < 300

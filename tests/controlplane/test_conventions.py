@@ -34,7 +34,11 @@ def test_unsupported_method_is_a_405_problem(api):
 
 def test_oversized_body_is_a_413_problem(api, settings):
     body = assert_problem(
-        api.post("/api/v1/operator-tokens", "x" * (settings.PALISADE_MAX_BODY_BYTES + 1), content_type="application/json"),
+        api.post(
+            "/api/v1/operator-tokens",
+            "x" * (settings.PALISADE_MAX_BODY_BYTES + 1),
+            content_type="application/json",
+        ),
         413,
         "payload-too-large",
     )
@@ -42,11 +46,19 @@ def test_oversized_body_is_a_413_problem(api, settings):
 
 
 def test_non_json_body_is_a_415_problem(api):
-    assert_problem(api.post("/api/v1/operator-tokens", "name=x", content_type="application/x-www-form-urlencoded"), 415, "unsupported-media-type")
+    assert_problem(
+        api.post("/api/v1/operator-tokens", "name=x", content_type="application/x-www-form-urlencoded"),
+        415,
+        "unsupported-media-type",
+    )
 
 
 def test_malformed_json_is_a_400_problem(api):
-    assert_problem(api.post("/api/v1/operator-tokens", "{nope", content_type="application/json"), 400, "malformed-request")
+    assert_problem(
+        api.post("/api/v1/operator-tokens", "{nope", content_type="application/json"),
+        400,
+        "malformed-request",
+    )
 
 
 def test_body_that_is_not_an_object_is_a_validation_problem(api):
@@ -66,7 +78,10 @@ def test_unexpected_failure_is_a_500_problem_and_logged(api, monkeypatch, caplog
 
 def test_validation_findings_shape(api):
     body = assert_problem(api.post("/api/v1/operator-tokens", {"nme": "x"}, format="json"), 422, "validation")
-    assert sorted((e["path"], e["rule"]) for e in body["errors"]) == [("/name", "required"), ("/nme", "unknown-field")]
+    assert sorted((e["path"], e["rule"]) for e in body["errors"]) == [
+        ("/name", "required"),
+        ("/nme", "unknown-field"),
+    ]
     assert all(set(e) == {"path", "rule", "message"} for e in body["errors"])
 
 
@@ -77,6 +92,7 @@ def test_every_problem_type_is_published_in_the_schema(api):
 
 
 # --- cross-origin guard: Fetch Metadata, then Origin; scripts send neither and pass ---
+
 
 @pytest.mark.parametrize(
     "headers, refused",
@@ -106,19 +122,36 @@ def test_cross_origin_guard_on_writes(api, headers, refused):
 
 
 def test_cross_origin_guard_covers_login_and_lets_reads_through(anon, operator_password):
-    response = anon.post("/api/v1/session", {"password": PASSWORD}, format="json", HTTP_SEC_FETCH_SITE="cross-site")
+    response = anon.post(
+        "/api/v1/session", {"password": PASSWORD}, format="json", HTTP_SEC_FETCH_SITE="cross-site"
+    )
     assert_problem(response, 403, "cross-origin")
-    assert anon.get("/api/v1/me", HTTP_SEC_FETCH_SITE="cross-site").status_code == 401  # a read: not refused as cross-origin
+    assert (
+        anon.get("/api/v1/me", HTTP_SEC_FETCH_SITE="cross-site").status_code == 401
+    )  # a read: not refused as cross-origin
 
 
 def test_cross_origin_guard_matches_the_host_with_port(api):
-    ok = api.post("/api/v1/operator-tokens", {"name": "x"}, format="json", HTTP_HOST="cp.example:8080", HTTP_ORIGIN="https://cp.example:8080")
+    ok = api.post(
+        "/api/v1/operator-tokens",
+        {"name": "x"},
+        format="json",
+        HTTP_HOST="cp.example:8080",
+        HTTP_ORIGIN="https://cp.example:8080",
+    )
     assert ok.status_code == 201
-    bad = api.post("/api/v1/operator-tokens", {"name": "x"}, format="json", HTTP_HOST="cp.example:8080", HTTP_ORIGIN="https://cp.example:9090")
+    bad = api.post(
+        "/api/v1/operator-tokens",
+        {"name": "x"},
+        format="json",
+        HTTP_HOST="cp.example:8080",
+        HTTP_ORIGIN="https://cp.example:9090",
+    )
     assert_problem(bad, 403, "cross-origin")
 
 
 # --- keyset paging ---
+
 
 def mint(n):
     for i in range(n):
@@ -167,7 +200,9 @@ def test_forged_cursor_is_a_validation_problem(api):
 def test_cursor_from_another_list_is_stale(db):
     from django.core import signing
 
-    stale = signing.dumps({"f": "another-list", "k": ["2026-01-01", "x"]}, salt="palisade.cursor", compress=True)
+    stale = signing.dumps(
+        {"f": "another-list", "k": ["2026-01-01", "x"]}, salt="palisade.cursor", compress=True
+    )
     with pytest.raises(ValidationFailed) as raised:
         operator_token_list(cursor=stale, limit=10)
     assert raised.value.findings[0].rule == "cursor-stale"

@@ -8,8 +8,18 @@ from controlplane.http_threads import ThreadPoolHttp
 
 
 def _scope(path: str) -> dict:
-    return {"type": "http", "method": "POST", "path": path, "raw_path": path.encode(), "query_string": b"", "http_version": "1.1",
-            "headers": [], "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8080), "scheme": "https"}
+    return {
+        "type": "http",
+        "method": "POST",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "http_version": "1.1",
+        "headers": [],
+        "client": ("127.0.0.1", 5000),
+        "server": ("127.0.0.1", 8080),
+        "scheme": "https",
+    }
 
 
 async def _call(app: ThreadPoolHttp, path: str) -> tuple[int, dict, bytes]:

@@ -100,7 +100,9 @@ class OperatorApi:
     def wait_converged(self, workload_id: str, timeout: float = 60.0) -> dict:
         def converged():
             w = self.workload(workload_id)
-            return w if w["sync"]["state"] == "synced" and w["applied_version"] == w["latest_version"] else None
+            return (
+                w if w["sync"]["state"] == "synced" and w["applied_version"] == w["latest_version"] else None
+            )
 
         return self.wait_for(f"{workload_id} synced with applied == latest", converged, timeout)
 
@@ -115,19 +117,48 @@ class AgentProcess:
 
     def cli(self, *args: str, input: str | None = None) -> subprocess.CompletedProcess:
         env = dict(os.environ, PYTHONPATH=str(REPO))
-        return self.lab.run(self.ns, [sys.executable, "-m", "agent", *args], input=input, env=env, timeout=60, cwd=REPO)
+        return self.lab.run(
+            self.ns, [sys.executable, "-m", "agent", *args], input=input, env=env, timeout=60, cwd=REPO
+        )
 
     def enrol(self, bundle: str, address: str) -> str:
-        done = self.cli("enrol", "--bundle-file", "-", "--state-dir", str(self.state_dir), "--hostname", self.ns, "--address", address, input=bundle)
+        done = self.cli(
+            "enrol",
+            "--bundle-file",
+            "-",
+            "--state-dir",
+            str(self.state_dir),
+            "--hostname",
+            self.ns,
+            "--address",
+            address,
+            input=bundle,
+        )
         assert done.returncode == 0, done.stderr
         return json.loads((self.state_dir / "identity.json").read_text())["workload_id"]
 
     def start(self) -> AgentProcess:
         env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
         self.process = subprocess.Popen(
-            ["ip", "netns", "exec", self.lab.ns(self.ns), sys.executable, "-m", "agent", "run",
-             "--state-dir", str(self.state_dir), "--heartbeat-seconds", "2"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
+            [
+                "ip",
+                "netns",
+                "exec",
+                self.lab.ns(self.ns),
+                sys.executable,
+                "-m",
+                "agent",
+                "run",
+                "--state-dir",
+                str(self.state_dir),
+                "--heartbeat-seconds",
+                "2",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=REPO,
         )
         threading.Thread(target=_drain, args=(self.process.stderr, self.lines), daemon=True).start()
         return self

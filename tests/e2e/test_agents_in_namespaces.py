@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.e2e.lab import AgentProcess, NamespacedServe, TCP_SERVER, probe, via_unix_socket
+from tests.e2e.lab import TCP_SERVER, AgentProcess, NamespacedServe, probe, via_unix_socket
 from tests.netns import Lab, require_namespace_lab
 from tests.requirements import require
 from tests.serve_process import throwaway_database
@@ -36,9 +36,23 @@ def lab():
 def redis(lab):
     """A Redis of the control plane's own, on its namespace's loopback, for two serve processes."""
     process = subprocess.Popen(
-        ["ip", "netns", "exec", lab.ns("cp"), "redis-server", "--bind", "127.0.0.1", "--port", str(REDIS_PORT),
-         "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [
+            "ip",
+            "netns",
+            "exec",
+            lab.ns("cp"),
+            "redis-server",
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            str(REDIS_PORT),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     time.sleep(0.5)
     yield process
@@ -59,8 +73,10 @@ def web_servers(lab):
 def inject_broken_latest(data_dir, database_url, workload_id):
     """Point the workload's latest version at a document the kernel refuses (a fault a test injects)."""
     version = "sha256:" + "b" * 32
-    rows = ("INSERT INTO fleet_renderedpolicy (version, document, rule_index, created_at) VALUES (%s, %s, %s, now())",
-            "UPDATE fleet_workload SET latest_policy_id = %s WHERE id = %s")
+    rows = (
+        "INSERT INTO fleet_renderedpolicy (version, document, rule_index, created_at) VALUES (%s, %s, %s, now())",
+        "UPDATE fleet_workload SET latest_policy_id = %s WHERE id = %s",
+    )
     if database_url:
         import psycopg
 
@@ -69,7 +85,10 @@ def inject_broken_latest(data_dir, database_url, workload_id):
             db.execute(rows[1], (version, workload_id))
     else:
         with sqlite3.connect(data_dir / "palisade.sqlite3") as db:
-            db.execute(rows[0].replace("%s", "?").replace("now()", "datetime('now')"), (version, BROKEN_DOCUMENT, "{}"))
+            db.execute(
+                rows[0].replace("%s", "?").replace("now()", "datetime('now')"),
+                (version, BROKEN_DOCUMENT, "{}"),
+            )
             db.execute(rows[1].replace("%s", "?"), (version, workload_id.replace("-", "")))
     return version
 
@@ -78,7 +97,9 @@ def table_listing(lab, ns):
     return lab.run(ns, ["nft", "list", "table", "inet", "palisade"])
 
 
-def test_enrol_enforce_degrade_remove_restore_kill_restart_and_resend_across_processes(lab, redis, web_servers, tmp_path):
+def test_enrol_enforce_degrade_remove_restore_kill_restart_and_resend_across_processes(
+    lab, redis, web_servers, tmp_path
+):
     agents: list[AgentProcess] = []
     with throwaway_database() as tcp_database_url:
         database_url = via_unix_socket(tcp_database_url)
@@ -87,8 +108,13 @@ def test_enrol_enforce_degrade_remove_restore_kill_restart_and_resend_across_pro
 
         def serve(operator_port, gateway_port):
             return NamespacedServe(
-                lab, "cp", data_dir, database_url=database_url, env=env,
-                operator_listen=f"{CP}:{operator_port}", gateway_listen=f"{CP}:{gateway_port}",
+                lab,
+                "cp",
+                data_dir,
+                database_url=database_url,
+                env=env,
+                operator_listen=f"{CP}:{operator_port}",
+                gateway_listen=f"{CP}:{gateway_port}",
             ).start()
 
         first = serve(8080, 8443)
@@ -100,13 +126,19 @@ def test_enrol_enforce_degrade_remove_restore_kill_restart_and_resend_across_pro
             minted = api.post("/provisioning-tokens", {"description": "e2e", "max_uses": 2})
             assert minted.status_code == 201, minted.text
             bundle = minted.json()["bundle"]
-            web, client = AgentProcess(lab, "web", tmp_path / "web"), AgentProcess(lab, "client", tmp_path / "client")
+            web, client = (
+                AgentProcess(lab, "web", tmp_path / "web"),
+                AgentProcess(lab, "client", tmp_path / "client"),
+            )
             agents += [web, client]
             web_id, client_id = web.enrol(bundle, WEB), client.enrol(bundle, CLIENT)
             assert api.workload(web_id)["sync"]["never_connected"] is True
             web.start()
             client.start()
-            api.wait_for("web pending or synced", lambda: api.workload(web_id)["sync"]["state"] in ("pending", "synced"))
+            api.wait_for(
+                "web pending or synced",
+                lambda: api.workload(web_id)["sync"]["state"] in ("pending", "synced"),
+            )
             for workload_id in (web_id, client_id):
                 api.wait_converged(workload_id)
 
@@ -116,12 +148,26 @@ def test_enrol_enforce_degrade_remove_restore_kill_restart_and_resend_across_pro
 
             # -- a ruleset admits tcp/8080 from role=client to app=web --
             for workload_id, labels in ((web_id, {"app": "web"}), (client_id, {"role": "client"})):
-                response = api.request("PUT", f"/workloads/{workload_id}/labels", json={"labels": labels}, headers={"If-Match": '"1"'})
+                response = api.request(
+                    "PUT",
+                    f"/workloads/{workload_id}/labels",
+                    json={"labels": labels},
+                    headers={"If-Match": '"1"'},
+                )
                 assert response.status_code == 200, response.text
-            ruleset = api.post("/rulesets", {
-                "name": "web", "scope": "app=web",
-                "rules": [{"sources": [{"selector": "role=client"}], "services": [{"protocol": "tcp", "port": 8080}]}],
-            })
+            ruleset = api.post(
+                "/rulesets",
+                {
+                    "name": "web",
+                    "scope": "app=web",
+                    "rules": [
+                        {
+                            "sources": [{"selector": "role=client"}],
+                            "services": [{"protocol": "tcp", "port": 8080}],
+                        }
+                    ],
+                },
+            )
             assert ruleset.status_code == 201, ruleset.text
 
             # -- enforced: the admitted connection passes, the other is dropped --
@@ -143,7 +189,9 @@ def test_enrol_enforce_degrade_remove_restore_kill_restart_and_resend_across_pro
             # -- a document the kernel refuses: degraded with the error, the old table kept --
             inject_broken_latest(data_dir, tcp_database_url, web_id)
             assert api.post(f"/workloads/{web_id}/resend-snapshot").status_code == 200
-            degraded = api.wait_for("web degraded", lambda: (w := api.workload(web_id))["sync"]["state"] == "degraded" and w)
+            degraded = api.wait_for(
+                "web degraded", lambda: (w := api.workload(web_id))["sync"]["state"] == "degraded" and w
+            )
             assert degraded["sync"]["error"], degraded
             assert degraded["applied_version"] == good["applied_version"]
             assert probe(lab, "client", WEB, 8080) == "open" and probe(lab, "client", WEB, 9090) == "closed"
@@ -153,7 +201,10 @@ def test_enrol_enforce_degrade_remove_restore_kill_restart_and_resend_across_pro
 
             # -- the table deleted on the host: absent, first in fleet order, counted as removed --
             assert lab.run("web", ["nft", "delete", "table", "inet", "palisade"]).returncode == 0
-            api.wait_for("web reported absent", lambda: api.workload(web_id)["health"]["owned_table"]["state"] == "absent")
+            api.wait_for(
+                "web reported absent",
+                lambda: api.workload(web_id)["health"]["owned_table"]["state"] == "absent",
+            )
             assert api.get("/workloads")["items"][0]["id"] == web_id
             counts = api.get("/workloads/counts")
             assert counts["removed"] == 1 and sum(counts["sync_state"].values()) == 1
@@ -162,7 +213,9 @@ def test_enrol_enforce_degrade_remove_restore_kill_restart_and_resend_across_pro
             assert probe(lab, "client", WEB, 9090) == "open"
             sent_before = api.workload(web_id)["sync"]["last_snapshot_sent_at"]
             assert api.post(f"/workloads/{web_id}/resend-snapshot").status_code == 200
-            api.wait_for("table restored", lambda: api.workload(web_id)["health"]["owned_table"]["state"] == "present")
+            api.wait_for(
+                "table restored", lambda: api.workload(web_id)["health"]["owned_table"]["state"] == "present"
+            )
             assert api.workload(web_id)["sync"]["last_snapshot_sent_at"] != sent_before
             assert table_listing(lab, "web").returncode == 0
             assert probe(lab, "client", WEB, 9090) == "closed"

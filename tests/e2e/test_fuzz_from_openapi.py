@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import schemathesis
-from schemathesis import GenerationMode
 from hypothesis import HealthCheck, given, settings
+from schemathesis import GenerationMode
 from schemathesis.checks import (
     content_type_conformance,
     not_a_server_error,
@@ -39,10 +39,14 @@ def served(tmp_path_factory):
 
 
 SCHEMA = schemathesis.openapi.from_path(DOCUMENT)
-OPERATIONS = {operation.label: operation for operation in (result.ok() for result in SCHEMA.get_all_operations())}
+OPERATIONS = {
+    operation.label: operation for operation in (result.ok() for result in SCHEMA.get_all_operations())
+}
 
 
-@pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE], ids=lambda mode: mode.value)
+@pytest.mark.parametrize(
+    "mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE], ids=lambda mode: mode.value
+)
 @pytest.mark.parametrize("label", sorted(OPERATIONS))
 def test_every_operation_answers_as_documented(label, mode, served):
     serve, token = served

@@ -199,9 +199,15 @@ def _raw_request(serve, request: bytes, timeout: float = 10) -> bytes:
     "request_bytes, status, name",
     [
         (b"GET /api/v1/me?" + b"q" * 20_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n", 431, "header-too-large"),
-        (b"GET /api/v1/me HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 20_000 + b"\r\n\r\n", 431, "header-too-large"),
         (
-            b"GET /api/v1/me HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-%d: %s\r\n" % (i, b"a" * 1000) for i in range(17)) + b"\r\n",
+            b"GET /api/v1/me HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 20_000 + b"\r\n\r\n",
+            431,
+            "header-too-large",
+        ),
+        (
+            b"GET /api/v1/me HTTP/1.1\r\nHost: x\r\n"
+            + b"".join(b"X-%d: %s\r\n" % (i, b"a" * 1000) for i in range(17))
+            + b"\r\n",
             431,
             "header-too-large",
         ),
@@ -352,7 +358,13 @@ def test_a_given_full_chain_file_serves_its_intermediates(site, tmp_path):
 def test_host_commands_work_on_a_fresh_data_directory_before_the_first_serve(tmp_path):
     """operator-password may be the very first command a new user runs."""
     with throwaway_database() as database_url:
-        done = manage(tmp_path / "fresh", "operator-password", "--stdin", input="a long enough password\n", database_url=database_url)
+        done = manage(
+            tmp_path / "fresh",
+            "operator-password",
+            "--stdin",
+            input="a long enough password\n",
+            database_url=database_url,
+        )
         assert "Operator password set" in done.stdout
         listed = manage(tmp_path / "fresh", "operator-token", "list", "--json", database_url=database_url)
         assert json.loads(listed.stdout) == {"items": []}

@@ -74,7 +74,11 @@ def fresh(workload) -> Workload:
 
 def test_enrolment_creates_a_visibility_workload_never_connected_with_the_tokens_labels(provisioning_secret):
     key = agent_key()
-    enrolled = enrol(provisioning_secret, public_key=key, addresses=["10.0.0.5", "2001:DB8::1", " 10.0.0.5", "::ffff:10.0.0.6"])
+    enrolled = enrol(
+        provisioning_secret,
+        public_key=key,
+        addresses=["10.0.0.5", "2001:DB8::1", " 10.0.0.5", "::ffff:10.0.0.6"],
+    )
     workload = fresh(enrolled.workload)
     assert not enrolled.re_enrolled
     assert workload.mode == "visibility"
@@ -99,7 +103,9 @@ def test_enrolment_renders_the_documents_of_workloads_that_take_it_as_a_peer(api
         {
             "name": "db",
             "scope": "role=db",
-            "rules": [{"sources": [{"selector": "app=web"}], "services": [{"protocol": "tcp", "port": 5432}]}],
+            "rules": [
+                {"sources": [{"selector": "app=web"}], "services": [{"protocol": "tcp", "port": 5432}]}
+            ],
         },
         format="json",
     )
@@ -114,10 +120,15 @@ def test_enrolment_renders_the_documents_of_workloads_that_take_it_as_a_peer(api
 def test_re_enrolment_keeps_id_labels_and_mode_and_replaces_key_and_credential(provisioning_secret, clock_at):
     first = enrol(provisioning_secret).workload
     Workload.objects.filter(id=first.id).update(
-        mode="enforced", labels={"app": "web", "tier": "1"}, labels_version=4, credential_renewal_failed=True,
+        mode="enforced",
+        labels={"app": "web", "tier": "1"},
+        labels_version=4,
+        credential_renewal_failed=True,
         credential_last_error="timeout",
     )
-    other_token = provisioning_token_mint(actor=CLI_ACTOR, data={"description": "rebuild", "labels": {"x": "y"}})
+    other_token = provisioning_token_mint(
+        actor=CLI_ACTOR, data={"description": "rebuild", "labels": {"x": "y"}}
+    )
     clock_at(10 * DAY)
     new_key = agent_key()
     again = enrol(
@@ -133,7 +144,11 @@ def test_re_enrolment_keeps_id_labels_and_mode_and_replaces_key_and_credential(p
     assert workload.mode == "enforced"
     assert workload.labels == {"app": "web", "tier": "1"} and workload.labels_version == 4
     assert workload.public_key == new_key != first.public_key
-    assert (workload.hostname, workload.addresses, workload.agent_version) == ("web-1-rebuilt", ["10.0.0.7"], "0.2.0")
+    assert (workload.hostname, workload.addresses, workload.agent_version) == (
+        "web-1-rebuilt",
+        ["10.0.0.7"],
+        "0.2.0",
+    )
     assert workload.credential_serial == 2 and again.credential.serial == 2
     assert workload.credential_issued_at > first.credential_issued_at
     assert not workload.credential_renewal_failed and workload.credential_last_error == ""
@@ -240,7 +255,9 @@ def test_credential_is_signed_and_verifies(provisioning_secret):
     }
     # the agent checks it with the public key alone, without Django
     assert agent_credential.credential_verify(text, signing_public_key()) == payload
-    assert credential_issue(workload=workload).text == text  # Ed25519 is deterministic: the row is the credential
+    assert (
+        credential_issue(workload=workload).text == text
+    )  # Ed25519 is deterministic: the row is the credential
 
 
 def _tampered_payload(text: str, **changes) -> str:
@@ -274,7 +291,14 @@ def test_a_tampered_or_foreign_credential_does_not_verify(provisioning_secret):
 
 @pytest.mark.parametrize(
     "text",
-    ["", "not json", "[]", '{"payload": "x"}', '{"payload": "@@", "signature": "AA"}', '{"payload": "", "signature": ""}'],
+    [
+        "",
+        "not json",
+        "[]",
+        '{"payload": "x"}',
+        '{"payload": "@@", "signature": "AA"}',
+        '{"payload": "", "signature": ""}',
+    ],
 )
 def test_malformed_credentials_are_refused(db, text):
     with pytest.raises(Problem) as refused:

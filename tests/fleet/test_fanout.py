@@ -19,7 +19,9 @@ def client_rule_ruleset(api):
         {
             "name": "web",
             "scope": "app=web",
-            "rules": [{"sources": [{"selector": "role=client"}], "services": [{"protocol": "tcp", "port": 443}]}],
+            "rules": [
+                {"sources": [{"selector": "role=client"}], "services": [{"protocol": "tcp", "port": 443}]}
+            ],
         },
         format="json",
     ).json()
@@ -43,7 +45,10 @@ def test_label_edit_rerenders_the_edited_workload_and_its_protected_peers_only(a
     client_rule_ruleset(api)
     before = versions()
     response = api.put(
-        f"/api/v1/workloads/{newcomer.id}/labels", {"labels": {"role": "client"}}, format="json", HTTP_IF_MATCH='"1"'
+        f"/api/v1/workloads/{newcomer.id}/labels",
+        {"labels": {"role": "client"}},
+        format="json",
+        HTTP_IF_MATCH='"1"',
     )
     assert response.status_code == 200
     after = versions()
@@ -55,9 +60,16 @@ def test_label_edit_rerenders_the_edited_workload_and_its_protected_peers_only(a
 
 def test_unchanged_documents_keep_their_version_and_are_not_written(api, db):
     make_workload(hostname="web", labels={"app": "web"}, mode="enforced")
-    group = api.post("/api/v1/address-groups", {"name": "unused", "members": ["10.0.0.0/8"]}, format="json").json()
+    group = api.post(
+        "/api/v1/address-groups", {"name": "unused", "members": ["10.0.0.0/8"]}, format="json"
+    ).json()
     before = versions()
-    api.put(f"/api/v1/address-groups/{group['id']}", {"name": "unused", "members": ["10.0.0.0/16"]}, format="json", HTTP_IF_MATCH=f'"{group["version"]}"')
+    api.put(
+        f"/api/v1/address-groups/{group['id']}",
+        {"name": "unused", "members": ["10.0.0.0/16"]},
+        format="json",
+        HTTP_IF_MATCH=f'"{group["version"]}"',
+    )
     assert versions() == before
 
 
@@ -78,7 +90,9 @@ def test_mode_change_records_the_intent_and_renders(api, db):
     b = make_workload(hostname="b", labels={"env": "prod"}, mode="enforced")
     make_workload(hostname="c", labels={"env": "dev"})
     before = versions()
-    response = api.post("/api/v1/mode-changes", {"selection": {"labels": ["env=prod"]}, "mode": "enforced"}, format="json")
+    response = api.post(
+        "/api/v1/mode-changes", {"selection": {"labels": ["env=prod"]}, "mode": "enforced"}, format="json"
+    )
     assert response.status_code == 202
     body = response.json()
     assert body["resolved_count"] == 2 and body["changed_count"] == 1 and body["mode"] == "enforced"
@@ -109,7 +123,11 @@ def test_mode_change_refusals(api, db):
         ({"selection": {}, "mode": "enforced"}, "/selection", "empty-selection"),
         ({"selection": {"labels": ["env=nope"]}, "mode": "enforced"}, "/selection", "selects-nothing"),
         ({"selection": {"all": True}, "mode": "lockdown"}, "/mode", "mode"),
-        ({"selection": {"labels": ["env in (a"]}, "mode": "enforced"}, "/selection/labels/0", "selector-syntax"),
+        (
+            {"selection": {"labels": ["env in (a"]}, "mode": "enforced"},
+            "/selection/labels/0",
+            "selector-syntax",
+        ),
         ({"selection": {"workload_ids": ["x"]}, "mode": "enforced"}, "/selection/workload_ids/0", "type"),
         ({"mode": "enforced"}, "/selection", "required"),
     ]
@@ -121,10 +139,14 @@ def test_mode_change_refusals(api, db):
 def test_selector_preview(api, db):
     make_workload(hostname="a", labels={"env": "prod"})
     make_workload(hostname="b", labels={"env": "dev"})
-    body = api.post("/api/v1/selectors/preview", {"selector": "env in (prod, dev), env!=dev"}, format="json").json()
+    body = api.post(
+        "/api/v1/selectors/preview", {"selector": "env in (prod, dev), env!=dev"}, format="json"
+    ).json()
     assert body["selector"] == "env!=dev,env in (dev,prod)"
     assert body["count"] == 1 and [w["hostname"] for w in body["workloads"]] == ["a"]
-    problem = assert_problem(api.post("/api/v1/selectors/preview", {"selector": "env in"}, format="json"), 422, "validation")
+    problem = assert_problem(
+        api.post("/api/v1/selectors/preview", {"selector": "env in"}, format="json"), 422, "validation"
+    )
     assert problem["errors"][0]["path"] == "/selector"
 
 
@@ -155,6 +177,10 @@ def test_render_dryrun_reports_changes_and_persists_nothing(api, db):
     assert [w["path"] for w in body["warnings"]] == ["/rulesets/0/rules/1/sources/0/selector"]
     assert versions() == before
     problem = assert_problem(
-        api.post("/api/v1/policies/render-dryrun", {"rulesets": [{"name": "x", "scope": "a=("}]}, format="json"), 422, "validation"
+        api.post(
+            "/api/v1/policies/render-dryrun", {"rulesets": [{"name": "x", "scope": "a=("}]}, format="json"
+        ),
+        422,
+        "validation",
     )
     assert problem["errors"][0]["path"] == "/rulesets/0/scope"

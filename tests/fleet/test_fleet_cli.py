@@ -2,13 +2,10 @@
 
 import json
 
-
 from fleet import sync
 from tests.controlplane.test_conventions import assert_problem
 from tests.fleet.workloads import connect, make_workload
 from tests.helpers import run_command as run
-
-
 
 
 def test_list_show_counts_match_the_api(api, db):
@@ -29,11 +26,33 @@ def test_set_labels_and_mode_change_parity(api, db, monkeypatch):
     a = make_workload(hostname="a", labels={"env": "prod"})
     bad = {"labels": {"env": "not ok!"}}
     api_problem = assert_problem(
-        api.put(f"/api/v1/workloads/{a.id}/labels", bad, format="json", HTTP_IF_MATCH='"1"'), 422, "validation"
+        api.put(f"/api/v1/workloads/{a.id}/labels", bad, format="json", HTTP_IF_MATCH='"1"'),
+        422,
+        "validation",
     )
-    code, out, _ = run("workload", "set-labels", str(a.id), "-", "--if-match", "1", "--json", stdin_text=json.dumps(bad), monkeypatch=monkeypatch)
+    code, out, _ = run(
+        "workload",
+        "set-labels",
+        str(a.id),
+        "-",
+        "--if-match",
+        "1",
+        "--json",
+        stdin_text=json.dumps(bad),
+        monkeypatch=monkeypatch,
+    )
     assert code == 2 and json.loads(out)["errors"] == api_problem["errors"]
-    code, out, _ = run("workload", "set-labels", str(a.id), "-", "--if-match", "1", "--json", stdin_text='{"labels": {"env": "dev"}}', monkeypatch=monkeypatch)
+    code, out, _ = run(
+        "workload",
+        "set-labels",
+        str(a.id),
+        "-",
+        "--if-match",
+        "1",
+        "--json",
+        stdin_text='{"labels": {"env": "dev"}}',
+        monkeypatch=monkeypatch,
+    )
     assert code == 0 and json.loads(out) == {"labels": {"env": "dev"}, "version": "2"}
     code, out, _ = run("mode-change", "enforced", "--label", "env=dev", "--json")
     assert code == 0 and json.loads(out)["changed_count"] == 1
@@ -57,6 +76,14 @@ def test_selector_preview_and_dryrun_commands(db, monkeypatch):
     make_workload(labels={"app": "web"})
     code, out, _ = run("selector-preview", "app=web", "--json")
     assert code == 0 and json.loads(out)["count"] == 1
-    body = {"rulesets": [{"name": "r", "scope": "app=web", "rules": [{"sources": [{"any": True}], "services": [{"protocol": "icmp"}]}]}]}
+    body = {
+        "rulesets": [
+            {
+                "name": "r",
+                "scope": "app=web",
+                "rules": [{"sources": [{"any": True}], "services": [{"protocol": "icmp"}]}],
+            }
+        ]
+    }
     code, out, _ = run("render-dryrun", "-", "--json", stdin_text=json.dumps(body), monkeypatch=monkeypatch)
     assert code == 0 and json.loads(out)["changed_count"] == 0  # visibility documents ignore rules

@@ -23,7 +23,9 @@ def test_fleet_order_attention_offline_pending_synced_then_host_name(api, db):
     connect(make_workload(hostname="d-pending"))
     make_workload(hostname="c-offline")
     degraded = connect(make_workload(hostname="z-degraded"))
-    sync.workload_apply_failed(workload_id=degraded.id, stream_id="stream-1", version=degraded.latest_policy_id, error="e")
+    sync.workload_apply_failed(
+        workload_id=degraded.id, stream_id="stream-1", version=degraded.latest_policy_id, error="e"
+    )
     removed = connect(make_workload(hostname="y-removed"))
     sync.workload_table_reported(workload_id=removed.id, stream_id="stream-1", state="absent")
     assert walk(api) == ["y-removed", "z-degraded", "c-offline", "d-pending", "e-synced"]
@@ -72,7 +74,9 @@ def test_cursor_from_other_filters_is_stale(api, db):
     for name in "abc":
         make_workload(hostname=name, labels={"env": "prod"})
     cursor = api.get("/api/v1/workloads?limit=1").json()["next_cursor"]
-    body = assert_problem(api.get(f"/api/v1/workloads?limit=1&label=env=prod&cursor={cursor}"), 422, "validation")
+    body = assert_problem(
+        api.get(f"/api/v1/workloads?limit=1&label=env=prod&cursor={cursor}"), 422, "validation"
+    )
     assert body["errors"][0]["rule"] == "cursor-stale"
 
 
@@ -80,10 +84,26 @@ def test_workload_and_rendered_policy_reads(api, db):
     workload = make_workload(hostname="web-1", labels={"app": "web"})
     body = api.get(f"/api/v1/workloads/{workload.id}").json()
     assert set(body) == {
-        "id", "hostname", "addresses", "labels", "labels_version", "mode", "latest_version", "applied_version",
-        "agent_version", "sync", "health", "enrolled_at",
+        "id",
+        "hostname",
+        "addresses",
+        "labels",
+        "labels_version",
+        "mode",
+        "latest_version",
+        "applied_version",
+        "agent_version",
+        "sync",
+        "health",
+        "enrolled_at",
     }
-    assert set(body["health"]["credential"]) == {"state", "expires_at", "renewal_due_at", "last_error", "last_late_renewal"}
+    assert set(body["health"]["credential"]) == {
+        "state",
+        "expires_at",
+        "renewal_due_at",
+        "last_error",
+        "last_late_renewal",
+    }
     policy = api.get(f"/api/v1/workloads/{workload.id}/rendered-policy").json()
     assert policy["version"] == body["latest_version"]
     assert policy["document"].startswith("table inet palisade {")
@@ -97,10 +117,17 @@ def test_labels_read_and_replace_with_if_match(api, db):
     got = api.get(path)
     assert got.json() == {"labels": {"app": "web"}, "version": "1"} and got["ETag"] == '"1"'
     assert_problem(api.put(path, {"labels": {"app": "db"}}, format="json"), 428, "precondition-required")
-    body = assert_problem(api.put(path, {"labels": {"app": "db"}}, format="json", HTTP_IF_MATCH='"7"'), 412, "precondition-failed")
+    body = assert_problem(
+        api.put(path, {"labels": {"app": "db"}}, format="json", HTTP_IF_MATCH='"7"'),
+        412,
+        "precondition-failed",
+    )
     assert body["current_version"] == "1"
     response = api.put(path, {"labels": {"app": "db", "env": "prod"}}, format="json", HTTP_IF_MATCH='"1"')
-    assert response.status_code == 200 and response.json() == {"labels": {"app": "db", "env": "prod"}, "version": "2"}
+    assert response.status_code == 200 and response.json() == {
+        "labels": {"app": "db", "env": "prod"},
+        "version": "2",
+    }
     assert response["ETag"] == '"2"'
 
 
@@ -116,7 +143,9 @@ def test_labels_read_and_replace_with_if_match(api, db):
 def test_label_findings(api, db, labels, path, rule):
     workload = make_workload()
     body = assert_problem(
-        api.put(f"/api/v1/workloads/{workload.id}/labels", {"labels": labels}, format="json", HTTP_IF_MATCH='"1"'),
+        api.put(
+            f"/api/v1/workloads/{workload.id}/labels", {"labels": labels}, format="json", HTTP_IF_MATCH='"1"'
+        ),
         422,
         "validation",
     )

@@ -21,7 +21,6 @@ from fleet.enrolment import workload_enrol
 from fleet.models import Workload
 from fleet.provisioning import provisioning_token_mint
 
-
 GOLDEN = Path(__file__).resolve().parent.parent / "golden" / "protocol"
 FINGERPRINT = ":".join(["AB"] * 32)
 
@@ -42,7 +41,9 @@ def test_golden_messages_decode_and_encode_byte_for_byte(path):
 class Agent:
     def __init__(self, db_token_labels=None):
         self.key = Ed25519PrivateKey.generate()
-        secret = provisioning_token_mint(actor=CLI_ACTOR, data={"description": "t", "labels": db_token_labels or {}}).secret
+        secret = provisioning_token_mint(
+            actor=CLI_ACTOR, data={"description": "t", "labels": db_token_labels or {}}
+        ).secret
         enrolled = workload_enrol(
             token_secret=secret,
             public_key=public_key_encode(self.key.public_key()),
@@ -58,7 +59,9 @@ class Agent:
         values = dict(
             workload_id=self.workload_id,
             credential=self.credential,
-            proof=protocol.sign_proof(self.key, nonce=nonce, workload_id=self.workload_id, gateway_fingerprint=FINGERPRINT),
+            proof=protocol.sign_proof(
+                self.key, nonce=nonce, workload_id=self.workload_id, gateway_fingerprint=FINGERPRINT
+            ),
             agent_version="0.1.0",
             process_start_id="p1",
             uptime_seconds=1.0,
@@ -103,7 +106,11 @@ def test_stream_opens_sends_a_snapshot_and_acknowledgement_synchronises():
             state = await _state(agent)
         assert state[0] == "pending" and state[1] is not None
         await communicator.send_to(text_data=protocol.Applied(version=snapshot.version).encode())
-        await communicator.send_to(text_data=protocol.Heartbeat(process_start_id="p1", uptime_seconds=2, clock="x", owned_table="present").encode())
+        await communicator.send_to(
+            text_data=protocol.Heartbeat(
+                process_start_id="p1", uptime_seconds=2, clock="x", owned_table="present"
+            ).encode()
+        )
         await communicator.receive_nothing(timeout=0.3)
         assert (await _state(agent))[0] == "synced"
         await communicator.disconnect()
@@ -147,7 +154,10 @@ def test_an_impostor_key_is_refused():
 
     async def scenario():
         communicator = await open_stream(agent)
-        assert await communicator.receive_output(timeout=5) == {"type": "websocket.close", "code": protocol.CLOSE_UNAUTHENTICATED}
+        assert await communicator.receive_output(timeout=5) == {
+            "type": "websocket.close",
+            "code": protocol.CLOSE_UNAUTHENTICATED,
+        }
 
     async_to_sync(scenario)()
 
@@ -189,7 +199,10 @@ def test_frames_before_auth_are_unexpected():
         await communicator.connect()
         await communicator.receive_from()
         await communicator.send_to(text_data=protocol.Applied(version="x").encode())
-        assert await communicator.receive_output(timeout=5) == {"type": "websocket.close", "code": protocol.CLOSE_UNEXPECTED}
+        assert await communicator.receive_output(timeout=5) == {
+            "type": "websocket.close",
+            "code": protocol.CLOSE_UNEXPECTED,
+        }
 
     async_to_sync(scenario)()
 
@@ -202,7 +215,9 @@ def test_failure_report_degrades_and_table_report_marks_removed():
         communicator = await open_stream(agent)
         await receive(communicator)
         snapshot = await receive(communicator)
-        await communicator.send_to(text_data=protocol.Failed(version=snapshot.version, error="Error: boom").encode())
+        await communicator.send_to(
+            text_data=protocol.Failed(version=snapshot.version, error="Error: boom").encode()
+        )
         await communicator.send_to(text_data=protocol.TableState(state="absent").encode())
         await communicator.receive_nothing(timeout=0.3)
         await communicator.disconnect()
@@ -222,10 +237,17 @@ def test_new_version_pushes_a_snapshot_and_resend_asks_the_agent_to_reconnect():
         first = await receive(communicator)
         await database_sync_to_async(_enforce)(agent)
         second = await receive(communicator)
-        assert isinstance(second, protocol.Snapshot) and second.version != first.version and second.mode == "enforced"
+        assert (
+            isinstance(second, protocol.Snapshot)
+            and second.version != first.version
+            and second.mode == "enforced"
+        )
         await database_sync_to_async(_resend)(agent)
         assert isinstance(await receive(communicator), protocol.Reconnect)
-        assert await communicator.receive_output(timeout=5) == {"type": "websocket.close", "code": protocol.CLOSE_RECONNECT}
+        assert await communicator.receive_output(timeout=5) == {
+            "type": "websocket.close",
+            "code": protocol.CLOSE_RECONNECT,
+        }
 
     async_to_sync(scenario)()
 
@@ -233,7 +255,9 @@ def test_new_version_pushes_a_snapshot_and_resend_asks_the_agent_to_reconnect():
 def _enforce(agent):
     from fleet.services import mode_change_create
 
-    mode_change_create(actor=CLI_ACTOR, data={"selection": {"workload_ids": [agent.workload_id]}, "mode": "enforced"})
+    mode_change_create(
+        actor=CLI_ACTOR, data={"selection": {"workload_ids": [agent.workload_id]}, "mode": "enforced"}
+    )
 
 
 def _resend(agent):
@@ -251,7 +275,10 @@ def test_a_newer_stream_replaces_the_older():
         await receive(old)
         await receive(old)
         new = await open_stream(agent)
-        assert await old.receive_output(timeout=5) == {"type": "websocket.close", "code": protocol.CLOSE_REPLACED}
+        assert await old.receive_output(timeout=5) == {
+            "type": "websocket.close",
+            "code": protocol.CLOSE_REPLACED,
+        }
         await old.disconnect()  # the old stream's end must not take the workload offline
         await receive(new)
         await receive(new)
@@ -264,21 +291,33 @@ def test_a_newer_stream_replaces_the_older():
 @pytest.mark.django_db(transaction=True)
 def test_expired_credential_within_grace_may_renew_and_nothing_else(settings):
     agent = Agent()
-    Workload.objects.filter(id=agent.workload_id).update(credential_expires_at=clock.now() - timedelta(hours=1))
+    Workload.objects.filter(id=agent.workload_id).update(
+        credential_expires_at=clock.now() - timedelta(hours=1)
+    )
 
     async def scenario():
         communicator = await open_stream(agent)
         welcome = await receive(communicator)
         assert welcome.renew_only is True and welcome.credential_state == "expired"
-        await communicator.send_to(text_data=protocol.Heartbeat(process_start_id="p", uptime_seconds=1, clock="c", owned_table="present").encode())
+        await communicator.send_to(
+            text_data=protocol.Heartbeat(
+                process_start_id="p", uptime_seconds=1, clock="c", owned_table="present"
+            ).encode()
+        )
         # A protocol violation, not "beyond grace": 4403 would make the agent give up for good.
-        assert await communicator.receive_output(timeout=5) == {"type": "websocket.close", "code": protocol.CLOSE_UNEXPECTED}
+        assert await communicator.receive_output(timeout=5) == {
+            "type": "websocket.close",
+            "code": protocol.CLOSE_UNEXPECTED,
+        }
         again = await open_stream(agent)
         await receive(again)
         await again.send_to(text_data=protocol.Renew().encode())
         issued = await receive(again)
         assert isinstance(issued, protocol.CredentialIssued)
-        assert await again.receive_output(timeout=5) == {"type": "websocket.close", "code": protocol.CLOSE_RECONNECT}
+        assert await again.receive_output(timeout=5) == {
+            "type": "websocket.close",
+            "code": protocol.CLOSE_RECONNECT,
+        }
 
     async_to_sync(scenario)()
     w = workload(agent)
@@ -308,7 +347,10 @@ def test_a_renewal_that_fails_on_the_control_plane_side_closes_retryable_not_ree
     async def scenario():
         monkeypatch.setattr(credentials, "credential_issue", broken_issue)
         communicator = await renew_once()
-        assert await communicator.receive_output(timeout=5) == {"type": "websocket.close", "code": protocol.CLOSE_TRY_AGAIN}
+        assert await communicator.receive_output(timeout=5) == {
+            "type": "websocket.close",
+            "code": protocol.CLOSE_TRY_AGAIN,
+        }
         monkeypatch.setattr(credentials, "credential_issue", real_issue)
         again = await renew_once()
         assert isinstance(await receive(again), protocol.CredentialIssued)
@@ -342,12 +384,15 @@ def test_a_failed_renewal_is_recorded_on_the_workload(monkeypatch):
 @pytest.mark.django_db(transaction=True)
 def test_credential_beyond_grace_is_refused():
     agent = Agent()
-    Workload.objects.filter(id=agent.workload_id).update(credential_expires_at=clock.now() - timedelta(days=30))
+    Workload.objects.filter(id=agent.workload_id).update(
+        credential_expires_at=clock.now() - timedelta(days=30)
+    )
 
     async def scenario():
         communicator = await open_stream(agent)
-        assert await communicator.receive_output(timeout=5) == {"type": "websocket.close", "code": protocol.CLOSE_FORBIDDEN}
+        assert await communicator.receive_output(timeout=5) == {
+            "type": "websocket.close",
+            "code": protocol.CLOSE_FORBIDDEN,
+        }
 
     async_to_sync(scenario)()
-
-

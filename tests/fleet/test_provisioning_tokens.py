@@ -20,7 +20,8 @@ from fleet.enrolment import workload_enrol
 from fleet.models import ProvisioningToken, Workload
 from fleet.provisioning import provisioning_token_consume, provisioning_token_mint, provisioning_token_revoke
 from tests.controlplane.test_conventions import assert_problem
-from tests.helpers import race, run_command as run
+from tests.helpers import race
+from tests.helpers import run_command as run
 from tests.requirements import require
 
 FINGERPRINT = ":".join(f"{i:02X}" for i in range(32))
@@ -35,7 +36,9 @@ def data_dir(settings, tmp_path):
 
 @pytest.fixture
 def gateway(db):
-    return GatewayIdentity.objects.create(id=1, address=GATEWAY, fingerprint=FINGERPRINT, updated_at=clock.now())
+    return GatewayIdentity.objects.create(
+        id=1, address=GATEWAY, fingerprint=FINGERPRINT, updated_at=clock.now()
+    )
 
 
 def mint(**data):
@@ -55,8 +58,6 @@ def enrol(secret, **overrides):
         agent_version="0.1.0",
     )
     return workload_enrol(**{**kwargs, **overrides})
-
-
 
 
 RECORD_FIELDS = {
@@ -102,7 +103,9 @@ def test_mint_shows_the_token_and_bundle_once_and_stores_only_a_digest(api, gate
     assert secret not in json.dumps(listed) and stored.digest not in json.dumps(listed)
 
 
-def test_bundle_before_serve_ever_started_uses_the_gateway_certificate_serve_will_use(api, settings, data_dir):
+def test_bundle_before_serve_ever_started_uses_the_gateway_certificate_serve_will_use(
+    api, settings, data_dir
+):
     settings.PALISADE_GATEWAY_ADVERTISE = "cp.example.test:9443"
     body = api.post("/api/v1/provisioning-tokens", {"description": "first"}, format="json").json()
     fields = bundle_decode(body["bundle"])
@@ -134,7 +137,10 @@ def test_revoke_is_idempotent_and_the_token_enrols_nothing_after(api, gateway):
     assert response.status_code == 200
     record = response.json()
     assert record["revoked_at"] and record["state"] == "revoked"
-    assert api.delete(f"/api/v1/provisioning-tokens/{minted.token.id}").json()["revoked_at"] == record["revoked_at"]
+    assert (
+        api.delete(f"/api/v1/provisioning-tokens/{minted.token.id}").json()["revoked_at"]
+        == record["revoked_at"]
+    )
     with pytest.raises(Problem) as refused:
         enrol(minted.secret)
     assert refused.value.name == "unauthenticated" and "revoked" in refused.value.detail
@@ -142,7 +148,9 @@ def test_revoke_is_idempotent_and_the_token_enrols_nothing_after(api, gateway):
 
 
 def test_revoke_unknown_token_is_not_found(api):
-    assert_problem(api.delete("/api/v1/provisioning-tokens/00000000-0000-0000-0000-000000000000"), 404, "not-found")
+    assert_problem(
+        api.delete("/api/v1/provisioning-tokens/00000000-0000-0000-0000-000000000000"), 404, "not-found"
+    )
     assert_problem(api.delete("/api/v1/provisioning-tokens/not-a-uuid"), 404, "not-found")
     with pytest.raises(Problem) as missing:
         provisioning_token_revoke(actor=CLI_ACTOR, token_id="not-a-uuid")
@@ -151,7 +159,9 @@ def test_revoke_unknown_token_is_not_found(api):
 
 def test_minting_requires_authentication(anon):
     assert_problem(anon.get("/api/v1/provisioning-tokens"), 401, "unauthenticated")
-    assert_problem(anon.post("/api/v1/provisioning-tokens", {"description": "x"}, format="json"), 401, "unauthenticated")
+    assert_problem(
+        anon.post("/api/v1/provisioning-tokens", {"description": "x"}, format="json"), 401, "unauthenticated"
+    )
 
 
 # --- what minting admits: the same findings on the API and the command line ----------------------------
@@ -184,7 +194,12 @@ def test_mint_findings(api, gateway):
     body = assert_problem(
         api.post(
             "/api/v1/provisioning-tokens",
-            {"description": "   ", "expires_at": "2001-01-01T00:00:00Z", "max_uses": "3", "labels": ["app=web"]},
+            {
+                "description": "   ",
+                "expires_at": "2001-01-01T00:00:00Z",
+                "max_uses": "3",
+                "labels": ["app=web"],
+            },
             format="json",
         ),
         422,
@@ -200,11 +215,16 @@ def test_mint_findings(api, gateway):
     assert [(e["path"], e["rule"]) for e in body["errors"]] == [("/description", "required")]
     too_many = {f"k{n}": "v" for n in range(65)}
     body = assert_problem(
-        api.post("/api/v1/provisioning-tokens", {"description": "x" * 1001, "labels": too_many}, format="json"),
+        api.post(
+            "/api/v1/provisioning-tokens", {"description": "x" * 1001, "labels": too_many}, format="json"
+        ),
         422,
         "validation",
     )
-    assert sorted((e["path"], e["rule"]) for e in body["errors"]) == [("/description", "too-long"), ("/labels", "too-many")]
+    assert sorted((e["path"], e["rule"]) for e in body["errors"]) == [
+        ("/description", "too-long"),
+        ("/labels", "too-many"),
+    ]
     assert not ProvisioningToken.objects.exists()
 
 
@@ -223,7 +243,9 @@ def test_mint_findings(api, gateway):
     ],
 )
 def test_cli_and_api_give_the_same_findings(api, gateway, args, body):
-    api_problem = assert_problem(api.post("/api/v1/provisioning-tokens", body, format="json"), 422, "validation")
+    api_problem = assert_problem(
+        api.post("/api/v1/provisioning-tokens", body, format="json"), 422, "validation"
+    )
     code, out, _ = run("provisioning-token", "mint", *args, "--json")
     assert code == 2
     assert json.loads(out)["errors"] == api_problem["errors"]
@@ -236,7 +258,15 @@ def test_cli_and_api_give_the_same_findings(api, gateway, args, body):
 
 def test_cli_mint_list_revoke(api, gateway):
     code, out, _ = run(
-        "provisioning-token", "mint", "--description", "db hosts", "--max-uses", "2", "--label", "role=db", "--json"
+        "provisioning-token",
+        "mint",
+        "--description",
+        "db hosts",
+        "--max-uses",
+        "2",
+        "--label",
+        "role=db",
+        "--json",
     )
     assert code == 0
     minted = json.loads(out)
@@ -324,7 +354,11 @@ def test_bundle_round_trip_tolerates_pasting_whitespace():
     payload = json.loads(base64.urlsafe_b64decode(bundle[len(BUNDLE_PREFIX) :] + "=="))
     assert list(payload) == ["gateway", "fingerprint", "token"]
     wrapped = "  " + bundle[:30] + "\n  " + bundle[30:] + "\n"
-    assert bundle_decode(wrapped) == {"gateway": "[2001:db8::1]:8443", "fingerprint": FINGERPRINT, "token": token}
+    assert bundle_decode(wrapped) == {
+        "gateway": "[2001:db8::1]:8443",
+        "fingerprint": FINGERPRINT,
+        "token": token,
+    }
 
 
 def _b64(obj) -> str:
@@ -371,8 +405,6 @@ def test_malformed_bundles_are_refused_with_one_line(text, message):
 # --- concurrency: a single-use token enrols exactly one workload ---------------------------------------
 
 
-
-
 @pytest.mark.postgres
 def test_single_use_token_enrols_exactly_one_workload_under_concurrency(transactional_db):
     require(connection.vendor == "postgresql", "needs PostgreSQL: set DATABASE_URL=postgresql://...")
@@ -383,6 +415,8 @@ def test_single_use_token_enrols_exactly_one_workload_under_concurrency(transact
         enrolled = [r for r in results if not isinstance(r, Exception)]
         refused = [r for r in results if isinstance(r, Exception)]
         assert len(enrolled) == 1, results
-        assert all(isinstance(r, Problem) and r.name == "unauthenticated" and "used up" in r.detail for r in refused)
+        assert all(
+            isinstance(r, Problem) and r.name == "unauthenticated" and "used up" in r.detail for r in refused
+        )
         assert ProvisioningToken.objects.get(id=minted.token.id).uses == 1
         assert Workload.objects.filter(enrolled_with=minted.token.id).count() == 1

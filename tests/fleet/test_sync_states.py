@@ -27,7 +27,9 @@ def enforced_peerless(db):
 
 def bump_latest(workload):
     """Render a new latest version for the workload (a mode change is the simplest way)."""
-    Workload.objects.filter(id=workload.id).update(mode="enforced" if workload.mode != "enforced" else "simulation")
+    Workload.objects.filter(id=workload.id).update(
+        mode="enforced" if workload.mode != "enforced" else "simulation"
+    )
     workloads_rerender(workload_ids=[str(workload.id)])
     workload.refresh_from_db()
 
@@ -61,11 +63,18 @@ def test_pending_acknowledgement_of_latest_is_synced(db):
 def test_failure_of_latest_is_degraded_with_the_error(api, db, start):
     workload = connect(make_workload())
     if start == "synced":
-        sync.workload_applied(workload_id=workload.id, stream_id="stream-1", version=workload.latest_policy_id)
-    sync.workload_apply_failed(workload_id=workload.id, stream_id="stream-1", version="sha256:other", error="x")
+        sync.workload_applied(
+            workload_id=workload.id, stream_id="stream-1", version=workload.latest_policy_id
+        )
+    sync.workload_apply_failed(
+        workload_id=workload.id, stream_id="stream-1", version="sha256:other", error="x"
+    )
     assert state(workload) == start  # a failure of another version changes nothing
     sync.workload_apply_failed(
-        workload_id=workload.id, stream_id="stream-1", version=workload.latest_policy_id, error="Error: syntax error"
+        workload_id=workload.id,
+        stream_id="stream-1",
+        version=workload.latest_policy_id,
+        error="Error: syntax error",
     )
     assert state(workload) == "degraded"
     body = api.get(f"/api/v1/workloads/{workload.id}").json()
@@ -77,9 +86,13 @@ def test_failure_of_latest_is_degraded_with_the_error(api, db, start):
 def test_new_latest_version_with_an_open_stream_is_pending(api, db, start):
     workload = connect(make_workload())
     if start == "synced":
-        sync.workload_applied(workload_id=workload.id, stream_id="stream-1", version=workload.latest_policy_id)
+        sync.workload_applied(
+            workload_id=workload.id, stream_id="stream-1", version=workload.latest_policy_id
+        )
     if start == "degraded":
-        sync.workload_apply_failed(workload_id=workload.id, stream_id="stream-1", version=workload.latest_policy_id, error="e")
+        sync.workload_apply_failed(
+            workload_id=workload.id, stream_id="stream-1", version=workload.latest_policy_id, error="e"
+        )
     bump_latest(workload)
     assert workload.sync_state == "pending"
     body = api.get(f"/api/v1/workloads/{workload.id}").json()
@@ -98,9 +111,13 @@ def test_new_latest_version_while_offline_stays_offline(db):
 def test_stream_end_is_offline_and_a_stale_end_is_ignored(db, start):
     workload = connect(make_workload())
     if start == "synced":
-        sync.workload_applied(workload_id=workload.id, stream_id="stream-1", version=workload.latest_policy_id)
+        sync.workload_applied(
+            workload_id=workload.id, stream_id="stream-1", version=workload.latest_policy_id
+        )
     if start == "degraded":
-        sync.workload_apply_failed(workload_id=workload.id, stream_id="stream-1", version=workload.latest_policy_id, error="e")
+        sync.workload_apply_failed(
+            workload_id=workload.id, stream_id="stream-1", version=workload.latest_policy_id, error="e"
+        )
     connect(workload, stream_id="stream-2")  # reconnected before the old stream's end was recorded
     sync.workload_stream_ended(workload_id=workload.id, stream_id="stream-1")
     assert state(workload) == "pending"
@@ -111,7 +128,9 @@ def test_stream_end_is_offline_and_a_stale_end_is_ignored(db, start):
 
 def test_degraded_then_resend_then_apply_is_synced(api, db, django_capture_on_commit_callbacks):
     workload = connect(make_workload())
-    sync.workload_apply_failed(workload_id=workload.id, stream_id="stream-1", version=workload.latest_policy_id, error="e")
+    sync.workload_apply_failed(
+        workload_id=workload.id, stream_id="stream-1", version=workload.latest_policy_id, error="e"
+    )
     with django_capture_on_commit_callbacks(execute=True):
         assert api.post(f"/api/v1/workloads/{workload.id}/resend-snapshot").status_code == 200
     # The agent reconnects: the old stream ends, a new one begins with a fresh snapshot.
@@ -137,18 +156,24 @@ def test_resend_is_refused_for_offline_workloads_with_when_last_heard(api, db):
     gone.refresh_from_db()
     body = assert_problem(api.post(f"/api/v1/workloads/{gone.id}/resend-snapshot"), 409, "workload-offline")
     assert body["last_heard_from"] == clock.rfc3339(gone.last_heard_from)
-    assert_problem(api.post("/api/v1/workloads/00000000-0000-0000-0000-000000000000/resend-snapshot"), 404, "not-found")
+    assert_problem(
+        api.post("/api/v1/workloads/00000000-0000-0000-0000-000000000000/resend-snapshot"), 404, "not-found"
+    )
 
 
 def test_resend_is_refused_while_reconnecting(api, db):
     workload = make_workload()
-    Workload.objects.filter(id=workload.id).update(last_flow_report_at=clock.now(), last_heard_from=clock.now())
+    Workload.objects.filter(id=workload.id).update(
+        last_flow_report_at=clock.now(), last_heard_from=clock.now()
+    )
     body = api.get(f"/api/v1/workloads/{workload.id}").json()
     assert body["sync"]["state"] == "offline" and body["health"]["telemetry_live"] is True
     assert_problem(api.post(f"/api/v1/workloads/{workload.id}/resend-snapshot"), 409, "workload-offline")
 
 
-def test_resend_fires_the_directive_to_the_workloads_group_after_commit(api, db, django_capture_on_commit_callbacks):
+def test_resend_fires_the_directive_to_the_workloads_group_after_commit(
+    api, db, django_capture_on_commit_callbacks
+):
     workload = connect(make_workload())
     layer = get_channel_layer()
     channel = async_to_sync(layer.new_channel)()
@@ -171,9 +196,16 @@ def test_enforcement_removed_ranks_first_matches_removed_and_counts_only_as_remo
     assert [w["hostname"] for w in api.get("/api/v1/workloads?removed=true").json()["items"]] == ["b"]
     assert [w["hostname"] for w in api.get("/api/v1/workloads?removed=false").json()["items"]] == ["a"]
     # The stored state still records the last acknowledgement.
-    assert [w["hostname"] for w in api.get("/api/v1/workloads?sync_state=synced").json()["items"]] == ["b", "a"]
+    assert [w["hostname"] for w in api.get("/api/v1/workloads?sync_state=synced").json()["items"]] == [
+        "b",
+        "a",
+    ]
     counts = api.get("/api/v1/workloads/counts").json()
-    assert counts == {"total": 2, "sync_state": {"synced": 1, "pending": 0, "degraded": 0, "offline": 0}, "removed": 1}
+    assert counts == {
+        "total": 2,
+        "sync_state": {"synced": 1, "pending": 0, "degraded": 0, "offline": 0},
+        "removed": 1,
+    }
     sync.workload_table_reported(workload_id=b.id, stream_id="stream-1", state="present")
     assert api.get("/api/v1/workloads/counts").json()["sync_state"]["synced"] == 2
 
@@ -184,7 +216,9 @@ def test_removed_whatever_the_sync_state(api, db):
     sync.workload_stream_ended(workload_id=workload.id, stream_id="stream-1")
     counts = api.get("/api/v1/workloads/counts").json()
     assert counts["removed"] == 1 and counts["sync_state"]["offline"] == 0
-    assert api.get("/api/v1/workloads?sync_state=offline&removed=true").json()["items"][0]["id"] == str(workload.id)
+    assert api.get("/api/v1/workloads?sync_state=offline&removed=true").json()["items"][0]["id"] == str(
+        workload.id
+    )
 
 
 def test_telemetry_live_is_two_flow_windows(api, db, clock_at, settings):

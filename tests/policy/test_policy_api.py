@@ -25,12 +25,20 @@ def delete(api, path, version=None):
 
 @pytest.fixture
 def web(api):
-    return create(api, "/api/v1/services", {"name": "web", "entries": [HTTPS, {"protocol": "tcp", "port": 8000, "port_to": 8080}]})
+    return create(
+        api,
+        "/api/v1/services",
+        {"name": "web", "entries": [HTTPS, {"protocol": "tcp", "port": 8000, "port_to": 8080}]},
+    )
 
 
 @pytest.fixture
 def office(api):
-    return create(api, "/api/v1/address-groups", {"name": "office", "members": ["10.1.0.0/16", "2001:DB8::1", "192.0.2.7/32"]})
+    return create(
+        api,
+        "/api/v1/address-groups",
+        {"name": "office", "members": ["10.1.0.0/16", "2001:DB8::1", "192.0.2.7/32"]},
+    )
 
 
 @pytest.fixture
@@ -43,14 +51,22 @@ def ruleset(api, web, office):
             "description": "who may reach the web tier",
             "scope": "tier=web, env in (prod,staging)",
             "rules": [
-                {"description": "clients", "sources": [{"selector": "role=client"}], "services": [{"service": web["id"]}]},
-                {"sources": [{"address_group": "office"}, {"any": True}], "services": [{"protocol": "icmp"}, {"service": "web"}]},
+                {
+                    "description": "clients",
+                    "sources": [{"selector": "role=client"}],
+                    "services": [{"service": web["id"]}],
+                },
+                {
+                    "sources": [{"address_group": "office"}, {"any": True}],
+                    "services": [{"protocol": "icmp"}, {"service": "web"}],
+                },
             ],
         },
     )
 
 
 # --- services and address groups ---
+
 
 def test_service_create_read_replace_delete(api, web):
     assert web["entries"] == [HTTPS, {"protocol": "tcp", "port": 8000, "port_to": 8080}]
@@ -85,9 +101,18 @@ def test_lists_carry_the_policy_version(api, web, office):
         ({"name": "x", "entries": [{"protocol": "sctp", "port": 1}]}, [("/entries/0/protocol", "protocol")]),
         ({"name": "x", "entries": [{"protocol": "tcp"}]}, [("/entries/0/port", "port-required")]),
         ({"name": "x", "entries": [{"protocol": "tcp", "port": 0}]}, [("/entries/0/port", "out-of-range")]),
-        ({"name": "x", "entries": [{"protocol": "udp", "port": 70000}]}, [("/entries/0/port", "out-of-range")]),
-        ({"name": "x", "entries": [{"protocol": "tcp", "port": 90, "port_to": 80}]}, [("/entries/0/port_to", "port-range-order")]),
-        ({"name": "x", "entries": [{"protocol": "icmp", "port": 8}]}, [("/entries/0/port", "port-not-allowed")]),
+        (
+            {"name": "x", "entries": [{"protocol": "udp", "port": 70000}]},
+            [("/entries/0/port", "out-of-range")],
+        ),
+        (
+            {"name": "x", "entries": [{"protocol": "tcp", "port": 90, "port_to": 80}]},
+            [("/entries/0/port_to", "port-range-order")],
+        ),
+        (
+            {"name": "x", "entries": [{"protocol": "icmp", "port": 8}]},
+            [("/entries/0/port", "port-not-allowed")],
+        ),
         ({"name": "x", "entries": [{"protocol": "tcp", "port": "80"}]}, [("/entries/0/port", "type")]),
         ({"name": "x", "entries": [HTTPS], "colour": "red"}, [("/colour", "unknown-field")]),
         ({"name": "x" * 101, "entries": [HTTPS]}, [("/name", "too-long")]),
@@ -112,18 +137,36 @@ def test_one_finding_per_field(api):
 
 @pytest.mark.parametrize(
     "member, rule",
-    [("10.0.0.300", "address"), ("10.0.0.5/24", "cidr-host-bits"), ("example.com", "address"), ("", "address"), (5, "type")],
+    [
+        ("10.0.0.300", "address"),
+        ("10.0.0.5/24", "cidr-host-bits"),
+        ("example.com", "address"),
+        ("", "address"),
+        (5, "type"),
+    ],
 )
 def test_address_group_member_findings(api, member, rule):
-    body = assert_problem(api.post("/api/v1/address-groups", {"name": "g", "members": [member]}, format="json"), 422, "validation")
+    body = assert_problem(
+        api.post("/api/v1/address-groups", {"name": "g", "members": [member]}, format="json"),
+        422,
+        "validation",
+    )
     assert [(e["path"], e["rule"]) for e in body["errors"]] == [("/members/0", rule)]
 
 
 def test_duplicate_names_are_refused(api, web, office):
-    body = assert_problem(api.post("/api/v1/services", {"name": "web", "entries": [HTTPS]}, format="json"), 422, "validation")
+    body = assert_problem(
+        api.post("/api/v1/services", {"name": "web", "entries": [HTTPS]}, format="json"), 422, "validation"
+    )
     assert body["errors"][0]["rule"] == "duplicate-name"
     other = create(api, "/api/v1/address-groups", {"name": "other", "members": []})
-    body = assert_problem(put(api, f"/api/v1/address-groups/{other['id']}", {"name": "office", "members": []}, other["version"]), 422, "validation")
+    body = assert_problem(
+        put(
+            api, f"/api/v1/address-groups/{other['id']}", {"name": "office", "members": []}, other["version"]
+        ),
+        422,
+        "validation",
+    )
     assert body["errors"][0]["rule"] == "duplicate-name"
 
 
@@ -131,11 +174,14 @@ def test_referenced_service_and_group_cannot_be_deleted(api, ruleset, web, offic
     body = assert_problem(delete(api, f"/api/v1/services/{web['id']}", web["version"]), 409, "in-use")
     assert {r["rule_id"] for r in body["referenced_by"]} == {r["id"] for r in ruleset["rules"]}
     assert "frontend" in body["detail"]
-    body = assert_problem(delete(api, f"/api/v1/address-groups/{office['id']}", office["version"]), 409, "in-use")
+    body = assert_problem(
+        delete(api, f"/api/v1/address-groups/{office['id']}", office["version"]), 409, "in-use"
+    )
     assert [r["rule_id"] for r in body["referenced_by"]] == [ruleset["rules"][1]["id"]]
 
 
 # --- conditional writes ---
+
 
 @pytest.mark.parametrize("kind", ["services", "address-groups", "rulesets"])
 def test_writes_without_if_match_are_428_and_with_a_moved_version_412(api, ruleset, web, office, kind):
@@ -169,6 +215,7 @@ def test_unauthenticated_policy_requests_are_401(db):
 
 # --- rulesets and rules ---
 
+
 def test_ruleset_shape_and_scope_is_canonical(api, ruleset, web, office):
     assert ruleset["scope"] == "env in (prod,staging),tier=web"
     assert ruleset["enabled"] is True
@@ -198,7 +245,12 @@ def test_policy_version_moves_with_every_policy_write(api, ruleset, web, office)
     put(api, f"/api/v1/address-groups/{office['id']}", {"name": "office", "members": []}, office["version"])
     moved()
     rule = ruleset["rules"][0]
-    put(api, f"/api/v1/rulesets/{ruleset['id']}/rules/{rule['id']}", {**rule, "description": "x"}, rule["version"])
+    put(
+        api,
+        f"/api/v1/rulesets/{ruleset['id']}/rules/{rule['id']}",
+        {**rule, "description": "x"},
+        rule["version"],
+    )
     moved()
     create(api, "/api/v1/services", {"name": "dns", "entries": [{"protocol": "udp", "port": 53}]})
     moved()
@@ -236,13 +288,17 @@ def test_ruleset_put_unchanged_rule_keeps_its_version(api, ruleset):
 
 def test_ruleset_put_with_a_foreign_rule_id(api, ruleset):
     body = {**ruleset, "rules": [{**ruleset["rules"][0], "id": "00000000-0000-0000-0000-000000000001"}]}
-    problem = assert_problem(put(api, f"/api/v1/rulesets/{ruleset['id']}", body, ruleset["version"]), 422, "validation")
+    problem = assert_problem(
+        put(api, f"/api/v1/rulesets/{ruleset['id']}", body, ruleset["version"]), 422, "validation"
+    )
     assert [(e["path"], e["rule"]) for e in problem["errors"]] == [("/rules/0/id", "unknown-rule")]
 
 
 def test_one_rule_add_read_replace_delete_moves_the_ruleset_version(api, ruleset):
     base = f"/api/v1/rulesets/{ruleset['id']}/rules"
-    rule = create(api, base, {"sources": [{"selector": "team=ops"}], "services": [{"protocol": "tcp", "port": 22}]})
+    rule = create(
+        api, base, {"sources": [{"selector": "team=ops"}], "services": [{"protocol": "tcp", "port": 22}]}
+    )
     assert rule["sources"] == [{"selector": "team=ops"}]
     after_add = api.get(f"/api/v1/rulesets/{ruleset['id']}").json()
     assert after_add["version"] != ruleset["version"] and after_add["rules"][-1]["id"] == rule["id"]
@@ -251,7 +307,12 @@ def test_one_rule_add_read_replace_delete_moves_the_ruleset_version(api, ruleset
     assert_problem(api.put(f"{base}/{rule['id']}", rule, format="json"), 428, "precondition-required")
     # The rule's own version, not the ruleset's, is what If-Match carries.
     assert_problem(put(api, f"{base}/{rule['id']}", rule, after_add["version"]), 412, "precondition-failed")
-    replaced = put(api, f"{base}/{rule['id']}", {**rule, "services": [{"protocol": "tcp", "port": 2222}]}, rule["version"])
+    replaced = put(
+        api,
+        f"{base}/{rule['id']}",
+        {**rule, "services": [{"protocol": "tcp", "port": 2222}]},
+        rule["version"],
+    )
     assert replaced.status_code == 200 and replaced.json()["services"] == [{"protocol": "tcp", "port": 2222}]
     after_replace = api.get(f"/api/v1/rulesets/{ruleset['id']}").json()
     assert after_replace["version"] != after_add["version"]
@@ -281,14 +342,35 @@ def test_ruleset_delete_removes_its_rules_and_frees_references(api, ruleset, web
         ({"sources": [], "services": [HTTPS]}, [("/rules/0/sources", "empty")]),
         ({"sources": [{"any": True}], "services": []}, [("/rules/0/services", "empty")]),
         ({"services": [HTTPS]}, [("/rules/0/sources", "required")]),
-        ({"sources": [{"selector": "a in (b"}], "services": [HTTPS]}, [("/rules/0/sources/0/selector", "selector-syntax")]),
-        ({"sources": [{"address_group": "nope"}], "services": [HTTPS]}, [("/rules/0/sources/0/address_group", "unknown-reference")]),
-        ({"sources": [{"any": True}], "services": [{"service": "nope"}]}, [("/rules/0/services/0/service", "unknown-reference")]),
+        (
+            {"sources": [{"selector": "a in (b"}], "services": [HTTPS]},
+            [("/rules/0/sources/0/selector", "selector-syntax")],
+        ),
+        (
+            {"sources": [{"address_group": "nope"}], "services": [HTTPS]},
+            [("/rules/0/sources/0/address_group", "unknown-reference")],
+        ),
+        (
+            {"sources": [{"any": True}], "services": [{"service": "nope"}]},
+            [("/rules/0/services/0/service", "unknown-reference")],
+        ),
         ({"sources": [{"any": False}], "services": [HTTPS]}, [("/rules/0/sources/0/any", "type")]),
-        ({"sources": [{"any": True, "selector": "a"}], "services": [HTTPS]}, [("/rules/0/sources/0", "source")]),
-        ({"sources": [{"cidr": "10.0.0.0/8"}], "services": [HTTPS]}, [("/rules/0/sources/0/cidr", "unknown-field")]),
-        ({"sources": [{"any": True}], "services": [{"protocol": "tcp", "port": 99999}]}, [("/rules/0/services/0/port", "out-of-range")]),
-        ({"sources": [{"any": True}], "services": [HTTPS], "action": "drop"}, [("/rules/0/action", "unknown-field")]),
+        (
+            {"sources": [{"any": True, "selector": "a"}], "services": [HTTPS]},
+            [("/rules/0/sources/0", "source")],
+        ),
+        (
+            {"sources": [{"cidr": "10.0.0.0/8"}], "services": [HTTPS]},
+            [("/rules/0/sources/0/cidr", "unknown-field")],
+        ),
+        (
+            {"sources": [{"any": True}], "services": [{"protocol": "tcp", "port": 99999}]},
+            [("/rules/0/services/0/port", "out-of-range")],
+        ),
+        (
+            {"sources": [{"any": True}], "services": [HTTPS], "action": "drop"},
+            [("/rules/0/action", "unknown-field")],
+        ),
     ],
 )
 def test_rule_findings_point_into_the_body(api, rule, expected):
@@ -298,7 +380,9 @@ def test_rule_findings_point_into_the_body(api, rule, expected):
 
 
 def test_selector_finding_names_the_position(api):
-    problem = assert_problem(api.post("/api/v1/rulesets", {"name": "r", "scope": "app=x,,b"}, format="json"), 422, "validation")
+    problem = assert_problem(
+        api.post("/api/v1/rulesets", {"name": "r", "scope": "app=x,,b"}, format="json"), 422, "validation"
+    )
     (finding,) = problem["errors"]
     assert finding["path"] == "/scope" and "position 6" in finding["message"]
 

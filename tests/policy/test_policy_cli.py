@@ -9,16 +9,22 @@ from tests.controlplane.test_conventions import assert_problem
 from tests.helpers import run_command as run
 
 BAD_BODIES = [
-    ("service", "/api/v1/services", {"name": "", "entries": [{"protocol": "tcp", "port": 0}, {"protocol": "icmp", "port": 1}]}),
+    (
+        "service",
+        "/api/v1/services",
+        {"name": "", "entries": [{"protocol": "tcp", "port": 0}, {"protocol": "icmp", "port": 1}]},
+    ),
     ("address-group", "/api/v1/address-groups", {"name": "g", "members": ["10.0.0.1/8", "nope"], "x": 1}),
     (
         "ruleset",
         "/api/v1/rulesets",
-        {"name": "r", "scope": "a in (", "rules": [{"sources": [{"address_group": "missing"}], "services": []}]},
+        {
+            "name": "r",
+            "scope": "a in (",
+            "rules": [{"sources": [{"address_group": "missing"}], "services": []}],
+        },
     ),
 ]
-
-
 
 
 @pytest.mark.parametrize("command, path, body", BAD_BODIES)
@@ -42,7 +48,9 @@ def test_cli_create_replace_delete_round_trip(api, monkeypatch, tmp_path):
     spec.write_text(json.dumps({"name": "dns", "entries": [{"protocol": "udp", "port": 5353}]}))
     code, _, err = run("service", "replace", created["id"], str(spec), "--if-match", "999")
     assert code == 1 and "precondition-failed" in err and len(err.strip().splitlines()) == 1
-    code, out, _ = run("service", "replace", created["id"], str(spec), "--if-match", created["version"], "--json")
+    code, out, _ = run(
+        "service", "replace", created["id"], str(spec), "--if-match", created["version"], "--json"
+    )
     replaced = json.loads(out)
     assert code == 0 and replaced["entries"] == [{"protocol": "udp", "port": 5353}]
     code, out, _ = run("service", "list", "--json")
@@ -53,7 +61,9 @@ def test_cli_create_replace_delete_round_trip(api, monkeypatch, tmp_path):
 
 
 def test_cli_rule_commands_and_in_use_refusal(api, monkeypatch):
-    svc = api.post("/api/v1/services", {"name": "ssh", "entries": [{"protocol": "tcp", "port": 22}]}, format="json").json()
+    svc = api.post(
+        "/api/v1/services", {"name": "ssh", "entries": [{"protocol": "tcp", "port": 22}]}, format="json"
+    ).json()
     rs = api.post("/api/v1/rulesets", {"name": "ops", "scope": "role=bastion"}, format="json").json()
     rule_body = json.dumps({"sources": [{"selector": "team=ops"}], "services": [{"service": "ssh"}]})
     code, out, _ = run("rule", "add", rs["id"], "-", "--json", stdin_text=rule_body, monkeypatch=monkeypatch)

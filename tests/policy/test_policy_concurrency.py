@@ -1,6 +1,5 @@
 """Concurrent writers on PostgreSQL: the compare-and-set and the reference integrity hold under races."""
 
-
 import pytest
 from django.db import connection
 from rest_framework.test import APIClient
@@ -27,12 +26,14 @@ def _client(secret):
     return client
 
 
-
-
 def test_two_writers_with_the_same_version_exactly_one_wins(pg_api):
     api = pg_api()
     for attempt in range(10):
-        service = api.post("/api/v1/services", {"name": f"svc{attempt}", "entries": [{"protocol": "tcp", "port": 1}]}, format="json").json()
+        service = api.post(
+            "/api/v1/services",
+            {"name": f"svc{attempt}", "entries": [{"protocol": "tcp", "port": 1}]},
+            format="json",
+        ).json()
         path = f"/api/v1/services/{service['id']}"
 
         def writer(port):
@@ -51,14 +52,20 @@ def test_two_rule_writers_with_the_same_version_exactly_one_wins(pg_api):
     api = pg_api()
     ruleset = api.post(
         "/api/v1/rulesets",
-        {"name": "r", "scope": "", "rules": [{"sources": [{"any": True}], "services": [{"protocol": "icmp"}]}]},
+        {
+            "name": "r",
+            "scope": "",
+            "rules": [{"sources": [{"any": True}], "services": [{"protocol": "icmp"}]}],
+        },
         format="json",
     ).json()
     rule = ruleset["rules"][0]
     path = f"/api/v1/rulesets/{ruleset['id']}/rules/{rule['id']}"
 
     def writer(description):
-        return lambda: pg_api().put(path, {**rule, "description": description}, format="json", HTTP_IF_MATCH=f'"{rule["version"]}"')
+        return lambda: pg_api().put(
+            path, {**rule, "description": description}, format="json", HTTP_IF_MATCH=f'"{rule["version"]}"'
+        )
 
     statuses = sorted(r.status_code for r in race(writer("a"), writer("b"), writer("c")))
     assert statuses == [200, 412, 412]
@@ -68,11 +75,19 @@ def test_delete_while_referenced_never_leaves_a_dangling_reference(pg_api):
     api = pg_api()
     outcomes = set()
     for attempt in range(15):
-        service = api.post("/api/v1/services", {"name": f"s{attempt}", "entries": [{"protocol": "udp", "port": 53}]}, format="json").json()
-        ruleset = api.post("/api/v1/rulesets", {"name": f"rs{attempt}", "scope": "", "rules": []}, format="json").json()
+        service = api.post(
+            "/api/v1/services",
+            {"name": f"s{attempt}", "entries": [{"protocol": "udp", "port": 53}]},
+            format="json",
+        ).json()
+        ruleset = api.post(
+            "/api/v1/rulesets", {"name": f"rs{attempt}", "scope": "", "rules": []}, format="json"
+        ).json()
 
         def delete():
-            return pg_api().delete(f"/api/v1/services/{service['id']}", HTTP_IF_MATCH=f'"{service["version"]}"')
+            return pg_api().delete(
+                f"/api/v1/services/{service['id']}", HTTP_IF_MATCH=f'"{service["version"]}"'
+            )
 
         def reference():
             return pg_api().post(

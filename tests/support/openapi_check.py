@@ -61,13 +61,16 @@ class OpenAPIDocument:
             pattern = re.compile("^" + re.sub(r"\\\{[^}]+\\\}", "[^/]+", re.escape(template)) + "$")
             for method, operation in operations.items():
                 if isinstance(operation, dict) and "responses" in operation:
-                    self.operations.append(_Operation(method.upper(), pattern, template, operation["responses"]))
+                    self.operations.append(
+                        _Operation(method.upper(), pattern, template, operation["responses"])
+                    )
         # /workloads/counts before /workloads/{id}: literal paths win over templates.
         self.operations.sort(key=lambda op: op.template.count("{"))
 
     def _validator(self, schema: dict) -> Draft202012Validator:
         return Draft202012Validator(
-            {"allOf": [_as_json_schema(schema)], "components": self.components}, format_checker=FormatChecker()
+            {"allOf": [_as_json_schema(schema)], "components": self.components},
+            format_checker=FormatChecker(),
         )
 
     def check(self, *, method: str, path: str, status: int, content_type: str, body: bytes) -> None:
@@ -75,7 +78,9 @@ class OpenAPIDocument:
         if media_type not in JSON_TYPES:
             return
         where = f"{method} {path} -> {status}"
-        operation = next((op for op in self.operations if op.method == method and op.pattern.match(path)), None)
+        operation = next(
+            (op for op in self.operations if op.method == method and op.pattern.match(path)), None
+        )
         if operation is None:
             # Paths or methods the API does not have answer with a problem; nothing else is undocumented.
             if media_type != "application/problem+json":
@@ -84,12 +89,18 @@ class OpenAPIDocument:
         else:
             declared = operation.responses.get(str(status)) or operation.responses.get("default")
             if declared is None:
-                raise SchemaMismatch(f"{where}: status {status} is not declared for {method} {operation.template}")
+                raise SchemaMismatch(
+                    f"{where}: status {status} is not declared for {method} {operation.template}"
+                )
             content = declared.get("content") or {}
             if media_type not in content:
-                raise SchemaMismatch(f"{where}: sent {media_type}, the document declares {sorted(content) or 'no body'}")
+                raise SchemaMismatch(
+                    f"{where}: sent {media_type}, the document declares {sorted(content) or 'no body'}"
+                )
             schema = content[media_type].get("schema", {})
-        errors = sorted(self._validator(schema).iter_errors(json.loads(body)), key=lambda error: list(error.path))
+        errors = sorted(
+            self._validator(schema).iter_errors(json.loads(body)), key=lambda error: list(error.path)
+        )
         if errors:
             raise SchemaMismatch(
                 f"{where}: the body does not match docs/openapi.yaml:\n"

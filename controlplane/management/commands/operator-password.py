@@ -17,7 +17,9 @@ class Command(PalisadeCommand):
 
     def add_arguments(self, parser):
         super().add_arguments(parser)
-        parser.add_argument("--stdin", dest="from_stdin", action="store_true", help="read the password from standard input")
+        parser.add_argument(
+            "--stdin", dest="from_stdin", action="store_true", help="read the password from standard input"
+        )
 
     def handle(self, *args, **options):
         stream = options.get("input_stream") or sys.stdin
@@ -25,7 +27,9 @@ class Command(PalisadeCommand):
             password = stream.readline().rstrip("\r\n")
         else:
             if not stream.isatty():
-                raise CommandError("standard input is not a terminal; use --stdin to read the password from it")
+                raise CommandError(
+                    "standard input is not a terminal; use --stdin to read the password from it"
+                )
             password = getpass.getpass("New operator password: ")
             if getpass.getpass("Repeat it: ") != password:
                 raise CommandError("the passwords differ; nothing changed")

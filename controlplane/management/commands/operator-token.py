@@ -45,7 +45,9 @@ class Command(PalisadeCommand):
             tokens.extend(operator_token_data(t) for t in page.items)
             if not (cursor := page.next_cursor):
                 break
-        lines = [f"{'ID':36}  {'PREFIX':12}  {'NAME':20}  {'CREATED':20}  {'LAST USED':20}  {'EXPIRES':20}  STATE"]
+        lines = [
+            f"{'ID':36}  {'PREFIX':12}  {'NAME':20}  {'CREATED':20}  {'LAST USED':20}  {'EXPIRES':20}  STATE"
+        ]
         for t in tokens:
             state = "revoked" if t["revoked_at"] else "active"
             lines.append(

@@ -96,15 +96,16 @@ def _this_host_name() -> str:
 
 def _wildcard_interface() -> str:
     """`::` when this kernel does IPv6 with dual-stack sockets (it then accepts IPv4 too), else 0.0.0.0."""
+    # Listening on every interface is the documented default for `--listen :PORT` (S104).
     if not socket.has_ipv6:
-        return "0.0.0.0"
+        return "0.0.0.0"  # noqa: S104
     try:
         with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as probe:
             probe.bind(("::", 0))
             v6only = probe.getsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY)
     except OSError:
-        return "0.0.0.0"
-    return "0.0.0.0" if v6only else "::"
+        return "0.0.0.0"  # noqa: S104
+    return "0.0.0.0" if v6only else "::"  # noqa: S104
 
 
 def split_address(flag: str, value: str) -> tuple[str, str | None, int]:
@@ -229,7 +230,9 @@ class _Server(daphne.server.Server):
         from fleet.retention import rendered_policies_prune
 
         def prune():
-            removed = rendered_policies_prune(older_than=timedelta(seconds=UNREFERENCED_DOCUMENT_GRACE_SECONDS))
+            removed = rendered_policies_prune(
+                older_than=timedelta(seconds=UNREFERENCED_DOCUMENT_GRACE_SECONDS)
+            )
             if removed:
                 log.info("pruned %d rendered documents no workload names", removed)
 

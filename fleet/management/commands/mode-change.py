@@ -8,12 +8,16 @@ from fleet.services import mode_change_create
 
 
 class Command(PalisadeCommand):
-    help = "Move the selected workloads to a mode; returns once the intent is recorded and documents rendered."
+    help = (
+        "Move the selected workloads to a mode; returns once the intent is recorded and documents rendered."
+    )
 
     def add_arguments(self, parser):
         super().add_arguments(parser)
         parser.add_argument("mode", choices=MODES)
-        parser.add_argument("--label", action="append", default=[], help="label requirement; repeatable, ANDed")
+        parser.add_argument(
+            "--label", action="append", default=[], help="label requirement; repeatable, ANDed"
+        )
         parser.add_argument("--workload", action="append", default=[], help="workload id; repeatable")
         parser.add_argument("--all", action="store_true", help="every workload of the fleet")
 
@@ -27,4 +31,7 @@ class Command(PalisadeCommand):
             selection["all"] = True
         intent = mode_change_create(actor=CLI_ACTOR, data={"selection": selection, "mode": o["mode"]})
         data = mode_change_data(intent)
-        self.emit(data, f"{data['mode']}: {data['resolved_count']} selected, {data['changed_count']} changed (intent {data['id']})")
+        self.emit(
+            data,
+            f"{data['mode']}: {data['resolved_count']} selected, {data['changed_count']} changed (intent {data['id']})",
+        )

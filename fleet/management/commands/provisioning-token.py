@@ -71,7 +71,9 @@ class Command(PalisadeCommand):
             tokens.extend(provisioning_token_data(t) for t in page.items)
             if not (cursor := page.next_cursor):
                 break
-        lines = [f"{'ID':36}  {'PREFIX':12}  {'STATE':8}  {'USES':11}  {'CREATED':19}  {'EXPIRES':19}  DESCRIPTION"]
+        lines = [
+            f"{'ID':36}  {'PREFIX':12}  {'STATE':8}  {'USES':11}  {'CREATED':19}  {'EXPIRES':19}  DESCRIPTION"
+        ]
         for t in tokens:
             uses = f"{t['uses']}/{t['max_uses'] if t['max_uses'] is not None else '-'}"
             lines.append(
@@ -81,5 +83,7 @@ class Command(PalisadeCommand):
         self.emit({"items": tokens}, "\n".join(lines))
 
     def do_revoke(self, options):
-        record = provisioning_token_data(provisioning_token_revoke(actor=CLI_ACTOR, token_id=options["token_id"]))
+        record = provisioning_token_data(
+            provisioning_token_revoke(actor=CLI_ACTOR, token_id=options["token_id"])
+        )
         self.emit(record, f"revoked provisioning token {record['prefix']} ({record['description'][:60]})")

@@ -15,7 +15,9 @@ class Command(PalisadeCommand):
         data = render_dryrun(data=self.read_json_input(o["file"]))
         lines = [f"{data['changed_count']} document(s) would change, {data['unchanged_count']} unchanged"]
         for entry in data["changed"]:
-            summary = ", ".join(f"{key[6:]} {len(entry[key])}" for key in ("rules_added", "rules_removed", "rules_changed"))
+            summary = ", ".join(
+                f"{key[6:]} {len(entry[key])}" for key in ("rules_added", "rules_removed", "rules_changed")
+            )
             lines.append(f"  {entry['workload_id']}  {summary}")
         lines += [f"warning: {w['path']}: {w['message']}" for w in data["warnings"]]
         self.emit(data, "\n".join(lines))

@@ -17,13 +17,17 @@ class Command(PalisadeCommand):
         super().add_arguments(parser)
         actions = self.add_actions(parser)
         listing = actions.add_parser("list", help="the fleet in fleet order")
-        listing.add_argument("--label", action="append", default=[], help="label requirement; repeatable, ANDed")
+        listing.add_argument(
+            "--label", action="append", default=[], help="label requirement; repeatable, ANDed"
+        )
         listing.add_argument("--sync-state", choices=["synced", "pending", "degraded", "offline"])
         listing.add_argument("--removed", choices=["true", "false"])
         actions.add_parser("counts", help="totals per sync state and removed")
         for name in ("show", "rendered-policy", "labels", "resend-snapshot"):
             actions.add_parser(name).add_argument("workload_id")
-        set_labels = actions.add_parser("set-labels", help='replace labels from a JSON file or - ({"labels": {...}})')
+        set_labels = actions.add_parser(
+            "set-labels", help='replace labels from a JSON file or - ({"labels": {...}})'
+        )
         set_labels.add_argument("workload_id")
         set_labels.add_argument("file")
         set_labels.add_argument("--if-match", required=True, help="the label set's version")
@@ -32,7 +36,9 @@ class Command(PalisadeCommand):
         getattr(self, "do_" + options["action"].replace("-", "_"))(options)
 
     def do_list(self, o):
-        filters = selectors.workload_filters_parse(labels=o["label"], sync_state=o["sync_state"], removed=o["removed"])
+        filters = selectors.workload_filters_parse(
+            labels=o["label"], sync_state=o["sync_state"], removed=o["removed"]
+        )
         items, cursor = [], None
         while True:
             page = selectors.workload_list(**filters, cursor=cursor, limit=MAX_LIMIT)
@@ -78,4 +84,7 @@ class Command(PalisadeCommand):
 
     def do_resend_snapshot(self, o):
         workload = services.workload_resend_snapshot(actor=CLI_ACTOR, workload_id=o["workload_id"])
-        self.emit({"workload_id": str(workload.id), "directive": "sent"}, f"resend directive sent to {workload.hostname}")
+        self.emit(
+            {"workload_id": str(workload.id), "directive": "sent"},
+            f"resend directive sent to {workload.hostname}",
+        )

@@ -39,7 +39,9 @@ class Command(PalisadeCommand):
         self.emit(data, json.dumps(data, indent=2))
 
     def do_add(self, o):
-        rule = services.rule_add(actor=CLI_ACTOR, ruleset_id=o["ruleset_id"], data=self.read_json_input(o["file"]))
+        rule = services.rule_add(
+            actor=CLI_ACTOR, ruleset_id=o["ruleset_id"], data=self.read_json_input(o["file"])
+        )
         self.show_rule(o["ruleset_id"], rule.id)
 
     def do_show(self, o):
