@@ -14,8 +14,8 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-from dataclasses import MISSING, asdict, dataclass, field, fields
 from collections.abc import Callable
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, ClassVar, TypeVar
 
 from cryptography.exceptions import InvalidSignature

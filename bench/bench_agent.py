@@ -359,8 +359,8 @@ def _rss_sample(pid: int, seconds: float, interval: float = 0.5) -> dict:
 def bench_rss(policy: dict, deadline_s: float) -> dict:
     import httpx
 
-    from tests.nsthread import NamespaceThread
-    from tests.serve_process import ServeProcess, _drain, served_certificate, terminate
+    from tests.support.nsthread import NamespaceThread
+    from tests.support.serve_process import ServeProcess, _drain, served_certificate, terminate
 
     namespace = f"palbenchr{os.getpid()}"
     deadline = time.monotonic() + deadline_s

@@ -350,7 +350,8 @@ def label_edit_candidates(sample: int = 400) -> tuple[list, dict]:
     workloads each must re-render, computed as rerender_for_peer_change does, for a sample of the
     fleet. Returns the edits sorted by that count, and its distribution."""
     from fleet.models import Workload
-    from fleet.rendering import fleet_load, policy_inputs_load
+    from fleet.rendering import fleet_load
+    from policy.selectors import policy_inputs_load
 
     fleet, inputs = fleet_load()
     policy = policy_inputs_load()

@@ -6,7 +6,7 @@ For each count, from nothing:
 
 1. A throwaway PostgreSQL database (palisade_bench_scale_<pid>_<count> on BENCH_PG_ADMIN_URL's server,
    default postgresql://postgres@127.0.0.1:5432/postgres) and a temporary data directory; the real
-   `manage.py serve` on 127.0.0.1 (tests/serve_process.py), in-memory channel layer (no REDIS_URL).
+   `manage.py serve` on 127.0.0.1 (tests/support/serve_process.py), in-memory channel layer (no REDIS_URL).
    Its RSS idle is read once it answers the API.
 2. A provisioning token with max_uses = count, and `python -m agent simulate --count N` as a
    separate process on loopback (real agent code, RecordingDataplane, no kernel). Times: until the
@@ -49,7 +49,7 @@ sys.path.insert(0, str(REPO))
 
 from benchlib import exit_on_sigterm, results_write  # noqa: E402
 
-from tests.serve_process import ServeProcess, terminate  # noqa: E402
+from tests.support.serve_process import ServeProcess, terminate  # noqa: E402
 
 ADMIN_URL = os.environ.get("BENCH_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 MODE_CHANGE_TARGET_S = 10.0

@@ -197,7 +197,7 @@ def main() -> None:
 
     sys.path.insert(0, str(REPO))
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
-    from tests.serve_process import Site
+    from tests.support.serve_process import Site
 
     load = dict(clients=args.clients, processes=args.processes, warmup=args.warmup, duration=args.duration)
     with tempfile.TemporaryDirectory(prefix="palisade-bench-") as tmp, Site.fresh(Path(tmp) / "data") as site:

@@ -156,8 +156,6 @@ PALISADE_FLOW_WINDOW_SECONDS = int(os.environ.get("PALISADE_FLOW_WINDOW_SECONDS"
 # Set by `serve` from its flags; these defaults serve commands run outside `serve`.
 PALISADE_SITE_LABEL = os.environ.get("PALISADE_SITE_LABEL", "")
 PALISADE_GATEWAY_ADVERTISE = os.environ.get("PALISADE_GATEWAY_ADVERTISE", "")
-PALISADE_LISTENER_PORTS: dict[int, str] = {}
-PALISADE_GATEWAY_FINGERPRINT = ""
 
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [

@@ -9,13 +9,14 @@ from typing import Any
 from controlplane.problems import Finding, ValidationFailed, pointer
 from controlplane.validation import Findings, quoted, reject_unknown, require_object, take_string
 from fleet.models import RenderedPolicy, Workload
-from fleet.rendering import PolicyInputs, fleet_load, policy_inputs_load
+from fleet.rendering import fleet_load
 from fleet.selectors import selector_preview as matching_workloads
 from policy.grammar import GrammarError, parse_selector
 from policy.models import AddressGroup, Service
 from policy.render_inputs import AddressGroupInput, PortEntry, RuleInput, RulesetInput
 from policy.render_inputs import RuleSource as SourceInput
 from policy.renderer import render
+from policy.selectors import PolicyInputs, policy_inputs_load
 from policy.validation import address_group_input, ruleset_input, service_input
 
 PREVIEW_LIMIT = 100

@@ -21,7 +21,8 @@ from controlplane.validation import Findings, quoted
 from fleet.credentials import CREDENTIAL_FIELDS, SignedCredential, credential_issue, credential_start
 from fleet.models import Workload
 from fleet.provisioning import provisioning_token_check, provisioning_token_consume
-from fleet.rendering import notify_streams, rerender_for_peer_change
+from fleet.push import notify_streams
+from fleet.rendering import rerender_for_peer_change
 from fleet.selectors import workload_get
 
 MAX_HOSTNAME = 255

@@ -10,17 +10,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 from channels.consumer import get_handler_name
-from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
-from channels.layers import get_channel_layer
-from django.db import connection, connections
 from rest_framework.permissions import AllowAny
 from rest_framework.response import Response
 from rest_framework.views import APIView
@@ -29,111 +23,16 @@ from agent import protocol
 from controlplane import clock
 from controlplane.problems import Finding, ValidationFailed
 from controlplane.validation import require_object
-from fleet import credentials, streams, sync
+from fleet import credentials, held_streams, streams, sync
 from fleet.credentials import signing_public_key
 from fleet.enrolment import workload_enrol
-from fleet.rendering import stream_group
+from fleet.push import stream_group
 
 log = logging.getLogger("palisade.gateway")
 
 
-# On PostgreSQL the stream's database calls run on this pool, not on Channels' one shared thread:
-# after a fleet-wide change thousands of streams acknowledge at once, and their writes must overlap.
-# Each call is one hop to a pool thread that keeps its connection. database_sync_to_async made a
-# second hop per call to close old connections, after which the health check cost a `SELECT 1` per
-# call; here a connection is checked (and dropped if broken) only after it raised a database error.
-# SQLite takes one writer at a time anyway, so there the calls stay on Channels' thread, serial.
-DB_THREADS = 8
-_db_pool = ThreadPoolExecutor(DB_THREADS, thread_name_prefix="gateway-db")
-
-
-def _db(function):
-    if connection.vendor != "postgresql":
-        return database_sync_to_async(function)
-
-    def in_thread(kwargs):
-        if connection.errors_occurred:
-            connection.close_if_unusable_or_obsolete()
-        return function(**kwargs)
-
-    async def call(**kwargs):
-        return await asyncio.get_running_loop().run_in_executor(_db_pool, in_thread, kwargs)
-
-    return call
-
-
-def db_pool_close_connections() -> None:
-    """Close the pool threads' database connections (the test suite drops its database after)."""
-    everyone = threading.Barrier(DB_THREADS)
-
-    def close():
-        connections.close_all()
-        everyone.wait(10)  # one task per thread: each waits until every thread has closed its own
-
-    for future in [_db_pool.submit(close) for _ in range(DB_THREADS)]:
-        future.result(20)
-
-
 AUTH_TIMEOUT_SECONDS = 10
-CATCH_UP_EVERY_SECONDS = 2.0
 HEARD_FROM_EVERY_SECONDS = 60  # heartbeats refresh last_heard_from at most this often
-
-
-@dataclass
-class HeldStream:
-    workload_id: str
-    stream_id: str
-    sent_version: str | None = None
-
-
-# The streams this process holds, by channel name: a shutdown records them as ended (a stopping
-# server gets no disconnect events from daphne), and the catch-up sweep compares what each was sent
-# with its workload's latest version.
-_open_streams: dict[str, HeldStream] = {}
-_behind_at_last_sweep: dict[str, tuple] = {}
-
-
-def streams_end_all() -> int:
-    """Record every stream this process holds as ended; called once, as the process stops."""
-    held = list(_open_streams.values())
-    _open_streams.clear()
-    for stream in held:
-        sync.workload_stream_ended(workload_id=stream.workload_id, stream_id=stream.stream_id)
-    return len(held)
-
-
-async def streams_catch_up() -> int:
-    """Nudge the streams that have been behind their workload for a whole sweep: a latest version
-    not sent, or a resend not answered by a snapshot.
-
-    Notifications are sent after commit and are not stored; one can be lost (a channel-layer
-    hiccup), and a host command in another process without Redis reaches no stream at all. This
-    sweep makes every held stream converge anyway, within two sweeps. A stream behind at only one
-    sweep is left alone: its notification is most likely still on its way.
-    """
-    held = dict(_open_streams)
-    if not held:
-        _behind_at_last_sweep.clear()
-        return 0
-    state = await _db(streams.streams_state)(streams={h.workload_id: h.stream_id for h in held.values()})
-    behind: dict[str, tuple] = {}
-    for channel, stream in held.items():
-        due = state.get(stream.stream_id)
-        if due is None:
-            continue
-        if due.resend_requested_at is not None:
-            behind[channel] = ("resend.snapshot", due.resend_requested_at)
-        elif due.latest_version and due.latest_version != stream.sent_version:
-            behind[channel] = ("policy.updated", due.latest_version)
-    nudge = [(channel, why) for channel, why in behind.items() if _behind_at_last_sweep.get(channel) == why]
-    _behind_at_last_sweep.clear()
-    _behind_at_last_sweep.update(behind)
-    layer = get_channel_layer()
-    for channel, (event, _) in nudge:
-        await layer.send(channel, {"type": event})
-    if nudge:
-        log.info("caught up %d streams whose change notification did not arrive", len(nudge))
-    return len(nudge)
 
 
 class EnrolView(APIView):
@@ -181,7 +80,7 @@ class SyncStreamConsumer(AsyncWebsocketConsumer):
     async def dispatch(self, message):
         # Channels closes the loop thread's old database connections before every frame and event,
         # a thread hop each. This consumer never touches the database from the loop's thread (every
-        # call goes through _db, which looks after its own connections), so the hop is skipped.
+        # call goes through held_streams.db, which looks after its own connections), so the hop is skipped.
         handler = getattr(self, get_handler_name(message), None)
         if handler is None:
             raise ValueError(f"No handler for message type {message['type']}")
@@ -249,7 +148,7 @@ class SyncStreamConsumer(AsyncWebsocketConsumer):
         await handler(message)
 
     async def authenticate(self, auth: protocol.Auth) -> None:
-        grant = await _db(streams.stream_authenticate)(auth=auth, nonce=self.nonce)
+        grant = await held_streams.db(streams.stream_authenticate)(auth=auth, nonce=self.nonce)
         self.auth_timer.cancel()
         self.grant = grant
         self.table_state = auth.owned_table if auth.owned_table in ("present", "absent") else None
@@ -261,31 +160,33 @@ class SyncStreamConsumer(AsyncWebsocketConsumer):
         if grant.renew_only:
             log.info("stream of %s: credential expired, renew only", grant.hostname)
             return
-        await _db(sync.workload_stream_opened)(
+        await held_streams.db(sync.workload_stream_opened)(
             workload_id=grant.workload_id, stream_id=self.stream_id, agent_version=auth.agent_version
         )
-        _open_streams[self.channel_name] = HeldStream(grant.workload_id, self.stream_id)
+        held_streams.open_streams[self.channel_name] = held_streams.HeldStream(
+            grant.workload_id, self.stream_id
+        )
         if self.table_state:
-            await _db(sync.workload_table_reported)(
+            await held_streams.db(sync.workload_table_reported)(
                 workload_id=grant.workload_id, stream_id=self.stream_id, state=self.table_state
             )
         log.info("stream of %s opened (agent %s)", grant.hostname, auth.agent_version)
         await self.send_snapshot()
 
     async def send_snapshot(self, *, unless_version: str | None = None) -> None:
-        snapshot = await _db(streams.stream_snapshot)(
+        snapshot = await held_streams.db(streams.stream_snapshot)(
             workload_id=self.grant.workload_id, stream_id=self.stream_id, unless_version=unless_version
         )
         if snapshot is None:
             return
         await self.send_message(snapshot)
         self.sent_version = snapshot.version
-        held = _open_streams.get(self.channel_name)
+        held = held_streams.open_streams.get(self.channel_name)
         if held is not None:
             held.sent_version = snapshot.version
 
     async def on_applied(self, message: protocol.Applied) -> None:
-        await _db(sync.workload_applied)(
+        await held_streams.db(sync.workload_applied)(
             workload_id=self.grant.workload_id, stream_id=self.stream_id, version=message.version
         )
 
@@ -293,7 +194,7 @@ class SyncStreamConsumer(AsyncWebsocketConsumer):
         log.warning(
             "%s failed to apply %s: %s", self.grant.hostname, message.version, message.error.splitlines()[0:1]
         )
-        await _db(sync.workload_apply_failed)(
+        await held_streams.db(sync.workload_apply_failed)(
             workload_id=self.grant.workload_id,
             stream_id=self.stream_id,
             version=message.version,
@@ -307,7 +208,7 @@ class SyncStreamConsumer(AsyncWebsocketConsumer):
             self.heard_at, self.table_state = now, state
             # Group memberships expire after a day; a stream may live for months.
             await self.channel_layer.group_add(stream_group(self.grant.workload_id), self.channel_name)
-            await _db(sync.workload_heard_from)(
+            await held_streams.db(sync.workload_heard_from)(
                 workload_id=self.grant.workload_id, stream_id=self.stream_id, owned_table_state=state
             )
 
@@ -316,13 +217,13 @@ class SyncStreamConsumer(AsyncWebsocketConsumer):
             raise protocol.ProtocolError(protocol.CLOSE_MALFORMED, "table state must be present or absent")
         self.table_state = message.state
         log.info("%s reports its owned table %s", self.grant.hostname, message.state)
-        await _db(sync.workload_table_reported)(
+        await held_streams.db(sync.workload_table_reported)(
             workload_id=self.grant.workload_id, stream_id=self.stream_id, state=message.state
         )
 
     async def renew(self) -> None:
         try:
-            issued = await _db(credentials.credential_renew)(workload_id=self.grant.workload_id)
+            issued = await held_streams.db(credentials.credential_renew)(workload_id=self.grant.workload_id)
         except credentials.CredentialBeyondGrace as refused:
             await self.record_renewal_failure(refused.detail)
             raise streams.StreamRefused(protocol.CLOSE_FORBIDDEN, "renewal refused: re-enrol") from None
@@ -344,12 +245,14 @@ class SyncStreamConsumer(AsyncWebsocketConsumer):
 
     async def record_renewal_failure(self, error: str) -> None:
         try:
-            await _db(credentials.credential_renewal_failed)(workload_id=self.grant.workload_id, error=error)
+            await held_streams.db(credentials.credential_renewal_failed)(
+                workload_id=self.grant.workload_id, error=error
+            )
         except Exception:  # noqa: BLE001 - the database may be what failed; the close must still happen
             log.exception("recording the failed renewal of %s failed too", self.grant.hostname)
 
     async def on_renewal_failed(self, message: protocol.RenewalFailed) -> None:
-        await _db(credentials.credential_renewal_failed)(
+        await held_streams.db(credentials.credential_renewal_failed)(
             workload_id=self.grant.workload_id, error=message.error
         )
 
@@ -376,8 +279,8 @@ class SyncStreamConsumer(AsyncWebsocketConsumer):
         if self.grant is None:
             return
         await self.channel_layer.group_discard(stream_group(self.grant.workload_id), self.channel_name)
-        if _open_streams.pop(self.channel_name, None):
-            await _db(sync.workload_stream_ended)(
+        if held_streams.open_streams.pop(self.channel_name, None):
+            await held_streams.db(sync.workload_stream_ended)(
                 workload_id=self.grant.workload_id, stream_id=self.stream_id
             )
             log.info("stream of %s ended (%s)", self.grant.hostname, code)

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from django.conf import settings
 from django.db import transaction
 
 # bundle_decode is re-exported for callers on the control plane's side.
@@ -98,22 +97,15 @@ def provisioning_token_state(token: ProvisioningToken, now: datetime | None = No
 
 
 def gateway_identity() -> tuple[str, str]:
-    """(address, certificate fingerprint) agents are given: what `serve` recorded at its last start;
-    before any start, the advertised address and the gateway certificate `serve` will use (made now
-    if needed, so the fingerprint pinned in the bundle is the one `serve` will present)."""
-    from controlplane.models import GatewayIdentity
-
-    identity = GatewayIdentity.objects.filter(id=1).first()
-    if identity is not None:
-        return identity.address, identity.fingerprint
+    """(address, certificate fingerprint) a bundle carries."""
     from controlplane import tls
-    from controlplane.service_identity import gateway_address
+    from controlplane.service_identity import gateway_identity as identity
 
     try:
-        certificate = tls.ensure_certificate(settings.DATA_DIR, "gateway", [])
+        found = identity(certificate_if_unrecorded=True)
     except tls.CertificateError as error:
         raise Problem("internal", f"Cannot read the gateway certificate: {error}.") from None
-    return gateway_address(), certificate.fingerprint
+    return found.address, found.fingerprint
 
 
 def enrolment_bundle(secret: str) -> str:

@@ -13,104 +13,25 @@ Which workloads a change can affect:
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
-from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from asgiref.sync import async_to_sync
-from channels.layers import get_channel_layer
-from django.db import connection, transaction
+from django.db import connection
 
 from controlplane import clock
 from fleet.models import RenderedPolicy, Workload
 from fleet.sync import latest_version_moved
 from policy.grammar import Selector, parse_selector
-from policy.models import AddressGroup, Rule, RuleService, Ruleset, RuleSource, ServiceEntry
 from policy.render_inputs import (
-    AddressGroupInput,
     FleetIndex,
-    PortEntry,
-    RuleInput,
-    RulesetInput,
     WorkloadInput,
 )
-from policy.render_inputs import RuleSource as SourceInput
 from policy.renderer import render
+from policy.selectors import PolicyInputs, policy_inputs_load
 
 log = logging.getLogger("palisade.fleet")
-
-
-@dataclass(frozen=True)
-class PolicyInputs:
-    rulesets: tuple[RulesetInput, ...]
-    groups: Mapping[str, AddressGroupInput]
-
-
-def policy_inputs_load() -> PolicyInputs:
-    """Every enabled ruleset with its rules, and every address group, as renderer inputs.
-
-    Flat reads joined in dicts: on every fan-out this is ten times faster than the ORM's prefetches.
-    """
-    rulesets = list(Ruleset.objects.filter(enabled=True).values_list("id", "name", "scope"))
-    ruleset_ids = [r[0] for r in rulesets]
-    rules = list(
-        Rule.objects.filter(ruleset_id__in=ruleset_ids).values_list(
-            "id", "ruleset_id", "position", "description"
-        )
-    )
-    rule_ids = [r[0] for r in rules]
-    sources = defaultdict(list)
-    for rule_id, _, kind, selector, group_id in (
-        RuleSource.objects.filter(rule_id__in=rule_ids)
-        .order_by("rule_id", "position")
-        .values_list("rule_id", "position", "kind", "selector", "address_group_id")
-    ):
-        if kind == RuleSource.SELECTOR:
-            sources[rule_id].append(SourceInput("selector", selector=parse_selector(selector)))
-        elif kind == RuleSource.GROUP:
-            sources[rule_id].append(SourceInput("group", group_id=str(group_id)))
-        else:
-            sources[rule_id].append(SourceInput("any"))
-    service_entries = defaultdict(list)
-    for service_id, protocol, port, port_to in ServiceEntry.objects.order_by(
-        "service_id", "position"
-    ).values_list("service_id", "protocol", "port", "port_to"):
-        service_entries[service_id].append(PortEntry(protocol, port, port_to))
-    entries = defaultdict(list)
-    for rule_id, service_id, protocol, port, port_to in (
-        RuleService.objects.filter(rule_id__in=rule_ids)
-        .order_by("rule_id", "position")
-        .values_list("rule_id", "service_id", "protocol", "port", "port_to")
-    ):
-        if service_id is not None:
-            entries[rule_id].extend(service_entries[service_id])
-        else:
-            entries[rule_id].append(PortEntry(protocol, port, port_to))
-    rules_of = defaultdict(list)
-    for rule_id, ruleset_id, position, description in sorted(rules, key=lambda r: r[2]):
-        rules_of[ruleset_id].append(
-            RuleInput(
-                id=str(rule_id),
-                position=position,
-                description=description,
-                sources=tuple(sources[rule_id]),
-                entries=tuple(dict.fromkeys(entries[rule_id])),
-            )
-        )
-    groups = {
-        str(gid): AddressGroupInput(str(gid), name, tuple(members))
-        for gid, name, members in AddressGroup.objects.values_list("id", "name", "members")
-    }
-    return PolicyInputs(
-        rulesets=tuple(
-            RulesetInput(id=str(rid), name=name, scope=parse_selector(scope), rules=tuple(rules_of[rid]))
-            for rid, name, scope in rulesets
-        ),
-        groups=groups,
-    )
 
 
 def workload_input_of(workload_id, labels, addresses, mode) -> WorkloadInput:
@@ -244,54 +165,3 @@ def rerender_for_peer_change(*, workload_id: str, labels_before: Mapping[str, st
     fleet, inputs = fleet_load()
     affected = _matching(fleet, scopes) | {str(workload_id)}
     return workloads_rerender(workload_ids=affected, loaded=(fleet, inputs), policy=policy)
-
-
-def stream_group(workload_id) -> str:
-    """The channel-layer group of one workload's sync stream."""
-    return f"workload.{workload_id}"
-
-
-# The event loop of this `serve` process, which holds the streams. Set once at start; None in
-# management commands and tests, where the notification is sent in place instead.
-_serving_loop: asyncio.AbstractEventLoop | None = None
-
-
-def notify_streams_on(loop: asyncio.AbstractEventLoop) -> None:
-    """Deliver later notifications on `loop`, the loop serving this process's streams."""
-    global _serving_loop
-    _serving_loop = loop
-
-
-def notify_streams(workload_ids: Iterable[str], message: dict) -> None:
-    """Send `message` to each workload's stream, once the transaction has committed.
-
-    Inside `serve` the sends are handed to the loop that holds the streams and not waited for: a
-    fleet-wide change must not hold the request's thread while thousands of snapshots go out, and
-    the in-process channel layer's queues may only be touched from their own loop. Elsewhere (a
-    management command) they are sent in place, through Redis when it is configured; without Redis a
-    command reaches no stream, and serve's catch-up sweep delivers the change instead.
-    """
-    ids = list(workload_ids)
-    if not ids:
-        return
-
-    async def send_all():
-        layer = get_channel_layer()
-        if layer is None:
-            return
-        for workload_id in ids:
-            await layer.group_send(stream_group(workload_id), message)
-
-    def send():
-        loop = _serving_loop
-        if loop is not None and loop.is_running():
-            asyncio.run_coroutine_threadsafe(send_all(), loop).add_done_callback(_log_failure)
-        else:
-            async_to_sync(send_all)()
-
-    transaction.on_commit(send)
-
-
-def _log_failure(future) -> None:
-    if not future.cancelled() and future.exception() is not None:
-        log.error("could not notify streams: %s", future.exception())

@@ -14,7 +14,8 @@ from controlplane.conditional import check_version
 from controlplane.problems import Finding, Problem, ValidationFailed, pointer
 from controlplane.validation import Findings, quoted, reject_unknown, require_object
 from fleet.models import MODES, ModeChange, Workload
-from fleet.rendering import notify_streams, rerender_for_peer_change, workloads_rerender
+from fleet.push import notify_streams
+from fleet.rendering import rerender_for_peer_change, workloads_rerender
 from fleet.selectors import workload_get
 from policy.grammar import GrammarError, parse_selector, validate_labels
 

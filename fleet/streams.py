@@ -7,13 +7,12 @@ import uuid
 from dataclasses import dataclass
 from functools import lru_cache
 
-from django.conf import settings
 from django.db import connection
 
 from agent import protocol
 from controlplane import clock
-from controlplane.models import GatewayIdentity
 from controlplane.problems import Problem
+from controlplane.service_identity import gateway_identity
 from fleet.credentials import (
     credential_beyond_grace,
     credential_renewal_due_at,
@@ -41,10 +40,7 @@ class StreamGrant:
 
 def gateway_fingerprint() -> str:
     """The fingerprint of the certificate this gateway serves, which agents bind their proofs to."""
-    if getattr(settings, "PALISADE_GATEWAY_FINGERPRINT", ""):
-        return settings.PALISADE_GATEWAY_FINGERPRINT
-    identity = GatewayIdentity.objects.filter(id=1).first()
-    return identity.fingerprint if identity else ""
+    return gateway_identity().fingerprint
 
 
 def stream_authenticate(*, auth: protocol.Auth, nonce: bytes) -> StreamGrant:

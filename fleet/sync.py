@@ -28,6 +28,7 @@ from django.db.models import Case, Value, When
 from controlplane import clock
 from controlplane.problems import Problem
 from fleet.models import ABSENT, PRESENT, Workload, workload_column_value
+from fleet.push import notify_streams
 from fleet.selectors import workload_get
 
 OFFLINE, PENDING, SYNCED, DEGRADED = "offline", "pending", "synced", "degraded"
@@ -69,7 +70,6 @@ def latest_version_moved(moved: dict[str, str]) -> None:
             default=Value(Workload.RANK_PENDING),
         ),
     )
-    from fleet.rendering import notify_streams
 
     notify_streams([str(i) for i in connected], {"type": "policy.updated"})
 

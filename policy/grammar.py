@@ -236,7 +236,9 @@ class _Parser:
 
     def __init__(self, text: str) -> None:
         # Every alternative of _TOKEN is a named group, so lastgroup is never None.
-        self.tokens: list[tuple[str, str, int]] = [(m.lastgroup or "", m.group(), m.start()) for m in _TOKEN.finditer(text)]
+        self.tokens: list[tuple[str, str, int]] = [
+            (m.lastgroup or "", m.group(), m.start()) for m in _TOKEN.finditer(text)
+        ]
         self.tokens.append((_END, "", len(text)))
         self.i = 0
 

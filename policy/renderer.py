@@ -362,8 +362,7 @@ def _resolved(
                 continue
             name, definition = source.sets[line.family]
             sets[name] = definition
-        if line.uses_service_set:
-            assert compiled.service_set is not None  # a line uses the set only when the rule has one
+        if line.uses_service_set and compiled.service_set is not None:  # the set exists when a line uses it
             name, definition = compiled.service_set
             sets[name] = _claimed(fleet, name, definition, definition)
         heads.append(f"\t\t{line.match} ct mark set ")

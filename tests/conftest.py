@@ -44,6 +44,15 @@ def clock_at(monkeypatch):
     return move
 
 
+@pytest.fixture(autouse=True)
+def runtime_facts_reset():
+    """serve's runtime facts (listener ports, gateway fingerprint) set by a test stay in that test."""
+    from controlplane import runtime
+
+    yield
+    runtime.facts_reset()
+
+
 UNCHECKED_PATHS = {"/api/v1/schema", "/api/v1/docs"}  # the document itself, and its HTML viewer
 
 
@@ -82,7 +91,7 @@ def gateway_connections_closed(django_db_setup, django_db_blocker):
     """The gateway's pool threads keep their database connections; close them before pytest-django
     drops the test database, which refuses while sessions are open."""
     yield
-    from fleet.gateway import db_pool_close_connections
+    from fleet.held_streams import db_pool_close_connections
 
     with django_db_blocker.unblock():
         db_pool_close_connections()

@@ -7,7 +7,7 @@ from rest_framework.permissions import AllowAny
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from controlplane import __version__
+from controlplane import __version__, runtime
 from controlplane.api.schema import COMMON_ERRORS, WRITE_ERRORS, problem
 from controlplane.auth.services import session_close, session_input, session_open
 from controlplane.clock import rfc3339
@@ -93,7 +93,7 @@ class MeView(APIView):
             {
                 "operator": "operator",
                 "credential": {"kind": actor.kind, "label": actor.label},
-                "site_label": settings.PALISADE_SITE_LABEL,
+                "site_label": runtime.facts.label,
                 "gateway_address": gateway_address(),
                 "version": __version__,
             }

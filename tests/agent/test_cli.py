@@ -14,8 +14,8 @@ import pytest
 from agent.bundle import bundle_encode
 from agent.cli import check_root, main
 from agent.errors import AgentError
-from tests.agent.helpers import assert_one_line_error, run_cli
-from tests.requirements import require
+from tests.support.agent_helpers import assert_one_line_error, run_cli
+from tests.support.requirements import require
 
 FINGERPRINT = ":".join(["AB"] * 32)
 TOKEN = "pal_pt_" + "x" * 32

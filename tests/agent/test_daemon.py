@@ -22,8 +22,8 @@ from agent.eventlog import EventLog
 from agent.simulated import RecordingDataplane
 from agent.state import StateDir
 from agent.worker import DataplaneWorker
-from tests.agent.fake_gateway import FakeGateway
-from tests.agent.helpers import document
+from tests.support.agent_helpers import document
+from tests.support.fake_gateway import FakeGateway
 
 
 @dataclass

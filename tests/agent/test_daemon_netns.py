@@ -14,12 +14,12 @@ import time
 
 import pytest
 
-from tests.agent.helpers import REPO, document, run_cli
-from tests.netns import Lab, require_namespace_lab
+from tests.support.agent_helpers import REPO, document, run_cli
+from tests.support.netns import Lab, require_namespace_lab
 
 pytestmark = pytest.mark.root
 
-GATEWAY = "import asyncio, sys\nfrom tests.agent.fake_gateway import _serve_process\nasyncio.run(_serve_process(sys.argv[1]))"
+GATEWAY = "import asyncio, sys\nfrom tests.support.fake_gateway import _serve_process\nasyncio.run(_serve_process(sys.argv[1]))"
 
 
 class Lines:

@@ -23,7 +23,7 @@ from agent.eventlog import EventLog
 from agent.simulated import RecordingDataplane
 from agent.state import StateDir
 from agent.worker import DataplaneWorker
-from tests.serve_process import Site
+from tests.support.serve_process import Site
 
 pytestmark = pytest.mark.e2e
 

@@ -1,4 +1,4 @@
-"""Enrolment against a stand-in gateway (tests/agent/fake_gateway.py) speaking agent/protocol.py."""
+"""Enrolment against a stand-in gateway (tests/support/fake_gateway.py) speaking agent/protocol.py."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from agent.enrol import _check_credential, enrol
 from agent.errors import AgentError
 from agent.protocol import EnrolResponse
 from agent.state import StateDir
-from tests.agent.helpers import GatewayThread, assert_one_line_error, run_cli
+from tests.support.agent_helpers import GatewayThread, assert_one_line_error, run_cli
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ from agent.bundle import bundle_encode
 from agent.enrol import enrol
 from agent.errors import AgentError
 from agent.tls import fetch_certificate, fingerprint_of, pin_gateway, pinned_context
-from tests.agent.helpers import assert_one_line_error, run_cli
+from tests.support.agent_helpers import assert_one_line_error, run_cli
 
 TOKEN = "pal_pt_" + "s" * 32
 

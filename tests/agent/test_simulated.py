@@ -10,8 +10,8 @@ import pytest
 
 from agent.dataplane import ApplyError
 from agent.simulated import RecordingDataplane, sim_addresses, sim_hostname, start_simulated_fleet
-from tests.agent.fake_gateway import FakeGateway
-from tests.agent.helpers import GatewayThread, document, run_cli
+from tests.support.agent_helpers import GatewayThread, document, run_cli
+from tests.support.fake_gateway import FakeGateway
 
 
 def test_recording_dataplane():

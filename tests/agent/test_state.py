@@ -16,7 +16,7 @@ from agent.credential import credential_payload, credential_sign, format_instant
 from agent.daemon import BACKOFF_CAP, backoff_delay
 from agent.errors import AgentError
 from agent.state import Identity, StateDir, write_atomically
-from tests.agent.helpers import assert_one_line_error, run_cli
+from tests.support.agent_helpers import assert_one_line_error, run_cli
 
 
 def _mode(path) -> int:

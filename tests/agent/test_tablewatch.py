@@ -21,8 +21,8 @@ from agent.tablewatch import (
     NFT_MSG_NEWTABLE,
     TableEvents,
 )
-from tests.agent.helpers import document
-from tests.netns import Lab, dataplane_call, require_namespace_lab
+from tests.support.agent_helpers import document
+from tests.support.netns import Lab, dataplane_call, require_namespace_lab
 
 NFT_MSG_NEWCHAIN = 3
 NFPROTO_IPV4 = 2

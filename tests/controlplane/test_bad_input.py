@@ -6,7 +6,7 @@ import json
 import pytest
 
 from policy.models import AddressGroup, Service
-from tests.controlplane.test_conventions import assert_problem
+from tests.support.helpers import assert_problem
 
 JSON_ENDPOINTS = [
     "/api/v1/session",
@@ -123,7 +123,7 @@ def test_an_unknown_field_of_eight_kilobytes_is_not_echoed_back(api):
 
 
 def test_the_host_command_refuses_the_same_json(db, tmp_path):
-    from tests.helpers import run_command
+    from tests.support.helpers import run_command
 
     source = tmp_path / "service.json"
     source.write_text('{"name": "a\\u0000b", "entries": [{"protocol": "tcp", "port": 1}]}')

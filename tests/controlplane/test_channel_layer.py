@@ -6,7 +6,7 @@ import pytest
 from asgiref.sync import async_to_sync
 
 from controlplane.channel_layer import BoundedRedisChannelLayer
-from tests.requirements import require
+from tests.support.requirements import require
 
 REDIS_URL = os.environ.get("REDIS_TEST_URL", "redis://127.0.0.1:6379/0")
 

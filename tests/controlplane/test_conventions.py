@@ -9,18 +9,7 @@ from controlplane.auth.services import operator_token_mint
 from controlplane.pagination import MAX_LIMIT
 from controlplane.problems import PROBLEM_TYPES, ValidationFailed
 from tests.conftest import PASSWORD
-
-PROBLEM = "application/problem+json"
-
-
-def assert_problem(response, status, name):
-    assert response.status_code == status, response.content
-    assert response["Content-Type"] == PROBLEM
-    body = response.json()
-    assert body["type"] == f"urn:service:problem:{name}"
-    assert body["status"] == status
-    assert body["title"] and body["detail"]
-    return body
+from tests.support.helpers import assert_problem
 
 
 def test_unknown_path_is_a_404_problem(api):

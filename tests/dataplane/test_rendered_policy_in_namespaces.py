@@ -25,7 +25,7 @@ from policy.render_inputs import (
     WorkloadInput,
 )
 from policy.renderer import decode_mark, render
-from tests.netns import Lab, dataplane_call, require_namespace_lab
+from tests.support.netns import Lab, dataplane_call, require_namespace_lab
 
 pytestmark = pytest.mark.root
 

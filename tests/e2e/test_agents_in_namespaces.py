@@ -9,10 +9,10 @@ import time
 
 import pytest
 
-from tests.e2e.lab import TCP_SERVER, AgentProcess, NamespacedServe, probe, via_unix_socket
-from tests.netns import Lab, require_namespace_lab
-from tests.requirements import require
-from tests.serve_process import throwaway_database
+from tests.support.lab import TCP_SERVER, AgentProcess, NamespacedServe, probe, via_unix_socket
+from tests.support.netns import Lab, require_namespace_lab
+from tests.support.requirements import require
+from tests.support.serve_process import throwaway_database
 
 pytestmark = [pytest.mark.e2e, pytest.mark.root, pytest.mark.timeout(900)]
 

@@ -19,7 +19,7 @@ from schemathesis.checks import (
     status_code_conformance,
 )
 
-from tests.serve_process import Site
+from tests.support.serve_process import Site
 
 pytestmark = pytest.mark.e2e
 

@@ -15,8 +15,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from controlplane.tls import ensure_certificate, fingerprint_of
-from tests.requirements import require
-from tests.serve_process import Site, free_port, manage, throwaway_database
+from tests.support.requirements import require
+from tests.support.serve_process import Site, free_port, manage, throwaway_database
 
 pytestmark = pytest.mark.e2e
 
@@ -158,7 +158,7 @@ def test_stopping_right_after_websocket_upgrades_logs_no_traceback(site):
     from websockets.sync.client import connect
 
     from agent.protocol import STREAM_PATH
-    from tests.serve_process import pinned_context
+    from tests.support.serve_process import pinned_context
 
     serve = site.serve()
     host, port = serve.address("gateway")
@@ -183,7 +183,7 @@ def test_stopping_right_after_websocket_upgrades_logs_no_traceback(site):
 
 
 def _raw_request(serve, request: bytes, timeout: float = 10) -> bytes:
-    from tests.serve_process import pinned_context
+    from tests.support.serve_process import pinned_context
 
     host, port = serve.address("operator")
     with socket.create_connection((host, port), timeout=timeout) as raw:

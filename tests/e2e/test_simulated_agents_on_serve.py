@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from tests.serve_process import REPO, Site, terminate
+from tests.support.serve_process import REPO, Site, terminate
 
 pytestmark = pytest.mark.e2e
 

@@ -28,7 +28,7 @@ from fleet.credentials import (
 from fleet.enrolment import workload_enrol
 from fleet.models import ProvisioningToken, Workload
 from fleet.provisioning import provisioning_token_mint
-from tests.fleet.workloads import make_workload
+from tests.support.workloads import make_workload
 
 DAY = timedelta(days=1)
 

@@ -4,9 +4,9 @@ from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
 
 from fleet.models import ModeChange, Workload
-from fleet.rendering import stream_group
-from tests.controlplane.test_conventions import assert_problem
-from tests.fleet.workloads import connect, make_workload
+from fleet.push import stream_group
+from tests.support.helpers import assert_problem
+from tests.support.workloads import connect, make_workload
 
 
 def versions():

@@ -3,9 +3,9 @@
 import json
 
 from fleet import sync
-from tests.controlplane.test_conventions import assert_problem
-from tests.fleet.workloads import connect, make_workload
-from tests.helpers import run_command as run
+from tests.support.helpers import assert_problem
+from tests.support.helpers import run_command as run
+from tests.support.workloads import connect, make_workload
 
 
 def test_list_show_counts_match_the_api(api, db):

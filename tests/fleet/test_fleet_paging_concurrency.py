@@ -6,8 +6,8 @@ import pytest
 from django.db import connection, connections
 
 from fleet.selectors import workload_list
-from tests.fleet.workloads import make_workload
-from tests.requirements import require
+from tests.support.requirements import require
+from tests.support.workloads import make_workload
 
 pytestmark = pytest.mark.postgres
 

@@ -3,8 +3,8 @@
 import pytest
 
 from fleet import sync
-from tests.controlplane.test_conventions import assert_problem
-from tests.fleet.workloads import connect, make_workload
+from tests.support.helpers import assert_problem
+from tests.support.workloads import connect, make_workload
 
 
 def walk(api, query=""):

@@ -26,8 +26,10 @@ FINGERPRINT = ":".join(["AB"] * 32)
 
 
 @pytest.fixture(autouse=True)
-def gateway_fingerprint(settings):
-    settings.PALISADE_GATEWAY_FINGERPRINT = FINGERPRINT
+def gateway_fingerprint():
+    from controlplane import runtime
+
+    runtime.facts_set(gateway_fingerprint=FINGERPRINT)
 
 
 @pytest.mark.parametrize("path", sorted(GOLDEN.glob("*.json")), ids=lambda p: p.stem)

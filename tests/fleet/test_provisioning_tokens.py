@@ -19,10 +19,9 @@ from controlplane.problems import Problem, ValidationFailed
 from fleet.enrolment import workload_enrol
 from fleet.models import ProvisioningToken, Workload
 from fleet.provisioning import provisioning_token_consume, provisioning_token_mint, provisioning_token_revoke
-from tests.controlplane.test_conventions import assert_problem
-from tests.helpers import race
-from tests.helpers import run_command as run
-from tests.requirements import require
+from tests.support.helpers import assert_problem, race
+from tests.support.helpers import run_command as run
+from tests.support.requirements import require
 
 FINGERPRINT = ":".join(f"{i:02X}" for i in range(32))
 GATEWAY = "gateway.example.test:8443"

@@ -3,10 +3,11 @@
 from datetime import timedelta
 
 from controlplane.auth.actor import CLI_ACTOR
+from controlplane.housekeeping import documents_prune_step
 from fleet.models import RenderedPolicy
 from fleet.retention import rendered_policies_prune
 from fleet.services import mode_change_create
-from tests.fleet.workloads import make_workload
+from tests.support.workloads import make_workload
 
 HOUR = timedelta(hours=1)
 
@@ -32,9 +33,9 @@ def test_only_documents_no_workload_names_are_pruned_once_past_the_grace(db, clo
     enforced = move_to(web, "enforced")
     assert {visibility, simulation, enforced} <= stored()
 
-    assert rendered_policies_prune(older_than=HOUR) == 0  # all young
+    assert documents_prune_step() == 0  # all young (housekeeping.UNREFERENCED_DOCUMENT_GRACE: an hour)
     clock_at(2 * HOUR)
-    assert rendered_policies_prune(older_than=HOUR) == 1
+    assert documents_prune_step() == 1
     assert simulation not in stored()  # neither latest nor applied
     assert {visibility, enforced} <= stored()
 

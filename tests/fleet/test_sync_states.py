@@ -8,11 +8,13 @@ from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
 
 from controlplane import clock
+from controlplane.housekeeping import streams_reap_step
 from fleet import sync
 from fleet.models import Workload
-from fleet.rendering import stream_group, workloads_rerender
-from tests.controlplane.test_conventions import assert_problem
-from tests.fleet.workloads import connect, make_workload
+from fleet.push import stream_group
+from fleet.rendering import workloads_rerender
+from tests.support.helpers import assert_problem
+from tests.support.workloads import connect, make_workload
 
 
 def state(workload):
@@ -232,7 +234,7 @@ def test_telemetry_live_is_two_flow_windows(api, db, clock_at, settings):
 def test_streams_silent_for_long_are_recorded_as_ended(db, clock_at):
     alive = connect(make_workload(hostname="alive"))
     orphan = connect(make_workload(hostname="orphan"))
-    clock_at(timedelta(minutes=4))
+    clock_at(timedelta(minutes=4))  # past housekeeping.STREAM_SILENT (three minutes)
     sync.workload_heard_from(workload_id=alive.id, stream_id="stream-1")
-    assert sync.workload_streams_reap(silent_for=timedelta(minutes=3)) == 1
+    assert streams_reap_step() == 1
     assert state(orphan) == "offline" and state(alive) == "pending"

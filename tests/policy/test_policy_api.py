@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.controlplane.test_conventions import assert_problem
+from tests.support.helpers import assert_problem
 
 HTTPS = {"protocol": "tcp", "port": 443}
 

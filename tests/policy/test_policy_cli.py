@@ -5,8 +5,8 @@ import json
 import pytest
 from django.core.management import CommandError
 
-from tests.controlplane.test_conventions import assert_problem
-from tests.helpers import run_command as run
+from tests.support.helpers import assert_problem
+from tests.support.helpers import run_command as run
 
 BAD_BODIES = [
     (

@@ -7,8 +7,8 @@ from rest_framework.test import APIClient
 from controlplane.auth.actor import CLI_ACTOR
 from controlplane.auth.services import operator_token_mint
 from policy.models import RuleService, Service
-from tests.helpers import race
-from tests.requirements import require
+from tests.support.helpers import race
+from tests.support.requirements import require
 
 pytestmark = pytest.mark.postgres
 

@@ -9,21 +9,15 @@ There is no plaintext option.
 import daphne.server  # isort: skip
 
 import asyncio
-import ipaddress
 import logging
 import os
-import re
 import shlex
 import signal
-import socket
 import sys
-from dataclasses import dataclass
-from datetime import timedelta
 
 from django.conf import settings
 from django.core.management.base import CommandError
 from django.db import DatabaseError, OperationalError, connections
-from twisted.internet.endpoints import quoteStringArgument
 from twisted.internet.error import CannotListenError
 from twisted.logger import (
     FilteringLogObserver,
@@ -34,118 +28,22 @@ from twisted.logger import (
 )
 
 from agent.protocol import CLOSE_SHUTDOWN, MAX_MESSAGE_BYTES
-from controlplane import tls
+from controlplane import runtime, tls
 from controlplane.database import database_migrate, pending_migrations
 from controlplane.http_limits import limited_channel_protocol
+from controlplane.listeners import (
+    GATEWAY,
+    OPERATOR,
+    ListenAddress,
+    ListenAddressError,
+    bracket,
+    parse_listen,
+    split_address,
+    this_host_name,
+)
 from controlplane.management.base import PalisadeCommand
 
 log = logging.getLogger("palisade.serve")
-
-# Heartbeats refresh a stream's last_heard_from at least every minute; a stream silent for three
-# is one whose serve process died.
-STREAM_REAP_EVERY_SECONDS = 60
-STREAM_SILENT_SECONDS = 180
-# Rendered documents no workload names are removed once they are an hour old (fleet.retention).
-PRUNE_DOCUMENTS_EVERY_SECONDS = 600
-UNREFERENCED_DOCUMENT_GRACE_SECONDS = 3600
-
-_LISTEN = re.compile(r"^(?:\[(?P<ipv6>[^\]]*)\]|(?P<host>[^:\[\]]*)):(?P<port>[0-9]{1,5})$")
-_HOST_NAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?$")
-
-
-@dataclass(frozen=True)
-class ListenAddress:
-    flag: str
-    host: str  # as given: "" for all interfaces, a host name, or an IP address
-    interface: str  # the IP address to bind
-    port: int
-
-    @property
-    def is_wildcard(self) -> bool:
-        return self.host == ""
-
-    def __str__(self) -> str:
-        return f"{_bracket(self.interface)}:{self.port}"
-
-    def url(self) -> str:
-        host = _this_host_name() if self.is_wildcard else _bracket(self.host)
-        return f"https://{host}:{self.port}/"
-
-    def endpoint(self, cert: tls.CertPaths) -> str:
-        parts = [
-            "ssl",
-            f"port={self.port}",
-            f"interface={quoteStringArgument(self.interface)}",
-            f"privateKey={quoteStringArgument(str(cert.key_path))}",
-            f"certKey={quoteStringArgument(str(cert.cert_path))}",
-        ]
-        if cert.chain_path:
-            parts.append(f"extraCertChain={quoteStringArgument(str(cert.chain_path))}")
-        return ":".join(parts)
-
-
-def _bracket(host: str) -> str:
-    return f"[{host}]" if ":" in host else host
-
-
-def _this_host_name() -> str:
-    # getfqdn() gives "localhost" on hosts whose name is an alias of 127.0.0.1; nobody else can use that.
-    fqdn = socket.getfqdn()
-    return socket.gethostname() if fqdn.startswith("localhost") else fqdn
-
-
-def _wildcard_interface() -> str:
-    """`::` when this kernel does IPv6 with dual-stack sockets (it then accepts IPv4 too), else 0.0.0.0."""
-    # Listening on every interface is the documented default for `--listen :PORT` (S104).
-    if not socket.has_ipv6:
-        return "0.0.0.0"  # noqa: S104
-    try:
-        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as probe:
-            probe.bind(("::", 0))
-            v6only = probe.getsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY)
-    except OSError:
-        return "0.0.0.0"  # noqa: S104
-    return "0.0.0.0" if v6only else "::"  # noqa: S104
-
-
-def split_address(flag: str, value: str) -> tuple[str, str | None, int]:
-    """`:PORT`, `HOST:PORT` or `[IPV6]:PORT` -> (host as given, its IP address if it is one, port)."""
-    match = _LISTEN.match(value.strip())
-    if not match or not 0 < int(match["port"]) < 65536:
-        raise CommandError(
-            f"{flag} {value!r}: expected :PORT, HOST:PORT or [IPV6]:PORT with a port from 1 to 65535"
-        )
-    port = int(match["port"])
-    if match["ipv6"] is not None:
-        try:
-            address = str(ipaddress.IPv6Address(match["ipv6"]))
-        except ValueError:
-            raise CommandError(f"{flag} {value!r}: {match['ipv6']!r} is not an IPv6 address") from None
-        return address, address, port
-    host = match["host"]
-    try:
-        return host, str(ipaddress.IPv4Address(host)), port
-    except ValueError:
-        pass
-    if host and not _HOST_NAME.match(host):
-        raise CommandError(
-            f"{flag} {value!r}: {host!r} is not a host name or IPv4 address (write IPv6 as [ADDR])"
-        )
-    return host, None, port
-
-
-def parse_listen(flag: str, value: str) -> ListenAddress:
-    """`:PORT` (all interfaces), `HOST:PORT` or `[IPV6]:PORT`; a host name is resolved to an address."""
-    host, address, port = split_address(flag, value)
-    if address is not None:
-        return ListenAddress(flag, host, address, port)
-    if host == "":
-        return ListenAddress(flag, "", _wildcard_interface(), port)
-    try:
-        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except socket.gaierror as error:
-        raise CommandError(f"{flag} {value!r}: cannot resolve {host}: {error.strerror}") from None
-    return ListenAddress(flag, host, found[0][4][0], port)
 
 
 class _Server(daphne.server.Server):
@@ -162,25 +60,18 @@ class _Server(daphne.server.Server):
     def run(self):
         from twisted.internet import reactor, task
 
-        from fleet.gateway import CATCH_UP_EVERY_SECONDS
-        from fleet.rendering import notify_streams_on
+        from controlplane.housekeeping import STEPS
+        from fleet.push import notify_streams_on
 
         reactor.addSystemEventTrigger("before", "shutdown", self.end_streams)
         # daphne builds its HTTP factory in run(); no connection is accepted before the reactor runs.
         reactor.callWhenRunning(lambda: setattr(self.http_factory, "protocol", limited_channel_protocol))
         reactor.callWhenRunning(lambda: notify_streams_on(asyncio.get_event_loop()))
-        reaper = task.LoopingCall(self.reap_streams)
-        reaper.start(STREAM_REAP_EVERY_SECONDS, now=False).addErrback(
-            lambda failure: log.error("stream reaper stopped: %s", failure.getErrorMessage())
-        )
-        pruner = task.LoopingCall(self.prune_documents)
-        pruner.start(PRUNE_DOCUMENTS_EVERY_SECONDS, now=False).addErrback(
-            lambda failure: log.error("document pruning stopped: %s", failure.getErrorMessage())
-        )
-        catch_up = task.LoopingCall(self.catch_up_streams)
-        catch_up.start(CATCH_UP_EVERY_SECONDS, now=False).addErrback(
-            lambda failure: log.error("stream catch-up stopped: %s", failure.getErrorMessage())
-        )
+        for step in STEPS:
+            loop = task.LoopingCall(_scheduled, step)
+            loop.start(step.every_seconds, now=False).addErrback(
+                lambda failure, name=step.name: log.error("%s stopped: %s", name, failure.getErrorMessage())
+            )
         super().run()
 
     def kill_all_applications(self):
@@ -201,48 +92,11 @@ class _Server(daphne.server.Server):
         waiting.addErrback(lambda failure: None)
         return waiting
 
-    def catch_up_streams(self):
-        from twisted.internet.defer import Deferred
-
-        from fleet.gateway import streams_catch_up
-
-        async def sweep():
-            try:
-                await streams_catch_up()
-            except Exception as error:  # noqa: BLE001 - the database away: the next sweep tries again
-                log.warning("cannot compare streams with their latest versions: %s", _first_line(error))
-
-        return Deferred.fromFuture(asyncio.ensure_future(sweep()))
-
-    def reap_streams(self):
-        """Streams left open by a serve process that died without recording them."""
-        from fleet.sync import workload_streams_reap
-
-        def reap():
-            ended = workload_streams_reap(silent_for=timedelta(seconds=STREAM_SILENT_SECONDS))
-            if ended:
-                log.info("recorded %d silent agent streams as ended", ended)
-
-        return _housekeeping("reap silent streams", reap)
-
-    def prune_documents(self):
-        """Rendered documents no workload names any more (fleet.retention)."""
-        from fleet.retention import rendered_policies_prune
-
-        def prune():
-            removed = rendered_policies_prune(
-                older_than=timedelta(seconds=UNREFERENCED_DOCUMENT_GRACE_SECONDS)
-            )
-            if removed:
-                log.info("pruned %d rendered documents no workload names", removed)
-
-        return _housekeeping("prune rendered documents", prune)
-
     def end_streams(self):
         from autobahn.twisted.websocket import WebSocketServerProtocol
         from twisted.internet import threads
 
-        from fleet.gateway import streams_end_all
+        from fleet.held_streams import streams_end_all
 
         for protocol in list(getattr(self, "connections", {})):
             if isinstance(protocol, WebSocketServerProtocol):
@@ -260,16 +114,27 @@ class _Server(daphne.server.Server):
         return threads.deferToThread(record)
 
 
-def _housekeeping(what: str, work):
-    """Periodic database work on a reactor thread; a failure (the database away, a lost race) is
-    one warning line, and the next period tries again."""
+def _scheduled(step):
+    """One round of a housekeeping step: database steps on a reactor thread, the stream sweep on the
+    loop; a failure is one warning line, and the next period tries again."""
     from twisted.internet import threads
+    from twisted.internet.defer import Deferred
+
+    if step.run_async is not None:
+
+        async def sweep():
+            try:
+                await step.run_async()
+            except Exception as error:  # noqa: BLE001 - the database away: the next round tries again
+                log.warning("cannot %s: %s", step.name, _first_line(error))
+
+        return Deferred.fromFuture(asyncio.ensure_future(sweep()))
 
     def run():
         try:
-            work()
+            step.run()
         except DatabaseError as error:
-            log.warning("cannot %s: %s", what, _first_line(error))
+            log.warning("cannot %s: %s", step.name, _first_line(error))
         finally:
             connections.close_all()
 
@@ -336,8 +201,11 @@ class Command(PalisadeCommand):
         log.info("stopped")
 
     def _prepare(self, options) -> _Server:
-        operator = parse_listen("--operator-listen", options["operator_listen"])
-        gateway = parse_listen("--gateway-listen", options["gateway_listen"])
+        try:
+            operator = parse_listen("--operator-listen", options["operator_listen"])
+            gateway = parse_listen("--gateway-listen", options["gateway_listen"])
+        except ListenAddressError as error:
+            raise CommandError(str(error)) from None
         if operator.port == gateway.port:
             raise CommandError(
                 f"--operator-listen and --gateway-listen both use port {operator.port}; "
@@ -346,7 +214,11 @@ class Command(PalisadeCommand):
         self.listeners = (operator, gateway)
         if options["gateway_advertise"]:
             # Not resolved here: the name only has to resolve where the agents are.
-            if not split_address("--gateway-advertise", options["gateway_advertise"])[0]:
+            try:
+                advertised_host = split_address("--gateway-advertise", options["gateway_advertise"])[0]
+            except ListenAddressError as error:
+                raise CommandError(str(error)) from None
+            if not advertised_host:
                 raise CommandError("--gateway-advertise needs a host: HOST:PORT or [IPV6]:PORT")
         certs = {
             "operator": self._certificate("operator", operator, options),
@@ -419,15 +291,14 @@ class Command(PalisadeCommand):
             raise CommandError(str(error)) from None
 
     def _configure(self, operator: ListenAddress, gateway: ListenAddress, options) -> None:
-        # The ASGI entry reads these per request, so they must be set before the first one.
-        settings.PALISADE_LISTENER_PORTS = {operator.port: "operator", gateway.port: "gateway"}
-        # The host name, not service_identity's getfqdn() fallback, which is "localhost" on some hosts.
-        settings.PALISADE_GATEWAY_HOST = _this_host_name() if gateway.is_wildcard else gateway.host
-        settings.PALISADE_GATEWAY_PORT = gateway.port
-        if options["gateway_advertise"]:
-            settings.PALISADE_GATEWAY_ADVERTISE = options["gateway_advertise"].strip()
-        if options["site_label"] is not None:
-            settings.PALISADE_SITE_LABEL = options["site_label"]
+        # The ASGI entry reads the listener ports per request, so they must be set before the first one.
+        runtime.facts_set(
+            listener_ports={operator.port: OPERATOR, gateway.port: GATEWAY},
+            gateway_host=this_host_name() if gateway.is_wildcard else gateway.host,
+            gateway_port=gateway.port,
+            gateway_advertise=(options["gateway_advertise"] or "").strip() or None,
+            site_label=options["site_label"],
+        )
 
     def _prepare_database(self, *, migrate: bool) -> None:
         try:
@@ -455,7 +326,7 @@ class Command(PalisadeCommand):
         `serve` (minting a token on the host) read it from the database."""
         from controlplane.service_identity import gateway_identity_record
 
-        settings.PALISADE_GATEWAY_FINGERPRINT = fingerprint
+        runtime.facts_set(gateway_fingerprint=fingerprint)
         try:
             gateway_identity_record(fingerprint=fingerprint)
         except DatabaseError as error:
@@ -487,7 +358,7 @@ class Command(PalisadeCommand):
             for listen in self.listeners:
                 if listen.port == failure.port:
                     return f"cannot listen on {listen} ({listen.flag}): {reason.lower()}"
-            return f"cannot listen on {_bracket(failure.interface or '*')}:{failure.port}: {reason.lower()}"
+            return f"cannot listen on {bracket(failure.interface or '*')}:{failure.port}: {reason.lower()}"
         return f"cannot listen: {_first_line(failure)}"
 
 

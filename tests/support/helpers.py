@@ -42,3 +42,16 @@ def race(*calls) -> list:
     for thread in threads:
         thread.join()
     return results
+
+
+PROBLEM = "application/problem+json"
+
+
+def assert_problem(response, status, name):
+    assert response.status_code == status, response.content
+    assert response["Content-Type"] == PROBLEM
+    body = response.json()
+    assert body["type"] == f"urn:service:problem:{name}"
+    assert body["status"] == status
+    assert body["title"] and body["detail"]
+    return body

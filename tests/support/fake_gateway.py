@@ -12,7 +12,7 @@ In-process (asyncio):
     gateway = FakeGateway(tmp_path); await gateway.start()
     bundle = gateway.bundle(gateway.add_token(uses=5))
 
-As a process inside a network namespace (`python -m tests.agent.fake_gateway DATA_DIR`): prints
+As a process inside a network namespace (`python -m tests.support.fake_gateway DATA_DIR`): prints
 `{"ready": ..., "bundle": ...}`, then one JSON line per event; reads one JSON command per line.
 """
 

@@ -11,7 +11,7 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
-from tests.agent.fake_gateway import FakeGateway
+from tests.support.fake_gateway import FakeGateway
 
 REPO = Path(__file__).resolve().parents[2]
 ERROR_PREFIX = "palisade-agent: error: "

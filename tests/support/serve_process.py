@@ -31,7 +31,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 MANAGE = REPO / "manage.py"
 START_TIMEOUT = 90.0
 STOP_TIMEOUT = 20.0

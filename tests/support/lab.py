@@ -1,6 +1,6 @@
 """A control plane and real agents in network namespaces: `serve` in one namespace, each agent in its
-own, joined by a bridge (tests/netns.py). The test process reaches the operator API from a thread that
-joins the control plane's namespace (tests/nsthread.py); nothing touches the host's own namespace."""
+own, joined by a bridge (tests/support/netns.py). The test process reaches the operator API from a thread that
+joins the control plane's namespace (tests/support/nsthread.py); nothing touches the host's own namespace."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
-from tests.netns import REPO, Lab
-from tests.nsthread import NamespaceThread
-from tests.serve_process import ServeProcess, _drain, served_certificate
+from tests.support.netns import REPO, Lab
+from tests.support.nsthread import NamespaceThread
+from tests.support.serve_process import ServeProcess, _drain, served_certificate
 
 POSTGRES_SOCKET_DIR = "/var/run/postgresql"
 

@@ -24,10 +24,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.requirements import require
+from tests.support.requirements import require
 
 _serial = itertools.count()
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 TOOLS = ("ip", "nft", "conntrack")
 
 

@@ -1,0 +1,63 @@
+"""serve's periodic work, as plain step functions that tests call directly.
+
+Each step does one round and returns how much it did; serve runs each on its period (`STEPS`), the
+database steps on a reactor thread and the stream sweep on the event loop that holds the streams. A
+step that fails (the database away, a lost race) is one warning line; the next period tries again.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import timedelta
+
+log = logging.getLogger("palisade.serve")
+
+# Heartbeats refresh a stream's last_heard_from at least every minute; a stream silent for three
+# is one whose serve process died.
+STREAM_SILENT = timedelta(seconds=180)
+# Rendered documents no workload names are removed once they are an hour old (fleet.retention).
+UNREFERENCED_DOCUMENT_GRACE = timedelta(seconds=3600)
+
+
+def streams_reap_step() -> int:
+    """Streams left open by a serve process that died without recording them."""
+    from fleet.sync import workload_streams_reap
+
+    ended = workload_streams_reap(silent_for=STREAM_SILENT)
+    if ended:
+        log.info("recorded %d silent agent streams as ended", ended)
+    return ended
+
+
+def documents_prune_step() -> int:
+    """Rendered documents no workload names any more."""
+    from fleet.retention import rendered_policies_prune
+
+    removed = rendered_policies_prune(older_than=UNREFERENCED_DOCUMENT_GRACE)
+    if removed:
+        log.info("pruned %d rendered documents no workload names", removed)
+    return removed
+
+
+async def streams_catch_up_step() -> int:
+    """Nudge held streams whose change notification was lost (fleet.held_streams)."""
+    from fleet.held_streams import streams_catch_up
+
+    return await streams_catch_up()
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    every_seconds: float
+    run: Callable[[], int] | None = None  # on a thread, with the database
+    run_async: Callable[[], Awaitable[int]] | None = None  # on the event loop
+
+
+STEPS = (
+    Step("reap silent streams", 60, run=streams_reap_step),
+    Step("prune rendered documents", 600, run=documents_prune_step),
+    Step("catch up streams", 2.0, run_async=streams_catch_up_step),
+)

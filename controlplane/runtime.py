@@ -1,0 +1,46 @@
+"""Facts about the running service that only `serve` knows once it has started: the ports of its
+listeners, the gateway's address and the fingerprint of the certificate it serves, and what the
+command line said about them. Kept here, not written into django.conf.settings at run time; outside
+`serve` (commands, tests) they keep their defaults, which come from the settings (the environment).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from django.conf import settings
+
+
+@dataclass(frozen=True)
+class Facts:
+    listener_ports: dict[int, str] = field(default_factory=dict)
+    gateway_host: str = ""  # "" until serve listens: the host name is used
+    gateway_port: int = 8443
+    gateway_advertise: str | None = None  # None: the environment's PALISADE_GATEWAY_ADVERTISE
+    gateway_fingerprint: str = ""  # "" outside serve: the one serve recorded in the database
+    site_label: str | None = None  # None: the environment's PALISADE_SITE_LABEL
+
+    @property
+    def advertised(self) -> str:
+        return (
+            settings.PALISADE_GATEWAY_ADVERTISE if self.gateway_advertise is None else self.gateway_advertise
+        )
+
+    @property
+    def label(self) -> str:
+        return settings.PALISADE_SITE_LABEL if self.site_label is None else self.site_label
+
+
+facts = Facts()
+
+
+def facts_set(**changes) -> Facts:
+    """Replace some facts (serve at start; tests). Readers always see one consistent set."""
+    global facts
+    facts = replace(facts, **changes)
+    return facts
+
+
+def facts_reset() -> None:
+    global facts
+    facts = Facts()

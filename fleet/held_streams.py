@@ -1,0 +1,114 @@
+"""The gateway's side of the streams this process holds: the registry of held streams, the sweep that
+catches up the ones whose change notification was lost, and the thread pool their database calls run
+on. The consumer (fleet/gateway.py) adds and removes streams; serve's housekeeping runs the sweep and
+ends every held stream at shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from channels.db import database_sync_to_async
+from channels.layers import get_channel_layer
+from django.db import connection, connections
+
+from fleet import streams, sync
+
+log = logging.getLogger("palisade.gateway")
+
+# On PostgreSQL the stream's database calls run on this pool, not on Channels' one shared thread:
+# after a fleet-wide change thousands of streams acknowledge at once, and their writes must overlap.
+# Each call is one hop to a pool thread that keeps its connection. database_sync_to_async made a
+# second hop per call to close old connections, after which the health check cost a `SELECT 1` per
+# call; here a connection is checked (and dropped if broken) only after it raised a database error.
+# SQLite takes one writer at a time anyway, so there the calls stay on Channels' thread, serial.
+DB_THREADS = 8
+_db_pool = ThreadPoolExecutor(DB_THREADS, thread_name_prefix="gateway-db")
+
+
+def db(function):
+    if connection.vendor != "postgresql":
+        return database_sync_to_async(function)
+
+    def in_thread(kwargs):
+        if connection.errors_occurred:
+            connection.close_if_unusable_or_obsolete()
+        return function(**kwargs)
+
+    async def call(**kwargs):
+        return await asyncio.get_running_loop().run_in_executor(_db_pool, in_thread, kwargs)
+
+    return call
+
+
+def db_pool_close_connections() -> None:
+    """Close the pool threads' database connections (the test suite drops its database after)."""
+    everyone = threading.Barrier(DB_THREADS)
+
+    def close():
+        connections.close_all()
+        everyone.wait(10)  # one task per thread: each waits until every thread has closed its own
+
+    for future in [_db_pool.submit(close) for _ in range(DB_THREADS)]:
+        future.result(20)
+
+
+@dataclass
+class HeldStream:
+    workload_id: str
+    stream_id: str
+    sent_version: str | None = None
+
+
+# The streams this process holds, by channel name: a shutdown records them as ended (a stopping
+# server gets no disconnect events from daphne), and the catch-up sweep compares what each was sent
+# with its workload's latest version.
+open_streams: dict[str, HeldStream] = {}
+_behind_at_last_sweep: dict[str, tuple] = {}
+
+
+def streams_end_all() -> int:
+    """Record every stream this process holds as ended; called once, as the process stops."""
+    held = list(open_streams.values())
+    open_streams.clear()
+    for stream in held:
+        sync.workload_stream_ended(workload_id=stream.workload_id, stream_id=stream.stream_id)
+    return len(held)
+
+
+async def streams_catch_up() -> int:
+    """Nudge the streams that have been behind their workload for a whole sweep: a latest version
+    not sent, or a resend not answered by a snapshot.
+
+    Notifications are sent after commit and are not stored; one can be lost (a channel-layer
+    hiccup), and a host command in another process without Redis reaches no stream at all. This
+    sweep makes every held stream converge anyway, within two sweeps. A stream behind at only one
+    sweep is left alone: its notification is most likely still on its way.
+    """
+    held = dict(open_streams)
+    if not held:
+        _behind_at_last_sweep.clear()
+        return 0
+    state = await db(streams.streams_state)(streams={h.workload_id: h.stream_id for h in held.values()})
+    behind: dict[str, tuple] = {}
+    for channel, stream in held.items():
+        due = state.get(stream.stream_id)
+        if due is None:
+            continue
+        if due.resend_requested_at is not None:
+            behind[channel] = ("resend.snapshot", due.resend_requested_at)
+        elif due.latest_version and due.latest_version != stream.sent_version:
+            behind[channel] = ("policy.updated", due.latest_version)
+    nudge = [(channel, why) for channel, why in behind.items() if _behind_at_last_sweep.get(channel) == why]
+    _behind_at_last_sweep.clear()
+    _behind_at_last_sweep.update(behind)
+    layer = get_channel_layer()
+    for channel, (event, _) in nudge:
+        await layer.send(channel, {"type": event})
+    if nudge:
+        log.info("caught up %d streams whose change notification did not arrive", len(nudge))
+    return len(nudge)

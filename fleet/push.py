@@ -1,0 +1,68 @@
+"""Telling open sync streams that something changed: one channel-layer group per connected workload.
+
+Every sender calls `notify_streams` inside its transaction; the messages go out after commit. The
+gateway's consumer joins `stream_group(workload_id)` when its stream is authenticated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable
+
+from asgiref.sync import async_to_sync
+from channels.layers import get_channel_layer
+from django.db import transaction
+
+log = logging.getLogger("palisade.fleet")
+
+
+def stream_group(workload_id) -> str:
+    """The channel-layer group of one workload's sync stream."""
+    return f"workload.{workload_id}"
+
+
+# The event loop of this `serve` process, which holds the streams. Set once at start; None in
+# management commands and tests, where the notification is sent in place instead.
+_serving_loop: asyncio.AbstractEventLoop | None = None
+
+
+def notify_streams_on(loop: asyncio.AbstractEventLoop) -> None:
+    """Deliver later notifications on `loop`, the loop serving this process's streams."""
+    global _serving_loop
+    _serving_loop = loop
+
+
+def notify_streams(workload_ids: Iterable[str], message: dict) -> None:
+    """Send `message` to each workload's stream, once the transaction has committed.
+
+    Inside `serve` the sends are handed to the loop that holds the streams and not waited for: a
+    fleet-wide change must not hold the request's thread while thousands of snapshots go out, and
+    the in-process channel layer's queues may only be touched from their own loop. Elsewhere (a
+    management command) they are sent in place, through Redis when it is configured; without Redis a
+    command reaches no stream, and serve's catch-up sweep delivers the change instead.
+    """
+    ids = list(workload_ids)
+    if not ids:
+        return
+
+    async def send_all():
+        layer = get_channel_layer()
+        if layer is None:
+            return
+        for workload_id in ids:
+            await layer.group_send(stream_group(workload_id), message)
+
+    def send():
+        loop = _serving_loop
+        if loop is not None and loop.is_running():
+            asyncio.run_coroutine_threadsafe(send_all(), loop).add_done_callback(_log_failure)
+        else:
+            async_to_sync(send_all)()
+
+    transaction.on_commit(send)
+
+
+def _log_failure(future) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.error("could not notify streams: %s", future.exception())
