@@ -10,3 +10,27 @@ class GatewayIdentity(models.Model):
     address = models.CharField(max_length=300)
     fingerprint = models.CharField(max_length=200)
     updated_at = models.DateTimeField()
+
+
+class AuditEvent(models.Model):
+    """One operator write: who, what, which object, and its version before and after. Written in the
+    transaction of the write it records (controlplane/audit.py); nothing changes or deletes it."""
+
+    id = models.BigAutoField(primary_key=True)
+    at = models.DateTimeField()
+    actor_kind = models.CharField(max_length=16)  # session, token or cli
+    actor = models.CharField(max_length=300)  # e.g. "token deploy-bot (pal_op_Ab12)", "host: manage.py ..."
+    actor_token_id = models.UUIDField(null=True)
+    action = models.CharField(max_length=40)  # e.g. "service.replace", "mode_change.create"
+    object_type = models.CharField(max_length=40)
+    object_id = models.CharField(max_length=64)
+    object_name = models.CharField(max_length=300, blank=True)
+    version_before = models.CharField(max_length=80, blank=True)
+    version_after = models.CharField(max_length=80, blank=True)
+    detail = models.JSONField(default=dict)
+
+    class Meta:
+        indexes = [
+            models.Index(fields=["at", "id"], name="audit_event_order"),
+            models.Index(fields=["object_type", "object_id", "at"], name="audit_event_object"),
+        ]

@@ -3,6 +3,7 @@
 from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView, SpectacularSwaggerView
 
+from controlplane.api.audit import AuditEventListView
 from controlplane.api.errors import handler400, handler403, handler404, handler500  # noqa: F401
 from controlplane.api.operator_tokens import OperatorTokenListView, OperatorTokenView
 from controlplane.api.session import MeView, SessionView
@@ -12,6 +13,7 @@ api_v1 = [
     path("me", MeView.as_view(), name="me"),
     path("operator-tokens", OperatorTokenListView.as_view(), name="operator-tokens"),
     path("operator-tokens/<uuid:token_id>", OperatorTokenView.as_view(), name="operator-token"),
+    path("audit-events", AuditEventListView.as_view(), name="audit-events"),
     path("", include("policy.api.urls")),
     path("", include("fleet.api.urls")),
     path("", include("fleet.api.urls_tokens")),

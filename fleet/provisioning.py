@@ -20,6 +20,7 @@ from django.db import transaction
 # bundle_decode is re-exported for callers on the control plane's side.
 from agent.bundle import PROVISIONING_TOKEN_PREFIX, BundleError, bundle_decode, bundle_encode  # noqa: F401
 from controlplane import clock
+from controlplane.audit import audit_record
 from controlplane.auth.actor import Actor
 from controlplane.auth.secrets import digest, display_prefix, new_secret
 from controlplane.pagination import OrderKey, Page, list_fingerprint, paginate
@@ -133,6 +134,19 @@ def provisioning_token_mint(*, actor: Actor, data: Mapping[str, Any]) -> MintedP
             expires_at=spec.expires_at,
             max_uses=spec.max_uses,
         )
+        audit_record(
+            actor=actor,
+            action="provisioning_token.create",
+            object_type="provisioning_token",
+            object_id=token.id,
+            object_name=token.description[:300],
+            detail={
+                "prefix": token.prefix,
+                "labels": token.labels,
+                "max_uses": token.max_uses,
+                "expires_at": clock.rfc3339(token.expires_at),
+            },
+        )
     return MintedProvisioningToken(secret=secret, token=token, bundle=bundle)
 
 
@@ -154,6 +168,14 @@ def provisioning_token_revoke(*, actor: Actor, token_id: str) -> ProvisioningTok
         if token.revoked_at is None:
             token.revoked_at = clock.now()
             token.save(update_fields=["revoked_at"])
+            audit_record(
+                actor=actor,
+                action="provisioning_token.revoke",
+                object_type="provisioning_token",
+                object_id=token.id,
+                object_name=token.description[:300],
+                detail={"prefix": token.prefix},
+            )
     return token
 
 

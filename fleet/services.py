@@ -9,6 +9,7 @@ from typing import Any
 from django.db import transaction
 
 from controlplane import clock
+from controlplane.audit import audit_record
 from controlplane.auth.actor import Actor
 from controlplane.conditional import check_version
 from controlplane.problems import Finding, Problem, ValidationFailed, pointer
@@ -51,6 +52,16 @@ def workload_labels_replace(
         workload.labels = labels
         workload.labels_version += 1
         workload.save(update_fields=["labels", "labels_version"])
+        audit_record(
+            actor=actor,
+            action="workload.labels_replace",
+            object_type="workload",
+            object_id=workload.id,
+            object_name=workload.hostname,
+            version_before=workload.labels_version - 1,
+            version_after=workload.labels_version,
+            detail={"labels_before": before, "labels": labels},
+        )
         if before != labels:
             rerender_for_peer_change(workload_id=str(workload.id), labels_before=before)
     return workload
@@ -166,6 +177,18 @@ def mode_change_create(*, actor: Actor, data: Mapping[str, Any]) -> ModeChange:
             resolved_count=len(ids),
             changed_count=len(changed),
         )
+        audit_record(
+            actor=actor,
+            action="mode_change.create",
+            object_type="mode_change",
+            object_id=intent.id,
+            detail={
+                "selection": selection,
+                "mode": mode,
+                "resolved_count": len(ids),
+                "changed_workload_ids": sorted(str(i) for i in changed),
+            },
+        )
     return intent
 
 
@@ -186,5 +209,12 @@ def workload_resend_snapshot(*, actor: Actor, workload_id: str) -> Workload:
         # answers it, so a resend from a host command reaches a serve process without Redis.
         workload.resend_requested_at = clock.now()
         workload.save(update_fields=["resend_requested_at"])
+        audit_record(
+            actor=actor,
+            action="workload.resend_snapshot",
+            object_type="workload",
+            object_id=workload.id,
+            object_name=workload.hostname,
+        )
         notify_streams([str(workload.id)], {"type": "resend.snapshot"})
     return workload

@@ -10,6 +10,7 @@ from typing import Any
 from django.db import IntegrityError, transaction
 
 from controlplane import clock
+from controlplane.audit import audit_record
 from controlplane.auth.actor import Actor
 from controlplane.conditional import locked_for_write
 from controlplane.problems import Problem
@@ -122,6 +123,14 @@ def service_create(*, actor: Actor, data: Mapping[str, Any]) -> Service:
         service = Service(name=spec.name, description=spec.description, created_at=now, updated_at=now)
         _save_unique(service)
         _write_service_entries(service, spec.entries)
+        audit_record(
+            actor=actor,
+            action="service.create",
+            object_type="service",
+            object_id=service.id,
+            object_name=service.name,
+            version_after=service.version,
+        )
         _policy_changed(state)
     return service
 
@@ -140,6 +149,15 @@ def service_replace(
         _check_unique_name(Service, spec.name, findings, exclude_id=service.id)
         findings.raise_if_any()
         service.name, service.description = spec.name, spec.description
+        audit_record(
+            actor=actor,
+            action="service.replace",
+            object_type="service",
+            object_id=service.id,
+            object_name=spec.name,
+            version_before=service.version,
+            version_after=service.version + 1,
+        )
         service.version += 1
         service.updated_at = clock.now()
         _save_unique(service)
@@ -177,6 +195,14 @@ def service_delete(*, actor: Actor, service_id: str, expected_version: str) -> N
         )
         rules = Rule.objects.filter(services__service=service).select_related("ruleset").distinct()
         _refuse_if_used(service, rules, "service")
+        audit_record(
+            actor=actor,
+            action="service.delete",
+            object_type="service",
+            object_id=service.id,
+            object_name=service.name,
+            version_before=service.version,
+        )
         service.delete()
         _policy_changed(state)
 
@@ -201,6 +227,14 @@ def address_group_create(*, actor: Actor, data: Mapping[str, Any]) -> AddressGro
             updated_at=now,
         )
         _save_unique(group)
+        audit_record(
+            actor=actor,
+            action="address_group.create",
+            object_type="address_group",
+            object_id=group.id,
+            object_name=group.name,
+            version_after=group.version,
+        )
         _policy_changed(state)
     return group
 
@@ -219,6 +253,15 @@ def address_group_replace(
         _check_unique_name(AddressGroup, spec.name, findings, exclude_id=group.id)
         findings.raise_if_any()
         group.name, group.description, group.members = spec.name, spec.description, list(spec.members)
+        audit_record(
+            actor=actor,
+            action="address_group.replace",
+            object_type="address_group",
+            object_id=group.id,
+            object_name=spec.name,
+            version_before=group.version,
+            version_after=group.version + 1,
+        )
         group.version += 1
         group.updated_at = clock.now()
         _save_unique(group)
@@ -236,6 +279,14 @@ def address_group_delete(*, actor: Actor, group_id: str, expected_version: str) 
         )
         rules = Rule.objects.filter(sources__address_group=group).select_related("ruleset").distinct()
         _refuse_if_used(group, rules, "address group")
+        audit_record(
+            actor=actor,
+            action="address_group.delete",
+            object_type="address_group",
+            object_id=group.id,
+            object_name=group.name,
+            version_before=group.version,
+        )
         group.delete()
         _policy_changed(state)
 
@@ -331,6 +382,15 @@ def ruleset_create(*, actor: Actor, data: Mapping[str, Any]) -> Ruleset:
                 updated_at=now,
             )
             _write_rule(row, sources, services)
+        audit_record(
+            actor=actor,
+            action="ruleset.create",
+            object_type="ruleset",
+            object_id=ruleset.id,
+            object_name=ruleset.name,
+            version_after=ruleset.version,
+            detail={"rules": len(spec.rules)},
+        )
         _policy_changed(state, scopes=[ruleset.scope])
     return ruleset
 
@@ -386,6 +446,16 @@ def ruleset_replace(
         scope_before = ruleset.scope
         ruleset.name, ruleset.description = spec.name, spec.description
         ruleset.enabled, ruleset.scope = spec.enabled, spec.scope
+        audit_record(
+            actor=actor,
+            action="ruleset.replace",
+            object_type="ruleset",
+            object_id=ruleset.id,
+            object_name=spec.name,
+            version_before=ruleset.version,
+            version_after=ruleset.version + 1,
+            detail={"rules": len(spec.rules)},
+        )
         ruleset.version += 1
         ruleset.updated_at = now
         _save_unique(ruleset)
@@ -399,6 +469,14 @@ def ruleset_delete(*, actor: Actor, ruleset_id: str, expected_version: str) -> N
         state = _lock_policy()
         ruleset = locked_for_write(
             Ruleset.objects, pk=ruleset_id, expected_version=expected_version, what="ruleset"
+        )
+        audit_record(
+            actor=actor,
+            action="ruleset.delete",
+            object_type="ruleset",
+            object_id=ruleset.id,
+            object_name=ruleset.name,
+            version_before=ruleset.version,
         )
         ruleset.delete()
         _policy_changed(state, scopes=[ruleset.scope])
@@ -431,6 +509,14 @@ def rule_add(*, actor: Actor, ruleset_id: str, data: Mapping[str, Any]) -> Rule:
         )
         _write_rule(rule, sources, services)
         _touch_ruleset(ruleset, now)
+        audit_record(
+            actor=actor,
+            action="rule.create",
+            object_type="rule",
+            object_id=rule.id,
+            version_after=rule.version,
+            detail={"ruleset_id": str(ruleset.id)},
+        )
         _policy_changed(state, scopes=[ruleset.scope])
     return rule
 
@@ -462,6 +548,15 @@ def rule_replace(
         findings.raise_if_any()
         now = clock.now()
         rule.description = spec.description
+        audit_record(
+            actor=actor,
+            action="rule.replace",
+            object_type="rule",
+            object_id=rule.id,
+            version_before=rule.version,
+            version_after=rule.version + 1,
+            detail={"ruleset_id": str(ruleset_id)},
+        )
         rule.version += 1
         rule.updated_at = now
         rule.save()
@@ -481,6 +576,14 @@ def rule_delete(*, actor: Actor, ruleset_id: str, rule_id: str, expected_version
             pk=rule_id,
             expected_version=expected_version,
             what="rule",
+        )
+        audit_record(
+            actor=actor,
+            action="rule.delete",
+            object_type="rule",
+            object_id=rule.id,
+            version_before=rule.version,
+            detail={"ruleset_id": str(ruleset_id)},
         )
         rule.delete()
         ruleset = Ruleset.objects.select_for_update().get(id=ruleset_id)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shlex
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -21,3 +23,8 @@ class Actor:
 
 
 CLI_ACTOR = Actor(kind="cli", label="host command line")
+
+
+def cli_actor(argv: Sequence[str]) -> Actor:
+    """A host command, named by its command line (the audit trail shows exactly what was run)."""
+    return Actor(kind="cli", label=("host: " + shlex.join(["manage.py", *argv[1:]]))[:300])

@@ -15,6 +15,7 @@ from django.conf import settings
 from django.db import connection, transaction
 
 from controlplane import clock
+from controlplane.audit import audit_record
 from controlplane.auth.actor import Actor
 from controlplane.auth.models import LoginThrottle, Operator, OperatorSession, OperatorToken
 from controlplane.auth.secrets import (
@@ -60,6 +61,13 @@ def operator_set_password(*, actor: Actor, password: str) -> None:
             id=1, defaults={"password_hash": hashed, "password_changed_at": clock.now()}
         )
         OperatorSession.objects.all().delete()
+        audit_record(
+            actor=actor,
+            action="operator.set_password",
+            object_type="operator",
+            object_id=1,
+            detail={"sessions_ended": True},
+        )
 
 
 @dataclass(frozen=True)
@@ -180,13 +188,22 @@ def operator_token_input(data: Any) -> OperatorTokenInput:
 def operator_token_mint(*, actor: Actor, data: Mapping[str, Any]) -> MintedToken:
     spec = operator_token_input(data)
     secret = new_secret(OPERATOR_TOKEN_PREFIX)
-    token = OperatorToken.objects.create(
-        name=spec.name,
-        prefix=display_prefix(secret),
-        digest=digest(secret),
-        created_at=clock.now(),
-        expires_at=spec.expires_at,
-    )
+    with transaction.atomic():
+        token = OperatorToken.objects.create(
+            name=spec.name,
+            prefix=display_prefix(secret),
+            digest=digest(secret),
+            created_at=clock.now(),
+            expires_at=spec.expires_at,
+        )
+        audit_record(
+            actor=actor,
+            action="operator_token.create",
+            object_type="operator_token",
+            object_id=token.id,
+            object_name=token.name,
+            detail={"prefix": token.prefix, "expires_at": clock.rfc3339(token.expires_at)},
+        )
     return MintedToken(secret=secret, token=token)
 
 
@@ -198,6 +215,14 @@ def operator_token_revoke(*, actor: Actor, token_id: str) -> OperatorToken:
         if token.revoked_at is None:
             token.revoked_at = clock.now()
             token.save(update_fields=["revoked_at"])
+            audit_record(
+                actor=actor,
+                action="operator_token.revoke",
+                object_type="operator_token",
+                object_id=token.id,
+                object_name=token.name,
+                detail={"prefix": token.prefix},
+            )
     return token
 
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 
+from controlplane.auth.actor import Actor, cli_actor
 from controlplane.problems import Problem, ValidationFailed
 from controlplane.strict_json import json_loads_strict
 
@@ -34,6 +35,17 @@ def _ensure_schema() -> None:
 class PalisadeCommand(BaseCommand):
     json_output = True  # commands that print data offer --json
     migrates_itself = False  # serve applies migrations at start, or not with --no-migrate
+    _argv: list[str] | None = None
+
+    def run_from_argv(self, argv):
+        self._argv = list(argv)
+        super().run_from_argv(argv)
+
+    @property
+    def actor(self) -> Actor:
+        """Who the writes of this command are recorded as: its command line (or, called from code,
+        its name)."""
+        return cli_actor(self._argv or ["manage.py", self.__module__.rsplit(".", 1)[-1]])
 
     def create_parser(self, prog_name, subcommand, **kwargs):
         parser = super().create_parser(prog_name, subcommand, **kwargs)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
-from controlplane.auth.actor import CLI_ACTOR
 from controlplane.conditional import if_match_from_header
 from controlplane.management.base import PalisadeCommand
 
@@ -56,12 +55,12 @@ class ObjectCommand(PalisadeCommand):
         self.show_one(type(self).get_item(**{self.id_keyword: options["id"]}))
 
     def do_create(self, options):
-        obj = type(self).create_item(actor=CLI_ACTOR, data=self.read_json_input(options["file"]))
+        obj = type(self).create_item(actor=self.actor, data=self.read_json_input(options["file"]))
         self.show_one(type(self).get_item(**{self.id_keyword: str(obj.id)}))
 
     def do_replace(self, options):
         type(self).replace_item(
-            actor=CLI_ACTOR,
+            actor=self.actor,
             expected_version=if_match_from_header(options["if_match"]),
             data=self.read_json_input(options["file"]),
             **{self.id_keyword: options["id"]},
@@ -70,7 +69,7 @@ class ObjectCommand(PalisadeCommand):
 
     def do_delete(self, options):
         type(self).delete_item(
-            actor=CLI_ACTOR,
+            actor=self.actor,
             expected_version=if_match_from_header(options["if_match"]),
             **{self.id_keyword: options["id"]},
         )

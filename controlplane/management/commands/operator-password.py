@@ -5,7 +5,6 @@ import sys
 
 from django.core.management.base import CommandError
 
-from controlplane.auth.actor import CLI_ACTOR
 from controlplane.auth.services import operator_set_password
 from controlplane.management.base import PalisadeCommand
 
@@ -33,5 +32,5 @@ class Command(PalisadeCommand):
             password = getpass.getpass("New operator password: ")
             if getpass.getpass("Repeat it: ") != password:
                 raise CommandError("the passwords differ; nothing changed")
-        operator_set_password(actor=CLI_ACTOR, password=password)
+        operator_set_password(actor=self.actor, password=password)
         self.stdout.write("Operator password set. Open sessions have ended; operator tokens stay valid.")

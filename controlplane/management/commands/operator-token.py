@@ -3,7 +3,6 @@
 import uuid
 
 from controlplane.api.operator_tokens import operator_token_data
-from controlplane.auth.actor import CLI_ACTOR
 from controlplane.auth.selectors import operator_token_list
 from controlplane.auth.services import operator_token_mint, operator_token_revoke
 from controlplane.management.base import PalisadeCommand
@@ -31,7 +30,7 @@ class Command(PalisadeCommand):
         data = {"name": options["name"]}
         if options["expires_at"]:
             data["expires_at"] = options["expires_at"]
-        minted = operator_token_mint(actor=CLI_ACTOR, data=data)
+        minted = operator_token_mint(actor=self.actor, data=data)
         record = operator_token_data(minted.token)
         self.emit(
             {"token": minted.secret, "record": record},
@@ -61,5 +60,5 @@ class Command(PalisadeCommand):
             token_id = str(uuid.UUID(options["token_id"]))
         except ValueError:
             raise Problem("not-found", f"No operator token {options['token_id']}.") from None
-        record = operator_token_data(operator_token_revoke(actor=CLI_ACTOR, token_id=token_id))
+        record = operator_token_data(operator_token_revoke(actor=self.actor, token_id=token_id))
         self.emit(record, f"revoked {record['name']} ({record['prefix']})")

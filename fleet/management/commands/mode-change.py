@@ -1,6 +1,5 @@
 """Change the mode of a selection of workloads: the same domain function as POST /mode-changes."""
 
-from controlplane.auth.actor import CLI_ACTOR
 from controlplane.management.base import PalisadeCommand
 from fleet.models import MODES
 from fleet.representations import mode_change_data
@@ -29,7 +28,7 @@ class Command(PalisadeCommand):
             selection["workload_ids"] = o["workload"]
         if o["all"]:
             selection["all"] = True
-        intent = mode_change_create(actor=CLI_ACTOR, data={"selection": selection, "mode": o["mode"]})
+        intent = mode_change_create(actor=self.actor, data={"selection": selection, "mode": o["mode"]})
         data = mode_change_data(intent)
         self.emit(
             data,

@@ -2,7 +2,6 @@
 
 from django.core.management.base import CommandError
 
-from controlplane.auth.actor import CLI_ACTOR
 from controlplane.management.base import PalisadeCommand
 from controlplane.pagination import MAX_LIMIT
 from fleet.api.provisioning_tokens import provisioning_token_data
@@ -55,7 +54,7 @@ class Command(PalisadeCommand):
             data["max_uses"] = options["max_uses"]
         if options["label"]:
             data["labels"] = _labels(options["label"])
-        minted = provisioning_token_mint(actor=CLI_ACTOR, data=data)
+        minted = provisioning_token_mint(actor=self.actor, data=data)
         record = provisioning_token_data(minted.token)
         self.emit(
             {"token": minted.secret, "bundle": minted.bundle, "record": record},
@@ -84,6 +83,6 @@ class Command(PalisadeCommand):
 
     def do_revoke(self, options):
         record = provisioning_token_data(
-            provisioning_token_revoke(actor=CLI_ACTOR, token_id=options["token_id"])
+            provisioning_token_revoke(actor=self.actor, token_id=options["token_id"])
         )
         self.emit(record, f"revoked provisioning token {record['prefix']} ({record['description'][:60]})")

@@ -2,7 +2,6 @@
 
 import json
 
-from controlplane.auth.actor import CLI_ACTOR
 from controlplane.conditional import if_match_from_header
 from controlplane.management.base import PalisadeCommand
 from controlplane.pagination import MAX_LIMIT
@@ -75,7 +74,7 @@ class Command(PalisadeCommand):
 
     def do_set_labels(self, o):
         workload = services.workload_labels_replace(
-            actor=CLI_ACTOR,
+            actor=self.actor,
             workload_id=o["workload_id"],
             expected_version=if_match_from_header(o["if_match"]),
             data=self.read_json_input(o["file"]),
@@ -83,7 +82,7 @@ class Command(PalisadeCommand):
         self._show(labels_data(workload))
 
     def do_resend_snapshot(self, o):
-        workload = services.workload_resend_snapshot(actor=CLI_ACTOR, workload_id=o["workload_id"])
+        workload = services.workload_resend_snapshot(actor=self.actor, workload_id=o["workload_id"])
         self.emit(
             {"workload_id": str(workload.id), "directive": "sent"},
             f"resend directive sent to {workload.hostname}",

@@ -2,7 +2,6 @@
 
 import json
 
-from controlplane.auth.actor import CLI_ACTOR
 from controlplane.conditional import if_match_from_header
 from controlplane.management.base import PalisadeCommand
 from policy import selectors, services
@@ -40,7 +39,7 @@ class Command(PalisadeCommand):
 
     def do_add(self, o):
         rule = services.rule_add(
-            actor=CLI_ACTOR, ruleset_id=o["ruleset_id"], data=self.read_json_input(o["file"])
+            actor=self.actor, ruleset_id=o["ruleset_id"], data=self.read_json_input(o["file"])
         )
         self.show_rule(o["ruleset_id"], rule.id)
 
@@ -49,7 +48,7 @@ class Command(PalisadeCommand):
 
     def do_replace(self, o):
         services.rule_replace(
-            actor=CLI_ACTOR,
+            actor=self.actor,
             ruleset_id=o["ruleset_id"],
             rule_id=o["rule_id"],
             expected_version=if_match_from_header(o["if_match"]),
@@ -59,7 +58,7 @@ class Command(PalisadeCommand):
 
     def do_delete(self, o):
         services.rule_delete(
-            actor=CLI_ACTOR,
+            actor=self.actor,
             ruleset_id=o["ruleset_id"],
             rule_id=o["rule_id"],
             expected_version=if_match_from_header(o["if_match"]),
