@@ -11,6 +11,7 @@ from typing import Any
 
 from django.db.models import Model, QuerySet
 
+from controlplane.lookups import get_or_not_found
 from controlplane.problems import Problem
 
 
@@ -58,9 +59,7 @@ def locked_for_write(queryset: QuerySet, *, pk: Any, expected_version: str, what
 
     Must run inside `transaction.atomic()`. 404 when it does not exist, 412 when its version moved.
     """
-    obj = queryset.select_for_update().filter(pk=pk).first()
-    if obj is None:
-        raise Problem("not-found", f"No {what} {pk}.")
+    obj = get_or_not_found(queryset, pk, what=what, for_update=True)
     check_version(current=obj.version, expected=expected_version, what=what)
     return obj
 

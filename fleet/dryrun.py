@@ -11,10 +11,10 @@ from controlplane.validation import Findings, quoted, reject_unknown, require_ob
 from fleet.models import RenderedPolicy, Workload
 from fleet.rendering import fleet_load
 from fleet.selectors import selector_preview as matching_workloads
+from policy.choices import SourceKind
 from policy.grammar import GrammarError, parse_selector
 from policy.models import AddressGroup, Service
-from policy.render_inputs import AddressGroupInput, PortEntry, RuleInput, RulesetInput
-from policy.render_inputs import RuleSource as SourceInput
+from policy.render_inputs import AddressGroupInput, PortEntry, RuleInput, RulesetInput, SourceInput
 from policy.renderer import render
 from policy.selectors import PolicyInputs, policy_inputs_load
 from policy.validation import address_group_input, ruleset_input, service_input
@@ -116,17 +116,19 @@ def _hypothetical_rulesets(specs, catalogue: _Catalogue, findings: Findings) -> 
             sources = []
             for source in rule.sources:
                 path = pointer("rulesets", r_index) + source.path
-                if source.kind == "selector":
-                    sources.append(SourceInput("selector", selector=parse_selector(source.selector)))
-                elif source.kind == "address_group":
+                if source.kind == SourceKind.SELECTOR:
+                    sources.append(SourceInput(SourceKind.SELECTOR, selector=parse_selector(source.selector)))
+                elif source.kind == SourceKind.ADDRESS_GROUP:
                     sources.append(
                         SourceInput(
-                            "group",
-                            group_id=catalogue.group_id(source.reference, findings, path + "/address_group"),
+                            SourceKind.ADDRESS_GROUP,
+                            address_group_id=catalogue.group_id(
+                                source.reference, findings, path + "/address_group"
+                            ),
                         )
                     )
                 else:
-                    sources.append(SourceInput("any"))
+                    sources.append(SourceInput(SourceKind.ANY))
             entries = []
             for ref in rule.services:
                 path = pointer("rulesets", r_index) + ref.path
@@ -164,7 +166,7 @@ def _rule_definitions(policy: PolicyInputs) -> dict[str, tuple]:
     for ruleset in policy.rulesets:
         for rule in ruleset.rules:
             groups = tuple(
-                policy.groups[s.group_id].members if s.group_id in policy.groups else None
+                policy.groups[s.address_group_id].members if s.address_group_id in policy.groups else None
                 for s in rule.sources
             )
             out[rule.id] = (ruleset.name, rule.sources, rule.entries, groups)

@@ -18,6 +18,7 @@ from agent.credential import CredentialError, public_key_decode, public_key_enco
 from controlplane import clock
 from controlplane.problems import pointer
 from controlplane.validation import Findings, quoted
+from fleet.choices import Mode, SyncState
 from fleet.credentials import CREDENTIAL_FIELDS, SignedCredential, credential_issue, credential_start
 from fleet.models import Workload
 from fleet.provisioning import provisioning_token_check, provisioning_token_consume
@@ -159,9 +160,9 @@ def workload_enrol(
                 hostname=spec.hostname,
                 addresses=spec.addresses,
                 labels=dict(token.labels),
-                mode="visibility",
+                mode=Mode.VISIBILITY,
                 agent_version=spec.agent_version,
-                sync_state="offline",
+                sync_state=SyncState.OFFLINE,
                 last_heard_from=None,
                 rank=Workload.RANK_OFFLINE,
                 public_key=spec.public_key,

@@ -24,6 +24,7 @@ from controlplane import clock
 from controlplane.problems import Finding, ValidationFailed
 from controlplane.validation import require_object
 from fleet import credentials, held_streams, streams, sync
+from fleet.choices import OwnedTableState
 from fleet.credentials import signing_public_key
 from fleet.enrolment import workload_enrol
 from fleet.push import stream_group
@@ -32,6 +33,7 @@ log = logging.getLogger("palisade.gateway")
 
 
 AUTH_TIMEOUT_SECONDS = 10
+REPORTED_TABLE_STATES = (OwnedTableState.PRESENT, OwnedTableState.ABSENT)  # "unknown" is not a report
 HEARD_FROM_EVERY_SECONDS = 60  # heartbeats refresh last_heard_from at most this often
 
 
@@ -151,7 +153,7 @@ class SyncStreamConsumer(AsyncWebsocketConsumer):
         grant = await held_streams.db(streams.stream_authenticate)(auth=auth, nonce=self.nonce)
         self.auth_timer.cancel()
         self.grant = grant
-        self.table_state = auth.owned_table if auth.owned_table in ("present", "absent") else None
+        self.table_state = auth.owned_table if auth.owned_table in REPORTED_TABLE_STATES else None
         group = stream_group(grant.workload_id)
         # An older stream of the same workload (a reconnect the server has not noticed) gives way.
         await self.channel_layer.group_send(group, {"type": "stream.replaced", "stream_id": self.stream_id})
@@ -202,7 +204,7 @@ class SyncStreamConsumer(AsyncWebsocketConsumer):
         )
 
     async def on_heartbeat(self, message: protocol.Heartbeat) -> None:
-        state = message.owned_table if message.owned_table in ("present", "absent") else None
+        state = message.owned_table if message.owned_table in REPORTED_TABLE_STATES else None
         now = time.monotonic()
         if state != self.table_state or now - self.heard_at >= HEARD_FROM_EVERY_SECONDS:
             self.heard_at, self.table_state = now, state
@@ -213,7 +215,7 @@ class SyncStreamConsumer(AsyncWebsocketConsumer):
             )
 
     async def on_table(self, message: protocol.TableState) -> None:
-        if message.state not in ("present", "absent"):
+        if message.state not in REPORTED_TABLE_STATES:
             raise protocol.ProtocolError(protocol.CLOSE_MALFORMED, "table state must be present or absent")
         self.table_state = message.state
         log.info("%s reports its owned table %s", self.grant.hostname, message.state)

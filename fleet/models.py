@@ -4,10 +4,7 @@ import uuid
 
 from django.db import connection, models
 
-MODES = ("visibility", "simulation", "enforced")
-SYNC_STATES = ("synced", "pending", "degraded", "offline")
-TABLE_STATES = ("present", "absent", "unknown")
-ABSENT, PRESENT = "absent", "present"
+from fleet.choices import Mode, OwnedTableState, SyncState
 
 
 class RenderedPolicy(models.Model):
@@ -45,12 +42,12 @@ class Workload(models.Model):
     addresses = models.JSONField(default=list)
     labels = models.JSONField(default=dict)
     labels_version = models.PositiveBigIntegerField(default=1)
-    mode = models.CharField(max_length=16, default="visibility")
+    mode = models.CharField(max_length=16, choices=Mode.choices, default=Mode.VISIBILITY)
     latest_policy = models.ForeignKey(RenderedPolicy, on_delete=models.PROTECT, null=True, related_name="+")
     applied_version = models.CharField(max_length=80, blank=True)
     agent_version = models.CharField(max_length=64, blank=True)
 
-    sync_state = models.CharField(max_length=16, default="offline")
+    sync_state = models.CharField(max_length=16, choices=SyncState.choices, default=SyncState.OFFLINE)
     sync_error = models.TextField(blank=True)
     stream_id = models.CharField(max_length=64, blank=True)  # the open stream; empty when none
     last_snapshot_sent_at = models.DateTimeField(null=True)
@@ -58,7 +55,9 @@ class Workload(models.Model):
     # comparison, so a host command on a machine whose clock runs ahead cannot repeat it forever.
     resend_requested_at = models.DateTimeField(null=True)
     last_heard_from = models.DateTimeField(null=True)  # null: never connected
-    owned_table_state = models.CharField(max_length=16, default="unknown")
+    owned_table_state = models.CharField(
+        max_length=16, choices=OwnedTableState.choices, default=OwnedTableState.UNKNOWN
+    )
     last_flow_report_at = models.DateTimeField(null=True)
     rank = models.PositiveSmallIntegerField(default=RANK_OFFLINE)
 
@@ -90,7 +89,7 @@ class ModeChange(models.Model):
     actor = models.CharField(max_length=200)
     created_at = models.DateTimeField()
     selection = models.JSONField()
-    mode = models.CharField(max_length=16)
+    mode = models.CharField(max_length=16, choices=Mode.choices)
     resolved_count = models.PositiveIntegerField()
     changed_count = models.PositiveIntegerField()
 

@@ -9,7 +9,6 @@ used-up token enrols nothing.
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
@@ -23,6 +22,7 @@ from controlplane import clock
 from controlplane.audit import audit_record
 from controlplane.auth.actor import Actor
 from controlplane.auth.secrets import digest, display_prefix, new_secret
+from controlplane.lookups import get_or_not_found
 from controlplane.pagination import OrderKey, Page, list_fingerprint, paginate
 from controlplane.problems import Problem, pointer
 from controlplane.validation import (
@@ -150,21 +150,11 @@ def provisioning_token_mint(*, actor: Actor, data: Mapping[str, Any]) -> MintedP
     return MintedProvisioningToken(secret=secret, token=token, bundle=bundle)
 
 
-def _token_uuid(token_id: Any) -> uuid.UUID | None:
-    try:
-        return uuid.UUID(str(token_id))
-    except ValueError:
-        return None
-
-
 def provisioning_token_revoke(*, actor: Actor, token_id: str) -> ProvisioningToken:
     """Revoke a token: it enrols nothing from now on. Workloads it enrolled stay. Revoking twice is
     harmless and keeps the first instant."""
-    key = _token_uuid(token_id)
     with transaction.atomic():
-        token = ProvisioningToken.objects.select_for_update().filter(id=key).first() if key else None
-        if token is None:
-            raise Problem("not-found", f"No provisioning token {token_id}.")
+        token = get_or_not_found(ProvisioningToken, token_id, what="provisioning token", for_update=True)
         if token.revoked_at is None:
             token.revoked_at = clock.now()
             token.save(update_fields=["revoked_at"])
@@ -180,11 +170,7 @@ def provisioning_token_revoke(*, actor: Actor, token_id: str) -> ProvisioningTok
 
 
 def provisioning_token_get(*, token_id: str) -> ProvisioningToken:
-    key = _token_uuid(token_id)
-    token = ProvisioningToken.objects.filter(id=key).first() if key else None
-    if token is None:
-        raise Problem("not-found", f"No provisioning token {token_id}.")
-    return token
+    return get_or_not_found(ProvisioningToken, token_id, what="provisioning token")
 
 
 def provisioning_token_list(*, cursor: str | None, limit: int) -> Page:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from django.db import connection
 
 from controlplane import clock
+from fleet.choices import Mode
 from fleet.models import RenderedPolicy, Workload
 from fleet.sync import latest_version_moved
 from policy.grammar import Selector, parse_selector
@@ -157,7 +158,7 @@ def rerender_for_peer_change(*, workload_id: str, labels_before: Mapping[str, st
             ):
                 scopes.add(ruleset.scope)
                 break
-    if not scopes and workload.mode == "visibility":
+    if not scopes and workload.mode == Mode.VISIBILITY:
         # Nobody's peer, and a visibility document depends on no other workload: enrolling into a
         # large fleet must not load the whole fleet.
         alone = (FleetIndex.build([workload]), {workload.id: workload})

@@ -9,6 +9,7 @@ from django.conf import settings
 from controlplane import clock
 from controlplane.clock import rfc3339
 from controlplane.conditional import version_text
+from fleet.choices import SyncState
 from fleet.credentials import credential_renewal_due_at, credential_state
 from fleet.models import ModeChange, RenderedPolicy, Workload
 
@@ -37,8 +38,8 @@ def workload_data(workload: Workload) -> dict:
             "last_snapshot_sent_at": rfc3339(workload.last_snapshot_sent_at),
             "last_heard_from": rfc3339(workload.last_heard_from),
             "never_connected": workload.last_heard_from is None,
-            "error": workload.sync_error if state == "degraded" else None,
-            "pending_version": latest if state == "pending" else None,
+            "error": workload.sync_error if state == SyncState.DEGRADED else None,
+            "pending_version": latest if state == SyncState.PENDING else None,
         },
         "health": {
             "telemetry_live": telemetry_live(workload, now),

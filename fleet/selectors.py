@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import uuid
-
 from django.db import connection
 from django.db.models import Count, Q, QuerySet
 from django.db.models.fields.json import KeyTextTransform
 from django.db.models.lookups import In
 
+from controlplane.lookups import get_or_not_found
 from controlplane.pagination import OrderKey, Page, list_fingerprint, paginate
-from controlplane.problems import Finding, Problem, ValidationFailed
-from fleet.models import ABSENT, SYNC_STATES, Workload
+from controlplane.problems import Finding, ValidationFailed
+from fleet.choices import OwnedTableState, SyncState
+from fleet.models import Workload
 from policy.grammar import GrammarError, Selector, parse_selector
 
 # Degraded and enforcement-removed first, then offline, pending, synced; by host name within each.
@@ -63,9 +63,9 @@ def workload_queryset(
         queryset = queryset.filter(sync_state=sync_state)
     if removed is not None:
         queryset = (
-            queryset.filter(owned_table_state=ABSENT)
+            queryset.filter(owned_table_state=OwnedTableState.ABSENT)
             if removed
-            else queryset.exclude(owned_table_state=ABSENT)
+            else queryset.exclude(owned_table_state=OwnedTableState.ABSENT)
         )
     return queryset
 
@@ -73,9 +73,9 @@ def workload_queryset(
 def workload_filters_parse(*, labels: list[str], sync_state: str | None, removed: str | None) -> dict:
     findings = []
     parsed: dict = {"labels": label_filters_parse(labels)}
-    if sync_state not in (None, "") and sync_state not in SYNC_STATES:
+    if sync_state not in (None, "") and sync_state not in SyncState.values:
         findings.append(
-            Finding("?sync_state", "sync-state", f"sync_state must be one of {', '.join(SYNC_STATES)}.")
+            Finding("?sync_state", "sync-state", f"sync_state must be one of {', '.join(SyncState.values)}.")
         )
     parsed["sync_state"] = sync_state or None
     if removed not in (None, "", "true", "false"):
@@ -106,10 +106,10 @@ def workload_counts() -> dict:
     # One GROUP BY over the (sync_state, owned_table_state) index rather than six filtered counts;
     # COUNT(*), not COUNT(id), so PostgreSQL answers from the index alone.
     groups = Workload.objects.order_by().values_list("sync_state", "owned_table_state").annotate(n=Count("*"))
-    counts = {"total": 0, "sync_state": dict.fromkeys(SYNC_STATES, 0), "removed": 0}
+    counts = {"total": 0, "sync_state": dict.fromkeys(SyncState.values, 0), "removed": 0}
     for sync_state, table_state, n in groups:
         counts["total"] += n
-        if table_state == ABSENT:
+        if table_state == OwnedTableState.ABSENT:
             counts["removed"] += n
         elif sync_state in counts["sync_state"]:
             counts["sync_state"][sync_state] += n
@@ -118,19 +118,8 @@ def workload_counts() -> dict:
 
 def workload_get(*, workload_id, for_update: bool = False, missing: str = "") -> Workload:
     """One workload. Writes pass `for_update`: the row stays locked until their transaction ends."""
-    try:
-        key = uuid.UUID(str(workload_id))
-    except ValueError:
-        key = None
-    queryset = (
-        Workload.objects.select_for_update()
-        if for_update
-        else Workload.objects.select_related("latest_policy")
-    )
-    workload = queryset.filter(id=key).first() if key else None
-    if workload is None:
-        raise Problem("not-found", missing or f"No workload {workload_id}.")
-    return workload
+    queryset = Workload.objects.all() if for_update else Workload.objects.select_related("latest_policy")
+    return get_or_not_found(queryset, workload_id, what="workload", detail=missing, for_update=for_update)
 
 
 def selector_preview(*, selector: Selector, limit: int = 100) -> tuple[int, list[Workload]]:

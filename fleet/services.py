@@ -14,7 +14,8 @@ from controlplane.auth.actor import Actor
 from controlplane.conditional import check_version
 from controlplane.problems import Finding, Problem, ValidationFailed, pointer
 from controlplane.validation import Findings, quoted, reject_unknown, require_object
-from fleet.models import MODES, ModeChange, Workload
+from fleet.choices import Mode, SyncState
+from fleet.models import ModeChange, Workload
 from fleet.push import notify_streams
 from fleet.rendering import rerender_for_peer_change, workloads_rerender
 from fleet.selectors import workload_get
@@ -132,9 +133,11 @@ def mode_change_input(data: Any) -> tuple[dict, str]:
     else:
         selection = _selection_input(data["selection"], findings)
     mode = data.get("mode")
-    if mode not in MODES:
+    if mode not in Mode.values:
         findings.add(
-            "/mode", "mode" if "mode" in data else "required", f"mode must be one of {', '.join(MODES)}."
+            "/mode",
+            "mode" if "mode" in data else "required",
+            f"mode must be one of {', '.join(Mode.values)}.",
         )
     findings.raise_if_any()
     return selection, mode
@@ -197,7 +200,7 @@ def workload_resend_snapshot(*, actor: Actor, workload_id: str) -> Workload:
     `sync.last_snapshot_sent_at` moving past the request."""
     with transaction.atomic():
         workload = workload_get(workload_id=workload_id, for_update=True)
-        if workload.sync_state == "offline":
+        if workload.sync_state == SyncState.OFFLINE:
             heard = workload.last_heard_from
             when = f"last heard from at {clock.rfc3339(heard)}" if heard else "it has never connected"
             raise Problem(

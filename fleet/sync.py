@@ -27,17 +27,16 @@ from django.db.models import Case, Value, When
 
 from controlplane import clock
 from controlplane.problems import Problem
-from fleet.models import ABSENT, PRESENT, Workload, workload_column_value
+from fleet.choices import OwnedTableState, SyncState
+from fleet.models import Workload, workload_column_value
 from fleet.push import notify_streams
 from fleet.selectors import workload_get
 
-OFFLINE, PENDING, SYNCED, DEGRADED = "offline", "pending", "synced", "degraded"
-
 
 def rank_of(sync_state: str, owned_table_state: str) -> int:
-    if sync_state == DEGRADED or owned_table_state == ABSENT:
+    if sync_state == SyncState.DEGRADED or owned_table_state == OwnedTableState.ABSENT:
         return Workload.RANK_ATTENTION
-    return {OFFLINE: Workload.RANK_OFFLINE, PENDING: Workload.RANK_PENDING}.get(
+    return {SyncState.OFFLINE: Workload.RANK_OFFLINE, SyncState.PENDING: Workload.RANK_PENDING}.get(
         sync_state, Workload.RANK_SYNCED
     )
 
@@ -63,10 +62,10 @@ def latest_version_moved(moved: dict[str, str]) -> None:
         Workload.objects.filter(id__in=list(moved)).exclude(stream_id="").values_list("id", flat=True)
     )
     Workload.objects.filter(id__in=connected).update(
-        sync_state=PENDING,
+        sync_state=SyncState.PENDING,
         sync_error="",
         rank=Case(
-            When(owned_table_state=ABSENT, then=Value(Workload.RANK_ATTENTION)),
+            When(owned_table_state=OwnedTableState.ABSENT, then=Value(Workload.RANK_ATTENTION)),
             default=Value(Workload.RANK_PENDING),
         ),
     )
@@ -98,7 +97,7 @@ def workload_stream_opened(*, workload_id, stream_id: str, agent_version: str = 
     with transaction.atomic():
         workload = _locked(workload_id)
         workload.stream_id = stream_id
-        workload.sync_state = PENDING
+        workload.sync_state = SyncState.PENDING
         workload.sync_error = ""
         workload.last_heard_from = clock.now()
         if agent_version:
@@ -126,8 +125,8 @@ def workload_applied(*, workload_id, stream_id: str, version: str) -> None:
             [
                 version[:80],
                 workload_column_value("last_heard_from", clock.now()),
-                PENDING, version, SYNCED,
-                PENDING, version, ABSENT, Workload.RANK_SYNCED,
+                SyncState.PENDING, version, SyncState.SYNCED,
+                SyncState.PENDING, version, OwnedTableState.ABSENT, Workload.RANK_SYNCED,
                 workload_column_value("id", uuid.UUID(str(workload_id))),
                 stream_id,
             ],
@@ -142,8 +141,11 @@ def workload_apply_failed(*, workload_id, stream_id: str, version: str, error: s
         if not _current_stream(workload, stream_id):
             return workload
         workload.last_heard_from = clock.now()
-        if workload.sync_state in (PENDING, SYNCED) and version == workload.latest_policy_id:
-            workload.sync_state = DEGRADED
+        if (
+            workload.sync_state in (SyncState.PENDING, SyncState.SYNCED)
+            and version == workload.latest_policy_id
+        ):
+            workload.sync_state = SyncState.DEGRADED
             workload.sync_error = error[:4000] or "the agent reported a failure without an error text"
         _save(workload, "last_heard_from", "sync_state", "sync_error")
     return workload
@@ -156,7 +158,7 @@ def workload_stream_ended(*, workload_id, stream_id: str) -> Workload | None:
         if workload is None or not _current_stream(workload, stream_id):
             return workload
         workload.stream_id = ""
-        workload.sync_state = OFFLINE
+        workload.sync_state = SyncState.OFFLINE
         workload.last_heard_from = clock.now()
         _save(workload, "stream_id", "sync_state", "last_heard_from")
     return workload
@@ -170,7 +172,7 @@ def workload_heard_from(*, workload_id, stream_id: str, owned_table_state: str |
             return
         workload.last_heard_from = clock.now()
         fields = ["last_heard_from"]
-        if owned_table_state in (ABSENT, PRESENT):
+        if owned_table_state in (OwnedTableState.ABSENT, OwnedTableState.PRESENT):
             workload.owned_table_state = owned_table_state
             fields.append("owned_table_state")
         _save(workload, *fields)
@@ -179,7 +181,7 @@ def workload_heard_from(*, workload_id, stream_id: str, owned_table_state: str |
 def workload_table_reported(*, workload_id, stream_id: str, state: str) -> None:
     """The agent reports its owned table gone from the kernel (`absent`) or back (`present`).
     Enforcement removed is independent of the sync state, which keeps recording the last ack."""
-    if state not in (ABSENT, PRESENT):
+    if state not in (OwnedTableState.ABSENT, OwnedTableState.PRESENT):
         raise Problem("malformed-request", f"owned table state must be absent or present, not {state!r}")
     workload_heard_from(workload_id=workload_id, stream_id=stream_id, owned_table_state=state)
 

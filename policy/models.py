@@ -8,6 +8,8 @@ import uuid
 
 from django.db import models
 
+from policy.choices import SourceKind
+
 
 class PolicyState(models.Model):
     """One row: the version of the whole authored policy. Every policy write locks it first, which
@@ -75,11 +77,9 @@ class Rule(models.Model):
 class RuleSource(models.Model):
     """One source of a rule: a workload selector, an address group, or any address."""
 
-    SELECTOR, GROUP, ANY = "selector", "address_group", "any"
-
     rule = models.ForeignKey(Rule, on_delete=models.CASCADE, related_name="sources")
     position = models.PositiveIntegerField()
-    kind = models.CharField(max_length=16)
+    kind = models.CharField(max_length=16, choices=SourceKind.choices)
     selector = models.CharField(max_length=4096, blank=True)
     address_group = models.ForeignKey(AddressGroup, on_delete=models.PROTECT, null=True, related_name="uses")
 
@@ -87,8 +87,8 @@ class RuleSource(models.Model):
         ordering = ["position"]
         constraints = [
             models.CheckConstraint(
-                condition=models.Q(kind="address_group", address_group__isnull=False)
-                | models.Q(kind__in=["selector", "any"], address_group__isnull=True),
+                condition=models.Q(kind=SourceKind.ADDRESS_GROUP, address_group__isnull=False)
+                | models.Q(kind__in=[SourceKind.SELECTOR, SourceKind.ANY], address_group__isnull=True),
                 name="rule_source_kind_matches_reference",
             )
         ]

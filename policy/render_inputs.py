@@ -22,7 +22,8 @@ from policy.grammar import Selector
 
 PROTOCOLS = ("tcp", "udp", "icmp", "icmpv6")
 PORT_PROTOCOLS = ("tcp", "udp")
-SOURCE_KINDS = ("selector", "group", "any")
+# Plain copies of policy.choices.SourceKind and fleet.choices.Mode: this module imports no Django.
+SOURCE_KINDS = ("selector", "address_group", "any")
 MODES = ("visibility", "simulation", "enforced")
 
 
@@ -90,18 +91,18 @@ class PortEntry:
 
 
 @dataclass(frozen=True)
-class RuleSource:
+class SourceInput:
     kind: str
     selector: Selector | None = None
-    group_id: str | None = None
+    address_group_id: str | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in SOURCE_KINDS:
             raise ValueError(f"unknown source kind {self.kind!r}")
         if (self.kind == "selector") != (self.selector is not None):
             raise ValueError("a selector source, and only it, carries a selector")
-        if (self.kind == "group") != (self.group_id is not None):
-            raise ValueError("a group source, and only it, carries a group_id")
+        if (self.kind == "address_group") != (self.address_group_id is not None):
+            raise ValueError("an address_group source, and only it, carries an address_group_id")
 
 
 def _freeze(obj: object, *names: str) -> None:
@@ -114,7 +115,7 @@ class RuleInput:
     id: str
     position: int
     description: str
-    sources: tuple[RuleSource, ...]
+    sources: tuple[SourceInput, ...]
     entries: tuple[PortEntry, ...]  # named services' entries and inline entries, flattened
 
     def __post_init__(self) -> None:

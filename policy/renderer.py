@@ -100,7 +100,7 @@ def decode_mark(mark: int) -> tuple[str | None, int | None]:
 
 
 @dataclass(frozen=True)
-class RenderedPolicy:
+class RenderedDocument:
     document: str
     rule_index: dict[int, dict]
     version: str
@@ -118,10 +118,10 @@ def render(
     rulesets: Sequence[RulesetInput],
     groups: Mapping[str, AddressGroupInput],
     fleet: FleetIndex,
-) -> RenderedPolicy:
+) -> RenderedDocument:
     if workload.mode == "visibility":
         document = _observe_document()
-        return RenderedPolicy(document, {}, _version(document))
+        return RenderedDocument(document, {}, _version(document))
 
     blocks: list[str] = []
     rule_index: dict[int, dict] = {}
@@ -148,7 +148,7 @@ def render(
     parts.append(_TERMINAL_ENFORCED if enforced else _TERMINAL_SIMULATION)
     parts.append("\t}\n}\n")
     document = "".join(parts)
-    return RenderedPolicy(document, rule_index, _version(document))
+    return RenderedDocument(document, rule_index, _version(document))
 
 
 # --- fixed text ------------------------------------------------------------------------
@@ -294,8 +294,8 @@ def _compile_rule(ruleset: RulesetInput, rule: RuleInput) -> _CompiledRule:
             if s.selector is not None:
                 selectors[str(s.selector)] = s.selector
                 sources.add(("sel", str(s.selector)))
-            elif s.group_id is not None:
-                sources.add(("grp", s.group_id))
+            elif s.address_group_id is not None:
+                sources.add(("grp", s.address_group_id))
         for source in sorted(sources):
             base = _set_base(source)
             for family, match, uses_service in matches:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from controlplane.clock import rfc3339
 from controlplane.conditional import version_text
+from policy.choices import SourceKind
 from policy.models import AddressGroup, Rule, RuleService, Ruleset, RuleSource, Service
 
 
@@ -45,9 +46,9 @@ def address_group_data(group: AddressGroup) -> dict:
 
 
 def _source_data(source: RuleSource) -> dict:
-    if source.kind == RuleSource.SELECTOR:
+    if source.kind == SourceKind.SELECTOR:
         return {"selector": source.selector}
-    if source.kind == RuleSource.GROUP:
+    if source.kind == SourceKind.ADDRESS_GROUP:
         return {"address_group": str(source.address_group_id)}
     return {"any": True}
 

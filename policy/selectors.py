@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import uuid
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from django.db.models import Prefetch, QuerySet
 
-from controlplane.problems import Problem
+from controlplane.lookups import get_or_not_found
+from policy.choices import SourceKind
 from policy.grammar import parse_selector
 from policy.models import (
     AddressGroup,
@@ -21,8 +21,7 @@ from policy.models import (
     Service,
     ServiceEntry,
 )
-from policy.render_inputs import AddressGroupInput, PortEntry, RuleInput, RulesetInput
-from policy.render_inputs import RuleSource as SourceInput
+from policy.render_inputs import AddressGroupInput, PortEntry, RuleInput, RulesetInput, SourceInput
 
 
 def policy_version() -> int:
@@ -41,14 +40,7 @@ def ruleset_queryset() -> QuerySet:
 
 
 def _one(queryset: QuerySet, object_id: str, what: str):
-    try:
-        key = uuid.UUID(str(object_id))
-    except ValueError:
-        key = None
-    obj = queryset.filter(id=key).first() if key else None
-    if obj is None:
-        raise Problem("not-found", f"No {what} {object_id}.")
-    return obj
+    return get_or_not_found(queryset, object_id, what=what)
 
 
 def ruleset_list() -> list[Ruleset]:
@@ -109,12 +101,12 @@ def policy_inputs_load() -> PolicyInputs:
         .order_by("rule_id", "position")
         .values_list("rule_id", "position", "kind", "selector", "address_group_id")
     ):
-        if kind == RuleSource.SELECTOR:
-            sources[rule_id].append(SourceInput("selector", selector=parse_selector(selector)))
-        elif kind == RuleSource.GROUP:
-            sources[rule_id].append(SourceInput("group", group_id=str(group_id)))
+        if kind == SourceKind.SELECTOR:
+            sources[rule_id].append(SourceInput(SourceKind.SELECTOR, selector=parse_selector(selector)))
+        elif kind == SourceKind.ADDRESS_GROUP:
+            sources[rule_id].append(SourceInput(SourceKind.ADDRESS_GROUP, address_group_id=str(group_id)))
         else:
-            sources[rule_id].append(SourceInput("any"))
+            sources[rule_id].append(SourceInput(SourceKind.ANY))
     service_entries = defaultdict(list)
     for service_id, protocol, port, port_to in ServiceEntry.objects.order_by(
         "service_id", "position"

@@ -13,9 +13,11 @@ from controlplane import clock
 from controlplane.audit import audit_record
 from controlplane.auth.actor import Actor
 from controlplane.conditional import locked_for_write
+from controlplane.lookups import get_or_not_found
 from controlplane.problems import Problem
 from controlplane.validation import Findings
 from fleet.rendering import rerender_for_scopes
+from policy.choices import SourceKind
 from policy.models import (
     AddressGroup,
     PolicyState,
@@ -69,11 +71,7 @@ def _uuid_or_none(text: str) -> uuid.UUID | None:
 
 
 def _get(model, object_id, what: str):
-    key = _uuid_or_none(object_id)
-    obj = model.objects.filter(id=key).first() if key else None
-    if obj is None:
-        raise Problem("not-found", f"No {what} {object_id}.")
-    return obj
+    return get_or_not_found(model, object_id, what=what)
 
 
 def _check_room(model, maximum: int, findings: Findings) -> None:
@@ -307,7 +305,7 @@ def _resolve_rule(spec: RuleSpec, findings: Findings):
     sources, services = [], []
     for position, source in enumerate(spec.sources):
         group = None
-        if source.kind == RuleSource.GROUP:
+        if source.kind == SourceKind.ADDRESS_GROUP:
             group = _resolve(
                 AddressGroup, source.reference, findings, source.path + "/address_group", "address group"
             )
@@ -523,11 +521,12 @@ def rule_add(*, actor: Actor, ruleset_id: str, data: Mapping[str, Any]) -> Rule:
 
 def _rule_of(ruleset_id: str, rule_id: str) -> Rule:
     _get(Ruleset, ruleset_id, "ruleset")
-    key = _uuid_or_none(rule_id)
-    rule = Rule.objects.filter(id=key, ruleset_id=ruleset_id).first() if key else None
-    if rule is None:
-        raise Problem("not-found", f"No rule {rule_id} in ruleset {ruleset_id}.")
-    return rule
+    return get_or_not_found(
+        Rule.objects.filter(ruleset_id=ruleset_id),
+        rule_id,
+        what="rule",
+        detail=f"No rule {rule_id} in ruleset {ruleset_id}.",
+    )
 
 
 def rule_replace(

@@ -29,3 +29,15 @@ def test_agent_has_its_own_packaging_metadata():
     meta = tomllib.loads((ROOT / "agent" / "pyproject.toml").read_text())
     assert meta["project"]["name"] == "palisade-agent"
     assert not any("django" in dep.lower() for dep in meta["project"]["dependencies"])
+
+
+def test_the_plain_copies_of_the_vocabulary_agree_with_the_choices():
+    """The renderer and the agent import no Django, so they keep plain copies of the choices."""
+    from agent.protocol import OWNED_TABLE_STATES
+    from fleet.choices import Mode, OwnedTableState
+    from policy import render_inputs
+    from policy.choices import SourceKind
+
+    assert tuple(Mode.values) == render_inputs.MODES
+    assert tuple(SourceKind.values) == render_inputs.SOURCE_KINDS
+    assert tuple(OwnedTableState.values) == OWNED_TABLE_STATES

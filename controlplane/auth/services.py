@@ -25,6 +25,7 @@ from controlplane.auth.secrets import (
     display_prefix,
     new_secret,
 )
+from controlplane.lookups import get_or_not_found
 from controlplane.problems import Finding, Problem, ValidationFailed
 from controlplane.validation import Findings, reject_unknown, require_object, take_instant, take_string
 
@@ -209,9 +210,7 @@ def operator_token_mint(*, actor: Actor, data: Mapping[str, Any]) -> MintedToken
 
 def operator_token_revoke(*, actor: Actor, token_id: str) -> OperatorToken:
     with transaction.atomic():
-        token = OperatorToken.objects.select_for_update().filter(id=token_id).first()
-        if token is None:
-            raise Problem("not-found", f"No operator token {token_id}.")
+        token = get_or_not_found(OperatorToken, token_id, what="operator token", for_update=True)
         if token.revoked_at is None:
             token.revoked_at = clock.now()
             token.save(update_fields=["revoked_at"])

@@ -3,11 +3,11 @@
 from drf_spectacular.utils import inline_serializer
 from rest_framework import serializers
 
-from fleet.models import MODES, SYNC_STATES
+from fleet.choices import Mode, OwnedTableState, SyncState
 
 
 class SyncSerializer(serializers.Serializer):
-    state = serializers.ChoiceField(choices=SYNC_STATES)
+    state = serializers.ChoiceField(choices=SyncState.values)
     last_snapshot_sent_at = serializers.DateTimeField(allow_null=True)
     last_heard_from = serializers.DateTimeField(allow_null=True, help_text="null: never connected.")
     never_connected = serializers.BooleanField()
@@ -30,7 +30,7 @@ class CredentialSerializer(serializers.Serializer):
 class HealthSerializer(serializers.Serializer):
     telemetry_live = serializers.BooleanField(help_text="A flow report arrived within two flow windows.")
     owned_table = inline_serializer(
-        "OwnedTable", {"state": serializers.ChoiceField(choices=["present", "absent", "unknown"])}
+        "OwnedTable", {"state": serializers.ChoiceField(choices=OwnedTableState.values)}
     )
     credential = CredentialSerializer()
 
@@ -41,7 +41,7 @@ class WorkloadSerializer(serializers.Serializer):
     addresses = serializers.ListField(child=serializers.IPAddressField())
     labels = serializers.DictField(child=serializers.CharField())
     labels_version = serializers.CharField()
-    mode = serializers.ChoiceField(choices=MODES)
+    mode = serializers.ChoiceField(choices=Mode.values)
     latest_version = serializers.CharField(
         allow_null=True, help_text="Version of the latest rendered policy."
     )
@@ -61,7 +61,7 @@ WorkloadCounts = inline_serializer(
     {
         "total": serializers.IntegerField(),
         "sync_state": inline_serializer(
-            "SyncStateCounts", {s: serializers.IntegerField() for s in SYNC_STATES}
+            "SyncStateCounts", {s: serializers.IntegerField() for s in SyncState.values}
         ),
         "removed": serializers.IntegerField(help_text="Owned table absent; these count in no sync state."),
     },
@@ -75,7 +75,7 @@ class LabelsSerializer(serializers.Serializer):
 
 class RenderedPolicySerializer(serializers.Serializer):
     workload_id = serializers.UUIDField()
-    mode = serializers.ChoiceField(choices=MODES)
+    mode = serializers.ChoiceField(choices=Mode.values)
     version = serializers.CharField(allow_null=True)
     rendered_at = serializers.DateTimeField(allow_null=True)
     document = serializers.CharField(allow_null=True, help_text="The nftables text of `table inet palisade`.")
@@ -97,13 +97,13 @@ Selection = inline_serializer(
     },
 )
 ModeChangeRequest = inline_serializer(
-    "ModeChangeRequest", {"selection": Selection, "mode": serializers.ChoiceField(choices=MODES)}
+    "ModeChangeRequest", {"selection": Selection, "mode": serializers.ChoiceField(choices=Mode.values)}
 )
 
 
 class ModeChangeSerializer(serializers.Serializer):
     id = serializers.UUIDField()
-    mode = serializers.ChoiceField(choices=MODES)
+    mode = serializers.ChoiceField(choices=Mode.values)
     selection = serializers.DictField()
     resolved_count = serializers.IntegerField()
     changed_count = serializers.IntegerField()

@@ -17,6 +17,7 @@ from controlplane.api.schema import (
 )
 from fleet import dryrun, selectors, services
 from fleet.api import schemas
+from fleet.choices import SyncState
 from fleet.representations import labels_data, mode_change_data, rendered_policy_data, workload_data
 
 NOT_FOUND = {404: problem("`not-found`.")}
@@ -27,7 +28,7 @@ LIST_FILTERS = [
         many=True,
         description="Label requirement in the selector grammar; repeatable, ANDed.",
     ),
-    OpenApiParameter("sync_state", OpenApiTypes.STR, enum=["synced", "pending", "degraded", "offline"]),
+    OpenApiParameter("sync_state", OpenApiTypes.STR, enum=SyncState.values),
     OpenApiParameter(
         "removed", OpenApiTypes.BOOL, description="Only workloads whose owned table is (not) absent."
     ),

@@ -21,7 +21,7 @@ from policy.render_inputs import (
     PortEntry,
     RuleInput,
     RulesetInput,
-    RuleSource,
+    SourceInput,
     WorkloadInput,
 )
 from policy.renderer import decode_mark, render
@@ -94,7 +94,7 @@ def policy() -> tuple[list[RulesetInput], dict[str, AddressGroupInput], FleetInd
                     "rule-clients",
                     10,
                     "clients reach the app",
-                    (RuleSource("selector", parse_selector("role=client")),),
+                    (SourceInput("selector", parse_selector("role=client")),),
                     (PortEntry("tcp", 8080), PortEntry("udp", 5353)),
                 ),
             ),
@@ -108,7 +108,7 @@ def policy() -> tuple[list[RulesetInput], dict[str, AddressGroupInput], FleetInd
                     "rule-ssh",
                     1,
                     "ssh from the office",
-                    (RuleSource("group", group_id="g-office"),),
+                    (SourceInput("address_group", address_group_id="g-office"),),
                     (PortEntry("tcp", 22),),
                 ),
             ),
@@ -117,7 +117,7 @@ def policy() -> tuple[list[RulesetInput], dict[str, AddressGroupInput], FleetInd
             "rs-db",
             "db",
             parse_selector("role=db"),
-            (RuleInput("rule-db", 1, "", (RuleSource("any"),), (PortEntry("tcp", 9090),)),),
+            (RuleInput("rule-db", 1, "", (SourceInput("any"),), (PortEntry("tcp", 9090),)),),
         ),
     ]
     groups = {"g-office": AddressGroupInput("g-office", "office", ("10.99.0.0/24",))}
@@ -362,8 +362,8 @@ def rich_policy_documents() -> dict[str, str]:
             1,
             "clients; {braces} and 'quotes' # not a comment",
             (
-                RuleSource("selector", parse_selector("role=client,zone!=z1")),
-                RuleSource("group", group_id="g1"),
+                SourceInput("selector", parse_selector("role=client,zone!=z1")),
+                SourceInput("address_group", address_group_id="g1"),
             ),
             entries,
         ),
@@ -371,15 +371,21 @@ def rich_policy_documents() -> dict[str, str]:
             "r2",
             2,
             "",
-            (RuleSource("selector", parse_selector("role=ghost")), RuleSource("group", group_id="g3")),
+            (
+                SourceInput("selector", parse_selector("role=ghost")),
+                SourceInput("address_group", address_group_id="g3"),
+            ),
             (PortEntry("tcp", 1),),
         ),
-        RuleInput("r3", 3, "é" * 100, (RuleSource("any"),), entries),
+        RuleInput("r3", 3, "é" * 100, (SourceInput("any"),), entries),
         RuleInput(
             "r4",
             4,
             "v6 group",
-            (RuleSource("group", group_id="g2"), RuleSource("selector", parse_selector(""))),
+            (
+                SourceInput("address_group", address_group_id="g2"),
+                SourceInput("selector", parse_selector("")),
+            ),
             (PortEntry("udp", 0, 65535),),
         ),
     )

@@ -15,7 +15,7 @@ from policy.render_inputs import (
     PortEntry,
     RuleInput,
     RulesetInput,
-    RuleSource,
+    SourceInput,
     WorkloadInput,
 )
 from policy.renderer import (
@@ -35,15 +35,15 @@ MODES = ("visibility", "simulation", "enforced")
 S = parse_selector
 
 
-def sel(text: str) -> RuleSource:
-    return RuleSource("selector", S(text))
+def sel(text: str) -> SourceInput:
+    return SourceInput("selector", S(text))
 
 
-def grp(group_id: str) -> RuleSource:
-    return RuleSource("group", group_id=group_id)
+def grp(group_id: str) -> SourceInput:
+    return SourceInput("address_group", address_group_id=group_id)
 
 
-ANY = RuleSource("any")
+ANY = SourceInput("any")
 WEB = PortEntry("tcp", 8080)
 DNS = PortEntry("udp", 5353)
 
@@ -415,9 +415,9 @@ def test_input_shapes_are_checked():
     with pytest.raises(ValueError):
         PortEntry("sctp", 1)
     with pytest.raises(ValueError):
-        RuleSource("selector")
+        SourceInput("selector")
     with pytest.raises(ValueError):
-        RuleSource("group", selector=S("a=b"))
+        SourceInput("address_group", selector=S("a=b"))
     with pytest.raises(ValueError):
         WorkloadInput("w", {}, (), "audit")
     assert PortEntry("tcp", 80) == PortEntry("tcp", 80, 80)

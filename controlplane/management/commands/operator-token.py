@@ -1,13 +1,10 @@
 """Mint, list and revoke operator tokens: the same domain functions as /api/v1/operator-tokens."""
 
-import uuid
-
 from controlplane.api.operator_tokens import operator_token_data
 from controlplane.auth.selectors import operator_token_list
 from controlplane.auth.services import operator_token_mint, operator_token_revoke
 from controlplane.management.base import PalisadeCommand
 from controlplane.pagination import MAX_LIMIT
-from controlplane.problems import Problem
 
 
 class Command(PalisadeCommand):
@@ -56,9 +53,5 @@ class Command(PalisadeCommand):
         self.emit({"items": tokens}, "\n".join(lines))
 
     def do_revoke(self, options):
-        try:
-            token_id = str(uuid.UUID(options["token_id"]))
-        except ValueError:
-            raise Problem("not-found", f"No operator token {options['token_id']}.") from None
-        record = operator_token_data(operator_token_revoke(actor=self.actor, token_id=token_id))
+        record = operator_token_data(operator_token_revoke(actor=self.actor, token_id=options["token_id"]))
         self.emit(record, f"revoked {record['name']} ({record['prefix']})")

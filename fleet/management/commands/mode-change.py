@@ -1,7 +1,7 @@
 """Change the mode of a selection of workloads: the same domain function as POST /mode-changes."""
 
 from controlplane.management.base import PalisadeCommand
-from fleet.models import MODES
+from fleet.choices import Mode
 from fleet.representations import mode_change_data
 from fleet.services import mode_change_create
 
@@ -13,7 +13,7 @@ class Command(PalisadeCommand):
 
     def add_arguments(self, parser):
         super().add_arguments(parser)
-        parser.add_argument("mode", choices=MODES)
+        parser.add_argument("mode", choices=Mode.values)
         parser.add_argument(
             "--label", action="append", default=[], help="label requirement; repeatable, ANDed"
         )

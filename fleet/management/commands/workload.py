@@ -6,6 +6,7 @@ from controlplane.conditional import if_match_from_header
 from controlplane.management.base import PalisadeCommand
 from controlplane.pagination import MAX_LIMIT
 from fleet import selectors, services
+from fleet.choices import SyncState
 from fleet.representations import labels_data, rendered_policy_data, workload_data
 
 
@@ -19,7 +20,7 @@ class Command(PalisadeCommand):
         listing.add_argument(
             "--label", action="append", default=[], help="label requirement; repeatable, ANDed"
         )
-        listing.add_argument("--sync-state", choices=["synced", "pending", "degraded", "offline"])
+        listing.add_argument("--sync-state", choices=SyncState.values)
         listing.add_argument("--removed", choices=["true", "false"])
         actions.add_parser("counts", help="totals per sync state and removed")
         for name in ("show", "rendered-policy", "labels", "resend-snapshot"):
