@@ -133,7 +133,7 @@ def render_document(policy: dict) -> tuple[str, int]:
         PortEntry,
         RuleInput,
         RulesetInput,
-        RuleSource,
+        SourceInput,
         WorkloadInput,
     )
     from policy.renderer import render
@@ -147,7 +147,9 @@ def render_document(policy: dict) -> tuple[str, int]:
         rules = []
         for position, rule in enumerate(ruleset["rules"]):
             sources = tuple(
-                RuleSource("any") if "any" in s else RuleSource("group", group_id=f"gid-{s['address_group']}")
+                SourceInput("any")
+                if "any" in s
+                else SourceInput("address_group", address_group_id=f"gid-{s['address_group']}")
                 for s in rule["sources"]
             )
             entries = tuple(

@@ -60,7 +60,11 @@ ADMIN_URL = os.environ.get("BENCH_PG_ADMIN_URL", "postgresql://postgres@127.0.0.
 DB_URL = ADMIN_URL.rsplit("/", 1)[0] + "/" + DB_NAME
 SEED_EXTRA = 20240612
 COUNTS_P95_TARGET_MS = 50.0
-API_OVER_RAW_TARGET = 3.0
+API_OVER_RAW_TARGET = 3.0  # the first batch's target, against raw psycopg (kept for the record)
+# Restated (issue 9): a 100-item page p95 under 25 ms in process, and within 2x of the same query
+# through Django's cursor plus the representation of its rows.
+LIST_P95_TARGET_MS = 25.0
+API_OVER_DJANGO_TARGET = 2.0
 DEEP_POSITION = 50_000  # page 500 at limit 100
 MODE_CHANGE_SIZE = 1_000
 
@@ -189,8 +193,8 @@ def policy_create(services, groups, rulesets) -> dict:
             for source in rule.sources:
                 if source.kind == "selector":
                     sources.append({"selector": str(source.selector)})
-                elif source.kind == "group":
-                    sources.append({"address_group": source.group_id})  # the group's name
+                elif source.kind == "address_group":
+                    sources.append({"address_group": source.address_group_id})  # the group's name
                 else:
                     sources.append({"any": True})
             if id(rule.entries) in service_names:  # a reference to a named service
@@ -508,13 +512,40 @@ def timed_ms(function, samples: int) -> dict:
     return summary_ms(values)
 
 
+def _page_instances(data: dict) -> list:
+    """The workloads of an API page as model instances, in page order (for the representation)."""
+    from fleet.models import Workload
+
+    ids = [item["id"] for item in data.get("items", [])]
+    by_id = {str(w.id): w for w in Workload.objects.filter(id__in=ids)}
+    return [by_id[i] for i in ids]
+
+
+def django_baseline(sql: str, instances: list):
+    """The same query through Django's cursor, plus the representation of the page's rows."""
+    from django.db import connection
+
+    from fleet.representations import workload_data
+
+    def run():
+        with connection.cursor() as cursor:
+            cursor.execute(sql)
+            cursor.fetchall()
+        return [workload_data(w) for w in instances]
+
+    return run
+
+
 def measure_pair(api, raw, path: str, samples: int) -> dict:
-    """API GET vs the raw SQL the ORM emitted for it, interleaved, after a warm-up."""
+    """API GET vs the raw SQL the ORM emitted for it and vs that SQL through Django's cursor plus the
+    representation, interleaved, after a warm-up."""
     sql = captured_sql(api, path)
+    baseline = django_baseline(sql, _page_instances(api.get(path).json()))
     for _ in range(3):
         api.get(path)
         raw.execute(sql).fetchall()
-    api_s, raw_s = [], []
+        baseline()
+    api_s, raw_s, django_s = [], [], []
     clock = time.perf_counter
     response = None
     for _ in range(samples):
@@ -525,14 +556,20 @@ def measure_pair(api, raw, path: str, samples: int) -> dict:
         t0 = clock()
         raw.execute(sql).fetchall()
         raw_s.append(clock() - t0)
+        t0 = clock()
+        baseline()
+        django_s.append(clock() - t0)
     data = response.json()
-    api_ms, raw_ms = summary_ms(api_s), summary_ms(raw_s)
+    api_ms, raw_ms, django_ms = summary_ms(api_s), summary_ms(raw_s), summary_ms(django_s)
     return {
         "path": path,
         "api_ms": api_ms,
         "raw_ms": raw_ms,
+        "django_ms": django_ms,
         "ratio_p50": api_ms["p50"] / raw_ms["p50"],
         "ratio_p95": api_ms["p95"] / raw_ms["p95"],
+        "django_ratio_p50": api_ms["p50"] / django_ms["p50"],
+        "django_ratio_p95": api_ms["p95"] / django_ms["p95"],
         "items": len(data["items"]) if "items" in data else None,
         "sql": sql,
         "explain": explain(raw, sql),
@@ -822,6 +859,14 @@ def report(results: dict) -> None:
     }
     counts_p95 = reads["counts"]["api_ms"]["p95"]
     targets[f"counts p95 < {COUNTS_P95_TARGET_MS:g} ms"] = counts_p95 < COUNTS_P95_TARGET_MS
+    pages = list(reads["list"].items())
+    targets[f"every list page p95 < {LIST_P95_TARGET_MS:g} ms"] = all(
+        r["api_ms"]["p95"] < LIST_P95_TARGET_MS for _, r in pages
+    )
+    targets[f"every list page within {API_OVER_DJANGO_TARGET:g}x of Django cursor + representation"] = all(
+        r["django_ratio_p50"] <= API_OVER_DJANGO_TARGET and r["django_ratio_p95"] <= API_OVER_DJANGO_TARGET
+        for _, r in pages
+    )
     results["targets_met"] = targets
     results["run_seconds"] = time.perf_counter() - _t0
     out = REPO / "bench" / "results" / "fleet.json"
@@ -846,6 +891,19 @@ def report(results: dict) -> None:
         f"  counts p95 {counts_p95:.1f} ms [< {COUNTS_P95_TARGET_MS:g} ms]: "
         f"{'met' if targets[f'counts p95 < {COUNTS_P95_TARGET_MS:g} ms'] else 'MISSED'}"
     )
+    print(
+        f"restated targets (issue 9): list page p95 < {LIST_P95_TARGET_MS:g} ms, "
+        f"and API / (Django cursor + representation) <= {API_OVER_DJANGO_TARGET:g}:"
+    )
+    for name, r in reads["list"].items():
+        print(
+            f"  {name:34s} API p95 {r['api_ms']['p95']:7.2f} | Django cursor + representation "
+            f"p50 {r['django_ms']['p50']:7.2f} p95 {r['django_ms']['p95']:7.2f} | "
+            f"ratio {r['django_ratio_p50']:4.2f} / {r['django_ratio_p95']:4.2f}"
+        )
+    for name, met in results["targets_met"].items():
+        if "list page" in name:
+            print(f"  {name}: {'met' if met else 'MISSED'}")
     print("  first page, where the time goes (p50 ms):")
     for name, ms in reads["first_page_breakdown_ms"].items():
         print(f"    {ms:6.2f}  {name}")

@@ -1,5 +1,8 @@
 #!/usr/bin/env python3
-"""Authenticated GET /api/v1/me over TLS against the real `serve`, compared with a bare daphne endpoint.
+"""Authenticated GET /api/v1/me over TLS against the real `serve`, compared with a stock Django deployment
+of the same view (Django's ASGI handler on daphne, DRF's stock token authentication, default middleware:
+bench/stock_django/) measured in the same run; the target is serve >= 3x stock. A bare daphne endpoint
+(no application at all) is measured too, as the ceiling.
 
 Both servers run as separate processes on this host with the same kind of TLS endpoint (daphne `ssl:`,
 EC P-256 certificate). The client keeps one HTTP/1.1 connection per concurrent client open for the whole
@@ -32,7 +35,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results" / "me.json"
-TARGET_RATIO = 0.5
+TARGET_RATIO = 3.0  # serve / stock Django
 BARE_BODY = json.dumps(
     {
         "operator": "operator",
@@ -165,25 +168,47 @@ def _wait_for_tls(port: int, process: subprocess.Popen, timeout: float = 30) -> 
     raise SystemExit("the bare daphne endpoint did not start")
 
 
-def start_bare_daphne(workdir: Path):
+def _start_daphne(workdir: Path, name: str, application: str, env: dict | None = None):
     from twisted.internet.endpoints import quoteStringArgument
 
     from controlplane.tls import ensure_certificate
 
-    cert = ensure_certificate(workdir, "bare", [])
+    cert = ensure_certificate(workdir, name, [])
     port = _free_port()
     endpoint = (
         f"ssl:port={port}:interface=127.0.0.1:privateKey={quoteStringArgument(str(cert.key_path))}"
         f":certKey={quoteStringArgument(str(cert.cert_path))}"
     )
     process = subprocess.Popen(
-        [sys.executable, "-m", "daphne", "-v", "0", "-e", endpoint, "bench_me:bare_app"],
+        [sys.executable, "-m", "daphne", "-v", "0", "-e", endpoint, application],
         cwd=Path(__file__).parent,
+        env={**os.environ, **(env or {})},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
     _wait_for_tls(port, process)
     return process, port, cert.cert_path.read_text()
+
+
+def start_stock_django(workdir: Path):
+    """The stock deployment in its own scratch directory; returns (process, port, cert, token)."""
+    home = workdir / "stock"
+    home.mkdir()
+    env = {"STOCK_DJANGO_DIR": str(home), "DJANGO_SETTINGS_MODULE": "stock_django.settings"}
+    token = subprocess.run(
+        [sys.executable, "-m", "stock_django.setup"],
+        cwd=Path(__file__).parent,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    process, port, pem = _start_daphne(workdir, "stock", "stock_django.asgi:application", env)
+    return process, port, pem, token
+
+
+def start_bare_daphne(workdir: Path):
+    return _start_daphne(workdir, "bare", "bench_me:bare_app")
 
 
 def main() -> None:
@@ -202,6 +227,7 @@ def main() -> None:
     load = dict(clients=args.clients, processes=args.processes, warmup=args.warmup, duration=args.duration)
     with tempfile.TemporaryDirectory(prefix="palisade-bench-") as tmp, Site.fresh(Path(tmp) / "data") as site:
         bare, bare_port, bare_pem = start_bare_daphne(Path(tmp))
+        stock, stock_port, stock_pem, stock_token = start_stock_django(Path(tmp))
         try:
             serve = site.serve()
             token = serve.mint_operator_token("bench")
@@ -221,15 +247,26 @@ def main() -> None:
                 "headers": {"Authorization": f"Bearer {token}"},
                 "cert_pem": bare_pem,
             }
+            stock_target = {
+                "name": "stock Django",
+                "host": "127.0.0.1",
+                "port": stock_port,
+                "path": "/api/v1/me",
+                "headers": {"Authorization": f"Token {stock_token}"},
+                "cert_pem": stock_pem,
+            }
             bare_result = measure(bare_target, **load)
+            stock_result = measure(stock_target, **load)
             serve_result = measure(serve_target, **load)
             assert serve.stop() == 0
         finally:
-            bare.terminate()
-            bare.wait(10)
+            for process in (bare, stock):
+                process.terminate()
+                process.wait(10)
         storage = "postgresql" if site.database_url else "sqlite"
 
-    ratio = serve_result["requests_per_second"] / bare_result["requests_per_second"]
+    ratio = serve_result["requests_per_second"] / stock_result["requests_per_second"]
+    of_bare = serve_result["requests_per_second"] / bare_result["requests_per_second"]
     report = {
         "benchmark": "authenticated GET /api/v1/me over TLS",
         "command": "bench/run  (or: .venv/bin/python bench/bench_me.py)",
@@ -242,8 +279,10 @@ def main() -> None:
         "storage": storage,
         "load": load,
         "serve": serve_result,
+        "stock_django": stock_result,
         "bare_daphne": bare_result,
         "ratio": round(ratio, 3),
+        "ratio_of_bare": round(of_bare, 3),
         "target_ratio": TARGET_RATIO,
         "meets_target": ratio >= TARGET_RATIO,
     }
@@ -254,13 +293,18 @@ def main() -> None:
         f"GET /api/v1/me, {args.clients} keep-alive TLS clients, "
         f"{args.duration:g} s after {args.warmup:g} s warm-up"
     )
-    for name, result in (("serve (" + storage + ")", serve_result), ("bare daphne", bare_result)):
+    for name, result in (
+        ("serve (" + storage + ")", serve_result),
+        ("stock Django", stock_result),
+        ("bare daphne", bare_result),
+    ):
         print(
             f"  {name:20} {result['requests_per_second']:8.1f} req/s   p50 {result['p50_ms']:7.2f} ms"
             f"   p99 {result['p99_ms']:7.2f} ms   failures {result['failures']}"
         )
     verdict = "meets" if report["meets_target"] else "MISSES"
-    print(f"  ratio serve/bare     {ratio:8.3f}   ({verdict} the target {TARGET_RATIO})")
+    print(f"  ratio serve/stock    {ratio:8.3f}   ({verdict} the target {TARGET_RATIO})")
+    print(f"  ratio serve/bare     {of_bare:8.3f}   (the ceiling: daphne and TLS with no application)")
     print(f"  wrote {args.output.relative_to(REPO) if args.output.is_relative_to(REPO) else args.output}")
 
 

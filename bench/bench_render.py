@@ -39,7 +39,7 @@ from policy.render_inputs import (  # noqa: E402
     PortEntry,
     RuleInput,
     RulesetInput,
-    RuleSource,
+    SourceInput,
     WorkloadInput,
 )
 from policy.renderer import render  # noqa: E402
@@ -114,22 +114,22 @@ def build_groups(rng: random.Random) -> dict[str, AddressGroupInput]:
     return groups
 
 
-def random_source(rng: random.Random) -> RuleSource:
+def random_source(rng: random.Random) -> SourceInput:
     kind = rng.random()
     if kind < 0.45:
-        return RuleSource("selector", parse_selector(f"app={rng.choice(APPS[:120])}"))
+        return SourceInput("selector", parse_selector(f"app={rng.choice(APPS[:120])}"))
     if kind < 0.65:
         app, tier = rng.choice(APPS), weighted(rng, TIERS)
-        return RuleSource("selector", parse_selector(f"app={app},tier={tier}"))
+        return SourceInput("selector", parse_selector(f"app={app},tier={tier}"))
     if kind < 0.75:
         tier, env, zone = weighted(rng, TIERS), weighted(rng, ENVS), rng.choice(ZONES)
-        return RuleSource("selector", parse_selector(f"tier={tier},env={env},zone={zone}"))
+        return SourceInput("selector", parse_selector(f"tier={tier},env={env},zone={zone}"))
     if kind < 0.80:
         apps = ",".join(sorted(rng.sample(APPS, 3)))
-        return RuleSource("selector", parse_selector(f"app in ({apps}),env!=dev"))
+        return SourceInput("selector", parse_selector(f"app in ({apps}),env!=dev"))
     if kind < 0.95:
-        return RuleSource("group", group_id=f"grp-{rng.randrange(100):03d}")
-    return RuleSource("any")
+        return SourceInput("address_group", address_group_id=f"grp-{rng.randrange(100):03d}")
+    return SourceInput("any")
 
 
 def build_rulesets(rng: random.Random, services) -> list[RulesetInput]:

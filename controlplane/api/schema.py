@@ -64,7 +64,7 @@ CONDITIONAL_ERRORS = {
 
 IF_MATCH = OpenApiParameter(
     "If-Match",
-    {"type": "string", "pattern": '^"[^"*]+"$', "maxLength": 200},
+    {"type": "string", "pattern": '^"[^",*]+"$', "maxLength": 200},
     OpenApiParameter.HEADER,
     required=True,
     description="The version you read: its strong ETag, quoted (a weak ETag, `*` or a list is refused).",

@@ -3,7 +3,16 @@
 from drf_spectacular.utils import PolymorphicProxySerializer
 from rest_framework import serializers
 
-from policy.validation import PROTOCOLS
+from policy.validation import (
+    MAX_DESCRIPTION,
+    MAX_GROUP_MEMBERS,
+    MAX_NAME,
+    MAX_RULES_PER_RULESET,
+    MAX_SERVICE_ENTRIES,
+    MAX_SERVICES_PER_RULE,
+    MAX_SOURCES_PER_RULE,
+    PROTOCOLS,
+)
 
 
 class PortEntrySerializer(serializers.Serializer):
@@ -26,22 +35,25 @@ class _Stamped(serializers.Serializer):
 
 
 class ServiceSerializer(_Stamped):
-    name = serializers.CharField(max_length=100)
-    description = serializers.CharField(max_length=1000, required=False, allow_blank=True)
-    entries = PortEntrySerializer(many=True)
+    name = serializers.CharField(max_length=MAX_NAME)
+    description = serializers.CharField(max_length=MAX_DESCRIPTION, required=False, allow_blank=True)
+    entries = serializers.ListField(child=PortEntrySerializer(), min_length=1, max_length=MAX_SERVICE_ENTRIES)
 
 
 class AddressGroupSerializer(_Stamped):
-    name = serializers.CharField(max_length=100)
-    description = serializers.CharField(max_length=1000, required=False, allow_blank=True)
+    name = serializers.CharField(max_length=MAX_NAME)
+    description = serializers.CharField(max_length=MAX_DESCRIPTION, required=False, allow_blank=True)
     members = serializers.ListField(
-        child=serializers.CharField(), help_text="IPv4/IPv6 addresses or CIDRs; stored normalised and sorted."
+        child=serializers.CharField(),
+        max_length=MAX_GROUP_MEMBERS,
+        help_text="IPv4/IPv6 addresses or CIDRs; stored normalised and sorted.",
     )
 
 
 class SelectorSource(serializers.Serializer):
     selector = serializers.CharField(
-        help_text="A label selector over workloads, e.g. `role=client,env in (prod)`."
+        allow_blank=True,
+        help_text="A label selector over workloads, e.g. `role=client,env in (prod)`; empty: every workload.",
     )
 
 
@@ -73,21 +85,30 @@ class RuleSerializer(_Stamped):
     id = serializers.UUIDField(
         required=False, help_text="In a ruleset PUT: keep this rule (omit to add a new one)."
     )
-    description = serializers.CharField(max_length=1000, required=False, allow_blank=True)
+    description = serializers.CharField(max_length=MAX_DESCRIPTION, required=False, allow_blank=True)
     sources = serializers.ListField(
-        child=SOURCE, help_text="Admit new inbound connections from any of these."
+        child=SOURCE,
+        min_length=1,
+        max_length=MAX_SOURCES_PER_RULE,
+        help_text="Admit new inbound connections from any of these.",
     )
-    services = serializers.ListField(child=SERVICE_ITEM, help_text="to any of these protocols and ports.")
+    services = serializers.ListField(
+        child=SERVICE_ITEM,
+        min_length=1,
+        max_length=MAX_SERVICES_PER_RULE,
+        help_text="to any of these protocols and ports.",
+    )
 
 
 class RulesetSerializer(_Stamped):
-    name = serializers.CharField(max_length=100)
-    description = serializers.CharField(max_length=1000, required=False, allow_blank=True)
+    name = serializers.CharField(max_length=MAX_NAME)
+    description = serializers.CharField(max_length=MAX_DESCRIPTION, required=False, allow_blank=True)
     enabled = serializers.BooleanField(default=True)
     scope = serializers.CharField(
-        help_text="Selector of the workloads whose inbound traffic the rules admit."
+        allow_blank=True,
+        help_text="Selector of the workloads whose inbound traffic the rules admit (empty: every workload).",
     )
-    rules = RuleSerializer(many=True, required=False)
+    rules = serializers.ListField(child=RuleSerializer(), required=False, max_length=MAX_RULES_PER_RULESET)
 
 
 class RulesetListSerializer(serializers.Serializer):
