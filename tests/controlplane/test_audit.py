@@ -86,13 +86,14 @@ def test_labels_mode_changes_resend_and_tokens_are_recorded(api):
 
 
 def test_host_commands_are_recorded_with_their_command_line(db, monkeypatch):
-    from django.core.management import ManagementUtility
+    from django.core.management import call_command, load_command_class
 
+    # As manage.py runs it: run_from_argv keeps the command line (and would then close the test's
+    # database connection, so the rest of it is what run_from_argv does).
+    command = load_command_class("controlplane", "operator-password")
+    command._argv = ["manage.py", "operator-password", "--stdin"]
     monkeypatch.setattr("sys.stdin", __import__("io").StringIO("correct horse battery staple\n"))
-    with pytest.raises(SystemExit) as exit:
-        ManagementUtility(["manage.py", "operator-password", "--stdin"]).execute()
-        raise SystemExit(0)
-    assert exit.value.code in (0, None)
+    call_command(command, "--stdin", stdout=__import__("io").StringIO())
     event = AuditEvent.objects.get()
     assert (event.actor_kind, event.actor, event.action) == (
         "cli",
@@ -126,3 +127,13 @@ def test_filters_paging_and_refusals(api, clock_at):
 @pytest.mark.parametrize("method", ["post", "put", "patch", "delete"])
 def test_nothing_changes_or_deletes_the_trail(api, method):
     assert_problem(getattr(api, method)("/api/v1/audit-events"), 405, "method-not-allowed")
+
+
+def test_a_command_run_from_its_command_line_is_named_by_it(monkeypatch):
+    from django.core.management import BaseCommand, load_command_class
+
+    monkeypatch.setattr(BaseCommand, "run_from_argv", lambda self, argv: None)  # parse, execute, close
+    command = load_command_class("fleet", "workload")
+    command.run_from_argv(["/srv/palisade/manage.py", "workload", "set-labels", "abc", "--file", "-"])
+    assert command.actor.kind == "cli"
+    assert command.actor.label == "host: manage.py workload set-labels abc --file -"
