@@ -142,7 +142,7 @@ def render_document(policy: dict) -> tuple[str, int]:
         f"gid-{g['name']}": AddressGroupInput(f"gid-{g['name']}", g["name"], tuple(g["members"]))
         for g in policy["groups"]
     }
-    rulesets = []
+    rulesets, numbered = [], []
     for r, ruleset in enumerate(policy["rulesets"]):
         rules = []
         for position, rule in enumerate(ruleset["rules"]):
@@ -155,7 +155,17 @@ def render_document(policy: dict) -> tuple[str, int]:
             entries = tuple(
                 PortEntry(s["protocol"], s["port"], s.get("port_to", s["port"])) for s in rule["services"]
             )
-            rules.append(RuleInput(f"rule-{r}-{position}", position, rule["description"], sources, entries))
+            rules.append(
+                RuleInput(
+                    f"rule-{r}-{position}",
+                    position,
+                    rule["description"],
+                    sources,
+                    entries,
+                    number=len(numbered) + 1,
+                )
+            )
+            numbered.append(rules[-1])
         rulesets.append(
             RulesetInput(f"rs-{r}", ruleset["name"], parse_selector(ruleset["scope"]), tuple(rules))
         )

@@ -151,7 +151,14 @@ def build_rulesets(rng: random.Random, services) -> list[RulesetInput]:
             else:
                 entries = (PortEntry("tcp", rng.randrange(1024, 65536)),)
             rules.append(
-                RuleInput(f"rule-{r:03d}-{position:02d}", position * 10, f"rule {position}", sources, entries)
+                RuleInput(
+                    f"rule-{r:03d}-{position:02d}",
+                    position * 10,
+                    f"rule {position}",
+                    sources,
+                    entries,
+                    number=r * 100 + position + 1,  # lifetime numbers, as policy.services gives them
+                )
             )
         rulesets.append(RulesetInput(f"rs-{r:03d}", f"ruleset-{r:03d}", parse_selector(scope), tuple(rules)))
     return rulesets

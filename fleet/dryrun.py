@@ -13,7 +13,7 @@ from fleet.rendering import fleet_load
 from fleet.selectors import selector_preview as matching_workloads
 from policy.choices import SourceKind
 from policy.grammar import GrammarError, parse_selector
-from policy.models import AddressGroup, Service
+from policy.models import AddressGroup, PolicyState, Rule, Service
 from policy.render_inputs import AddressGroupInput, PortEntry, RuleInput, RulesetInput, SourceInput
 from policy.renderer import render
 from policy.selectors import PolicyInputs, policy_inputs_load
@@ -108,7 +108,27 @@ def _is_uuid(text: str) -> bool:
     return True
 
 
+class _RuleNumbers:
+    """Lifetime rule numbers for a hypothetical policy: a stored rule keeps its own (so an unchanged
+    rule renders identically); a new rule, or a stored one named twice, gets one of the numbers the
+    next rules would be given."""
+
+    def __init__(self):
+        self.stored = {str(rule_id): number for rule_id, number in Rule.objects.values_list("id", "number")}
+        state = PolicyState.objects.filter(id=1).first()
+        self.next = state.next_rule_number if state else 1
+        self.used: set[int] = set()
+
+    def number_for(self, rule_id: str | None) -> int:
+        number = self.stored.get(rule_id) if rule_id else None
+        if number is None or number in self.used:
+            number, self.next = self.next, self.next + 1
+        self.used.add(number)
+        return number
+
+
 def _hypothetical_rulesets(specs, catalogue: _Catalogue, findings: Findings) -> list[RulesetInput]:
+    numbers = _RuleNumbers()
     rulesets = []
     for r_index, spec in enumerate(specs):
         rules = []
@@ -143,6 +163,7 @@ def _hypothetical_rulesets(specs, catalogue: _Catalogue, findings: Findings) -> 
                     description=rule.description,
                     sources=tuple(sources),
                     entries=tuple(dict.fromkeys(entries)),
+                    number=numbers.number_for(rule.id),
                 )
             )
         if spec.enabled:

@@ -16,6 +16,8 @@ class PolicyState(models.Model):
     serialises policy writes and lets an editor detect any concurrent change."""
 
     version = models.PositiveBigIntegerField(default=1)
+    # The next rule's lifetime number (Rule.number): only ever increases, so a number is never reused.
+    next_rule_number = models.PositiveIntegerField(default=1)
 
 
 class Service(models.Model):
@@ -63,6 +65,9 @@ class Ruleset(models.Model):
 class Rule(models.Model):
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     ruleset = models.ForeignKey(Ruleset, on_delete=models.CASCADE, related_name="rules")
+    # Given once, from PolicyState.next_rule_number, and never reused: the low 24 bits of the ct mark
+    # that admitted a connection name this rule in every policy version, before and after edits.
+    number = models.PositiveIntegerField(unique=True)
     position = models.PositiveIntegerField()
     description = models.CharField(max_length=1000, blank=True)
     version = models.PositiveBigIntegerField(default=1)

@@ -117,6 +117,9 @@ class RuleInput:
     description: str
     sources: tuple[SourceInput, ...]
     entries: tuple[PortEntry, ...]  # named services' entries and inline entries, flattened
+    # The rule's lifetime number (policy.models.Rule.number), carried in the ct mark: never reused,
+    # so a connection admitted under any policy version still names this rule.
+    number: int = 0
 
     def __post_init__(self) -> None:
         _freeze(self, "sources", "entries")

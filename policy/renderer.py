@@ -36,9 +36,10 @@ two nftables rules per source (one per family) however many peers it has. A fami
 source has no address of that family, unless the source has no address at all: then both
 stay, over empty sets, so that the rule remains visible in ``nft list`` and admits nothing.
 
-The ct mark carries the decision in its high byte and the rule number (1-based, over the
-workload's applicable rulesets ordered by name, then their rules by position) in the low
-24 bits; ``rule_index`` maps numbers back to rulesets and rules.
+The ct mark carries the decision in its high byte and the rule's lifetime number
+(``RuleInput.number``: given once when the rule is created and never reused) in the low 24
+bits, so a mark names the same rule in every policy version; ``rule_index`` maps the numbers
+of one document back to rulesets and rules.
 """
 
 from __future__ import annotations
@@ -126,15 +127,13 @@ def render(
     blocks: list[str] = []
     rule_index: dict[int, dict] = {}
     sets: dict[str, str] = {}
-    number = 0
     for ruleset in _applicable(workload, rulesets, fleet):
-        if number + len(ruleset.rules) > MAX_RULES:
-            raise ValueError(f"more than {MAX_RULES} rules apply to workload {workload.id}")
-        text, block_sets, entries = _ruleset_block(ruleset, number, groups, fleet)
+        text, block_sets, entries = _ruleset_block(ruleset, groups, fleet)
         blocks.append(text)
         sets.update(block_sets)
-        for entry in entries:
-            number += 1
+        for number, entry in entries:
+            if number in rule_index:
+                raise ValueError(f"rule number {number} is given to two rules")
             rule_index[number] = dict(entry)
 
     enforced = workload.mode == "enforced"
@@ -309,31 +308,36 @@ def _compile_rule(ruleset: RulesetInput, rule: RuleInput) -> _CompiledRule:
 
 
 def _ruleset_block(
-    ruleset: RulesetInput, base: int, groups: Mapping[str, AddressGroupInput], fleet: FleetIndex
-) -> tuple[str, tuple[tuple[str, str], ...], tuple[dict, ...]]:
-    """A ruleset's chain lines when its rules are numbered from base + 1, their sets, and
-    their rule-index entries. Workloads share a few distinct bases, so this is memoised."""
+    ruleset: RulesetInput, groups: Mapping[str, AddressGroupInput], fleet: FleetIndex
+) -> tuple[str, tuple[tuple[str, str], ...], tuple[tuple[int, dict], ...]]:
+    """A ruleset's chain lines, their sets, and its rules' (number, rule-index entry); the same for
+    every workload it applies to, so memoised."""
     compiled_rules = _compiled_ruleset(ruleset, fleet)
     referenced = tuple(groups.get(g) for _, c in compiled_rules for g in c.group_ids)
-    key = ("block", id(ruleset), base, tuple(map(id, referenced)))
+    key = ("block", id(ruleset), tuple(map(id, referenced)))
     entry = fleet.memo.get(key)
     if entry is not None:
         return entry[1]
     lines: list[str] = []
     sets: dict[str, str] = {}
     entries = []
-    for number, (rule, compiled) in enumerate(compiled_rules, start=base + 1):
+    for rule, compiled in compiled_rules:
+        if not 0 < rule.number <= MAX_RULES:
+            raise ValueError(f"rule {rule.id} has no lifetime number (1-{MAX_RULES}): {rule.number!r}")
         heads, rule_sets = _resolved(compiled, groups, fleet)
-        tail = f"{encode_mark(DECISION_ALLOWED, number):#010x} accept{compiled.comment}\n"
+        tail = f"{encode_mark(DECISION_ALLOWED, rule.number):#010x} accept{compiled.comment}\n"
         lines.extend(head + tail for head in heads)
         sets.update(rule_sets)
         entries.append(
-            {
-                "ruleset_id": ruleset.id,
-                "ruleset_name": ruleset.name,
-                "rule_id": rule.id,
-                "position": rule.position,
-            }
+            (
+                rule.number,
+                {
+                    "ruleset_id": ruleset.id,
+                    "ruleset_name": ruleset.name,
+                    "rule_id": rule.id,
+                    "position": rule.position,
+                },
+            )
         )
     found = ("".join(lines), tuple(sets.items()), tuple(entries))
     fleet.memo[key] = ((ruleset, referenced), found)

@@ -62,6 +62,7 @@ def _service_ref_data(ref: RuleService) -> dict:
 def rule_data(rule: Rule) -> dict:
     return {
         "id": str(rule.id),
+        "number": rule.number,
         "description": rule.description,
         "sources": [_source_data(s) for s in rule.sources.all()],
         "services": [_service_ref_data(s) for s in rule.services.all()],

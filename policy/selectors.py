@@ -91,7 +91,7 @@ def policy_inputs_load() -> PolicyInputs:
     ruleset_ids = [r[0] for r in rulesets]
     rules = list(
         Rule.objects.filter(ruleset_id__in=ruleset_ids).values_list(
-            "id", "ruleset_id", "position", "description"
+            "id", "ruleset_id", "position", "description", "number"
         )
     )
     rule_ids = [r[0] for r in rules]
@@ -123,7 +123,7 @@ def policy_inputs_load() -> PolicyInputs:
         else:
             entries[rule_id].append(PortEntry(protocol, port, port_to))
     rules_of = defaultdict(list)
-    for rule_id, ruleset_id, position, description in sorted(rules, key=lambda r: r[2]):
+    for rule_id, ruleset_id, position, description, number in sorted(rules, key=lambda r: r[2]):
         rules_of[ruleset_id].append(
             RuleInput(
                 id=str(rule_id),
@@ -131,6 +131,7 @@ def policy_inputs_load() -> PolicyInputs:
                 description=description,
                 sources=tuple(sources[rule_id]),
                 entries=tuple(dict.fromkeys(entries[rule_id])),
+                number=number,
             )
         )
     groups = {

@@ -14,7 +14,7 @@ from controlplane.audit import audit_record
 from controlplane.auth.actor import Actor
 from controlplane.conditional import locked_for_write
 from controlplane.lookups import get_or_not_found
-from controlplane.problems import Problem
+from controlplane.problems import Finding, Problem, ValidationFailed
 from controlplane.validation import Findings
 from fleet.rendering import rerender_for_scopes
 from policy.choices import SourceKind
@@ -28,6 +28,7 @@ from policy.models import (
     Service,
     ServiceEntry,
 )
+from policy.renderer import MAX_RULES as MAX_RULE_NUMBER
 from policy.validation import (
     MAX_ADDRESS_GROUPS,
     MAX_RULES_PER_RULESET,
@@ -57,6 +58,24 @@ def _policy_changed(state: PolicyState, *, scopes: Iterable[str] = ()) -> None:
     scopes = set(scopes)
     if scopes:
         rerender_for_scopes(scopes=scopes)
+
+
+def _take_rule_number(state: PolicyState) -> int:
+    """The next lifetime rule number (the caller holds the policy lock): never given twice."""
+    number = state.next_rule_number
+    if number > MAX_RULE_NUMBER:
+        raise ValidationFailed(
+            [
+                Finding(
+                    "",
+                    "too-many",
+                    f"All {MAX_RULE_NUMBER:,} rule numbers have been given out; no rule can be added.",
+                )
+            ]
+        )
+    state.next_rule_number = number + 1
+    state.save(update_fields=["next_rule_number"])
+    return number
 
 
 def _scopes_using(rules) -> set[str]:
@@ -374,6 +393,7 @@ def ruleset_create(*, actor: Actor, data: Mapping[str, Any]) -> Ruleset:
         for position, (rule, (sources, services)) in enumerate(zip(spec.rules, resolved, strict=True)):
             row = Rule.objects.create(
                 ruleset=ruleset,
+                number=_take_rule_number(state),
                 position=position,
                 description=rule.description,
                 created_at=now,
@@ -435,6 +455,7 @@ def ruleset_replace(
             else:
                 row = Rule.objects.create(
                     ruleset=ruleset,
+                    number=_take_rule_number(state),
                     position=position,
                     description=rule.description,
                     created_at=now,
@@ -500,6 +521,7 @@ def rule_add(*, actor: Actor, ruleset_id: str, data: Mapping[str, Any]) -> Rule:
         last = ruleset.rules.order_by("-position").values_list("position", flat=True).first()
         rule = Rule.objects.create(
             ruleset=ruleset,
+            number=_take_rule_number(state),
             position=0 if last is None else last + 1,
             description=spec.description,
             created_at=now,

@@ -282,7 +282,7 @@ def rule_input(data: Any, *, base: str = "", allow_id: bool = False) -> tuple[Ru
     if not isinstance(data, dict):
         findings.add(base, "type", "A rule must be an object.")
         return None, findings
-    allowed = READ_ONLY | {"description", "sources", "services"}
+    allowed = READ_ONLY | {"number", "description", "sources", "services"}  # number: read-only, ignored
     reject_unknown(data, allowed, findings, base)
     rule_id = None
     if allow_id and "id" in data:

@@ -85,6 +85,11 @@ class RuleSerializer(_Stamped):
     id = serializers.UUIDField(
         required=False, help_text="In a ruleset PUT: keep this rule (omit to add a new one)."
     )
+    number = serializers.IntegerField(
+        read_only=True,
+        help_text="The rule's lifetime number, given once and never reused: the rule bits of the ct mark "
+        "of connections it admitted, and the key of `rule_index` in rendered policies.",
+    )
     description = serializers.CharField(max_length=MAX_DESCRIPTION, required=False, allow_blank=True)
     sources = serializers.ListField(
         child=SOURCE,

@@ -43,7 +43,7 @@ LABELS = {
 }
 TCP_PORTS = (8080, 9090)
 UDP_PORTS = (5353, 5354)
-ALLOWED_RULE = 2  # "a-admin" sorts before "clients" and holds rule 1
+ALLOWED_RULE = 41  # rule-clients' lifetime number: the kernel's ct mark carries it
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,16 @@ class Case:
     protocol: str
     port: int
     admitted_by_rule: bool
+
+
+# Lifetime rule numbers, as policy.services gives them: one per rule id, never reused.
+_RULE_NUMBERS: dict[str, int] = {}
+
+
+def numbered_rule(id, position, description, sources, entries, number=None) -> RuleInput:
+    if number is None:
+        number = _RULE_NUMBERS.setdefault(id, len(_RULE_NUMBERS) + 1)
+    return RuleInput(id, position, description, sources, entries, number=number)
 
 
 CASES = (
@@ -90,12 +100,13 @@ def policy() -> tuple[list[RulesetInput], dict[str, AddressGroupInput], FleetInd
             "clients",
             parse_selector("role=server"),
             (
-                RuleInput(
+                numbered_rule(
                     "rule-clients",
                     10,
                     "clients reach the app",
                     (SourceInput("selector", parse_selector("role=client")),),
                     (PortEntry("tcp", 8080), PortEntry("udp", 5353)),
+                    number=ALLOWED_RULE,
                 ),
             ),
         ),
@@ -104,12 +115,13 @@ def policy() -> tuple[list[RulesetInput], dict[str, AddressGroupInput], FleetInd
             "a-admin",
             parse_selector("role in (server,db)"),
             (
-                RuleInput(
+                numbered_rule(
                     "rule-ssh",
                     1,
                     "ssh from the office",
                     (SourceInput("address_group", address_group_id="g-office"),),
                     (PortEntry("tcp", 22),),
+                    number=17,
                 ),
             ),
         ),
@@ -117,7 +129,7 @@ def policy() -> tuple[list[RulesetInput], dict[str, AddressGroupInput], FleetInd
             "rs-db",
             "db",
             parse_selector("role=db"),
-            (RuleInput("rule-db", 1, "", (SourceInput("any"),), (PortEntry("tcp", 9090),)),),
+            (numbered_rule("rule-db", 1, "", (SourceInput("any"),), (PortEntry("tcp", 9090),), number=23),),
         ),
     ]
     groups = {"g-office": AddressGroupInput("g-office", "office", ("10.99.0.0/24",))}
@@ -357,7 +369,7 @@ def rich_policy_documents() -> dict[str, str]:
         PortEntry("icmpv6"),
     )
     rules = (
-        RuleInput(
+        numbered_rule(
             "r1",
             1,
             "clients; {braces} and 'quotes' # not a comment",
@@ -367,7 +379,7 @@ def rich_policy_documents() -> dict[str, str]:
             ),
             entries,
         ),
-        RuleInput(
+        numbered_rule(
             "r2",
             2,
             "",
@@ -377,8 +389,8 @@ def rich_policy_documents() -> dict[str, str]:
             ),
             (PortEntry("tcp", 1),),
         ),
-        RuleInput("r3", 3, "é" * 100, (SourceInput("any"),), entries),
-        RuleInput(
+        numbered_rule("r3", 3, "é" * 100, (SourceInput("any"),), entries),
+        numbered_rule(
             "r4",
             4,
             "v6 group",

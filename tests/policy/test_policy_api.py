@@ -390,3 +390,51 @@ def test_selector_finding_names_the_position(api):
 def test_ruleset_requires_a_scope(api):
     problem = assert_problem(api.post("/api/v1/rulesets", {"name": "r"}, format="json"), 422, "validation")
     assert [(e["path"], e["rule"]) for e in problem["errors"]] == [("/scope", "required")]
+
+
+def test_rule_numbers_are_given_once_and_never_reused(api):
+    """The ct mark names a rule by this number in every policy version, so no other rule may get it."""
+    created = api.post(
+        "/api/v1/rulesets",
+        {
+            "name": "numbers",
+            "scope": "",
+            "rules": [
+                {"sources": [{"any": True}], "services": [{"protocol": "tcp", "port": 80}]},
+                {"sources": [{"any": True}], "services": [{"protocol": "tcp", "port": 81}]},
+            ],
+        },
+        format="json",
+    ).json()
+    first, second = (rule["number"] for rule in created["rules"])
+    assert second == first + 1
+    path = f"/api/v1/rulesets/{created['id']}"
+    deleted = api.delete(
+        f"{path}/rules/{created['rules'][1]['id']}", HTTP_IF_MATCH=f'"{created["rules"][1]["version"]}"'
+    )
+    assert deleted.status_code == 204
+    added = api.post(
+        f"{path}/rules",
+        {"sources": [{"any": True}], "services": [{"protocol": "udp", "port": 53}]},
+        format="json",
+    )
+    assert added.json()["number"] == second + 1  # not the deleted rule's number
+    ruleset = api.get(path).json()
+    kept, new = (
+        ruleset["rules"][0],
+        {"sources": [{"any": True}], "services": [{"protocol": "tcp", "port": 82}]},
+    )
+    replaced = api.put(
+        path,
+        {
+            "name": "numbers",
+            "scope": "",
+            "rules": [new, {"id": kept["id"], "sources": kept["sources"], "services": kept["services"]}],
+        },
+        format="json",
+        HTTP_IF_MATCH=f'"{ruleset["version"]}"',
+    ).json()
+    assert [rule["number"] for rule in replaced["rules"]] == [
+        second + 2,
+        first,
+    ]  # a kept rule keeps its number

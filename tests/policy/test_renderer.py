@@ -34,6 +34,15 @@ from policy.renderer import (
 MODES = ("visibility", "simulation", "enforced")
 S = parse_selector
 
+# Lifetime rule numbers, as policy.services gives them: one per rule id, never reused.
+_RULE_NUMBERS: dict[str, int] = {}
+
+
+def numbered_rule(id, position, description, sources, entries, number=None) -> RuleInput:
+    if number is None:
+        number = _RULE_NUMBERS.setdefault(id, len(_RULE_NUMBERS) + 1)
+    return RuleInput(id, position, description, sources, entries, number=number)
+
 
 def sel(text: str) -> SourceInput:
     return SourceInput("selector", S(text))
@@ -70,18 +79,26 @@ def standard_policy():
             "web",
             S("role=server"),
             (
-                RuleInput("r-web-b", 20, "monitoring", (sel("role=monitor"),), (WEB, PortEntry("icmp"))),
-                RuleInput("r-web-a", 10, "clients", (sel("role=client"), grp("g-office")), (WEB, DNS)),
+                numbered_rule(
+                    "r-web-b", 20, "monitoring", (sel("role=monitor"),), (WEB, PortEntry("icmp")), number=7
+                ),
+                numbered_rule(
+                    "r-web-a", 10, "clients", (sel("role=client"), grp("g-office")), (WEB, DNS), number=3
+                ),
             ),
         ),
         RulesetInput(
             "rs-base",
             "base",
             S("role"),
-            (RuleInput("r-base", 5, "ping", (ANY,), (PortEntry("icmp"), PortEntry("icmpv6"))),),
+            (
+                numbered_rule(
+                    "r-base", 5, "ping", (ANY,), (PortEntry("icmp"), PortEntry("icmpv6")), number=12
+                ),
+            ),
         ),
         RulesetInput(
-            "rs-db", "db", S("role=db"), (RuleInput("r-db", 1, "", (ANY,), (PortEntry("tcp", 5432),)),)
+            "rs-db", "db", S("role=db"), (numbered_rule("r-db", 1, "", (ANY,), (PortEntry("tcp", 5432),)),)
         ),
     ]
     groups = {"g-office": AddressGroupInput("g-office", "office", ("192.168.10.0/24", "2001:db8:1::/48"))}
@@ -120,7 +137,12 @@ def test_same_inputs_give_the_same_bytes_whatever_their_order():
             rs.scope,
             tuple(
                 RuleInput(
-                    r.id, r.position, r.description, tuple(reversed(r.sources)), tuple(reversed(r.entries))
+                    r.id,
+                    r.position,
+                    r.description,
+                    tuple(reversed(r.sources)),
+                    tuple(reversed(r.entries)),
+                    number=r.number,
                 )
                 for r in reversed(rs.rules)
             ),
@@ -153,7 +175,7 @@ def test_cached_pieces_give_the_same_output_as_a_fresh_render():
             f"ruleset {i % 4}",  # equal names: the id breaks the tie
             S(f"app=a{i % 6}") if i % 2 else S("env=prod"),
             tuple(
-                RuleInput(
+                numbered_rule(
                     f"rs{i}-r{j}",
                     j,
                     f"rule {j}",
@@ -266,17 +288,51 @@ def test_document_is_only_the_owned_table():
 # --- rules, numbering and the index ----------------------------------------------------------
 
 
-def test_rules_are_numbered_by_ruleset_name_then_position():
+def test_each_rule_is_marked_with_its_own_lifetime_number():
     result = rendered()
     assert result.rule_index == {
-        1: {"ruleset_id": "rs-base", "ruleset_name": "base", "rule_id": "r-base", "position": 5},
-        2: {"ruleset_id": "rs-web", "ruleset_name": "web", "rule_id": "r-web-a", "position": 10},
-        3: {"ruleset_id": "rs-web", "ruleset_name": "web", "rule_id": "r-web-b", "position": 20},
+        12: {"ruleset_id": "rs-base", "ruleset_name": "base", "rule_id": "r-base", "position": 5},
+        3: {"ruleset_id": "rs-web", "ruleset_name": "web", "rule_id": "r-web-a", "position": 10},
+        7: {"ruleset_id": "rs-web", "ruleset_name": "web", "rule_id": "r-web-b", "position": 20},
     }
+    # Evaluation order is still rulesets by name, then rules by position; only the marks are the rules' own.
     marks = [int(m, 16) for m in re.findall(r"ct mark set (0x02[0-9a-f]{6})", result.document)]
-    assert [decode_mark(m)[1] for m in marks] == sorted(decode_mark(m)[1] for m in marks)
-    assert {decode_mark(m) for m in marks} == {("allowed", 1), ("allowed", 2), ("allowed", 3)}
+    assert list(dict.fromkeys(decode_mark(m)[1] for m in marks)) == [12, 3, 7]
     assert 'comment "web #10: clients"' in result.document
+
+
+def test_a_rule_keeps_its_number_when_rules_are_added_or_removed_before_it():
+    """A connection admitted under an earlier version names its rule by the mark it was given then:
+    the same number must name the same rule in every version."""
+    workloads, rulesets, groups = standard_policy()
+    before = render(server(), rulesets, groups, FleetIndex.build(workloads))
+    web = next(rs for rs in rulesets if rs.name == "web")
+    earlier = numbered_rule("r-web-new", 1, "new first rule", (ANY,), (DNS,), number=13)
+    grown = [
+        RulesetInput(web.id, web.name, web.scope, (earlier, *web.rules)) if rs is web else rs
+        for rs in rulesets
+    ]
+    after = render(server(), grown, groups, FleetIndex.build(workloads))
+    assert after.version != before.version
+    for number, entry in before.rule_index.items():
+        assert after.rule_index[number]["rule_id"] == entry["rule_id"]
+    assert after.rule_index[13]["rule_id"] == "r-web-new"
+    shrunk = [RulesetInput(rs.id, rs.name, rs.scope, rs.rules[1:]) if rs is web else rs for rs in rulesets]
+    without_first = render(server(), shrunk, groups, FleetIndex.build(workloads))
+    for number, entry in without_first.rule_index.items():
+        assert before.rule_index[number]["rule_id"] == entry["rule_id"]
+
+
+def test_a_rule_without_a_lifetime_number_or_two_rules_with_one_are_errors():
+    rulesets = [RulesetInput("rs", "web", S(""), (RuleInput("r", 1, "", (ANY,), (WEB,)),))]
+    with pytest.raises(ValueError, match="no lifetime number"):
+        render(server(), rulesets, {}, fleet_of(server()))
+    twice = [
+        RulesetInput("a", "a", S(""), (numbered_rule("x", 1, "", (ANY,), (WEB,), number=5),)),
+        RulesetInput("b", "b", S(""), (numbered_rule("y", 1, "", (ANY,), (DNS,), number=5),)),
+    ]
+    with pytest.raises(ValueError, match="rule number 5"):
+        render(server(), twice, {}, fleet_of(server()))
 
 
 def test_applicable_rulesets_are_those_whose_scope_matches():
@@ -292,7 +348,10 @@ def test_a_rule_becomes_sets_not_one_rule_per_peer():
     ]
     rulesets = [
         RulesetInput(
-            "rs", "web", S("role=server"), (RuleInput("r", 1, "", (sel("role=client"),), (WEB, DNS)),)
+            "rs",
+            "web",
+            S("role=server"),
+            (numbered_rule("r", 1, "", (sel("role=client"),), (WEB, DNS), number=1),),
         )
     ]
     result = render(server(), rulesets, {}, FleetIndex.build([server(), *clients]))
@@ -313,7 +372,7 @@ def test_a_rule_becomes_sets_not_one_rule_per_peer():
 def test_both_families_and_groups_get_their_own_sets():
     document = rendered().document
     lines = rule_lines(document)
-    rule2 = [line for line in lines if "0x02000002" in line]
+    rule2 = [line for line in lines if "0x02000003" in line]  # r-web-a, number 3
     assert len(rule2) == 4  # (role=client, office) x (IPv4, IPv6)
     assert sum(line.startswith("ip saddr @sel_") for line in rule2) == 1
     assert sum(line.startswith("ip6 saddr @sel_") for line in rule2) == 1
@@ -324,18 +383,20 @@ def test_both_families_and_groups_get_their_own_sets():
 
 def test_icmp_entries_match_the_protocol():
     lines = rule_lines(rendered().document)
-    assert [line for line in lines if "0x02000001" in line] == [
-        'meta l4proto icmp ct mark set 0x02000001 accept comment "base #5: ping"',
-        'meta l4proto ipv6-icmp ct mark set 0x02000001 accept comment "base #5: ping"',
+    assert [line for line in lines if "0x0200000c" in line] == [  # r-base, number 12
+        'meta l4proto icmp ct mark set 0x0200000c accept comment "base #5: ping"',
+        'meta l4proto ipv6-icmp ct mark set 0x0200000c accept comment "base #5: ping"',
     ]
-    rule3 = [line for line in lines if "0x02000003" in line]
+    rule3 = [line for line in lines if "0x02000007" in line]  # r-web-b, number 7
     assert any(re.match(r"ip saddr @sel_\S+ meta l4proto icmp ct mark", line) for line in rule3)
     assert not any("ipv6-icmp" in line for line in rule3)
 
 
 def test_any_source_matches_every_address_and_makes_other_sources_moot():
     rulesets = [
-        RulesetInput("rs", "open", S(""), (RuleInput("r", 1, "", (sel("role=client"), ANY), (WEB,)),)),
+        RulesetInput(
+            "rs", "open", S(""), (numbered_rule("r", 1, "", (sel("role=client"), ANY), (WEB,), number=1),)
+        ),
     ]
     result = render(server(), rulesets, {}, fleet_of(server()))
     lines = rule_lines(result.document)
@@ -345,7 +406,11 @@ def test_any_source_matches_every_address_and_makes_other_sources_moot():
 
 
 def test_a_selector_matching_no_workload_admits_nothing():
-    rulesets = [RulesetInput("rs", "web", S(""), (RuleInput("r", 1, "", (sel("role=nobody"),), (WEB,)),))]
+    rulesets = [
+        RulesetInput(
+            "rs", "web", S(""), (numbered_rule("r", 1, "", (sel("role=nobody"),), (WEB,), number=1),)
+        )
+    ]
     result = render(server("simulation"), rulesets, {}, fleet_of(server()))
     lines = rule_lines(result.document)
     # The rule stays visible, over empty sets, and admits nothing.
@@ -365,20 +430,22 @@ def test_overlapping_port_ranges_merge():
         PortEntry("tcp", 8201),
         PortEntry("udp", 53),
     )
-    rulesets = [RulesetInput("rs", "ports", S(""), (RuleInput("r", 1, "", (ANY,), entries),))]
+    rulesets = [RulesetInput("rs", "ports", S(""), (numbered_rule("r", 1, "", (ANY,), entries),))]
     document = render(server(), rulesets, {}, fleet_of(server())).document
     assert "elements = { tcp . 8000-8201, udp . 53 }" in document
 
 
 def test_group_members_overlapping_collapse():
     groups = {"g": AddressGroupInput("g", "g", ("10.9.0.0/16", "10.9.1.0/24", "10.9.2.7/32"))}
-    rulesets = [RulesetInput("rs", "grp", S(""), (RuleInput("r", 1, "", (grp("g"),), (WEB,)),))]
+    rulesets = [RulesetInput("rs", "grp", S(""), (numbered_rule("r", 1, "", (grp("g"),), (WEB,), number=1),))]
     document = render(server(), rulesets, groups, fleet_of(server())).document
     assert "elements = { 10.9.0.0/16 }" in document
 
 
 def test_comments_are_safe_for_nftables():
-    rulesets = [RulesetInput("rs", 'we"ird\nname', S(""), (RuleInput("r", 1, "é" * 200, (ANY,), (WEB,)),))]
+    rulesets = [
+        RulesetInput("rs", 'we"ird\nname', S(""), (numbered_rule("r", 1, "é" * 200, (ANY,), (WEB,)),))
+    ]
     document = render(server(), rulesets, {}, fleet_of(server())).document
     for comment in re.findall(r'comment "([^"\n]*)"', document):
         assert len(comment.encode()) <= 128
@@ -386,7 +453,9 @@ def test_comments_are_safe_for_nftables():
 
 
 def test_a_missing_group_is_an_error():
-    rulesets = [RulesetInput("rs", "grp", S(""), (RuleInput("r", 1, "", (grp("gone"),), (WEB,)),))]
+    rulesets = [
+        RulesetInput("rs", "grp", S(""), (numbered_rule("r", 1, "", (grp("gone"),), (WEB,), number=1),))
+    ]
     with pytest.raises(ValueError, match="gone"):
         render(server(), rulesets, {}, fleet_of(server()))
 
@@ -394,7 +463,7 @@ def test_a_missing_group_is_an_error():
 @pytest.mark.parametrize("member", ["10.99.0.300", "example.com", "10.0.0.0/33", "fe80::1%eth0"])
 def test_a_bad_group_member_raises_instead_of_reaching_nftables(member):
     groups = {"g": AddressGroupInput("g", "g", ("10.0.0.0/24", member))}
-    rulesets = [RulesetInput("rs", "grp", S(""), (RuleInput("r", 1, "", (grp("g"),), (WEB,)),))]
+    rulesets = [RulesetInput("rs", "grp", S(""), (numbered_rule("r", 1, "", (grp("g"),), (WEB,), number=1),))]
     with pytest.raises(ValueError):
         render(server(), rulesets, groups, fleet_of(server()))
 
