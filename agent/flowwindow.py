@@ -1,0 +1,181 @@
+"""Flow windows: the connections a flow source saw, aggregated per wall-clock-aligned window.
+
+A window aggregates by key (peer address, protocol, port, decision, rule number) with the counters
+of the spec's "Stored flow window":
+
+- `connection_count`: connections opened in the window, or found live when the source subscribed
+  (those once, first seen at the subscription): `connection_opened`.
+- `first_seen` / `last_seen`: when the agent saw the key in the window.
+- bytes in each direction: only when `net.netfilter.nf_conntrack_acct=1`; a connection's bytes are
+  known when it ends (conntrack's DESTROY event), so they are counted in the window in which the
+  connection ended, which is often a later one than the window that counted it (`bytes_counted`).
+  A window says whether accounting was on, so "no bytes" and "not counted" differ.
+
+At `max_keys` distinct keys a window takes no new key until it closes; what it drops is reported as a
+`window_overflow` gap covering the rest of the window, with the events and keys lost.
+
+Nothing here reads a socket or a clock: sources and the daemon pass instants in, so the semantics are
+tested exactly.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from dataclasses import dataclass, field
+
+DECISIONS = ("observed", "allowed", "would_block", "blocked")
+
+
+@dataclass(frozen=True)
+class FlowKey:
+    peer: str  # the remote address, as text
+    protocol: str  # tcp, udp, icmp, icmpv6, or the protocol number as text
+    port: int  # the local (service) port; 0 for protocols without ports
+    decision: str  # one of DECISIONS
+    rule: int | None  # the rule's lifetime number from the ct mark; None when no rule decided
+
+
+@dataclass
+class Counters:
+    connection_count: int = 0
+    first_seen: float = math.inf
+    last_seen: float = -math.inf
+    bytes_in: int = 0
+    bytes_out: int = 0
+
+    def seen(self, at: float) -> None:
+        self.first_seen = min(self.first_seen, at)
+        self.last_seen = max(self.last_seen, at)
+
+
+@dataclass(frozen=True)
+class Gap:
+    kind: str
+    source: str | None  # conntrack, nflog, or None when not one source's loss
+    start: float
+    end: float
+    lost: dict = field(default_factory=dict)  # what was lost where known: events, keys, windows
+
+
+@dataclass(frozen=True)
+class ClosedWindow:
+    id: str  # stable across re-sends: given when the window opened
+    start: float
+    end: float
+    policy_version: str
+    accounting: bool
+    groups: tuple[tuple[FlowKey, Counters], ...]
+
+
+class OpenWindow:
+    def __init__(self, start: float, length: float, max_keys: int, *, accounting: bool):
+        self.id = str(uuid.uuid4())
+        self.start, self.end = start, start + length
+        self.max_keys = max_keys
+        self.accounting = accounting
+        self.counters: dict[FlowKey, Counters] = {}
+        self.overflow_at: float | None = None
+        self.dropped_events = 0
+        self.dropped_keys: set[FlowKey] = set()
+
+    def _entry(self, key: FlowKey, at: float) -> Counters | None:
+        entry = self.counters.get(key)
+        if entry is not None:
+            return entry
+        if len(self.counters) >= self.max_keys:
+            if self.overflow_at is None:
+                self.overflow_at = at
+            self.dropped_events += 1
+            self.dropped_keys.add(key)
+            return None
+        entry = self.counters[key] = Counters()
+        return entry
+
+    def connection_opened(self, key: FlowKey, at: float) -> None:
+        entry = self._entry(key, at)
+        if entry is not None:
+            entry.connection_count += 1
+            entry.seen(at)
+
+    def bytes_counted(self, key: FlowKey, at: float, bytes_in: int, bytes_out: int) -> None:
+        if not self.accounting:
+            return
+        entry = self._entry(key, at)
+        if entry is not None:
+            entry.bytes_in += bytes_in
+            entry.bytes_out += bytes_out
+            entry.seen(at)
+
+    def close(self, policy_version: str) -> tuple[ClosedWindow | None, Gap | None]:
+        """The closed window (None when it saw nothing: no report for it), and its overflow gap."""
+        gap = None
+        if self.overflow_at is not None:
+            gap = Gap(
+                "window_overflow",
+                None,
+                self.overflow_at,
+                self.end,
+                {"events": self.dropped_events, "keys": len(self.dropped_keys)},
+            )
+        if not self.counters:
+            return None, gap
+        groups = tuple(sorted(self.counters.items(), key=lambda item: _sort_key(item[0])))
+        return ClosedWindow(self.id, self.start, self.end, policy_version, self.accounting, groups), gap
+
+
+def _sort_key(key: FlowKey) -> tuple:
+    return (key.peer, key.protocol, key.port, key.decision, key.rule or 0)
+
+
+def window_start(at: float, length: float) -> float:
+    """Windows are aligned to the wall clock: [k * length, (k + 1) * length)."""
+    return math.floor(at / length) * length
+
+
+class Windows:
+    """The open windows of one agent: observations go to the window of their instant; `close_due`
+    closes every window that has ended. An observation for a window already closed (a late event)
+    goes to the oldest open window instead, so it is counted once and never lost."""
+
+    def __init__(self, *, length: float, max_keys: int, accounting: bool):
+        if length <= 0 or max_keys <= 0:
+            raise ValueError("window length and key bound must be positive")
+        self.length, self.max_keys, self.accounting = length, max_keys, accounting
+        self.open: dict[float, OpenWindow] = {}
+        self.closed_until = -math.inf
+
+    def _window(self, at: float) -> OpenWindow:
+        start = max(window_start(at, self.length), self.closed_until)
+        start = window_start(start, self.length)
+        window = self.open.get(start)
+        if window is None:
+            window = self.open[start] = OpenWindow(
+                start, self.length, self.max_keys, accounting=self.accounting
+            )
+        return window
+
+    def connection_opened(self, key: FlowKey, at: float) -> None:
+        self._window(at).connection_opened(key, at)
+
+    def bytes_counted(self, key: FlowKey, at: float, bytes_in: int, bytes_out: int) -> None:
+        self._window(at).bytes_counted(key, at, bytes_in, bytes_out)
+
+    def close_due(self, now: float, policy_version: str) -> tuple[list[ClosedWindow], list[Gap]]:
+        """Close every window that ended at or before `now` (all of them at shutdown: pass math.inf)."""
+        windows, gaps = [], []
+        for start in sorted(self.open):
+            window = self.open[start]
+            if window.end > now:
+                break
+            del self.open[start]
+            self.closed_until = max(self.closed_until, window.end)
+            closed, gap = window.close(policy_version)
+            if closed is not None:
+                windows.append(closed)
+            if gap is not None:
+                gaps.append(gap)
+        return windows, gaps
+
+    def open_keys(self) -> int:
+        return sum(len(window.counters) for window in self.open.values())
