@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import json
 from collections.abc import Callable
 from dataclasses import MISSING, asdict, dataclass, field, fields
@@ -324,3 +325,76 @@ class EnrolResponse:
         if not all(isinstance(v, str) for v in values.values()):
             raise ProtocolError(CLOSE_MALFORMED, "the enrolment response has a field of the wrong type")
         return cls(**values)
+
+
+# --- flow reports, over HTTPS POST FLOWS_PATH ---
+#
+# Independent of the sync stream: an agent whose stream is down still reports. The body is a JSON
+# object (FlowReport below); the request carries the workload id, its credential, and an Ed25519
+# signature of the body's SHA-256 bound to the workload and the pinned gateway certificate.
+
+FLOWS_PATH = "/agent/v1/flows"
+FLOW_REPORT_CONTEXT = b"palisade-flow-report-v1\n"
+HEADER_WORKLOAD = "Palisade-Workload"
+HEADER_CREDENTIAL = "Palisade-Credential"
+HEADER_SIGNATURE = "Palisade-Signature"
+
+
+def flow_report_message(*, body: bytes, workload_id: str, gateway_fingerprint: str) -> bytes:
+    digest = hashlib.sha256(body).hexdigest().encode()
+    return (
+        FLOW_REPORT_CONTEXT
+        + digest
+        + b"\n"
+        + workload_id.encode()
+        + b"\n"
+        + gateway_fingerprint.upper().encode()
+    )
+
+
+def sign_flow_report(
+    key: Ed25519PrivateKey, *, body: bytes, workload_id: str, gateway_fingerprint: str
+) -> str:
+    return b64encode(
+        key.sign(
+            flow_report_message(body=body, workload_id=workload_id, gateway_fingerprint=gateway_fingerprint)
+        )
+    )
+
+
+def verify_flow_report(
+    public_key_b64: str, signature_b64: str, *, body: bytes, workload_id: str, gateway_fingerprint: str
+) -> bool:
+    try:
+        key = Ed25519PublicKey.from_public_bytes(b64decode(public_key_b64, what="public key", length=32))
+        key.verify(
+            b64decode(signature_b64, what="signature", length=64),
+            flow_report_message(body=body, workload_id=workload_id, gateway_fingerprint=gateway_fingerprint),
+        )
+    except (InvalidSignature, ProtocolError, ValueError):
+        return False
+    return True
+
+
+def flow_report(
+    *,
+    agent_clock: str,
+    process_start_id: str,
+    uptime_seconds: float,
+    window_seconds: int,
+    windows: list[dict[str, Any]],
+    gaps: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """The body of a flow report: closed windows and gaps as the agent's buffer keeps them (instants
+    as RFC 3339 text), with the agent's clock and which process sent it (for clock skew and for
+    telling a silent agent from a quiet one)."""
+    return {
+        "v": PROTOCOL_VERSION,
+        "type": "flow_report",
+        "agent_clock": agent_clock,
+        "process_start_id": process_start_id,
+        "uptime_seconds": uptime_seconds,
+        "window_seconds": window_seconds,
+        "windows": windows,
+        "gaps": gaps,
+    }

@@ -43,27 +43,36 @@ def gateway_fingerprint() -> str:
     return gateway_identity().fingerprint
 
 
-def stream_authenticate(*, auth: protocol.Auth, nonce: bytes) -> StreamGrant:
-    """Check an `auth` message: the credential is ours, names this workload and the key it is enrolled
-    with, is its current serial, and the proof signs this stream's nonce with that key. An expired
-    credential within its grace may only renew; beyond it the workload must re-enrol."""
+def _credential_holder(workload_id: str, credential: str) -> Workload | None:
+    """The workload, when `credential` is one this control plane signed for it, naming the key it is
+    enrolled with, at its current serial; None otherwise (expiry is the caller's to judge)."""
     try:
-        workload_key = uuid.UUID(auth.workload_id)
+        workload_key = uuid.UUID(workload_id)
     except ValueError:
-        raise StreamRefused(protocol.CLOSE_UNAUTHENTICATED, "unknown workload") from None
+        return None
     workload = Workload.objects.filter(id=workload_key).first()
     if workload is None:
-        raise StreamRefused(protocol.CLOSE_UNAUTHENTICATED, "unknown workload")
+        return None
     try:
-        payload = credential_verify(auth.credential)
+        payload = credential_verify(credential)
     except Problem:
-        raise StreamRefused(protocol.CLOSE_UNAUTHENTICATED, "credential refused") from None
+        return None
     if (
         payload.get("workload_id") != str(workload.id)
         or payload.get("public_key") != workload.public_key
         or payload.get("serial") != workload.credential_serial
     ):
-        raise StreamRefused(protocol.CLOSE_UNAUTHENTICATED, "credential is not the workload's current one")
+        return None
+    return workload
+
+
+def stream_authenticate(*, auth: protocol.Auth, nonce: bytes) -> StreamGrant:
+    """Check an `auth` message: the credential is ours, names this workload and the key it is enrolled
+    with, is its current serial, and the proof signs this stream's nonce with that key. An expired
+    credential within its grace may only renew; beyond it the workload must re-enrol."""
+    workload = _credential_holder(auth.workload_id, auth.credential)
+    if workload is None:
+        raise StreamRefused(protocol.CLOSE_UNAUTHENTICATED, "unknown workload, or not its current credential")
     fingerprint = gateway_fingerprint()
     if not protocol.verify_proof(
         workload.public_key,
@@ -161,3 +170,24 @@ def streams_state(*, streams: dict[str, str]) -> dict[str, StreamDue]:
             if streams[str(workload_id)] == stream_id:
                 state[stream_id] = StreamDue(latest, resend_at)
     return state
+
+
+def report_authenticate(*, workload_id: str, credential: str, signature: str, body: bytes) -> Workload:
+    """A flow report's sender: the workload's current credential, and the body signed with its key.
+    An expired credential (within its grace or beyond) reports nothing: it renews on the stream first."""
+    workload = _credential_holder(workload_id, credential)
+    if workload is None or not protocol.verify_flow_report(
+        workload.public_key,
+        signature,
+        body=body,
+        workload_id=str(workload.id),
+        gateway_fingerprint=gateway_fingerprint(),
+    ):
+        raise Problem(
+            "unauthenticated", "Not a report signed by an enrolled workload with its current credential."
+        )
+    if credential_state(workload, clock.now()) == "expired":
+        raise Problem(
+            "unauthenticated", "The credential has expired: renew it on the sync stream, then report."
+        )
+    return workload

@@ -1,0 +1,104 @@
+"""GET /flows (one workload's stored windows) and GET /flows/gaps (the gaps of a set of workloads)."""
+
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiParameter, extend_schema
+from rest_framework.views import APIView
+
+from controlplane.api.responses import page_params, page_response
+from controlplane.api.schema import COMMON_ERRORS, PAGE_PARAMETERS, page_of, problem
+from fleet.selectors import label_filters_parse
+from flows import selectors
+from flows.api.schemas import EvidenceGapSerializer, FlowWindowSerializer
+from flows.representations import evidence_gap_data, flow_window_data
+
+RANGE = [
+    OpenApiParameter(
+        "from",
+        OpenApiTypes.DATETIME,
+        required=True,
+        description="RFC 3339; windows and gaps ending after it.",
+    ),
+    OpenApiParameter(
+        "to",
+        OpenApiTypes.DATETIME,
+        required=True,
+        description="RFC 3339; starting before it. At most 31 days after `from`.",
+    ),
+]
+INVALID = {
+    422: problem("`validation`: a missing or malformed range, a range over 31 days, a bad cursor or limit.")
+}
+NOT_FOUND = {404: problem("`not-found`: no such workload.")}
+
+
+def _range(request):
+    return selectors.flow_range_parse(
+        start=request.query_params.get("from"), end=request.query_params.get("to")
+    )
+
+
+class FlowWindowListView(APIView):
+    @extend_schema(
+        operation_id="flows_list",
+        parameters=[
+            OpenApiParameter(
+                "workload",
+                OpenApiTypes.UUID,
+                required=True,
+                description="The workload whose windows to read.",
+            ),
+            *RANGE,
+            *PAGE_PARAMETERS,
+        ],
+        responses={
+            200: page_of("FlowWindowPage", FlowWindowSerializer()),
+            **INVALID,
+            **NOT_FOUND,
+            **COMMON_ERRORS,
+        },
+    )
+    def get(self, request):
+        start, end = _range(request)
+        cursor, limit = page_params(request)
+        page = selectors.flow_windows_list(
+            workload_id=request.query_params.get("workload", ""),
+            start=start,
+            end=end,
+            cursor=cursor,
+            limit=limit,
+        )
+        numbers = {group.rule_number for window in page.items for group in window.groups.all()}
+        rule_ids = selectors.rule_ids_by_number(numbers)
+        return page_response(page, [flow_window_data(window, rule_ids) for window in page.items])
+
+
+class EvidenceGapListView(APIView):
+    @extend_schema(
+        operation_id="flows_gaps",
+        parameters=[
+            OpenApiParameter("workload", OpenApiTypes.UUID, many=True, description="Repeatable."),
+            OpenApiParameter(
+                "label", OpenApiTypes.STR, many=True, description="Label requirement; repeatable, ANDed."
+            ),
+            *RANGE,
+            *PAGE_PARAMETERS,
+        ],
+        responses={
+            200: page_of("EvidenceGapPage", EvidenceGapSerializer()),
+            **INVALID,
+            **NOT_FOUND,
+            **COMMON_ERRORS,
+        },
+    )
+    def get(self, request):
+        start, end = _range(request)
+        cursor, limit = page_params(request)
+        page = selectors.evidence_gaps_list(
+            workload_ids=request.query_params.getlist("workload"),
+            labels=label_filters_parse(request.query_params.getlist("label")),
+            start=start,
+            end=end,
+            cursor=cursor,
+            limit=limit,
+        )
+        return page_response(page, [evidence_gap_data(gap) for gap in page.items])

@@ -1,0 +1,63 @@
+"""Stored flow evidence: windows (one row per agent window, its groups as rows) and evidence gaps.
+
+Ids are the agent's own, so a window or gap re-sent after a lost acknowledgement is stored once.
+"""
+
+from django.db import models
+
+from fleet.models import Workload
+from flows.choices import Decision, GapKind, GapSource
+
+
+class FlowWindow(models.Model):
+    id = models.UUIDField(primary_key=True)  # given by the agent when the window opened
+    workload = models.ForeignKey(Workload, on_delete=models.CASCADE, related_name="+")
+    start = models.DateTimeField()
+    end = models.DateTimeField()
+    policy_version = models.CharField(max_length=80, blank=True)
+    accounting = models.BooleanField()  # bytes counted (nf_conntrack_acct=1), or not counted at all
+    received_at = models.DateTimeField()
+
+    class Meta:
+        indexes = [models.Index(fields=["workload", "start", "id"], name="flow_window_order")]
+
+
+class FlowGroup(models.Model):
+    """One key of a window: peer, service, decision and rule, with its counters."""
+
+    id = models.BigAutoField(primary_key=True)
+    window = models.ForeignKey(FlowWindow, on_delete=models.CASCADE, related_name="groups")
+    # The window's workload and start, repeated: rollups read this table alone.
+    workload = models.ForeignKey(Workload, on_delete=models.CASCADE, related_name="+")
+    start = models.DateTimeField()
+    peer = models.CharField(max_length=45)
+    peer_workload = models.ForeignKey(Workload, on_delete=models.SET_NULL, null=True, related_name="+")
+    protocol = models.CharField(max_length=8)
+    port = models.PositiveIntegerField()
+    decision = models.CharField(max_length=16, choices=Decision.choices)
+    rule_number = models.PositiveIntegerField(null=True)
+    connection_count = models.PositiveBigIntegerField()
+    first_seen = models.DateTimeField()
+    last_seen = models.DateTimeField()
+    bytes_in = models.PositiveBigIntegerField()
+    bytes_out = models.PositiveBigIntegerField()
+
+    class Meta:
+        indexes = [models.Index(fields=["workload", "start"], name="flow_group_workload_start")]
+
+
+class EvidenceGap(models.Model):
+    id = models.UUIDField(primary_key=True)  # the agent's, or the control plane's for agent_silent
+    workload = models.ForeignKey(Workload, on_delete=models.CASCADE, related_name="+")
+    kind = models.CharField(max_length=24, choices=GapKind.choices)
+    source = models.CharField(max_length=16, choices=GapSource.choices, null=True)
+    start = models.DateTimeField()
+    end = models.DateTimeField()
+    lost = models.JSONField(default=dict)  # what was lost where known: events, keys, windows
+    received_at = models.DateTimeField()
+
+    class Meta:
+        indexes = [
+            models.Index(fields=["workload", "start", "id"], name="evidence_gap_order"),
+            models.Index(fields=["start", "id"], name="evidence_gap_start"),
+        ]

@@ -1,0 +1,319 @@
+"""Ingestion of an agent's flow report: validated per window and gap, stored once, acknowledged.
+
+A malformed window or gap is refused with its reason and the rest of the report still lands; the
+agent drops what was refused (reporting a `window_rejected` gap for a refused window) and never
+re-sends it. Ids are the agent's, so a re-send after a lost acknowledgement stores nothing twice;
+reports of one workload are serialised on its row, so concurrent re-sends are safe too.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import uuid
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.db import transaction
+
+from controlplane import clock
+from controlplane.problems import Finding, ValidationFailed
+from controlplane.validation import parse_instant
+from fleet.models import Workload
+from fleet.selectors import workload_get
+from flows.choices import AGENT_GAP_KINDS, Decision, GapSource
+from flows.models import EvidenceGap, FlowGroup, FlowWindow
+
+MAX_WINDOWS_PER_REPORT = 1000
+MAX_GAPS_PER_REPORT = 1000
+MAX_GROUPS_PER_WINDOW = 100_000
+MAX_RULE_NUMBER = (1 << 24) - 1
+PROTOCOLS = ("tcp", "udp", "icmp", "icmpv6")
+ACCEPTED, REFUSED = "accepted", "refused"
+
+
+class Refused(ValueError):
+    """One window or gap is malformed; the message says why (sent back to the agent)."""
+
+
+@dataclass(frozen=True)
+class Report:
+    agent_clock: datetime
+    process_start_id: str
+    uptime_seconds: float
+    window_seconds: int
+    windows: list
+    gaps: list
+
+
+def _envelope(data: Any) -> Report:
+    findings: list[Finding] = []
+    if not isinstance(data, dict):
+        raise ValidationFailed([Finding("", "type", "A flow report is a JSON object.")])
+    if data.get("v") != 1 or data.get("type") != "flow_report":
+        findings.append(Finding("/type", "protocol-version", "Expected a flow_report of agent protocol 1."))
+    agent_clock = parse_instant(data.get("agent_clock"))
+    if agent_clock is None:
+        findings.append(Finding("/agent_clock", "instant", "agent_clock is not an RFC 3339 instant."))
+    process = data.get("process_start_id")
+    if not isinstance(process, str) or not 0 < len(process) <= 64:
+        findings.append(
+            Finding("/process_start_id", "type", "process_start_id is a string of 1-64 characters.")
+        )
+    uptime = data.get("uptime_seconds")
+    if isinstance(uptime, bool) or not isinstance(uptime, int | float) or uptime < 0:
+        findings.append(
+            Finding("/uptime_seconds", "type", "uptime_seconds is a number of seconds, not negative.")
+        )
+    window_seconds = data.get("window_seconds")
+    if (
+        isinstance(window_seconds, bool)
+        or not isinstance(window_seconds, int)
+        or not 1 <= window_seconds <= 3600
+    ):
+        findings.append(
+            Finding("/window_seconds", "out-of-range", "window_seconds is a whole number from 1 to 3600.")
+        )
+    for key, maximum in (("windows", MAX_WINDOWS_PER_REPORT), ("gaps", MAX_GAPS_PER_REPORT)):
+        if not isinstance(data.get(key, []), list):
+            findings.append(Finding(f"/{key}", "type", f"{key} is a list."))
+        elif len(data.get(key, [])) > maximum:
+            findings.append(Finding(f"/{key}", "too-many", f"At most {maximum} {key} per report."))
+    unknown = set(data) - {
+        "v",
+        "type",
+        "agent_clock",
+        "process_start_id",
+        "uptime_seconds",
+        "window_seconds",
+        "windows",
+        "gaps",
+    }
+    for name in sorted(unknown)[:5]:
+        findings.append(Finding(f"/{name}"[:80], "unknown-field", "Not a field of a flow report."))
+    if findings:
+        raise ValidationFailed(findings)
+    return Report(
+        agent_clock, process, float(uptime), window_seconds, data.get("windows", []), data.get("gaps", [])
+    )
+
+
+def _id(raw: Any) -> uuid.UUID:
+    try:
+        return uuid.UUID(str(raw)) if isinstance(raw, str) else uuid.UUID("")
+    except ValueError:
+        raise Refused("id is not a UUID") from None
+
+
+def _instant(raw: Any, name: str) -> datetime:
+    parsed = parse_instant(raw)
+    if parsed is None:
+        raise Refused(f"{name} is not an RFC 3339 instant")
+    return parsed
+
+
+def _count(raw: Any, name: str) -> int:
+    if isinstance(raw, bool) or not isinstance(raw, int) or not 0 <= raw < 1 << 62:
+        raise Refused(f"{name} is not a whole number from 0")
+    return raw
+
+
+def _peer(raw: Any) -> str:
+    try:
+        address = ipaddress.ip_address(raw if isinstance(raw, str) else "")
+    except ValueError:
+        raise Refused("peer is not an IP address") from None
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped:
+        address = address.ipv4_mapped
+    return address.compressed
+
+
+@dataclass(frozen=True)
+class _Window:
+    row: FlowWindow
+    groups: list[dict]
+
+
+def _window(raw: Any, *, window_seconds: int) -> tuple[uuid.UUID, datetime, datetime, dict]:
+    if not isinstance(raw, dict):
+        raise Refused("a window is a JSON object")
+    window_id = _id(raw.get("id"))
+    start, end = _instant(raw.get("start"), "start"), _instant(raw.get("end"), "end")
+    if end - start != timedelta(seconds=window_seconds):
+        raise Refused(f"a window is {window_seconds} s long, from start to end")
+    if not isinstance(raw.get("policy_version", ""), str) or len(raw.get("policy_version", "")) > 80:
+        raise Refused("policy_version is a string of at most 80 characters")
+    if not isinstance(raw.get("accounting"), bool):
+        raise Refused("accounting is true or false")
+    groups = raw.get("groups")
+    if not isinstance(groups, list) or not groups or len(groups) > MAX_GROUPS_PER_WINDOW:
+        raise Refused(f"groups is a list of 1 to {MAX_GROUPS_PER_WINDOW} keys")
+    return window_id, start, end, raw
+
+
+def _group(raw: Any, *, start: datetime, end: datetime, accounting: bool) -> dict:
+    if not isinstance(raw, dict):
+        raise Refused("a group is a JSON object")
+    protocol = raw.get("protocol")
+    if protocol not in PROTOCOLS and not (
+        isinstance(protocol, str) and protocol.isdigit() and int(protocol) < 256
+    ):
+        raise Refused("protocol is tcp, udp, icmp, icmpv6 or a protocol number")
+    port = raw.get("port")
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise Refused("port is a whole number from 0 to 65535")
+    if raw.get("decision") not in Decision.values:
+        raise Refused(f"decision is one of {', '.join(Decision.values)}")
+    rule = raw.get("rule")
+    if rule is not None and (
+        isinstance(rule, bool) or not isinstance(rule, int) or not 0 < rule <= MAX_RULE_NUMBER
+    ):
+        raise Refused("rule is a rule number or null")
+    first_seen, last_seen = (
+        _instant(raw.get("first_seen"), "first_seen"),
+        _instant(raw.get("last_seen"), "last_seen"),
+    )
+    if not start <= first_seen <= last_seen <= end:
+        raise Refused("first_seen and last_seen lie in the window, in that order")
+    bytes_in, bytes_out = _count(raw.get("bytes_in"), "bytes_in"), _count(raw.get("bytes_out"), "bytes_out")
+    if not accounting and (bytes_in or bytes_out):
+        raise Refused("bytes are counted only with accounting")
+    return {
+        "peer": _peer(raw.get("peer")),
+        "protocol": protocol,
+        "port": port,
+        "decision": raw["decision"],
+        "rule_number": rule,
+        "connection_count": _count(raw.get("connection_count"), "connection_count"),
+        "first_seen": first_seen,
+        "last_seen": last_seen,
+        "bytes_in": bytes_in,
+        "bytes_out": bytes_out,
+    }
+
+
+def _gap(raw: Any) -> tuple[uuid.UUID, dict]:
+    if not isinstance(raw, dict):
+        raise Refused("a gap is a JSON object")
+    gap_id = _id(raw.get("id"))
+    if raw.get("kind") not in AGENT_GAP_KINDS:
+        raise Refused(f"kind is one of {', '.join(AGENT_GAP_KINDS)}")
+    if raw.get("source") is not None and raw.get("source") not in GapSource.values:
+        raise Refused("source is conntrack, nflog or null")
+    start, end = _instant(raw.get("start"), "start"), _instant(raw.get("end"), "end")
+    if not start < end:
+        raise Refused("a gap ends after it starts")
+    lost = raw.get("lost", {})
+    if (
+        not isinstance(lost, dict)
+        or len(lost) > 8
+        or not all(
+            isinstance(k, str) and len(k) <= 16 and not isinstance(v, bool) and isinstance(v, int) and v >= 0
+            for k, v in lost.items()
+        )
+    ):
+        raise Refused("lost maps at most 8 names to whole numbers")
+    return gap_id, {
+        "kind": raw["kind"],
+        "source": raw.get("source"),
+        "start": start,
+        "end": end,
+        "lost": lost,
+    }
+
+
+def _peer_workloads() -> dict[str, uuid.UUID]:
+    return {
+        address: wid
+        for wid, addresses in Workload.objects.values_list("id", "addresses")
+        for address in addresses
+    }
+
+
+def _result(raw: Any, outcome: str, reason: str = "") -> dict:
+    item_id = raw.get("id") if isinstance(raw, dict) and isinstance(raw.get("id"), str) else None
+    return {"id": item_id[:64] if item_id else None, "result": outcome, "reason": reason or None}
+
+
+def flow_report_ingest(*, workload_id: str, data: Any) -> dict:
+    """Store a report's windows and gaps; answer each with `accepted` or `refused` and the reason."""
+    report = _envelope(data)
+    with transaction.atomic():
+        workload = workload_get(workload_id=workload_id, for_update=True)
+        now = clock.now()
+        peers = _peer_workloads()
+        window_results, windows, groups = [], [], []
+        parsed: list[tuple[Any, uuid.UUID | None, Any]] = []
+        for raw in report.windows:
+            try:
+                window_id, start, end, body = _window(raw, window_seconds=report.window_seconds)
+                rows = [
+                    _group(g, start=start, end=end, accounting=body["accounting"]) for g in body["groups"]
+                ]
+                parsed.append((raw, window_id, (start, end, body, rows)))
+            except Refused as refused:
+                parsed.append((raw, None, str(refused)))
+        ids = [window_id for _, window_id, _ in parsed if window_id is not None]
+        stored = dict(FlowWindow.objects.filter(id__in=ids).values_list("id", "workload_id"))
+        for raw, window_id, outcome in parsed:
+            if window_id is None:
+                window_results.append(_result(raw, REFUSED, outcome))
+                continue
+            if window_id in stored:
+                same = stored[window_id] == workload.id
+                window_results.append(
+                    _result(raw, ACCEPTED) if same else _result(raw, REFUSED, "id is taken")
+                )
+                continue
+            start, end, body, rows = outcome
+            stored[window_id] = workload.id  # a repeat within this report is stored once
+            windows.append(
+                FlowWindow(
+                    id=window_id,
+                    workload=workload,
+                    start=start,
+                    end=end,
+                    policy_version=body.get("policy_version", ""),
+                    accounting=body["accounting"],
+                    received_at=now,
+                )
+            )
+            groups.extend(
+                FlowGroup(
+                    window_id=window_id,
+                    workload=workload,
+                    start=start,
+                    peer_workload_id=peers.get(row["peer"]),
+                    **row,
+                )
+                for row in rows
+            )
+            window_results.append(_result(raw, ACCEPTED))
+        FlowWindow.objects.bulk_create(windows)
+        FlowGroup.objects.bulk_create(groups, batch_size=5000)
+
+        gap_results, gaps = [], []
+        gap_parsed = []
+        for raw in report.gaps:
+            try:
+                gap_parsed.append((raw, *_gap(raw)))
+            except Refused as refused:
+                gap_parsed.append((raw, None, str(refused)))
+        stored_gaps = dict(
+            EvidenceGap.objects.filter(id__in=[g[1] for g in gap_parsed if g[1] is not None]).values_list(
+                "id", "workload_id"
+            )
+        )
+        for raw, gap_id, outcome in gap_parsed:
+            if gap_id is None:
+                gap_results.append(_result(raw, REFUSED, outcome))
+            elif gap_id in stored_gaps:
+                same = stored_gaps[gap_id] == workload.id
+                gap_results.append(_result(raw, ACCEPTED) if same else _result(raw, REFUSED, "id is taken"))
+            else:
+                stored_gaps[gap_id] = workload.id
+                gaps.append(EvidenceGap(id=gap_id, workload=workload, received_at=now, **outcome))
+                gap_results.append(_result(raw, ACCEPTED))
+        EvidenceGap.objects.bulk_create(gaps)
+        Workload.objects.filter(id=workload.id).update(last_flow_report_at=now)
+    return {"windows": window_results, "gaps": gap_results}

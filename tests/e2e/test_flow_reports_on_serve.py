@@ -1,0 +1,186 @@
+"""Flow reports through the real serve over TLS: an enrolled agent's signed report of windows and gaps
+is stored once, answered per window, and read back through the operator API.
+
+The windows come from the agent's own aggregation and buffer (agent/flowwindow.py, agent/flowbuffer.py)
+and the body and signature from agent/flowreport.py; what is not here yet is a flow source feeding them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import uuid
+
+import pytest
+
+from agent.enrol import enrol
+from agent.flowbuffer import FlowBuffer
+from agent.flowreport import instant, report_body, report_headers
+from agent.flowwindow import FlowKey, Windows
+from agent.protocol import FLOWS_PATH
+from agent.state import StateDir
+from tests.support.serve_process import Site
+
+pytestmark = pytest.mark.e2e
+
+T0 = 1_800_000_000.0  # 2027-01-15T08:00:00Z, on a minute boundary
+RANGE = {"from": instant(T0 - 3600), "to": instant(T0 + 3600)}
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    root = tmp_path_factory.mktemp("flows")
+    with Site.fresh(root / "data") as site:
+        serve = site.serve()
+        operator = serve.client(
+            "operator", headers={"Authorization": f"Bearer {serve.mint_operator_token()}"}
+        )
+        bundle = operator.post(
+            "/api/v1/provisioning-tokens", json={"description": "flows", "max_uses": 2}
+        ).json()
+        enrol(bundle["bundle"], str(root / "web"), hostname="web", addresses=["10.50.0.1"])
+        enrol(bundle["bundle"], str(root / "client"), hostname="client", addresses=["10.50.0.2"])
+        agent = StateDir(root / "web").load_enrolment()
+        client_id = StateDir(root / "client").load_identity().workload_id
+        yield serve, operator, agent, client_id, root
+        operator.close()
+        assert serve.stop() == 0
+        assert "Traceback" not in serve.stderr_text()
+
+
+def _post(serve, agent, body: bytes, **overrides):
+    headers = report_headers(
+        body,
+        key=agent.key,
+        workload_id=agent.identity.workload_id,
+        credential=agent.credential,
+        gateway_fingerprint=agent.identity.fingerprint,
+    )
+    headers.update(overrides)
+    with serve.client("gateway") as gateway:
+        return gateway.post(FLOWS_PATH, content=body, headers=headers)
+
+
+def _buffered(root, name: str):
+    w = Windows(length=60, max_keys=100, accounting=True)
+    web = FlowKey("10.50.0.2", "tcp", 443, "allowed", 7)
+    stranger = FlowKey("192.0.2.9", "tcp", 22, "would_block", None)
+    for at in (T0 + 1, T0 + 2, T0 + 61):
+        w.connection_opened(web, at)
+    w.connection_opened(stranger, T0 + 5)
+    w.bytes_counted(web, T0 + 70, bytes_in=100, bytes_out=2000)
+    closed, gaps = w.close_due(math.inf, "v-test")
+    buffer = FlowBuffer(root / name, max_records=1)  # holds one window: the first overflows
+    buffer.add(closed, gaps)
+    return buffer
+
+
+def _body(windows, gaps) -> bytes:
+    return report_body(
+        windows, gaps, now=T0 + 130, process_start_id="p1", uptime_seconds=130.0, window_seconds=60
+    )
+
+
+def test_a_report_is_stored_once_and_read_back(lab):
+    serve, operator, agent, client_id, root = lab
+    (root / "buffer-a").mkdir()
+    buffer = _buffered(root, "buffer-a")
+    windows, gaps = buffer.pending()
+    assert len(windows) == 1 and [g["kind"] for g in gaps] == ["buffer_overflow"]
+    body = _body(windows, gaps)
+
+    answer = _post(serve, agent, body)
+    assert answer.status_code == 200, answer.text
+    results = answer.json()
+    assert [r["result"] for r in results["windows"] + results["gaps"]] == ["accepted", "accepted"]
+    again = _post(serve, agent, body)  # the acknowledgement was lost: the agent sends it again
+    assert again.json() == results
+
+    page = operator.get("/api/v1/flows", params={"workload": agent.identity.workload_id, **RANGE}).json()
+    assert [w["id"] for w in page["items"]] == [windows[0]["id"]]  # stored once
+    window = page["items"][0]
+    assert (window["start"], window["end"]) == ("2027-01-15T08:01:00.000000Z", "2027-01-15T08:02:00.000000Z")
+    (group,) = window["groups"]
+    assert group["peer"] == "10.50.0.2" and group["peer_workload_id"] == client_id
+    assert (group["connection_count"], group["bytes_in"], group["bytes_out"]) == (1, 100, 2000)
+    assert (group["decision"], group["rule_number"], group["rule_id"]) == ("allowed", 7, None)
+
+    gaps_page = operator.get(
+        "/api/v1/flows/gaps", params={"workload": agent.identity.workload_id, **RANGE}
+    ).json()
+    assert [(g["kind"], g["source"], g["lost"]) for g in gaps_page["items"]] == [
+        ("buffer_overflow", None, {"windows": 1})
+    ]
+    workload = operator.get(f"/api/v1/workloads/{agent.identity.workload_id}").json()
+    assert workload["health"]["telemetry_live"] is True
+
+
+def test_a_malformed_window_is_refused_with_its_reason_and_the_rest_lands(lab):
+    serve, operator, agent, _, root = lab
+    good = {
+        "id": str(uuid.uuid4()),
+        "start": T0 + 600,
+        "end": T0 + 660,
+        "policy_version": "v",
+        "accounting": False,
+        "groups": [
+            {"peer": "10.50.0.9", "protocol": "udp", "port": 53, "decision": "observed", "rule": None,
+             "connection_count": 2, "first_seen": T0 + 601, "last_seen": T0 + 602, "bytes_in": 0, "bytes_out": 0}
+        ],
+    }  # fmt: skip
+    bad = {**good, "id": str(uuid.uuid4()), "end": T0 + 700}  # not one window long
+    bytes_without_accounting = {
+        **good,
+        "id": str(uuid.uuid4()),
+        "groups": [{**good["groups"][0], "bytes_in": 5}],
+    }
+    answer = _post(serve, agent, _body([good, bad, bytes_without_accounting], []))
+    assert answer.status_code == 200, answer.text
+    results = answer.json()["windows"]
+    assert [r["result"] for r in results] == ["accepted", "refused", "refused"]
+    assert "60 s long" in results[1]["reason"] and "accounting" in results[2]["reason"]
+    stored = operator.get("/api/v1/flows", params={"workload": agent.identity.workload_id, **RANGE}).json()
+    assert good["id"] in {w["id"] for w in stored["items"]}
+    assert not {bad["id"], bytes_without_accounting["id"]} & {w["id"] for w in stored["items"]}
+
+
+@pytest.mark.parametrize("tamper", ["signature", "credential", "body", "workload"])
+def test_a_report_not_signed_by_the_workload_is_refused(lab, tamper):
+    serve, operator, agent, client_id, _ = lab
+    body = _body([], [])
+    overrides = {}
+    if tamper == "signature":
+        overrides["Palisade-Signature"] = "A" * 86 + "=="
+    elif tamper == "credential":
+        overrides["Palisade-Credential"] = agent.credential[:-4] + "AAAA"
+    elif tamper == "workload":
+        overrides["Palisade-Workload"] = client_id  # another workload's id with this one's key
+    answer = (
+        _post(serve, agent, body, **overrides)
+        if tamper != "body"
+        else _post_tampered_body(serve, agent, body)
+    )
+    assert answer.status_code == 401
+    assert answer.headers["content-type"] == "application/problem+json"
+    assert json.loads(answer.text)["type"] == "urn:service:problem:unauthenticated"
+
+
+def _post_tampered_body(serve, agent, body: bytes):
+    headers = report_headers(
+        body,
+        key=agent.key,
+        workload_id=agent.identity.workload_id,
+        credential=agent.credential,
+        gateway_fingerprint=agent.identity.fingerprint,
+    )
+    with serve.client("gateway") as gateway:
+        return gateway.post(FLOWS_PATH, content=body.replace(b'"p1"', b'"p2"'), headers=headers)
+
+
+def test_flow_reads_refuse_bad_ranges(lab):
+    _, operator, agent, _, _ = lab
+    workload = agent.identity.workload_id
+    for params in ({"workload": workload}, {"workload": workload, "from": RANGE["to"], "to": RANGE["from"]},
+                   {"workload": workload, "from": instant(T0), "to": instant(T0 + 40 * 86400)}, RANGE):  # fmt: skip
+        answer = operator.get("/api/v1/flows", params=params)
+        assert answer.status_code == 422, (params, answer.text)
