@@ -76,7 +76,7 @@ class Entry:
     stopped_ns: int | None  # with nf_conntrack_timestamp=1, when the connection ended
 
 
-def _attributes(data: bytes, offset: int = 0, end: int | None = None) -> dict[int, bytes]:
+def attributes_of(data: bytes, offset: int = 0, end: int | None = None) -> dict[int, bytes]:
     end = len(data) if end is None else end
     found = {}
     while offset + 4 <= end:
@@ -94,13 +94,13 @@ def _address(raw: bytes) -> str:
 
 def parse_entry(message_type: int, payload: bytes) -> Entry | None:
     """A conntrack message body (after the netlink header): None for what is not a connection."""
-    attributes = _attributes(payload, 4)  # past the nfgenmsg header
+    attributes = attributes_of(payload, 4)  # past the nfgenmsg header
     tuple_orig = attributes.get(CTA_TUPLE_ORIG)
     if tuple_orig is None or CTA_ID not in attributes:
         return None
-    parts = _attributes(tuple_orig)
-    addresses = _attributes(parts.get(CTA_TUPLE_IP, b""))
-    proto = _attributes(parts.get(CTA_TUPLE_PROTO, b""))
+    parts = attributes_of(tuple_orig)
+    addresses = attributes_of(parts.get(CTA_TUPLE_IP, b""))
+    proto = attributes_of(parts.get(CTA_TUPLE_PROTO, b""))
     if CTA_PROTO_NUM not in proto:
         return None
     if CTA_IP_V4_SRC in addresses:
@@ -117,10 +117,10 @@ def parse_entry(message_type: int, payload: bytes) -> Entry | None:
     )
     bytes_in = bytes_out = stopped = None
     if CTA_COUNTERS_ORIG in attributes and CTA_COUNTERS_REPLY in attributes:
-        bytes_in = struct.unpack(">Q", _attributes(attributes[CTA_COUNTERS_ORIG])[CTA_COUNTERS_BYTES])[0]
-        bytes_out = struct.unpack(">Q", _attributes(attributes[CTA_COUNTERS_REPLY])[CTA_COUNTERS_BYTES])[0]
+        bytes_in = struct.unpack(">Q", attributes_of(attributes[CTA_COUNTERS_ORIG])[CTA_COUNTERS_BYTES])[0]
+        bytes_out = struct.unpack(">Q", attributes_of(attributes[CTA_COUNTERS_REPLY])[CTA_COUNTERS_BYTES])[0]
     if CTA_TIMESTAMP in attributes:
-        stop = _attributes(attributes[CTA_TIMESTAMP]).get(CTA_TIMESTAMP_STOP)
+        stop = attributes_of(attributes[CTA_TIMESTAMP]).get(CTA_TIMESTAMP_STOP)
         stopped = struct.unpack(">Q", stop)[0] if stop else None
     return Entry(
         destroyed=(message_type & 0xFF) == IPCTNL_MSG_CT_DELETE,

@@ -210,3 +210,62 @@ def test_more_entries_than_the_dump_bound_is_dump_truncated(lab):
         ("dump_truncated", "conntrack", {"entries": 3})
     ]
     assert len(source.counter.counted) == 2
+
+
+_BLOCKED_ATTEMPTS = """
+import socket, sys, threading
+host, tcp_port, udp_port, tcp_attempts, udp_attempts = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+def attempt():
+    s = socket.socket()
+    s.settimeout(2.5)  # long enough for the kernel to retransmit the SYN
+    try:
+        s.connect((host, tcp_port))
+    except OSError:
+        pass
+    s.close()
+threads = [threading.Thread(target=attempt) for _ in range(tcp_attempts)]
+for t in threads:
+    t.start()
+for _ in range(udp_attempts):
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    for _ in range(3):  # three datagrams, one attempt
+        s.sendto(b"x", (host, udp_port))
+    s.close()
+for t in threads:
+    t.join()
+"""
+
+
+def test_blocked_attempts_count_once_each_despite_retransmits(lab):
+    from agent import nflog
+
+    assert dataplane_call(lab, "wl", "apply", _document("enforced"))["error"] is None
+    wl = NamespaceThread(lab.ns("wl"))
+    try:
+        windows = Windows(length=3600, max_keys=1000, accounting=True)
+        blocked = nflog.NflogSource(windows, buffer_bytes=4 << 20)
+        wl.call(blocked.subscribe)
+        done = lab.python("client", _BLOCKED_ATTEMPTS, HOSTS["wl"][0], str(OTHER_PORT), "7777", "4", "3")
+        assert done.returncode == 0, done.stderr
+        packets = 0
+        while read := wl.call(blocked.read_once, 1.0):
+            packets += read
+        wl.call(blocked.close)
+        closed, _ = windows.close_due(math.inf, "v1")
+    finally:
+        wl.close()
+    counts = {key: c.connection_count for w in closed for key, c in w.groups}
+    client = HOSTS["client"][0]
+    assert counts == {
+        FlowKey(client, "tcp", OTHER_PORT, "blocked", None): 4,
+        FlowKey(client, "udp", 7777, "blocked", None): 3,
+    }
+    assert packets >= 4 * 2 + 3 * 3  # retransmits and repeats were there, and counted once
+    assert blocked.gaps == []
+
+
+def test_the_nflog_group_is_the_renderers():
+    from agent import nflog
+    from policy import renderer
+
+    assert nflog.NFLOG_GROUP_BLOCKED == renderer.NFLOG_GROUP_BLOCKED

@@ -1,0 +1,187 @@
+"""The NFLOG flow source: connection attempts the owned table dropped (`blocked`).
+
+A dropped packet never becomes a conntrack entry, so blocked attempts are only seen here, on the NFLOG
+group the renderer logs drops to (policy/renderer.py, NFLOG_GROUP_BLOCKED). Each logged packet is one
+packet, not one connection: SYN retransmits and repeated datagrams of one attempt share their 5-tuple,
+so an attempt counts once until its 5-tuple has been quiet for `ATTEMPT_SECONDS`. Would-block
+connections are admitted and marked, so the conntrack source counts them; this source does not bind
+the would-block group, and nothing is counted twice.
+
+Only one socket can bind a group: a stale process holding it makes `subscribe` fail with EPERM.
+"""
+
+from __future__ import annotations
+
+import errno
+import ipaddress
+import socket
+import struct
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+
+from agent.conntrack import NETLINK_NETFILTER, PROTOCOL_NAMES, SO_RCVBUFFORCE, attributes_of
+from agent.flowwindow import FlowKey, Gap, Windows
+
+NFLOG_GROUP_BLOCKED = 7302  # policy/renderer.py; tests/agent keeps the two equal
+NFNL_SUBSYS_ULOG = 4
+NFULNL_MSG_PACKET, NFULNL_MSG_CONFIG = 0, 1
+NFULA_CFG_CMD, NFULA_CFG_MODE = 1, 2
+NFULNL_CFG_CMD_BIND = 1
+NFULNL_COPY_PACKET = 2
+NFULA_PAYLOAD = 9
+NLM_F_REQUEST, NLM_F_ACK = 0x1, 0x4
+NLMSG_ERROR = 2
+COPY_BYTES = 128  # the IP and transport headers are all this source reads
+ATTEMPT_SECONDS = 130.0  # TCP gives up a connect after about 127 s of SYN retransmits
+MAX_ATTEMPTS_TRACKED = 200_000
+
+
+def _config_message(group: int, attribute: int, value: bytes) -> bytes:
+    attr = struct.pack("=HH", 4 + len(value), attribute) + value + b"\0" * (-len(value) % 4)
+    body = struct.pack("=BBH", socket.AF_UNSPEC, 0, socket.htons(group)) + attr
+    header = struct.pack(
+        "=IHHII", 16 + len(body), (NFNL_SUBSYS_ULOG << 8) | NFULNL_MSG_CONFIG, NLM_F_REQUEST | NLM_F_ACK, 1, 0
+    )
+    return header + body
+
+
+def _acknowledged(sock: socket.socket) -> None:
+    data = sock.recv(65536)
+    if len(data) >= 20 and struct.unpack_from("=H", data, 4)[0] == NLMSG_ERROR:
+        code = -struct.unpack_from("=i", data, 16)[0]
+        if code:
+            raise OSError(code, f"NFLOG group {NFLOG_GROUP_BLOCKED}: {errno.errorcode.get(code, code)}")
+
+
+def nflog_socket(buffer_bytes: int, group: int = NFLOG_GROUP_BLOCKED) -> socket.socket:
+    sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_NETFILTER)
+    try:
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, buffer_bytes)
+        except PermissionError:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer_bytes)
+        sock.bind((0, 0))
+        sock.send(_config_message(group, NFULA_CFG_CMD, bytes([NFULNL_CFG_CMD_BIND])))
+        _acknowledged(sock)
+        sock.send(
+            _config_message(group, NFULA_CFG_MODE, struct.pack(">IBB", COPY_BYTES, NFULNL_COPY_PACKET, 0))
+        )
+        _acknowledged(sock)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def packet_tuple(payload: bytes) -> tuple[str, str, int, str, int] | None:
+    """(source, destination, protocol number, protocol name, destination port) of an IP packet."""
+    if not payload:
+        return None
+    version = payload[0] >> 4
+    if version == 4 and len(payload) >= 20:
+        header = (payload[0] & 0x0F) * 4
+        protocol = payload[9]
+        source, destination = (
+            str(ipaddress.IPv4Address(payload[12:16])),
+            str(ipaddress.IPv4Address(payload[16:20])),
+        )
+        l4 = payload[header:]
+    elif version == 6 and len(payload) >= 40:
+        protocol = payload[6]
+        source, destination = (
+            str(ipaddress.IPv6Address(payload[8:24])),
+            str(ipaddress.IPv6Address(payload[24:40])),
+        )
+        l4 = payload[40:]
+    else:
+        return None
+    sport = dport = 0
+    if protocol in (6, 17) and len(l4) >= 4:
+        sport, dport = struct.unpack_from(">HH", l4)
+    name = PROTOCOL_NAMES.get(protocol, str(protocol))
+    return f"{source}|{sport}", destination, protocol, name, dport
+
+
+def parse_packets(data: bytes) -> Iterator[bytes]:
+    offset = 0
+    while offset + 16 <= len(data):
+        length, message_type = struct.unpack_from("=IH", data, offset)
+        if length < 16:
+            break
+        if message_type == (NFNL_SUBSYS_ULOG << 8) | NFULNL_MSG_PACKET:
+            payload = attributes_of(data[offset + 16 : offset + length], 4).get(NFULA_PAYLOAD)
+            if payload:
+                yield payload
+        offset += (length + 3) & ~3
+
+
+class BlockedCounter:
+    """One `blocked` connection per attempt: a 5-tuple counts again only after a quiet spell."""
+
+    def __init__(self, windows: Windows):
+        self.windows = windows
+        self.attempts: OrderedDict[tuple, float] = OrderedDict()
+        self.last_packet_at: float | None = None
+        self.overruns = 0
+
+    def packet(self, payload: bytes, at: float) -> None:
+        self.last_packet_at = at
+        found = packet_tuple(payload)
+        if found is None:
+            return
+        source_and_port, destination, protocol, name, dport = found
+        attempt = (source_and_port, destination, protocol, dport)
+        seen = self.attempts.pop(attempt, None)
+        self.attempts[attempt] = at
+        while len(self.attempts) > MAX_ATTEMPTS_TRACKED:
+            self.attempts.popitem(last=False)
+        if seen is not None and at - seen <= ATTEMPT_SECONDS:
+            return  # a retransmit, or another datagram of the same attempt
+        peer = source_and_port.split("|")[0]
+        self.windows.connection_opened(FlowKey(peer, name, dport, "blocked", None), at)
+
+    def overrun(self, at: float) -> Gap:
+        self.overruns += 1
+        start = (
+            self.last_packet_at
+            if self.last_packet_at is not None and self.last_packet_at < at
+            else at - 0.001
+        )
+        return Gap("source_overrun", "nflog", start, at, {})
+
+
+class NflogSource:
+    def __init__(self, windows: Windows, *, buffer_bytes: int, clock: Callable[[], float] = time.time):
+        self.counter = BlockedCounter(windows)
+        self.buffer_bytes = buffer_bytes
+        self.clock = clock
+        self.gaps: list[Gap] = []
+        self.sock: socket.socket | None = None
+
+    def subscribe(self) -> None:
+        self.sock = nflog_socket(self.buffer_bytes)
+
+    def read_once(self, timeout: float) -> int:
+        if self.sock is None:
+            raise RuntimeError("subscribe before reading packets")
+        self.sock.settimeout(timeout)
+        try:
+            data = self.sock.recv(1 << 20)
+        except TimeoutError:
+            return 0
+        except OSError as error:
+            if error.errno != errno.ENOBUFS:
+                raise
+            self.gaps.append(self.counter.overrun(self.clock()))
+            return 0
+        now = self.clock()
+        packets = list(parse_packets(data))
+        for payload in packets:
+            self.counter.packet(payload, now)
+        return len(packets)
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
