@@ -110,7 +110,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         except OSError as error:
             log("table watch unavailable", error=error.strerror or str(error))
             watcher = None
-        agent = Agent(state, worker, heartbeat_seconds=args.heartbeat_seconds, watcher=watcher, log=log)
+        agent = Agent(
+            state,
+            worker,
+            heartbeat_seconds=args.heartbeat_seconds,
+            watcher=watcher,
+            log=log,
+            flows=None if args.no_flows else _flow_reporter(args, state, log),
+        )
 
         async def main() -> None:
             loop = asyncio.get_running_loop()
@@ -122,6 +129,83 @@ def cmd_run(args: argparse.Namespace) -> int:
     finally:
         worker.close()
     return 0
+
+
+def _flow_reporter(args: argparse.Namespace, state, log):
+    """The flow evidence loop of `run`: conntrack for admitted and would-block connections, NFLOG for
+    blocked attempts, reported to the gateway on their own."""
+    from agent import conntrack, nflog
+    from agent.flowreporter import FlowReporter, FlowSettings
+    from agent.tablewatch import ABSENT
+
+    settings = FlowSettings(
+        window_seconds=args.flow_window_seconds,
+        netlink_buffer=args.flow_netlink_buffer,
+        buffer_records=args.flow_buffer_records,
+        dump_max=args.flow_dump_max,
+        window_keys=args.flow_window_keys,
+    )
+    for name in ("window_seconds", "netlink_buffer", "buffer_records", "dump_max", "window_keys"):
+        if getattr(settings, name) <= 0:
+            raise AgentError(f"--flow-{name.replace('_', '-')} must be positive")
+
+    def make(agent):
+        return FlowReporter(
+            state,
+            settings=settings,
+            context=lambda: agent._context,
+            policy_version=lambda: agent.applied_version or "",
+            # Absent before the first apply is a table not yet written, not one removed.
+            table_absent=lambda: agent.owned_table == ABSENT and agent.applied_version is not None,
+            process_start_id=agent.process_start_id,
+            log=log,
+            sources={
+                "conntrack": lambda windows: conntrack.ConntrackSource(
+                    windows, buffer_bytes=settings.netlink_buffer, dump_max=settings.dump_max
+                ),
+                "nflog": lambda windows: nflog.NflogSource(windows, buffer_bytes=settings.netlink_buffer),
+            },
+            accounting=conntrack.accounting_enabled(),
+        )
+
+    return make
+
+
+def _flow_arguments(parser: argparse.ArgumentParser) -> None:
+    from agent import flowreporter as defaults
+
+    flows = parser.add_argument_group("flow evidence")
+    flows.add_argument("--no-flows", action="store_true", help="report no flow evidence")
+    flows.add_argument(
+        "--flow-window-seconds",
+        type=int,
+        default=defaults.DEFAULT_WINDOW_SECONDS,
+        help="window length (default 60)",
+    )
+    flows.add_argument(
+        "--flow-netlink-buffer",
+        type=int,
+        default=defaults.DEFAULT_NETLINK_BUFFER,
+        help=f"bytes of socket buffer per flow source (default {defaults.DEFAULT_NETLINK_BUFFER})",
+    )
+    flows.add_argument(
+        "--flow-buffer-records",
+        type=int,
+        default=defaults.DEFAULT_BUFFER_RECORDS,
+        help=f"closed windows kept while the control plane is unreachable (default {defaults.DEFAULT_BUFFER_RECORDS})",
+    )
+    flows.add_argument(
+        "--flow-dump-max",
+        type=int,
+        default=defaults.DEFAULT_DUMP_MAX,
+        help=f"connections read from the table at subscribe (default {defaults.DEFAULT_DUMP_MAX})",
+    )
+    flows.add_argument(
+        "--flow-window-keys",
+        type=int,
+        default=defaults.DEFAULT_WINDOW_KEYS,
+        help=f"distinct keys one window holds (default {defaults.DEFAULT_WINDOW_KEYS})",
+    )
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -204,6 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = command("run", cmd_run, "run the agent daemon (root)")
     state_dir(run)
     run.add_argument("--heartbeat-seconds", type=float, default=15.0, help="default 15")
+    _flow_arguments(run)
 
     status = command("status", cmd_status, "show what the agent last saw")
     state_dir(status)

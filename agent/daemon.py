@@ -20,9 +20,10 @@ import random
 import ssl
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus, WebSocketException
@@ -43,6 +44,9 @@ from agent.status import DaemonStatus
 from agent.tablewatch import ABSENT, PRESENT, UNKNOWN, TableWatcher
 from agent.tls import pinned_context
 from agent.worker import DataplaneWorker
+
+if TYPE_CHECKING:
+    from agent.flowreporter import FlowReporter
 
 # Straight to the gateway, as enrolment does: websockets >= 15 would otherwise follow HTTPS_PROXY
 # (older versions, still allowed by the agent's dependencies, have no proxy support at all).
@@ -93,6 +97,7 @@ class Agent:
         watcher: TableWatcher | None = None,
         log: EventLog | None = None,
         compression: str | None = "deflate",
+        flows: Callable[[Agent], FlowReporter] | None = None,
     ) -> None:
         self.state = state
         self.dataplane = dataplane
@@ -125,6 +130,8 @@ class Agent:
             log=self.log,
         )
         self.renewal_due_at = _instant(self.status.renewal_due_at)
+        # Flow evidence runs beside the stream, not inside it: reports still go while the stream is down.
+        self.flows = flows(self) if flows is not None else None
 
     # --- identity and credential ---
 
@@ -209,6 +216,7 @@ class Agent:
         if self.watcher is not None:
             self.watcher.attach(asyncio.get_running_loop(), self.table_event)
         await self._check_table(initial=True)
+        flow_task = asyncio.ensure_future(self.flows.run(self._stop)) if self.flows is not None else None
         attempt = 0
         try:
             while not self._stop.is_set():
@@ -232,6 +240,9 @@ class Agent:
                 self.watcher.close()
             for task in list(self._tasks):
                 task.cancel()
+            if flow_task is not None:
+                self._stop.set()
+                await flow_task  # closes the open window and keeps it in the buffer
             self.status.stream("disconnected")
             self.log("stopped")
 

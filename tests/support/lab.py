@@ -137,7 +137,7 @@ class AgentProcess:
         assert done.returncode == 0, done.stderr
         return json.loads((self.state_dir / "identity.json").read_text())["workload_id"]
 
-    def start(self) -> AgentProcess:
+    def start(self, *extra_args: str) -> AgentProcess:
         env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
         self.process = subprocess.Popen(
             [
@@ -153,6 +153,7 @@ class AgentProcess:
                 str(self.state_dir),
                 "--heartbeat-seconds",
                 "2",
+                *extra_args,
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
