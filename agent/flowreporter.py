@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, Protocol
 
 from agent import protocol
@@ -35,6 +36,13 @@ DEFAULT_DUMP_MAX = 1_000_000
 DEFAULT_WINDOW_KEYS = 50_000
 MAX_WINDOWS_PER_REPORT = 200
 SOURCE_RETRY_SECONDS = 1.0
+
+
+def _expired(expires_at: str, now: float) -> bool:
+    try:
+        return datetime.fromisoformat(expires_at.replace("Z", "+00:00")).timestamp() <= now
+    except ValueError:
+        return False
 
 
 class Source(Protocol):
@@ -204,6 +212,10 @@ class FlowReporter:
             return None
         windows = windows[:MAX_WINDOWS_PER_REPORT]
         enrolment = self.state.load_enrolment()  # the credential changes at each renewal
+        if _expired(enrolment.expires_at, self.clock()):
+            # An expired credential only renews, on the stream; reports wait in the buffer until then.
+            self.log("flow report waits for the credential's renewal")
+            return False
         body = report_body(
             windows,
             gaps,

@@ -41,6 +41,17 @@ def documents_prune_step() -> int:
     return removed
 
 
+def flows_prune_step() -> int:
+    """Stored flow evidence past its retention (`--flow-retention-days`, default 30)."""
+    from controlplane import runtime
+    from flows.services import flow_evidence_prune
+
+    removed = flow_evidence_prune(older_than=timedelta(days=runtime.facts.retention_days))
+    if removed:
+        log.info("removed %d flow windows and gaps past their retention", removed)
+    return removed
+
+
 async def streams_catch_up_step() -> int:
     """Nudge held streams whose change notification was lost (fleet.held_streams)."""
     from fleet.held_streams import streams_catch_up
@@ -59,5 +70,6 @@ class Step:
 STEPS = (
     Step("reap silent streams", 60, run=streams_reap_step),
     Step("prune rendered documents", 600, run=documents_prune_step),
+    Step("remove flow evidence past its retention", 3600, run=flows_prune_step),
     Step("catch up streams", 2.0, run_async=streams_catch_up_step),
 )

@@ -19,11 +19,20 @@ class Facts:
     gateway_advertise: str | None = None  # None: the environment's PALISADE_GATEWAY_ADVERTISE
     gateway_fingerprint: str = ""  # "" outside serve: the one serve recorded in the database
     site_label: str | None = None  # None: the environment's PALISADE_SITE_LABEL
+    flow_retention_days: int | None = None  # None: the environment's PALISADE_FLOW_RETENTION_DAYS
 
     @property
     def advertised(self) -> str:
         return (
             settings.PALISADE_GATEWAY_ADVERTISE if self.gateway_advertise is None else self.gateway_advertise
+        )
+
+    @property
+    def retention_days(self) -> int:
+        return (
+            settings.PALISADE_FLOW_RETENTION_DAYS
+            if self.flow_retention_days is None
+            else self.flow_retention_days
         )
 
     @property

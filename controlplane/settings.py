@@ -152,6 +152,8 @@ PALISADE_CREDENTIAL_GRACE_SECONDS = int(os.environ.get("PALISADE_CREDENTIAL_GRAC
 
 # Flow evidence: windows are one minute unless configured (tests use seconds).
 PALISADE_FLOW_WINDOW_SECONDS = int(os.environ.get("PALISADE_FLOW_WINDOW_SECONDS", 60))
+# Stored flow windows and gaps are removed by serve's housekeeping once this old (`--flow-retention-days`).
+PALISADE_FLOW_RETENTION_DAYS = int(os.environ.get("PALISADE_FLOW_RETENTION_DAYS", 30))
 
 # Set by `serve` from its flags; these defaults serve commands run outside `serve`.
 PALISADE_SITE_LABEL = os.environ.get("PALISADE_SITE_LABEL", "")

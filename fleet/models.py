@@ -59,6 +59,13 @@ class Workload(models.Model):
         max_length=16, choices=OwnedTableState.choices, default=OwnedTableState.UNKNOWN
     )
     last_flow_report_at = models.DateTimeField(null=True)
+    # From flow reports (flows/services.py): the agent's clock offset when over two windows, and the
+    # latest evidence gap, so a fleet read shows both without reading the flow tables.
+    clock_skew_seconds = models.FloatField(null=True)
+    clock_skew_seen_at = models.DateTimeField(null=True)
+    last_gap_kind = models.CharField(max_length=24, blank=True)
+    last_gap_start = models.DateTimeField(null=True)
+    last_gap_end = models.DateTimeField(null=True)
     rank = models.PositiveSmallIntegerField(default=RANK_OFFLINE)
 
     public_key = models.CharField(max_length=64)  # Ed25519, base64

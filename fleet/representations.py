@@ -43,6 +43,23 @@ def workload_data(workload: Workload) -> dict:
         },
         "health": {
             "telemetry_live": telemetry_live(workload, now),
+            "clock_skew": (
+                {
+                    "offset_seconds": workload.clock_skew_seconds,
+                    "seen_at": rfc3339(workload.clock_skew_seen_at),
+                }
+                if workload.clock_skew_seconds is not None
+                else None
+            ),
+            "evidence_gap": (
+                {
+                    "kind": workload.last_gap_kind,
+                    "start": rfc3339(workload.last_gap_start),
+                    "end": rfc3339(workload.last_gap_end),
+                }
+                if workload.last_gap_end is not None
+                else None
+            ),
             "owned_table": {"state": workload.owned_table_state},
             "credential": {
                 "state": credential_state(workload, now),

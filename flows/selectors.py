@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 from datetime import datetime, timedelta
 
 from django.db.models import Prefetch, Q
@@ -10,6 +11,7 @@ from controlplane.pagination import OrderKey, Page, list_fingerprint, paginate
 from controlplane.problems import Finding, ValidationFailed
 from controlplane.validation import parse_instant
 from fleet.selectors import workload_get, workload_queryset
+from flows.choices import Decision
 from flows.models import EvidenceGap, FlowGroup, FlowWindow
 from policy.grammar import Selector
 from policy.models import Rule
@@ -38,23 +40,68 @@ def flow_range_parse(*, start: str | None, end: str | None) -> tuple[datetime, d
     return parsed["from"], parsed["to"]
 
 
+def group_filters_parse(
+    *, decision: str | None, peer: str | None, service: str | None, rule: str | None
+) -> dict:
+    """`decision`, `peer` (an address), `service` (`tcp/443`, `udp/53`, `icmp`) and `rule` (a lifetime
+    rule number): each narrows the groups shown, and the windows to those with a matching group."""
+    findings, filters = [], {}
+    if decision:
+        if decision not in Decision.values:
+            findings.append(
+                Finding("?decision", "decision", f"decision is one of {', '.join(Decision.values)}.")
+            )
+        filters["decision"] = decision
+    if peer:
+        try:
+            filters["peer"] = ipaddress.ip_address(peer).compressed
+        except ValueError:
+            findings.append(Finding("?peer", "address", "peer is an IPv4 or IPv6 address."))
+    if service:
+        protocol, _, port = service.partition("/")
+        if protocol not in ("tcp", "udp", "icmp", "icmpv6") or (
+            port and not (port.isdigit() and int(port) <= 65535)
+        ):
+            findings.append(Finding("?service", "service", "service is tcp/PORT, udp/PORT, icmp or icmpv6."))
+        filters["protocol"] = protocol
+        if port.isdigit():
+            filters["port"] = int(port)
+    if rule:
+        if not rule.isdigit():
+            findings.append(Finding("?rule", "type", "rule is a rule number."))
+        else:
+            filters["rule_number"] = int(rule)
+    if findings:
+        raise ValidationFailed(findings)
+    return filters
+
+
 def flow_windows_list(
-    *, workload_id: str, start: datetime, end: datetime, cursor: str | None, limit: int
+    *,
+    workload_id: str,
+    start: datetime,
+    end: datetime,
+    cursor: str | None,
+    limit: int,
+    groups: dict | None = None,
 ) -> Page:
-    """One workload's stored windows that intersect [start, end), in time order, with their groups."""
+    """One workload's stored windows that intersect [start, end), in time order, with their groups
+    (only those matching `groups`, and only windows with one, when filters are given)."""
     if not workload_id:
         raise ValidationFailed(
             [Finding("?workload", "required", "workload is required: the id of one workload.")]
         )
     workload = workload_get(workload_id=workload_id, missing=f"No workload {workload_id}.")
-    windows = FlowWindow.objects.filter(workload=workload, start__lt=end, end__gt=start).prefetch_related(
-        Prefetch(
-            "groups",
-            queryset=FlowGroup.objects.order_by("peer", "protocol", "port", "decision", "rule_number"),
-        )
+    groups = groups or {}
+    matching = FlowGroup.objects.filter(**groups)
+    windows = FlowWindow.objects.filter(workload=workload, start__lt=end, end__gt=start)
+    if groups:
+        windows = windows.filter(id__in=matching.filter(workload=workload, start__lt=end).values("window_id"))
+    windows = windows.prefetch_related(
+        Prefetch("groups", queryset=matching.order_by("peer", "protocol", "port", "decision", "rule_number"))
     )
     fingerprint = list_fingerprint(
-        "flows", {"workload": str(workload.id), "from": start.isoformat(), "to": end.isoformat()}
+        "flows", {"workload": str(workload.id), "from": start.isoformat(), "to": end.isoformat(), **groups}
     )
     return paginate(windows, order=WINDOW_ORDER, cursor=cursor, limit=limit, fingerprint=fingerprint)
 

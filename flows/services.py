@@ -235,6 +235,24 @@ def _result(raw: Any, outcome: str, reason: str = "") -> dict:
     return {"id": item_id[:64] if item_id else None, "result": outcome, "reason": reason or None}
 
 
+def _skew_fields(report: Report, now: datetime) -> dict:
+    """Clock skew: the agent's clock off by more than two windows marks the workload; a report within
+    the threshold clears it."""
+    offset = (report.agent_clock - now).total_seconds()
+    if abs(offset) > 2 * report.window_seconds:
+        return {"clock_skew_seconds": round(offset, 3), "clock_skew_seen_at": now}
+    return {"clock_skew_seconds": None, "clock_skew_seen_at": None}
+
+
+def _latest_gap_fields(workload: Workload, gaps: list[EvidenceGap]) -> dict:
+    if not gaps:
+        return {}
+    latest = max(gaps, key=lambda gap: gap.end)
+    if workload.last_gap_end is not None and workload.last_gap_end >= latest.end:
+        return {}
+    return {"last_gap_kind": latest.kind, "last_gap_start": latest.start, "last_gap_end": latest.end}
+
+
 def flow_report_ingest(*, workload_id: str, data: Any) -> dict:
     """Store a report's windows and gaps; answer each with `accepted` or `refused` and the reason."""
     report = _envelope(data)
@@ -315,5 +333,16 @@ def flow_report_ingest(*, workload_id: str, data: Any) -> dict:
                 gaps.append(EvidenceGap(id=gap_id, workload=workload, received_at=now, **outcome))
                 gap_results.append(_result(raw, ACCEPTED))
         EvidenceGap.objects.bulk_create(gaps)
-        Workload.objects.filter(id=workload.id).update(last_flow_report_at=now)
+        Workload.objects.filter(id=workload.id).update(
+            last_flow_report_at=now, **_skew_fields(report, now), **_latest_gap_fields(workload, gaps)
+        )
     return {"windows": window_results, "gaps": gap_results}
+
+
+def flow_evidence_prune(*, older_than: timedelta) -> int:
+    """Remove windows (with their groups) and gaps that ended before `older_than` ago."""
+    cutoff = clock.now() - older_than
+    FlowGroup.objects.filter(window__end__lt=cutoff).delete()
+    windows, _ = FlowWindow.objects.filter(end__lt=cutoff).delete()
+    gaps, _ = EvidenceGap.objects.filter(end__lt=cutoff).delete()
+    return windows + gaps

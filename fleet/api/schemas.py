@@ -29,6 +29,25 @@ class CredentialSerializer(serializers.Serializer):
 
 class HealthSerializer(serializers.Serializer):
     telemetry_live = serializers.BooleanField(help_text="A flow report arrived within two flow windows.")
+    clock_skew = inline_serializer(
+        "ClockSkew",
+        {
+            "offset_seconds": serializers.FloatField(help_text="Agent clock minus the control plane's."),
+            "seen_at": serializers.DateTimeField(),
+        },
+        allow_null=True,
+        help_text="Set while the latest flow report showed the agent's clock off by more than two windows.",
+    )
+    evidence_gap = inline_serializer(
+        "LatestEvidenceGap",
+        {
+            "kind": serializers.CharField(),
+            "start": serializers.DateTimeField(),
+            "end": serializers.DateTimeField(),
+        },
+        allow_null=True,
+        help_text="The workload's most recent evidence gap (GET /flows/gaps lists them all).",
+    )
     owned_table = inline_serializer(
         "OwnedTable", {"state": serializers.ChoiceField(choices=OwnedTableState.values)}
     )

@@ -9,6 +9,7 @@ from controlplane.api.schema import COMMON_ERRORS, PAGE_PARAMETERS, page_of, pro
 from fleet.selectors import label_filters_parse
 from flows import selectors
 from flows.api.schemas import EvidenceGapSerializer, FlowWindowSerializer
+from flows.choices import Decision
 from flows.representations import evidence_gap_data, flow_window_data
 
 RANGE = [
@@ -48,6 +49,12 @@ class FlowWindowListView(APIView):
                 description="The workload whose windows to read.",
             ),
             *RANGE,
+            OpenApiParameter("decision", OpenApiTypes.STR, enum=Decision.values),
+            OpenApiParameter("peer", OpenApiTypes.STR, description="A peer address."),
+            OpenApiParameter(
+                "service", OpenApiTypes.STR, description="`tcp/443`, `udp/53`, `icmp`, `icmpv6`."
+            ),
+            OpenApiParameter("rule", OpenApiTypes.INT, description="A rule's lifetime number."),
             *PAGE_PARAMETERS,
         ],
         responses={
@@ -60,12 +67,20 @@ class FlowWindowListView(APIView):
     def get(self, request):
         start, end = _range(request)
         cursor, limit = page_params(request)
+        params = request.query_params
+        groups = selectors.group_filters_parse(
+            decision=params.get("decision"),
+            peer=params.get("peer"),
+            service=params.get("service"),
+            rule=params.get("rule"),
+        )
         page = selectors.flow_windows_list(
-            workload_id=request.query_params.get("workload", ""),
+            workload_id=params.get("workload", ""),
             start=start,
             end=end,
             cursor=cursor,
             limit=limit,
+            groups=groups,
         )
         numbers = {group.rule_number for window in page.items for group in window.groups.all()}
         rule_ids = selectors.rule_ids_by_number(numbers)

@@ -181,6 +181,11 @@ class Command(PalisadeCommand):
             )
         parser.add_argument("--site-label", help="a name for this site, shown in the console and GET /me")
         parser.add_argument(
+            "--flow-retention-days",
+            type=int,
+            help="keep stored flow windows and gaps this many days (default 30, or PALISADE_FLOW_RETENTION_DAYS)",
+        )
+        parser.add_argument(
             "--gateway-advertise", metavar="HOST:PORT", help="the gateway address given to agents"
         )
         parser.add_argument(
@@ -212,6 +217,8 @@ class Command(PalisadeCommand):
                 "requests are routed by port, so the listeners need different ports"
             )
         self.listeners = (operator, gateway)
+        if options["flow_retention_days"] is not None and options["flow_retention_days"] < 1:
+            raise CommandError("--flow-retention-days must be at least 1")
         if options["gateway_advertise"]:
             # Not resolved here: the name only has to resolve where the agents are.
             try:
@@ -298,6 +305,7 @@ class Command(PalisadeCommand):
             gateway_port=gateway.port,
             gateway_advertise=(options["gateway_advertise"] or "").strip() or None,
             site_label=options["site_label"],
+            flow_retention_days=options["flow_retention_days"],
         )
 
     def _prepare_database(self, *, migrate: bool) -> None:

@@ -1,0 +1,196 @@
+"""Ingestion of flow reports and the reads of stored evidence, in process (SQLite and PostgreSQL)."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from agent.credential import public_key_encode
+from agent.flowreport import report_body, report_headers
+from controlplane import clock, runtime
+from controlplane.auth.actor import CLI_ACTOR
+from controlplane.problems import Problem, ValidationFailed
+from fleet.enrolment import workload_enrol
+from fleet.provisioning import provisioning_token_mint
+from fleet.streams import report_authenticate
+from flows.models import EvidenceGap, FlowGroup, FlowWindow
+from flows.services import flow_report_ingest
+from tests.support.helpers import assert_problem, race
+
+GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "flows" / "flow_report.json"
+FINGERPRINT = ":".join(["CD"] * 32)
+T0 = 1_800_000_000.0
+
+
+def enrolled(hostname="web", address="10.50.0.1"):
+    key = Ed25519PrivateKey.generate()
+    secret = provisioning_token_mint(actor=CLI_ACTOR, data={"description": "flows"}).secret
+    done = workload_enrol(
+        token_secret=secret,
+        public_key=public_key_encode(key.public_key()),
+        hostname=hostname,
+        addresses=[address],
+        agent_version="0.1.0",
+    )
+    return done.workload, key, done.credential.text
+
+
+def golden() -> dict:
+    return json.loads(GOLDEN.read_text())
+
+
+def at_agent_clock(report: dict, now: datetime) -> dict:
+    return {**report, "agent_clock": now.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")}
+
+
+def test_the_golden_report_is_what_the_agent_writes_and_what_the_gateway_stores(db):
+    data = golden()
+    windows = [
+        {
+            **w,
+            "start": T0,
+            "end": T0 + 60,
+            "groups": [
+                {**g, "first_seen": _seconds(g["first_seen"]), "last_seen": _seconds(g["last_seen"])}
+                for g in w["groups"]
+            ],
+        }
+        for w in data["windows"]
+    ]
+    gaps = [{**g, "start": _seconds(g["start"]), "end": _seconds(g["end"])} for g in data["gaps"]]
+    body = report_body(
+        windows, gaps, now=T0 + 61, process_start_id="9b2f6c1e", uptime_seconds=3600.25, window_seconds=60
+    )
+    assert body + b"\n" == GOLDEN.read_bytes()
+
+    workload, _, _ = enrolled()
+    answer = flow_report_ingest(workload_id=str(workload.id), data=at_agent_clock(data, clock.now()))
+    assert [r["result"] for r in answer["windows"] + answer["gaps"]] == ["accepted", "accepted"]
+    assert (
+        FlowWindow.objects.count() == 1
+        and FlowGroup.objects.count() == 2
+        and EvidenceGap.objects.count() == 1
+    )
+
+
+def _seconds(text: str) -> float:
+    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
+@pytest.mark.parametrize(
+    "change, path",
+    [
+        ({"v": 2}, "/type"),
+        ({"agent_clock": "yesterday"}, "/agent_clock"),
+        ({"window_seconds": 0}, "/window_seconds"),
+        ({"windows": {}}, "/windows"),
+        ({"extra": 1}, "/extra"),
+    ],
+)
+def test_a_malformed_envelope_is_a_validation_problem(db, change, path):
+    workload, _, _ = enrolled()
+    with pytest.raises(ValidationFailed) as refused:
+        flow_report_ingest(workload_id=str(workload.id), data={**golden(), **change})
+    assert path in [finding.path for finding in refused.value.findings]
+
+
+def test_clock_skew_marks_the_workload_and_a_later_report_clears_it(api, db):
+    workload, _, _ = enrolled()
+    data = golden()
+    flow_report_ingest(
+        workload_id=str(workload.id), data=at_agent_clock(data, clock.now() + timedelta(minutes=5))
+    )
+    health = api.get(f"/api/v1/workloads/{workload.id}").json()["health"]
+    assert 295 <= health["clock_skew"]["offset_seconds"] <= 305
+    assert health["evidence_gap"]["kind"] == "source_overrun"
+    flow_report_ingest(
+        workload_id=str(workload.id), data=at_agent_clock({**data, "windows": [], "gaps": []}, clock.now())
+    )
+    health = api.get(f"/api/v1/workloads/{workload.id}").json()["health"]
+    assert health["clock_skew"] is None and health["evidence_gap"]["kind"] == "source_overrun"
+    assert health["telemetry_live"] is True
+
+
+@pytest.mark.postgres
+def test_concurrent_resends_store_a_window_once(transactional_db):
+    from django.db import connection
+
+    from tests.support.requirements import require
+
+    require(connection.vendor == "postgresql", "needs PostgreSQL: set DATABASE_URL=postgresql://...")
+    workload, _, _ = enrolled()
+    data = at_agent_clock(golden(), clock.now())
+    results = race(*[lambda: flow_report_ingest(workload_id=str(workload.id), data=data) for _ in range(4)])
+    assert not [r for r in results if isinstance(r, Exception)], results
+    assert (
+        FlowWindow.objects.count() == 1
+        and FlowGroup.objects.count() == 2
+        and EvidenceGap.objects.count() == 1
+    )
+
+
+def test_flows_filters_and_refusals(api, db):
+    workload, _, _ = enrolled()
+    flow_report_ingest(workload_id=str(workload.id), data=at_agent_clock(golden(), clock.now()))
+    base = {"workload": str(workload.id), "from": "2027-01-15T07:00:00Z", "to": "2027-01-15T09:00:00Z"}
+
+    def peers(**filters):
+        page = api.get("/api/v1/flows", {**base, **filters}).json()
+        return [g["peer"] for w in page["items"] for g in w["groups"]]
+
+    assert peers() == ["10.50.0.2", "2001:db8::9"]
+    assert peers(decision="would_block") == ["2001:db8::9"]
+    assert peers(service="tcp/443") == ["10.50.0.2"] and peers(service="udp/80") == []
+    assert peers(peer="2001:db8:0::9") == ["2001:db8::9"]
+    assert peers(rule="7") == ["10.50.0.2"]
+    for bad in (
+        {"decision": "maybe"},
+        {"service": "sctp/1"},
+        {"peer": "host"},
+        {"rule": "x"},
+        {"workload": ""},
+    ):
+        assert_problem(api.get("/api/v1/flows", {**base, **bad}), 422, "validation")
+    assert_problem(
+        api.get("/api/v1/flows", {**base, "workload": "00000000-0000-0000-0000-000000000000"}),
+        404,
+        "not-found",
+    )
+
+
+def test_retention_removes_old_evidence(db, clock_at):
+    from controlplane.housekeeping import flows_prune_step
+
+    workload, _, _ = enrolled()
+    flow_report_ingest(workload_id=str(workload.id), data=at_agent_clock(golden(), clock.now()))
+    assert flows_prune_step() == 0
+    clock_at(timedelta(days=400))  # the golden window is from 2027-01-15
+    runtime.facts_set(flow_retention_days=30)
+    assert flows_prune_step() == 2  # one window (its groups with it) and one gap
+    assert FlowGroup.objects.count() == 0
+
+
+def test_a_report_needs_the_workloads_key_and_a_live_credential(db, clock_at):
+    runtime.facts_set(gateway_fingerprint=FINGERPRINT)
+    workload, key, credential = enrolled()
+    body = GOLDEN.read_bytes()
+    headers = report_headers(
+        body, key=key, workload_id=str(workload.id), credential=credential, gateway_fingerprint=FINGERPRINT
+    )
+    signature = headers["Palisade-Signature"]
+    assert report_authenticate(
+        workload_id=str(workload.id), credential=credential, signature=signature, body=body
+    )
+    with pytest.raises(Problem):
+        report_authenticate(
+            workload_id=str(workload.id), credential=credential, signature=signature, body=body + b" "
+        )
+    clock_at(timedelta(days=400))  # past expiry, within or beyond the grace alike
+    with pytest.raises(Problem, match="renew"):
+        report_authenticate(
+            workload_id=str(workload.id), credential=credential, signature=signature, body=body
+        )
