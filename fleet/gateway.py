@@ -211,7 +211,10 @@ class SyncStreamConsumer(AsyncWebsocketConsumer):
             # Group memberships expire after a day; a stream may live for months.
             await self.channel_layer.group_add(stream_group(self.grant.workload_id), self.channel_name)
             await held_streams.db(sync.workload_heard_from)(
-                workload_id=self.grant.workload_id, stream_id=self.stream_id, owned_table_state=state
+                workload_id=self.grant.workload_id,
+                stream_id=self.stream_id,
+                owned_table_state=state,
+                process_start_id=message.process_start_id,
             )
 
     async def on_table(self, message: protocol.TableState) -> None:

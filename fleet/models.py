@@ -66,6 +66,10 @@ class Workload(models.Model):
     last_gap_kind = models.CharField(max_length=24, blank=True)
     last_gap_start = models.DateTimeField(null=True)
     last_gap_end = models.DateTimeField(null=True)
+    # The agent process that sent the last flow report, and the last time it was known alive (a report
+    # or a heartbeat of that process): a report from another process after a silence yields agent_silent.
+    flow_process_start_id = models.CharField(max_length=64, blank=True)
+    flow_process_alive_at = models.DateTimeField(null=True)
     rank = models.PositiveSmallIntegerField(default=RANK_OFFLINE)
 
     public_key = models.CharField(max_length=64)  # Ed25519, base64

@@ -164,14 +164,21 @@ def workload_stream_ended(*, workload_id, stream_id: str) -> Workload | None:
     return workload
 
 
-def workload_heard_from(*, workload_id, stream_id: str, owned_table_state: str | None = None) -> None:
-    """A heartbeat: the agent is alive; it may report whether its owned table is in the kernel."""
+def workload_heard_from(
+    *, workload_id, stream_id: str, owned_table_state: str | None = None, process_start_id: str | None = None
+) -> None:
+    """A heartbeat: the agent is alive; it may report whether its owned table is in the kernel. A
+    heartbeat of the process that sent the last flow report shows that process still running (a
+    quiet workload, not a silent one)."""
     with transaction.atomic():
         workload = _locked(workload_id)
         if not _current_stream(workload, stream_id):
             return
         workload.last_heard_from = clock.now()
         fields = ["last_heard_from"]
+        if process_start_id and process_start_id == workload.flow_process_start_id:
+            workload.flow_process_alive_at = workload.last_heard_from
+            fields.append("flow_process_alive_at")
         if owned_table_state in (OwnedTableState.ABSENT, OwnedTableState.PRESENT):
             workload.owned_table_state = owned_table_state
             fields.append("owned_table_state")

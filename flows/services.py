@@ -21,7 +21,7 @@ from controlplane.problems import Finding, ValidationFailed
 from controlplane.validation import parse_instant
 from fleet.models import Workload
 from fleet.selectors import workload_get
-from flows.choices import AGENT_GAP_KINDS, Decision, GapSource
+from flows.choices import AGENT_GAP_KINDS, Decision, GapKind, GapSource
 from flows.models import EvidenceGap, FlowGroup, FlowWindow
 
 MAX_WINDOWS_PER_REPORT = 1000
@@ -253,6 +253,59 @@ def _latest_gap_fields(workload: Workload, gaps: list[EvidenceGap]) -> dict:
     return {"last_gap_kind": latest.kind, "last_gap_start": latest.start, "last_gap_end": latest.end}
 
 
+def _uncovered(
+    start: datetime, end: datetime, covered: list[tuple[datetime, datetime]]
+) -> list[tuple[datetime, datetime]]:
+    """The parts of [start, end) that no range of `covered` overlaps."""
+    parts, cursor = [], start
+    for low, high in sorted(covered):
+        if high <= cursor:
+            continue
+        if low > cursor:
+            parts.append((cursor, min(low, end)))
+        cursor = max(cursor, high)
+        if cursor >= end:
+            break
+    if cursor < end:
+        parts.append((cursor, end))
+    return [(low, high) for low, high in parts if low < high]
+
+
+def _agent_silent(workload: Workload, report: Report, now: datetime) -> list[EvidenceGap]:
+    """The spec's agent_silent, derived here and never taken from the agent. A report from the process
+    that sent the previous one means that process ran throughout: a quiet workload, no gap. From another
+    process (a restart), the time between the old process last known alive (its last report or
+    heartbeat) and the new process's start is silent where no stored window covers it (windows the
+    agent buffered through the outage cover the time they were held back), if that part is longer than
+    two windows."""
+    previous, alive_at = workload.flow_process_start_id, workload.flow_process_alive_at
+    if not previous or previous == report.process_start_id or alive_at is None:
+        return []
+    started = now - timedelta(seconds=report.uptime_seconds)
+    threshold = timedelta(seconds=2 * report.window_seconds)
+    if started - alive_at <= threshold:
+        return []
+    covered = list(
+        FlowWindow.objects.filter(workload=workload, end__gt=alive_at, start__lt=started).values_list(
+            "start", "end"
+        )
+    )
+    return [
+        EvidenceGap(
+            id=uuid.uuid4(),
+            workload=workload,
+            kind=GapKind.AGENT_SILENT,
+            source=None,
+            start=low,
+            end=high,
+            lost={},
+            received_at=now,
+        )  # fmt: skip
+        for low, high in _uncovered(alive_at, started, covered)
+        if high - low > threshold
+    ]
+
+
 def flow_report_ingest(*, workload_id: str, data: Any) -> dict:
     """Store a report's windows and gaps; answer each with `accepted` or `refused` and the reason."""
     report = _envelope(data)
@@ -332,9 +385,15 @@ def flow_report_ingest(*, workload_id: str, data: Any) -> dict:
                 stored_gaps[gap_id] = workload.id
                 gaps.append(EvidenceGap(id=gap_id, workload=workload, received_at=now, **outcome))
                 gap_results.append(_result(raw, ACCEPTED))
+        silent = _agent_silent(workload, report, now)
+        gaps.extend(silent)
         EvidenceGap.objects.bulk_create(gaps)
         Workload.objects.filter(id=workload.id).update(
-            last_flow_report_at=now, **_skew_fields(report, now), **_latest_gap_fields(workload, gaps)
+            flow_process_start_id=report.process_start_id,
+            flow_process_alive_at=now,
+            last_flow_report_at=now,
+            **_skew_fields(report, now),
+            **_latest_gap_fields(workload, gaps),
         )
     return {"windows": window_results, "gaps": gap_results}
 

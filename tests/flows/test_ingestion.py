@@ -194,3 +194,112 @@ def test_a_report_needs_the_workloads_key_and_a_live_credential(db, clock_at):
         report_authenticate(
             workload_id=str(workload.id), credential=credential, signature=signature, body=body
         )
+
+
+def test_the_flows_command_lists_windows_and_gaps_as_table_json_and_csv(db):
+    import csv
+    import io
+
+    from tests.support.helpers import run_command
+
+    workload, _, _ = enrolled()
+    flow_report_ingest(workload_id=str(workload.id), data=at_agent_clock(golden(), clock.now()))
+    window = ("--from", "2027-01-15T07:00:00Z", "--to", "2027-01-15T09:00:00Z")
+    code, out, _ = run_command("flows", "list", "--workload", str(workload.id), *window, "--csv")
+    assert code == 0
+    rows = list(csv.DictReader(io.StringIO(out)))
+    assert [(r["peer"], r["decision"], r["connection_count"]) for r in rows] == [
+        ("10.50.0.2", "allowed", "3"),
+        ("2001:db8::9", "would_block", "1"),
+    ]
+    code, out, _ = run_command("flows", "gaps", *window, "--json")
+    assert code == 0 and [g["kind"] for g in json.loads(out)["items"]] == ["source_overrun"]
+    code, out, _ = run_command(
+        "flows", "list", "--workload", str(workload.id), *window, "--decision", "blocked"
+    )
+    assert code == 0 and len(out.strip().splitlines()) == 1  # the header alone
+    code, _, err = run_command("flows", "gaps", "--from", "nonsense", "--to", "2027-01-15T09:00:00Z")
+    assert code == 2 and "from" in err
+
+
+def _report(process: str, uptime: float, windows=()) -> dict:
+    return at_agent_clock(
+        {
+            **golden(),
+            "process_start_id": process,
+            "uptime_seconds": uptime,
+            "windows": list(windows),
+            "gaps": [],
+        },
+        clock.now(),
+    )
+
+
+def _window_between(start: datetime, minutes: int) -> list[dict]:
+    """Back-to-back one-minute windows from `start` (aligned), each with one connection."""
+    start = start.replace(second=0, microsecond=0) + timedelta(minutes=1)
+    text = lambda t: t.strftime("%Y-%m-%dT%H:%M:%S.%fZ")  # noqa: E731
+    return [
+        {
+            "id": str(__import__("uuid").uuid4()),
+            "start": text(start + timedelta(minutes=i)),
+            "end": text(start + timedelta(minutes=i + 1)),
+            "policy_version": "v",
+            "accounting": False,
+            "groups": [
+                {"peer": "10.9.9.9", "protocol": "tcp", "port": 22, "decision": "observed", "rule": None,
+                 "connection_count": 1, "first_seen": text(start + timedelta(minutes=i, seconds=1)),
+                 "last_seen": text(start + timedelta(minutes=i, seconds=1)), "bytes_in": 0, "bytes_out": 0}
+            ],
+        }
+        for i in range(minutes)
+    ]  # fmt: skip
+
+
+def _silent():
+    return [(g.start, g.end) for g in EvidenceGap.objects.filter(kind="agent_silent")]
+
+
+def test_a_quiet_workload_records_no_agent_silent(db, clock_at):
+    workload, _, _ = enrolled()
+    flow_report_ingest(workload_id=str(workload.id), data=_report("p1", 100))
+    clock_at(timedelta(minutes=30))
+    flow_report_ingest(workload_id=str(workload.id), data=_report("p1", 1900))  # the same process throughout
+    assert _silent() == []
+
+
+def test_a_restart_after_a_silence_records_agent_silent_up_to_the_new_process(db, clock_at):
+    workload, _, _ = enrolled()
+    flow_report_ingest(workload_id=str(workload.id), data=_report("p1", 100))
+    last_report = clock.now()
+    clock_at(timedelta(minutes=10))
+    flow_report_ingest(workload_id=str(workload.id), data=_report("p2", 30))
+    (gap,) = EvidenceGap.objects.filter(kind="agent_silent")
+    assert abs(gap.start - last_report) < timedelta(seconds=1)
+    assert abs(gap.end - (clock.now() - timedelta(seconds=30))) < timedelta(seconds=1)
+    assert gap.source is None
+
+
+def test_heartbeats_of_the_old_process_and_late_windows_shorten_the_silence(db, clock_at):
+    from fleet import sync
+
+    workload, _, _ = enrolled()
+    sync.workload_stream_opened(workload_id=workload.id, stream_id="s1")
+    flow_report_ingest(workload_id=str(workload.id), data=_report("p1", 100))
+    clock_at(timedelta(minutes=8))
+    sync.workload_heard_from(workload_id=workload.id, stream_id="s1", process_start_id="p1")
+    clock_at(timedelta(minutes=2))
+    # Restarted 30 s ago: 8 min of heartbeats, then 90 s unexplained: under two windows, no gap.
+    flow_report_ingest(workload_id=str(workload.id), data=_report("p2", 30))
+    assert _silent() == []
+
+    alive = clock.now()
+    clock_at(timedelta(minutes=20))
+    # The agent buffered windows through most of the outage and re-sends them after its restart.
+    held_back = _window_between(alive, 15)
+    flow_report_ingest(workload_id=str(workload.id), data=_report("p3", 10, held_back))
+    gaps = _silent()
+    assert len(gaps) == 1
+    start, end = gaps[0]
+    assert start == datetime.fromisoformat(held_back[-1]["end"].replace("Z", "+00:00"))
+    assert abs(end - (clock.now() - timedelta(seconds=10))) < timedelta(seconds=1)

@@ -1,0 +1,115 @@
+"""Flow evidence from the host: the same selectors as GET /api/v1/flows and /flows/gaps, as a table,
+JSON (`--json`) or CSV (`--csv`, for spreadsheets)."""
+
+import csv
+import io
+
+from controlplane.management.base import PalisadeCommand
+from controlplane.pagination import MAX_LIMIT
+from fleet.selectors import label_filters_parse
+from flows import selectors
+from flows.choices import Decision
+from flows.representations import evidence_gap_data, flow_window_data
+
+GROUP_COLUMNS = ("window_start", "window_end", "peer", "peer_workload_id", "protocol", "port", "decision",
+                 "rule_number", "rule_id", "connection_count", "first_seen", "last_seen", "bytes_in", "bytes_out")  # fmt: skip
+GAP_COLUMNS = ("workload_id", "kind", "source", "start", "end", "lost")
+
+
+def _pages(fetch):
+    items, cursor = [], None
+    while True:
+        page = fetch(cursor)
+        items.extend(page.items)
+        if not (cursor := page.next_cursor):
+            return items
+
+
+def _csv(columns, rows) -> str:
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=columns, extrasaction="ignore", lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    return out.getvalue().rstrip("\n")
+
+
+class Command(PalisadeCommand):
+    help = "Stored flow evidence: list (one workload's windows) and gaps (of a set of workloads)."
+
+    def add_arguments(self, parser):
+        super().add_arguments(parser)
+        actions = self.add_actions(parser)
+        listing = actions.add_parser("list", help="one workload's windows in a range, one row per group")
+        listing.add_argument("--workload", required=True)
+        listing.add_argument("--decision", choices=Decision.values)
+        listing.add_argument("--peer")
+        listing.add_argument("--service", help="tcp/443, udp/53, icmp, icmpv6")
+        listing.add_argument("--rule", help="a rule's lifetime number")
+        gaps = actions.add_parser("gaps", help="evidence gaps intersecting a range")
+        gaps.add_argument("--workload", action="append", default=[], help="repeatable")
+        gaps.add_argument("--label", action="append", default=[], help="label requirement; repeatable, ANDed")
+        for sub in (listing, gaps):
+            sub.add_argument("--from", dest="start", required=True, help="RFC 3339 instant")
+            sub.add_argument("--to", dest="end", required=True, help="RFC 3339 instant, at most 31 days on")
+            sub.add_argument("--csv", action="store_true", help="print CSV")
+
+    def handle(self, *args, **options):
+        getattr(self, "do_" + options["action"])(options)
+
+    def do_list(self, o):
+        start, end = selectors.flow_range_parse(start=o["start"], end=o["end"])
+        groups = selectors.group_filters_parse(
+            decision=o["decision"], peer=o["peer"], service=o["service"], rule=o["rule"]
+        )
+        windows = _pages(
+            lambda cursor: selectors.flow_windows_list(
+                workload_id=o["workload"], start=start, end=end, cursor=cursor, limit=MAX_LIMIT, groups=groups
+            )
+        )
+        numbers = {group.rule_number for window in windows for group in window.groups.all()}
+        rule_ids = selectors.rule_ids_by_number(numbers)
+        data = [flow_window_data(window, rule_ids) for window in windows]
+        rows = [
+            {"window_start": w["start"], "window_end": w["end"], **group}
+            for w in data
+            for group in w["groups"]
+        ]
+        if o["csv"]:
+            self.stdout.write(_csv(GROUP_COLUMNS, rows))
+            return
+        lines = [
+            f"{'WINDOW':20}  {'PEER':39}  {'SERVICE':10}  {'DECISION':11}  {'RULE':>6}  {'CONNS':>7}  BYTES IN/OUT"
+        ]
+        for row in rows:
+            service = f"{row['protocol']}/{row['port']}" if row["port"] else row["protocol"]
+            lines.append(
+                f"{row['window_start'][:19]:20}  {row['peer']:39}  {service:10}  {row['decision']:11}  "
+                f"{row['rule_number'] or '-':>6}  {row['connection_count']:>7}  {row['bytes_in']}/{row['bytes_out']}"
+            )
+        self.emit({"items": data}, "\n".join(lines))
+
+    def do_gaps(self, o):
+        start, end = selectors.flow_range_parse(start=o["start"], end=o["end"])
+        labels = label_filters_parse(o["label"])
+        gaps = _pages(
+            lambda cursor: selectors.evidence_gaps_list(
+                workload_ids=o["workload"],
+                labels=labels,
+                start=start,
+                end=end,
+                cursor=cursor,
+                limit=MAX_LIMIT,
+            )
+        )
+        data = [evidence_gap_data(gap) for gap in gaps]
+        if o["csv"]:
+            self.stdout.write(_csv(GAP_COLUMNS, data))
+            return
+        lines = [f"{'WORKLOAD':36}  {'KIND':16}  {'SOURCE':9}  {'START':20}  {'END':20}  LOST"]
+        for gap in data:
+            lost = ",".join(f"{k}={v}" for k, v in gap["lost"].items()) or "-"
+            lines.append(
+                f"{gap['workload_id']:36}  {gap['kind']:16}  {gap['source'] or '-':9}  {gap['start'][:19]:20}  "
+                f"{gap['end'][:19]:20}  {lost}"
+            )
+        self.emit({"items": data}, "\n".join(lines))
