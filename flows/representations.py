@@ -47,3 +47,68 @@ def evidence_gap_data(gap: EvidenceGap) -> dict[str, Any]:
         "end": rfc3339(gap.end),
         "lost": gap.lost,
     }
+
+
+def rollup_row_data(row: dict[str, Any], rule_ids: dict[int, str]) -> dict[str, Any]:
+    data: dict[str, Any] = {}
+    if "workload_id" in row:
+        data["workload_id"] = str(row["workload_id"])
+    if "peer" in row:
+        data["peer"] = row["peer"]
+    if "peer_workload_id" in row:
+        data["peer_workload_id"] = str(row["peer_workload_id"]) if row["peer_workload_id"] else None
+    if "protocol" in row:
+        data["service"] = {"protocol": row["protocol"], "port": row["port"]}
+    if "decision" in row:
+        data["decision"] = row["decision"]
+    if "rule_number" in row:
+        data["rule_number"] = row["rule_number"]
+        data["rule_id"] = rule_ids.get(row["rule_number"]) if row["rule_number"] else None
+    if "ruleset_id" in row:
+        data["ruleset_id"] = str(row["ruleset_id"]) if row["ruleset_id"] else None
+    data.update(
+        connection_count=row["connection_count"],
+        bytes_in=row["bytes_in"],
+        bytes_out=row["bytes_out"],
+        first_seen=rfc3339(row["first_seen"]),
+        last_seen=rfc3339(row["last_seen"]),
+    )
+    return data
+
+
+def coverage_data(coverage: dict[str, Any]) -> dict[str, Any]:
+    return {**coverage, "gaps": [evidence_gap_data(gap) for gap in coverage["gaps"]]}
+
+
+def rule_data_brief(rule) -> dict[str, Any]:
+    return {
+        "rule_id": str(rule.id),
+        "rule_number": rule.number,
+        "ruleset_id": str(rule.ruleset_id),
+        "ruleset_name": rule.ruleset.name,
+    }
+
+
+def review_data(review: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "verdict": review["verdict"],
+        "reasons": review["reasons"],
+        "would_block": [
+            {
+                "workload_id": str(row["workload_id"]),
+                "peer": row["peer"],
+                "service": {"protocol": row["protocol"], "port": row["port"]},
+                "connection_count": row["connection_count"],
+            }
+            for row in review["would_block"]
+        ],
+        "coverage": coverage_data(review["coverage"]),
+        "offline": [
+            {"workload_id": str(w.id), "hostname": w.hostname, "last_heard_from": rfc3339(w.last_heard_from)}
+            for w in review["offline"]
+        ],
+        "not_in_simulation": [
+            {"workload_id": str(w.id), "hostname": w.hostname, "mode": w.mode}
+            for w in review["not_in_simulation"]
+        ],
+    }

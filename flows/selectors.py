@@ -10,6 +10,7 @@ from django.db.models import Prefetch, Q
 from controlplane.pagination import OrderKey, Page, list_fingerprint, paginate
 from controlplane.problems import Finding, ValidationFailed
 from controlplane.validation import parse_instant
+from fleet.models import Workload
 from fleet.selectors import workload_get, workload_queryset
 from flows.choices import Decision
 from flows.models import EvidenceGap, FlowGroup, FlowWindow
@@ -118,11 +119,9 @@ def evidence_gaps_list(
     """The gaps of the selected workloads (ids and labels ANDed; none: the whole fleet) that
     intersect [start, end), in time order."""
     gaps = EvidenceGap.objects.filter(start__lt=end, end__gt=start)
-    if workload_ids or labels:
-        selected = workload_queryset(labels=labels)
-        if workload_ids:
-            selected = selected.filter(id__in=[workload_get(workload_id=w).id for w in workload_ids])
-        gaps = gaps.filter(workload__in=selected.values("id"))
+    selected = workloads_selected(workload_ids=workload_ids, labels=labels)
+    if selected is not None:
+        gaps = gaps.filter(workload__in=selected)
     fingerprint = list_fingerprint(
         "flows-gaps",
         {
@@ -143,4 +142,162 @@ def rule_ids_by_number(numbers: set[int]) -> dict[int, str]:
     return {
         number: str(rule_id)
         for number, rule_id in Rule.objects.filter(Q(number__in=numbers)).values_list("number", "id")
+    }
+
+
+# --- rollups and the simulation review ---
+
+GROUP_KEYS = {
+    "workload": ("workload_id",),
+    "peer": ("peer",),
+    "peer_workload": ("peer_workload_id",),
+    "service": ("protocol", "port"),
+    "decision": ("decision",),
+    "rule": ("rule_number",),
+    "ruleset": ("ruleset_id",),
+}
+COVERAGE_LIST = 100
+
+
+def group_by_parse(values: list[str]) -> list[str]:
+    findings = [
+        Finding(f"?group_by[{i}]", "group-by", f"group_by is one of {', '.join(GROUP_KEYS)}.")
+        for i, value in enumerate(values)
+        if value not in GROUP_KEYS
+    ]
+    if not values:
+        findings.append(
+            Finding("?group_by", "required", f"group_by is required: any of {', '.join(GROUP_KEYS)}.")
+        )
+    if findings:
+        raise ValidationFailed(findings)
+    return list(dict.fromkeys(values))
+
+
+def workloads_selected(*, workload_ids: list[str], labels: list[Selector]):
+    """The selected workloads' ids as a queryset (ids and labels ANDed); None selects the whole fleet."""
+    if not workload_ids and not labels:
+        return None
+    selected = workload_queryset(labels=labels)
+    if workload_ids:
+        selected = selected.filter(id__in=[workload_get(workload_id=w).id for w in workload_ids])
+    return selected.values("id")
+
+
+def _groups_in_range(selected, start: datetime, end: datetime):
+    groups = FlowGroup.objects.filter(start__lt=end, window__end__gt=start)
+    return groups if selected is None else groups.filter(workload__in=selected)
+
+
+def coverage(selected, start: datetime, end: datetime) -> dict:
+    """What makes a total incomplete: the gaps intersecting the range and the selected workloads that
+    sent no window in it."""
+    gaps = EvidenceGap.objects.filter(start__lt=end, end__gt=start)
+    workloads = Workload.objects.all() if selected is None else Workload.objects.filter(id__in=selected)
+    if selected is not None:
+        gaps = gaps.filter(workload__in=selected)
+    reporting = FlowWindow.objects.filter(start__lt=end, end__gt=start).values("workload_id")
+    silent = workloads.exclude(id__in=reporting).order_by("hostname", "id")
+    gap_count, silent_count = gaps.count(), silent.count()
+    return {
+        "complete": gap_count == 0 and silent_count == 0,
+        "gap_count": gap_count,
+        "gaps": list(gaps.order_by("start", "id")[:COVERAGE_LIST]),
+        "workloads_without_reports_count": silent_count,
+        "workloads_without_reports": [str(w) for w in silent.values_list("id", flat=True)[:COVERAGE_LIST]],
+    }
+
+
+def flow_rollup(
+    *, selected, group_by: list[str], start: datetime, end: datetime, cursor: str | None, limit: int
+) -> tuple[list[dict], str | None]:
+    """Sums of the selected workloads' groups in the range, grouped by `group_by`; paged by offset
+    (the rows are aggregates: the cursor carries the position and the query it belongs to)."""
+    from django.core import signing
+    from django.db.models import Max, Min, OuterRef, Subquery, Sum
+
+    from controlplane.pagination import decode_cursor
+
+    columns = [column for name in group_by for column in GROUP_KEYS[name]]
+    groups = _groups_in_range(selected, start, end)
+    if "ruleset_id" in columns:
+        groups = groups.annotate(
+            ruleset_id=Subquery(Rule.objects.filter(number=OuterRef("rule_number")).values("ruleset_id")[:1])
+        )
+    fingerprint = list_fingerprint(
+        "flows-rollup",
+        {
+            "by": group_by,
+            "from": start.isoformat(),
+            "to": end.isoformat(),
+            "sel": str(selected.query) if selected is not None else "",
+        },
+    )
+    offset = decode_cursor(cursor, fingerprint, 1)[0] if cursor else 0
+    rows = list(
+        groups.values(*columns)
+        .annotate(
+            connection_count=Sum("connection_count"),
+            bytes_in=Sum("bytes_in"),
+            bytes_out=Sum("bytes_out"),
+            first_seen=Min("first_seen"),
+            last_seen=Max("last_seen"),
+        )
+        .order_by(*columns)[offset : offset + limit + 1]
+    )
+    next_cursor = None
+    if len(rows) > limit:
+        rows = rows[:limit]
+        next_cursor = signing.dumps(
+            {"f": fingerprint, "k": [offset + limit]}, salt="palisade.cursor", compress=True
+        )
+    return rows, next_cursor
+
+
+def unused_rules(selected, start: datetime, end: datetime) -> list[Rule]:
+    """Rules that admitted nothing in the range (the caller says so only when coverage is complete)."""
+    hit = _groups_in_range(selected, start, end).exclude(rule_number=None).values("rule_number")
+    return list(
+        Rule.objects.exclude(number__in=hit).select_related("ruleset").order_by("ruleset__name", "position")
+    )
+
+
+def simulation_review(*, selected, start: datetime, end: datetime) -> dict:
+    """The review before enforcing: would-block groups, gaps, offline workloads and workloads not in
+    simulation; any one fails it (a gap alone does: rule 5)."""
+    from django.db.models import Sum
+
+    from fleet.choices import Mode, SyncState
+
+    workloads = Workload.objects.all() if selected is None else Workload.objects.filter(id__in=selected)
+    would_block = list(
+        _groups_in_range(selected, start, end)
+        .filter(decision=Decision.WOULD_BLOCK)
+        .values("workload_id", "peer", "protocol", "port")
+        .annotate(connection_count=Sum("connection_count"))
+        .order_by("-connection_count", "workload_id", "peer", "protocol", "port")[:1000]
+    )
+    covered = coverage(selected, start, end)
+    offline = list(workloads.filter(sync_state=SyncState.OFFLINE).order_by("hostname", "id")[:COVERAGE_LIST])
+    elsewhere = list(workloads.exclude(mode=Mode.SIMULATION).order_by("hostname", "id")[:COVERAGE_LIST])
+    reasons = []
+    if would_block:
+        reasons.append(f"{len(would_block)} would-block groups: enforcing would block them")
+    if covered["gap_count"]:
+        reasons.append(f"{covered['gap_count']} evidence gaps intersect the range")
+    if covered["workloads_without_reports_count"]:
+        reasons.append(
+            f"{covered['workloads_without_reports_count']} workloads sent no flow report in the range"
+        )
+    if offline:
+        reasons.append(f"{len(offline)} workloads are offline")
+    if elsewhere:
+        reasons.append(f"{len(elsewhere)} workloads are not in simulation")
+    return {
+        "verdict": "fail" if reasons else "pass",
+        "reasons": reasons,
+        "would_block": would_block,
+        "coverage": covered,
+        "offline": offline,
+        "not_in_simulation": elsewhere,
     }

@@ -45,3 +45,79 @@ class EvidenceGapSerializer(serializers.Serializer):
     start = serializers.DateTimeField()
     end = serializers.DateTimeField()
     lost = serializers.DictField(child=serializers.IntegerField(), help_text="What was lost, where known.")
+
+
+class ServiceKeySerializer(serializers.Serializer):
+    protocol = serializers.CharField()
+    port = serializers.IntegerField()
+
+
+class RollupRowSerializer(serializers.Serializer):
+    """One group: the keys asked for in `group_by` (only those), and the sums."""
+
+    workload_id = serializers.UUIDField(required=False)
+    peer = serializers.CharField(required=False)
+    peer_workload_id = serializers.UUIDField(required=False, allow_null=True)
+    service = ServiceKeySerializer(required=False)
+    decision = serializers.ChoiceField(choices=Decision.values, required=False)
+    rule_number = serializers.IntegerField(required=False, allow_null=True)
+    rule_id = serializers.UUIDField(required=False, allow_null=True)
+    ruleset_id = serializers.UUIDField(required=False, allow_null=True)
+    connection_count = serializers.IntegerField()
+    bytes_in = serializers.IntegerField()
+    bytes_out = serializers.IntegerField()
+    first_seen = serializers.DateTimeField()
+    last_seen = serializers.DateTimeField(help_text="Grouped by rule: the rule's last hit in the range.")
+
+
+class CoverageSerializer(serializers.Serializer):
+    complete = serializers.BooleanField(
+        help_text="No gap and no silent workload: the totals are the whole truth."
+    )
+    gap_count = serializers.IntegerField()
+    gaps = EvidenceGapSerializer(many=True, help_text="The first 100.")
+    workloads_without_reports_count = serializers.IntegerField()
+    workloads_without_reports = serializers.ListField(
+        child=serializers.UUIDField(), help_text="The first 100."
+    )
+
+
+class UnusedRuleSerializer(serializers.Serializer):
+    rule_id = serializers.UUIDField()
+    rule_number = serializers.IntegerField()
+    ruleset_id = serializers.UUIDField()
+    ruleset_name = serializers.CharField()
+
+
+class RollupSerializer(serializers.Serializer):
+    items = RollupRowSerializer(many=True)
+    next_cursor = serializers.CharField(allow_null=True)
+    coverage = CoverageSerializer()
+    unused_rules = UnusedRuleSerializer(
+        many=True,
+        allow_null=True,
+        help_text="Grouped by rule alone: the rules with no hit in the range; null unless coverage is complete.",
+    )
+
+
+class WouldBlockSerializer(serializers.Serializer):
+    workload_id = serializers.UUIDField()
+    peer = serializers.CharField()
+    service = ServiceKeySerializer()
+    connection_count = serializers.IntegerField()
+
+
+class ReviewWorkloadSerializer(serializers.Serializer):
+    workload_id = serializers.UUIDField()
+    hostname = serializers.CharField()
+    last_heard_from = serializers.DateTimeField(required=False, allow_null=True)
+    mode = serializers.CharField(required=False)
+
+
+class ReviewSerializer(serializers.Serializer):
+    verdict = serializers.ChoiceField(choices=["pass", "fail"])
+    reasons = serializers.ListField(child=serializers.CharField())
+    would_block = WouldBlockSerializer(many=True)
+    coverage = CoverageSerializer()
+    offline = ReviewWorkloadSerializer(many=True)
+    not_in_simulation = ReviewWorkloadSerializer(many=True)

@@ -1,8 +1,10 @@
 from django.urls import path
 
-from flows.api.views import EvidenceGapListView, FlowWindowListView
+from flows.api.views import EvidenceGapListView, FlowRollupView, FlowWindowListView, SimulationReviewView
 
 urlpatterns = [
     path("flows", FlowWindowListView.as_view(), name="flows"),
     path("flows/gaps", EvidenceGapListView.as_view(), name="flows-gaps"),
+    path("flows/rollup", FlowRollupView.as_view(), name="flows-rollup"),
+    path("flows/review", SimulationReviewView.as_view(), name="flows-review"),
 ]

@@ -2,15 +2,23 @@
 
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema
+from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from controlplane.api.responses import page_params, page_response
 from controlplane.api.schema import COMMON_ERRORS, PAGE_PARAMETERS, page_of, problem
 from fleet.selectors import label_filters_parse
 from flows import selectors
-from flows.api.schemas import EvidenceGapSerializer, FlowWindowSerializer
+from flows.api.schemas import EvidenceGapSerializer, FlowWindowSerializer, ReviewSerializer, RollupSerializer
 from flows.choices import Decision
-from flows.representations import evidence_gap_data, flow_window_data
+from flows.representations import (
+    coverage_data,
+    evidence_gap_data,
+    flow_window_data,
+    review_data,
+    rollup_row_data,
+    rule_data_brief,
+)
 
 RANGE = [
     OpenApiParameter(
@@ -117,3 +125,67 @@ class EvidenceGapListView(APIView):
             limit=limit,
         )
         return page_response(page, [evidence_gap_data(gap) for gap in page.items])
+
+
+SELECTION = [
+    OpenApiParameter("workload", OpenApiTypes.UUID, many=True, description="Repeatable."),
+    OpenApiParameter(
+        "label", OpenApiTypes.STR, many=True, description="Label requirement; repeatable, ANDed."
+    ),
+]
+
+
+def _selected(request):
+    return selectors.workloads_selected(
+        workload_ids=request.query_params.getlist("workload"),
+        labels=label_filters_parse(request.query_params.getlist("label")),
+    )
+
+
+class FlowRollupView(APIView):
+    @extend_schema(
+        operation_id="flows_rollup",
+        parameters=[
+            OpenApiParameter(
+                "group_by", OpenApiTypes.STR, many=True, required=True, enum=list(selectors.GROUP_KEYS),
+                description="Repeatable: the keys of each group.",
+            ),
+            *SELECTION,
+            *RANGE,
+            *PAGE_PARAMETERS,
+        ],
+        responses={200: RollupSerializer, **INVALID, **NOT_FOUND, **COMMON_ERRORS},
+    )  # fmt: skip
+    def get(self, request):
+        start, end = _range(request)
+        cursor, limit = page_params(request)
+        group_by = selectors.group_by_parse(request.query_params.getlist("group_by"))
+        selected = _selected(request)
+        rows, next_cursor = selectors.flow_rollup(
+            selected=selected, group_by=group_by, start=start, end=end, cursor=cursor, limit=limit
+        )
+        rule_ids = selectors.rule_ids_by_number({row.get("rule_number") for row in rows})
+        covered = selectors.coverage(selected, start, end)
+        unused = None
+        if group_by == ["rule"] and covered["complete"]:
+            unused = [rule_data_brief(rule) for rule in selectors.unused_rules(selected, start, end)]
+        return Response(
+            {
+                "items": [rollup_row_data(row, rule_ids) for row in rows],
+                "next_cursor": next_cursor,
+                "coverage": coverage_data(covered),
+                "unused_rules": unused,
+            }
+        )
+
+
+class SimulationReviewView(APIView):
+    @extend_schema(
+        operation_id="flows_review",
+        parameters=[*SELECTION, *RANGE],
+        responses={200: ReviewSerializer, **INVALID, **NOT_FOUND, **COMMON_ERRORS},
+    )
+    def get(self, request):
+        start, end = _range(request)
+        review = selectors.simulation_review(selected=_selected(request), start=start, end=end)
+        return Response(review_data(review))

@@ -1,0 +1,128 @@
+"""Rollups with their coverage, rule hits and unused rules, and the simulation review's verdict."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from controlplane import clock
+from flows.services import flow_report_ingest
+from tests.flows.test_ingestion import _report, _window_between, enrolled
+from tests.support.helpers import assert_problem
+
+
+def _range():
+    now = clock.now()
+    text = lambda t: t.strftime("%Y-%m-%dT%H:%M:%SZ")  # noqa: E731
+    return {"from": text(now - timedelta(hours=1)), "to": text(now + timedelta(hours=1))}
+
+
+def _ingest(workload, windows, gaps=()):
+    report = _report("p1", 100, windows)
+    report["gaps"] = list(gaps)
+    answer = flow_report_ingest(workload_id=str(workload.id), data=report)
+    assert all(r["result"] == "accepted" for r in answer["windows"] + answer["gaps"]), answer
+
+
+def _windows(workload, groups):
+    windows = _window_between(clock.now() - timedelta(minutes=10), 1)
+    windows[0]["groups"] = [{**windows[0]["groups"][0], **group} for group in groups]
+    return windows
+
+
+def test_rollup_sums_by_the_keys_asked_for_and_states_its_coverage(api, db):
+    web, _, _ = enrolled("web", "10.50.0.1")
+    db_host, _, _ = enrolled("db", "10.50.0.2")
+    _ingest(web, _windows(web, [
+        {"peer": "10.50.0.2", "port": 443, "decision": "allowed", "connection_count": 3},
+        {"peer": "10.9.9.9", "port": 22, "decision": "would_block", "connection_count": 2},
+    ]))  # fmt: skip
+    page = api.get("/api/v1/flows/rollup", {**_range(), "group_by": ["peer", "decision"]}).json()
+    assert [(r["peer"], r["decision"], r["connection_count"]) for r in page["items"]] == [
+        ("10.50.0.2", "allowed", 3),
+        ("10.9.9.9", "would_block", 2),
+    ]
+    assert set(page["items"][0]) == {
+        "peer",
+        "decision",
+        "connection_count",
+        "bytes_in",
+        "bytes_out",
+        "first_seen",
+        "last_seen",
+    }
+    # db sent nothing: no total reads as complete.
+    assert page["coverage"]["complete"] is False
+    assert page["coverage"]["workloads_without_reports"] == [str(db_host.id)]
+    only_web = api.get(
+        "/api/v1/flows/rollup", {**_range(), "group_by": "peer_workload", "workload": str(web.id)}
+    ).json()
+    assert only_web["coverage"]["complete"] is True
+    assert {r["peer_workload_id"] for r in only_web["items"]} == {str(db_host.id), None}
+    first = api.get("/api/v1/flows/rollup", {**_range(), "group_by": "peer", "limit": 1}).json()
+    rest = api.get(
+        "/api/v1/flows/rollup", {**_range(), "group_by": "peer", "limit": 1, "cursor": first["next_cursor"]}
+    ).json()
+    assert [r["peer"] for r in first["items"] + rest["items"]] == ["10.50.0.2", "10.9.9.9"] and rest[
+        "next_cursor"
+    ] is None
+    assert_problem(api.get("/api/v1/flows/rollup", {**_range(), "group_by": "colour"}), 422, "validation")
+    assert_problem(api.get("/api/v1/flows/rollup", _range()), 422, "validation")
+
+
+def test_rule_hits_and_unused_rules_only_when_the_range_is_covered(api, db):
+    web, _, _ = enrolled("web", "10.50.0.1")
+    ruleset = api.post(
+        "/api/v1/rulesets",
+        {"name": "web", "scope": "", "rules": [
+            {"sources": [{"any": True}], "services": [{"protocol": "tcp", "port": 443}]},
+            {"sources": [{"any": True}], "services": [{"protocol": "tcp", "port": 8443}]},
+        ]},
+        format="json",
+    ).json()  # fmt: skip
+    used, unused = ruleset["rules"]
+    _ingest(
+        web,
+        _windows(web, [{"port": 443, "decision": "allowed", "rule": used["number"], "connection_count": 4}]),
+    )
+    page = api.get("/api/v1/flows/rollup", {**_range(), "group_by": "rule", "workload": str(web.id)}).json()
+    assert [(r["rule_id"], r["connection_count"]) for r in page["items"]] == [(used["id"], 4)]
+    assert [r["rule_id"] for r in page["unused_rules"]] == [unused["id"]]
+    # A gap in the range: a rule without hits may only have gone unseen.
+    gap = {"id": "8c1d2e3f-4a5b-4c6d-8e7f-9a0b1c2d3e4f", "kind": "source_restart", "source": "conntrack",
+           "start": _window_between(clock.now() - timedelta(minutes=5), 1)[0]["start"],
+           "end": _window_between(clock.now() - timedelta(minutes=4), 1)[0]["start"], "lost": {}}  # fmt: skip
+    _ingest(web, [], [gap])
+    page = api.get("/api/v1/flows/rollup", {**_range(), "group_by": "rule", "workload": str(web.id)}).json()
+    assert page["coverage"]["complete"] is False and page["unused_rules"] is None
+
+
+def test_the_review_passes_only_with_nothing_to_fear(api, db):
+    web, _, _ = enrolled("web", "10.50.0.1")
+    api.post(
+        "/api/v1/mode-changes",
+        {"selection": {"workload_ids": [str(web.id)]}, "mode": "simulation"},
+        format="json",
+    )
+    _ingest(web, _windows(web, [{"port": 443, "decision": "allowed", "connection_count": 1}]))
+    review = api.get("/api/v1/flows/review", {**_range(), "workload": str(web.id)}).json()
+    # Never connected: offline, and that alone fails the review.
+    assert review["verdict"] == "fail" and [w["workload_id"] for w in review["offline"]] == [str(web.id)]
+    from fleet.models import Workload
+
+    Workload.objects.filter(id=web.id).update(sync_state="synced")
+    review = api.get("/api/v1/flows/review", {**_range(), "workload": str(web.id)}).json()
+    assert review["verdict"] == "pass" and review["reasons"] == []
+    _ingest(
+        web,
+        _windows(web, [{"peer": "10.7.7.7", "port": 5432, "decision": "would_block", "connection_count": 9}]),
+    )
+    review = api.get("/api/v1/flows/review", {**_range(), "workload": str(web.id)}).json()
+    assert review["verdict"] == "fail"
+    assert review["would_block"] == [
+        {
+            "workload_id": str(web.id),
+            "peer": "10.7.7.7",
+            "service": {"protocol": "tcp", "port": 5432},
+            "connection_count": 9,
+        }
+    ]
