@@ -126,3 +126,30 @@ def test_the_review_passes_only_with_nothing_to_fear(api, db):
             "connection_count": 9,
         }
     ]
+
+
+def test_the_flows_command_rolls_up_and_reviews(db):
+    import csv
+    import io
+    import json
+
+    from tests.support.helpers import run_command
+
+    web, _, _ = enrolled("web", "10.50.0.1")
+    _ingest(
+        web,
+        _windows(web, [{"peer": "10.7.7.7", "port": 5432, "decision": "would_block", "connection_count": 9}]),
+    )
+    window = ("--from", _range()["from"], "--to", _range()["to"])
+    code, out, _ = run_command(
+        "flows", "rollup", "--group-by", "service", "--group-by", "decision", *window, "--csv"
+    )
+    assert code == 0
+    assert [
+        (r["protocol"], r["port"], r["decision"], r["connection_count"])
+        for r in csv.DictReader(io.StringIO(out))
+    ] == [("tcp", "5432", "would_block", "9")]
+    code, out, _ = run_command("flows", "review", *window, "--json")
+    assert code == 0 and json.loads(out)["verdict"] == "fail"
+    code, out, _ = run_command("flows", "review", *window)
+    assert out.startswith("FAIL") and "would-block" in out

@@ -3,13 +3,20 @@ JSON (`--json`) or CSV (`--csv`, for spreadsheets)."""
 
 import csv
 import io
+import json
 
 from controlplane.management.base import PalisadeCommand
 from controlplane.pagination import MAX_LIMIT
 from fleet.selectors import label_filters_parse
 from flows import selectors
 from flows.choices import Decision
-from flows.representations import evidence_gap_data, flow_window_data
+from flows.representations import (
+    coverage_data,
+    evidence_gap_data,
+    flow_window_data,
+    review_data,
+    rollup_row_data,
+)
 
 GROUP_COLUMNS = ("window_start", "window_end", "peer", "peer_workload_id", "protocol", "port", "decision",
                  "rule_number", "rule_id", "connection_count", "first_seen", "last_seen", "bytes_in", "bytes_out")  # fmt: skip
@@ -46,11 +53,18 @@ class Command(PalisadeCommand):
         listing.add_argument("--service", help="tcp/443, udp/53, icmp, icmpv6")
         listing.add_argument("--rule", help="a rule's lifetime number")
         gaps = actions.add_parser("gaps", help="evidence gaps intersecting a range")
-        gaps.add_argument("--workload", action="append", default=[], help="repeatable")
-        gaps.add_argument("--label", action="append", default=[], help="label requirement; repeatable, ANDed")
-        for sub in (listing, gaps):
+        rollup = actions.add_parser("rollup", help="sums grouped by keys, with the range's coverage")
+        rollup.add_argument("--group-by", action="append", required=True, choices=list(selectors.GROUP_KEYS))
+        review = actions.add_parser("review", help="the simulation review: pass or fail, and why")
+        for sub in (gaps, rollup, review):
+            sub.add_argument("--workload", action="append", default=[], help="repeatable")
+            sub.add_argument(
+                "--label", action="append", default=[], help="label requirement; repeatable, ANDed"
+            )
+        for sub in (listing, gaps, rollup, review):
             sub.add_argument("--from", dest="start", required=True, help="RFC 3339 instant")
             sub.add_argument("--to", dest="end", required=True, help="RFC 3339 instant, at most 31 days on")
+        for sub in (listing, gaps, rollup):
             sub.add_argument("--csv", action="store_true", help="print CSV")
 
     def handle(self, *args, **options):
@@ -113,3 +127,45 @@ class Command(PalisadeCommand):
                 f"{gap['end'][:19]:20}  {lost}"
             )
         self.emit({"items": data}, "\n".join(lines))
+
+    def _selected(self, o):
+        return selectors.workloads_selected(
+            workload_ids=o["workload"], labels=label_filters_parse(o["label"])
+        )
+
+    def do_rollup(self, o):
+        start, end = selectors.flow_range_parse(start=o["start"], end=o["end"])
+        group_by = selectors.group_by_parse(o["group_by"])
+        selected = self._selected(o)
+        rows, cursor = [], None
+        while True:
+            page, cursor = selectors.flow_rollup(
+                selected=selected, group_by=group_by, start=start, end=end, cursor=cursor, limit=MAX_LIMIT
+            )
+            rows.extend(page)
+            if not cursor:
+                break
+        rule_ids = selectors.rule_ids_by_number({row.get("rule_number") for row in rows})
+        data = [rollup_row_data(row, rule_ids) for row in rows]
+        covered = coverage_data(selectors.coverage(selected, start, end))
+        flat = [
+            {**{k: v for k, v in row.items() if k != "service"}, **({"protocol": row["service"]["protocol"], "port": row["service"]["port"]} if "service" in row else {})}
+            for row in data
+        ]  # fmt: skip
+        if o["csv"]:
+            columns = list(dict.fromkeys(key for row in flat for key in row)) or ["connection_count"]
+            self.stdout.write(_csv(columns, flat))
+            return
+        lines = [json.dumps(row, sort_keys=True) for row in flat]
+        if not covered["complete"]:
+            lines.append(
+                f"incomplete: {covered['gap_count']} gaps, "
+                f"{covered['workloads_without_reports_count']} workloads sent no report in the range"
+            )
+        self.emit({"items": data, "coverage": covered}, "\n".join(lines))
+
+    def do_review(self, o):
+        start, end = selectors.flow_range_parse(start=o["start"], end=o["end"])
+        data = review_data(selectors.simulation_review(selected=self._selected(o), start=start, end=end))
+        text = data["verdict"].upper() + "".join(f"\n  - {reason}" for reason in data["reasons"])
+        self.emit(data, text)
