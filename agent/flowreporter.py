@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any, Protocol
 
 from agent import protocol
@@ -36,6 +36,7 @@ DEFAULT_DUMP_MAX = 1_000_000
 DEFAULT_WINDOW_KEYS = 50_000
 MAX_WINDOWS_PER_REPORT = 200
 SOURCE_RETRY_SECONDS = 1.0
+STATUS_EVERY_SECONDS = 5.0  # how often status.json shows the sources and the buffer
 
 
 def _expired(expires_at: str, now: float) -> bool:
@@ -147,6 +148,7 @@ class FlowReporter:
         sources: dict[str, Callable[[Windows], Source]],
         accounting: bool,
         clock: Callable[[], float] = time.time,
+        on_status: Callable[[dict[str, Any]], None] | None = None,
     ):
         self.state, self.settings = state, settings
         self.context, self.policy_version, self.table_absent = context, policy_version, table_absent
@@ -162,6 +164,8 @@ class FlowReporter:
         self.attempt = 0
         self.next_send = 0.0
         self.last_acknowledged: str | None = None
+        self.on_status = on_status
+        self.status_at = 0.0
 
     def start(self) -> None:
         for thread in self.threads:
@@ -273,6 +277,9 @@ class FlowReporter:
         try:
             while not stopping.is_set():
                 self.tick()
+                if self.on_status is not None and time.monotonic() - self.status_at >= STATUS_EVERY_SECONDS:
+                    self.status_at = time.monotonic()
+                    self.on_status(self.status())
                 if time.monotonic() >= self.next_send:
                     try:
                         sent = await loop.run_in_executor(None, self.send_pending)
@@ -299,7 +306,11 @@ class FlowReporter:
             "sources": {
                 t.name: {
                     "subscribed": t.subscribed,
-                    "last_event_at": t.last_read_at,
+                    "last_event_at": (
+                        datetime.fromtimestamp(t.last_read_at, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+                        if t.last_read_at
+                        else None
+                    ),
                     "overruns": getattr(getattr(t.source, "counter", None), "overruns", 0),
                 }
                 for t in self.threads

@@ -58,6 +58,7 @@ def collect(state: StateDir) -> dict[str, Any]:
         "mode": status.get("mode"),
         "owned_table": status.get("owned_table") or {"state": "unknown", "since": None},
         "credential": credential,
+        "flows": status.get("flows"),
         "updated_at": status.get("updated_at"),
     }
 
@@ -90,7 +91,25 @@ def render(doc: dict[str, Any]) -> str:
         + (f" ({credential['state']})" if credential.get("state") else ""),
         f"last error:   {error['message']} (at {error.get('at')})" if error else "last error:   none",
     ]
+    lines.extend(_flow_lines(doc.get("flows")))
     return "\n".join(lines)
+
+
+def _flow_lines(flows: dict[str, Any] | None) -> list[str]:
+    if not flows:
+        return ["flows:        not reported by this daemon"]
+    sources = "; ".join(
+        f"{name} {'subscribed' if source['subscribed'] else 'DOWN'}"
+        f" (last event {source.get('last_event_at') or 'none'}, overruns {source.get('overruns', 0)})"
+        for name, source in sorted(flows.get("sources", {}).items())
+    )
+    buffer = flows.get("buffer", {})
+    return [
+        f"flows:        {sources or 'no sources'}",
+        f"              open window keys {flows.get('open_window_keys', 0)}; buffer {buffer.get('windows', 0)}"
+        f"/{buffer.get('capacity', '?')} windows, {buffer.get('gaps', 0)} gaps;"
+        f" last acknowledged window {flows.get('last_acknowledged_window') or 'none'}",
+    ]
 
 
 def to_json(doc: dict[str, Any]) -> str:
@@ -177,6 +196,11 @@ class DaemonStatus:
         self.data["applied"] = {"version": version, "mode": mode, "at": now_instant()}
         self.data["mode"] = mode
         self.save()
+
+    def flows(self, flows: dict[str, Any]) -> None:
+        if self.data.get("flows") != flows:
+            self.data["flows"] = flows
+            self.save()
 
     def workload(self, workload_id: str) -> None:
         self.data["workload_id"] = workload_id

@@ -105,6 +105,11 @@ def test_windows_from_a_real_agent_reach_the_operator_api_with_exact_counts(lab,
         assert gaps["items"] == []
         assert api.workload(web_id)["health"]["telemetry_live"] is True
 
+        status = web.cli("status", "--state-dir", str(tmp_path / "web"))
+        assert (
+            "flows:        conntrack subscribed" in status.stdout and "nflog subscribed" in status.stdout
+        ), status.stdout
+
         # Enforcement removed on the host: every window period while it lasts is a table_removed gap.
         removed_at = datetime.now(UTC) - timedelta(seconds=1)
         assert lab.run("web", ["nft", "delete", "table", "inet", "palisade"]).returncode == 0
