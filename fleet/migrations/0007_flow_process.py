@@ -4,20 +4,19 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('fleet', '0006_flow_health'),
+        ("fleet", "0006_flow_health"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='workload',
-            name='flow_process_alive_at',
+            model_name="workload",
+            name="flow_process_alive_at",
             field=models.DateTimeField(null=True),
         ),
         migrations.AddField(
-            model_name='workload',
-            name='flow_process_start_id',
+            model_name="workload",
+            name="flow_process_start_id",
             field=models.CharField(blank=True, max_length=64),
         ),
     ]
