@@ -33,16 +33,31 @@ def _secret_key() -> str:
     if os.environ.get("PALISADE_SECRET_KEY"):
         return os.environ["PALISADE_SECRET_KEY"]
     path = DATA_DIR / "secret-key"
-    try:
-        return path.read_text().strip()
-    except FileNotFoundError:
-        key = secrets.token_urlsafe(48)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    # Processes starting together on one data directory must agree on one key, and never read a key
+    # half written: each writes its candidate aside and links it into place, which fails if another
+    # process got there first (then that one's key is read).
+    for _ in range(3):
+        try:
+            key = path.read_text().strip()
+            if key:
+                return key
+        except FileNotFoundError:
+            pass
+        candidate = secrets.token_urlsafe(48)
+        aside = path.with_name(f".secret-key.{os.getpid()}.tmp")
+        fd = os.open(aside, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as fh:
-            fh.write(key)
-        return key
-    except OSError:
-        return path.read_text().strip()
+            fh.write(candidate)
+            fh.flush()
+            os.fsync(fh.fileno())
+        try:
+            os.link(aside, path)
+            return candidate
+        except FileExistsError:
+            continue
+        finally:
+            os.unlink(aside)
+    return path.read_text().strip()
 
 
 SECRET_KEY = _secret_key()
