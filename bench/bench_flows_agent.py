@@ -36,10 +36,11 @@ HOSTS = {"wl": ("10.79.0.10", None), "client": ("10.79.0.11", None)}
 _SENDER = """
 import socket, sys, time
 host, count, rate = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
-s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
 start = time.perf_counter()
 for i in range(count):
-    s.sendto(b"x", (host, 1024 + (i % 60000)))
+    if i % 50000 == 0:  # a fresh source port every 50,000 ports: every datagram a new 5-tuple
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.sendto(b"x", (host, 1024 + (i % 50000)))
     if i % 100 == 0:
         ahead = start + i / rate - time.perf_counter()
         if ahead > 0:
@@ -122,14 +123,16 @@ def burst(lab, nsthread, rate: int, seconds: float) -> dict:
 def window_memory(keys: int = 10_000) -> dict:
     """Resident memory of a process holding one window with `keys` distinct keys."""
     code = f"""
-import resource, sys
+import sys
 sys.path.insert(0, {str(REPO)!r})
 from agent.flowwindow import FlowKey, Windows
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+def rss_kb():  # current, not ru_maxrss: that carries the forking parent's high-water mark over exec
+    return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1])
+before = rss_kb()
 w = Windows(length=60, max_keys=1_000_000, accounting=True)
 for i in range({keys}):
     w.connection_opened(FlowKey(f"10.{{i // 65536}}.{{i // 256 % 256}}.{{i % 256}}", "tcp", 443, "allowed", 7), 1.0)
-after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+after = rss_kb()
 print(before, after)
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
