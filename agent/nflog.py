@@ -20,7 +20,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 
-from agent.conntrack import NETLINK_NETFILTER, PROTOCOL_NAMES, SO_RCVBUFFORCE, attributes_of
+from agent.conntrack import PROTOCOL_NAMES, attributes_of, netlink_socket
 from agent.flowwindow import FlowKey, Gap, Windows
 
 NFLOG_GROUP_BLOCKED = 7302  # policy/renderer.py; tests/agent keeps the two equal
@@ -55,13 +55,8 @@ def _acknowledged(sock: socket.socket) -> None:
 
 
 def nflog_socket(buffer_bytes: int, group: int = NFLOG_GROUP_BLOCKED) -> socket.socket:
-    sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_NETFILTER)
+    sock = netlink_socket(0, buffer_bytes)
     try:
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, buffer_bytes)
-        except PermissionError:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer_bytes)
-        sock.bind((0, 0))
         sock.send(_config_message(group, NFULA_CFG_CMD, bytes([NFULNL_CFG_CMD_BIND])))
         _acknowledged(sock)
         sock.send(

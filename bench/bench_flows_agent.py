@@ -6,8 +6,9 @@
 A client namespace sends UDP datagrams to a workload namespace at a fixed rate, each to a new port, so
 each is a new conntrack connection marked by the owned table (simulation mode: would_block). For each
 rate, the agent's source (agent/conntrack.py, the default --flow-netlink-buffer) and `conntrack -E`
-(conntrack-tools) consume the same burst side by side. Reported per rate: connections sent, counted by
-the agent, lost (sent - counted, and whether a source_overrun gap said so), the agent's CPU seconds
+(conntrack-tools) consume the same burst side by side. Reported per rate: datagrams sent, connections the
+kernel created (`conntrack -C`, the ground truth), counted by the agent, lost (created - counted, and
+whether a source_overrun gap said so), the agent's CPU seconds
 and `conntrack -E`'s for the same events, and their ratio. Then the resident memory of a window
 holding 10,000 keys. Targets: no loss at 20,000 connections/s with the default buffer; CPU within 2x of
 `conntrack -E`; RSS under 60 MB with 10,000 keys. Results: bench/results/flows_agent.json.
@@ -96,6 +97,8 @@ def burst(lab, nsthread, rate: int, seconds: float) -> dict:
     listener_cpu_before = _process_cpu(listener.pid)
     consumer.start()
     sent = lab.python("client", _SENDER, HOSTS["wl"][0], str(count), str(rate))
+    # Ground truth: the connections the kernel created (the table was flushed before; UDP entries live 30 s).
+    created = int(lab.run("wl", ["conntrack", "-C"]).stdout.strip())
     stop.set()
     consumer.join()
     time.sleep(0.5)
@@ -110,8 +113,9 @@ def burst(lab, nsthread, rate: int, seconds: float) -> dict:
         "rate_requested": rate,
         "rate_achieved": int(sent.stdout.strip() or 0),
         "sent": count,
+        "created": created,
         "agent_counted": counted,
-        "agent_lost": count - counted,
+        "agent_lost": created - counted,
         "overrun_gaps": len(source.gaps),
         "conntrack_E_events": conntrack_events,
         "agent_cpu_s": round(agent_cpu[0], 3),
@@ -165,6 +169,7 @@ def main() -> None:
                 results["bursts"].append(result)
                 print(
                     f"rate {rate:>6}/s (achieved {result['rate_achieved']:>6}): sent {result['sent']:>7}, "
+                    f"created {result['created']:>7}, "
                     f"agent counted {result['agent_counted']:>7} (lost {result['agent_lost']}, "
                     f"overrun gaps {result['overrun_gaps']}); CPU agent {result['agent_cpu_s']} s, "
                     f"conntrack -E {result['conntrack_E_cpu_s']} s, ratio {result['cpu_ratio']}",
