@@ -35,8 +35,21 @@ DEFAULT_BUFFER_RECORDS = 10_080  # a week of one-minute windows
 DEFAULT_DUMP_MAX = 1_000_000
 DEFAULT_WINDOW_KEYS = 50_000
 MAX_WINDOWS_PER_REPORT = 200
+MAX_GAPS_PER_REPORT = 500
+REPORT_BUDGET_BYTES = 8 * 1024 * 1024  # well under the gateway's 32 MiB for flow reports
 SOURCE_RETRY_SECONDS = 1.0
 STATUS_EVERY_SECONDS = 5.0  # how often status.json shows the sources and the buffer
+
+
+def _batch(windows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The oldest windows that fit one report's byte budget (at least one)."""
+    taken, size = [], 0
+    for window in windows:
+        size += 120 + 230 * len(window["groups"])  # about what each costs in the body
+        if taken and size > REPORT_BUDGET_BYTES:
+            break
+        taken.append(window)
+    return taken
 
 
 def _expired(expires_at: str, now: float) -> bool:
@@ -214,7 +227,7 @@ class FlowReporter:
         windows, gaps = self.buffer.pending()
         if not windows and not gaps:
             return None
-        windows = windows[:MAX_WINDOWS_PER_REPORT]
+        windows, gaps = _batch(windows[:MAX_WINDOWS_PER_REPORT]), gaps[:MAX_GAPS_PER_REPORT]
         enrolment = self.state.load_enrolment()  # the credential changes at each renewal
         if _expired(enrolment.expires_at, self.clock()):
             # An expired credential only renews, on the stream; reports wait in the buffer until then.

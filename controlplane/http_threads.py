@@ -15,9 +15,9 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 
 from asgiref.wsgi import WsgiToAsgiInstance
-from django.conf import settings
 from django.core.handlers.wsgi import WSGIHandler
 
+from controlplane.listeners import body_limit
 from controlplane.problems import Problem
 
 POOL_THREADS = int(os.environ.get("PALISADE_HTTP_THREADS", 4))
@@ -95,7 +95,7 @@ class ThreadPoolHttp:
         return int(status.split(" ", 1)[0]), headers, body
 
     async def __call__(self, scope, receive, send):
-        limit = settings.PALISADE_MAX_BODY_BYTES
+        limit = body_limit(scope.get("path", ""))
         chunks, size = [], 0
         while True:
             message = await receive()

@@ -9,6 +9,7 @@ import re
 import socket
 from dataclasses import dataclass
 
+from django.conf import settings
 from twisted.internet.endpoints import quoteStringArgument
 
 from controlplane import runtime, tls
@@ -130,3 +131,10 @@ def parse_listen(flag: str, value: str) -> ListenAddress:
     except socket.gaierror as error:
         raise ListenAddressError(f"{flag} {value!r}: cannot resolve {host}: {error.strerror}") from None
     return ListenAddress(flag, host, found[0][4][0], port)
+
+
+def body_limit(path: str) -> int:
+    """The largest body a request to `path` may carry: flow reports, and everything else."""
+    from agent.protocol import FLOWS_PATH
+
+    return settings.PALISADE_MAX_FLOW_REPORT_BYTES if path == FLOWS_PATH else settings.PALISADE_MAX_BODY_BYTES

@@ -11,7 +11,7 @@ from django.conf import settings
 from django.core.exceptions import DisallowedHost
 
 from controlplane.api.errors import problem_response
-from controlplane.listeners import GATEWAY, listener_of
+from controlplane.listeners import GATEWAY, body_limit, listener_of
 from controlplane.problems import Problem
 
 access_log = logging.getLogger("palisade.access")
@@ -64,7 +64,7 @@ class BodySizeLimitMiddleware:
         self.get_response = get_response
 
     def __call__(self, request):
-        limit = settings.PALISADE_MAX_BODY_BYTES
+        limit = body_limit(request.path)
         try:
             length = int(request.META.get("CONTENT_LENGTH") or 0)
         except ValueError:

@@ -151,6 +151,8 @@ WHITENOISE_AUTOREFRESH = False
 # Request bodies: the API never needs more than this; larger bodies get 413 before parsing.
 PALISADE_MAX_BODY_BYTES = int(os.environ.get("PALISADE_MAX_BODY_BYTES", 1024 * 1024))
 DATA_UPLOAD_MAX_MEMORY_SIZE = PALISADE_MAX_BODY_BYTES
+# An agent's flow report carries whole windows (up to 100,000 keys each); it alone may be this large.
+PALISADE_MAX_FLOW_REPORT_BYTES = int(os.environ.get("PALISADE_MAX_FLOW_REPORT_BYTES", 32 * 1024 * 1024))
 
 # Operator authentication.
 PALISADE_SESSION_COOKIE = "palisade_session"

@@ -19,7 +19,9 @@ class FlowReportView(APIView):
     permission_classes = [AllowAny]
 
     def post(self, request):
-        body = request.body  # the signature covers these exact bytes
+        # The signature covers these exact bytes. Read from the stream: `request.body` holds bodies to
+        # the API's limit, and a report may be larger (the middleware has checked its own limit).
+        body = request._request.read()
         headers = request.headers
         missing = [
             h

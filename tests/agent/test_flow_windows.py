@@ -135,3 +135,13 @@ def test_bounds_must_be_positive(tmp_path):
         Windows(length=0, max_keys=1, accounting=False)
     with pytest.raises(ValueError):
         FlowBuffer(tmp_path, max_records=0)
+
+
+def test_reports_are_cut_to_a_byte_budget_but_always_carry_one_window():
+    from agent import flowreporter
+
+    small = {"groups": [{}] * 10}
+    huge = {"groups": [{}] * 100_000}
+    assert flowreporter._batch([huge, small]) == [huge]
+    assert flowreporter._batch([small] * 3) == [small] * 3
+    assert len(flowreporter._batch([huge] * 3)) == 1

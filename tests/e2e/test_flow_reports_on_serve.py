@@ -184,3 +184,23 @@ def test_flow_reads_refuse_bad_ranges(lab):
                    {"workload": workload, "from": instant(T0), "to": instant(T0 + 40 * 86400)}, RANGE):  # fmt: skip
         answer = operator.get("/api/v1/flows", params=params)
         assert answer.status_code == 422, (params, answer.text)
+
+
+def test_a_window_with_many_keys_is_larger_than_the_api_limit_and_still_lands(lab):
+    """A busy host's window of 20,000 keys is about 5 MB: over the API's 1 MiB bodies, under the
+    gateway's limit for flow reports."""
+    serve, operator, agent, _, root = lab
+    w = Windows(length=60, max_keys=100_000, accounting=False)
+    for i in range(20_000):
+        w.connection_opened(
+            FlowKey(f"10.60.{i // 256}.{i % 256}", "tcp", 443, "observed", None), T0 + 1200 + 1
+        )
+    closed, _ = w.close_due(math.inf, "v")
+    (root / "buffer-big").mkdir()
+    buffer = FlowBuffer(root / "buffer-big", max_records=10)
+    buffer.add(closed, [])
+    body = _body(*buffer.pending())
+    assert len(body) > 1024 * 1024
+    answer = _post(serve, agent, body)
+    assert answer.status_code == 200, answer.text[:500]
+    assert [r["result"] for r in answer.json()["windows"]] == ["accepted"]
