@@ -4,6 +4,9 @@ ground truth (admitted, would-block, blocked with retransmits) and the rule that
 
 from __future__ import annotations
 
+import signal
+import time
+
 import pytest
 
 from tests.support.lab import TCP_SERVER, AgentProcess, NamespacedServe, probe
@@ -129,4 +132,88 @@ def test_windows_from_a_real_agent_reach_the_operator_api_with_exact_counts(lab,
     finally:
         web.kill()
         assert serve.stop() == 0
+    assert "Traceback" not in web.log(), web.log()
+
+
+def test_a_quick_restart_records_no_gap_and_an_outage_longer_than_the_buffer_records_buffer_overflow(
+    lab, tmp_path
+):
+    from datetime import UTC, datetime, timedelta
+
+    def text(at):
+        return at.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+    def serve_process():
+        return NamespacedServe(
+            lab, "cp", tmp_path / "cp", operator_listen=f"{CP}:8080", gateway_listen=f"{CP}:8443"
+        )
+
+    serve = serve_process().start()
+    web = AgentProcess(lab, "web", tmp_path / "web")
+    flags = ("--flow-window-seconds", "3", "--flow-buffer-records", "2")
+    try:
+        api = serve.api(serve.mint_operator_token("flows"))
+        bundle = api.post("/provisioning-tokens", {"description": "flows", "max_uses": 1}).json()["bundle"]
+        web_id = web.enrol(bundle, WEB)
+        web.start(*flags)
+        api.wait_converged(web_id)
+        began = datetime.now(UTC) - timedelta(seconds=2)
+        assert probe(lab, "client", WEB, 8080) == "open"
+        api.wait_for("a first report", lambda: api.workload(web_id)["health"]["telemetry_live"], timeout=30)
+
+        # A quick restart: the open window is kept, the new process reports, nothing is silent.
+        web.kill(signal.SIGTERM)
+        web.start(*flags)
+        assert probe(lab, "client", WEB, 8080) == "open"
+        api.wait_converged(web_id)
+
+        def windows_total():
+            page = api.get(
+                "/flows",
+                params={
+                    "workload": web_id,
+                    "from": text(began),
+                    "to": text(datetime.now(UTC) + timedelta(seconds=9)),
+                },
+            )
+            return sum(g["connection_count"] for w in page["items"] for g in w["groups"])
+
+        # The first connection is still in the table (TIME_WAIT) when the new process subscribes: found
+        # live then, it counts again, as the spec defines a subscription's count.
+        api.wait_for("both connections reported", lambda: windows_total() >= 2, timeout=30)
+        gaps = api.get(
+            "/flows/gaps",
+            params={
+                "workload": web_id,
+                "from": text(began),
+                "to": text(datetime.now(UTC) + timedelta(seconds=9)),
+            },
+        )
+        assert gaps["items"] == []
+
+        # The control plane away for more windows than the buffer holds: the oldest are dropped, and
+        # buffer_overflow gaps say which.
+        assert serve.stop() == 0
+        for _ in range(4):
+            assert probe(lab, "client", WEB, 8080) == "open"
+            time.sleep(3)
+        serve = serve_process().start()
+        api = serve.api(serve.mint_operator_token("flows-again"))
+
+        def overflow():
+            page = api.get(
+                "/flows/gaps",
+                params={
+                    "workload": web_id,
+                    "from": text(began),
+                    "to": text(datetime.now(UTC) + timedelta(seconds=9)),
+                },
+            )
+            return [g for g in page["items"] if g["kind"] == "buffer_overflow"]
+
+        found = api.wait_for("buffer_overflow gaps", overflow, timeout=60)
+        assert all(g["source"] is None and g["lost"]["windows"] >= 1 for g in found)
+    finally:
+        web.kill()
+        serve.stop()
     assert "Traceback" not in web.log(), web.log()
