@@ -100,9 +100,11 @@ def _envelope(data: Any) -> Report:
 
 def _id(raw: Any) -> uuid.UUID:
     try:
-        return uuid.UUID(str(raw)) if isinstance(raw, str) else uuid.UUID("")
+        if isinstance(raw, str):
+            return uuid.UUID(raw)
     except ValueError:
-        raise Refused("id is not a UUID") from None
+        pass
+    raise Refused("id is not a UUID")
 
 
 def _instant(raw: Any, name: str) -> datetime:
@@ -123,15 +125,12 @@ def _peer(raw: Any) -> str:
         address = ipaddress.ip_address(raw if isinstance(raw, str) else "")
     except ValueError:
         raise Refused("peer is not an IP address") from None
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped:
-        address = address.ipv4_mapped
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.scope_id:
+            raise Refused("peer carries a zone (%...): give the address alone")
+        if address.ipv4_mapped:
+            return address.ipv4_mapped.compressed
     return address.compressed
-
-
-@dataclass(frozen=True)
-class _Window:
-    row: FlowWindow
-    groups: list[dict]
 
 
 def _window(raw: Any, *, window_seconds: int) -> tuple[uuid.UUID, datetime, datetime, dict]:

@@ -303,3 +303,21 @@ def test_heartbeats_of_the_old_process_and_late_windows_shorten_the_silence(db, 
     start, end = gaps[0]
     assert start == datetime.fromisoformat(held_back[-1]["end"].replace("Z", "+00:00"))
     assert abs(end - (clock.now() - timedelta(seconds=10))) < timedelta(seconds=1)
+
+
+def test_odd_ids_and_peers_are_refused_per_window(db):
+    workload, _, _ = enrolled()
+    data = at_agent_clock(golden(), clock.now())
+    window = data["windows"][0]
+    odd = [
+        {**window, "id": 7},
+        {**window, "id": "not-a-uuid"},
+        {**window, "id": "0c1d2e3f-4a5b-4c6d-8e7f-9a0b1c2d3e4f", "groups": [{**window["groups"][0], "peer": "fe80::1%eth0"}]},
+    ]  # fmt: skip
+    answer = flow_report_ingest(workload_id=str(workload.id), data={**data, "windows": odd, "gaps": []})
+    assert [(r["result"], r["reason"][:14]) for r in answer["windows"]] == [
+        ("refused", "id is not a UU"),
+        ("refused", "id is not a UU"),
+        ("refused", "peer carries a"),
+    ]
+    assert FlowWindow.objects.count() == 0
