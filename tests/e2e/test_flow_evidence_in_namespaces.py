@@ -217,3 +217,43 @@ def test_a_quick_restart_records_no_gap_and_an_outage_longer_than_the_buffer_rec
         web.kill()
         serve.stop()
     assert "Traceback" not in web.log(), web.log()
+
+
+def test_more_keys_than_a_window_holds_is_window_overflow_with_what_was_lost(lab, tmp_path):
+    from datetime import UTC, datetime, timedelta
+
+    serve = NamespacedServe(
+        lab, "cp", tmp_path / "cp", operator_listen=f"{CP}:8080", gateway_listen=f"{CP}:8443"
+    ).start()
+    web = AgentProcess(lab, "web", tmp_path / "web")
+    try:
+        api = serve.api(serve.mint_operator_token("flows"))
+        bundle = api.post("/provisioning-tokens", {"description": "flows", "max_uses": 1}).json()["bundle"]
+        web_id = web.enrol(bundle, WEB)
+        web.start("--flow-window-seconds", "5", "--flow-window-keys", "1")
+        api.wait_converged(web_id)
+        began = datetime.now(UTC) - timedelta(seconds=5)
+        # Two keys (one per service) in one window that holds one: the second is dropped, and said so.
+        # Start just after a window boundary, so that the three probes fall in one window.
+        time.sleep(5 - time.time() % 5 + 0.2)
+        assert probe(lab, "client", WEB, 8080) == "open"
+        assert probe(lab, "client", WEB, 9090) == "open"
+        assert probe(lab, "client", WEB, 9090) == "open"
+
+        def overflow():
+            end = (datetime.now(UTC) + timedelta(seconds=10)).strftime("%Y-%m-%dT%H:%M:%SZ")
+            page = api.get(
+                "/flows/gaps",
+                params={"workload": web_id, "from": began.strftime("%Y-%m-%dT%H:%M:%SZ"), "to": end},
+            )
+            return [g for g in page["items"] if g["kind"] == "window_overflow"]
+
+        gaps = api.wait_for("a window_overflow gap", overflow, timeout=40)
+        lost = {
+            "events": sum(g["lost"]["events"] for g in gaps),
+            "keys": sum(g["lost"]["keys"] for g in gaps),
+        }
+        assert lost == {"events": 2, "keys": 1}, gaps
+    finally:
+        web.kill()
+        serve.stop()
