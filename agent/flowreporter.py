@@ -204,21 +204,21 @@ class FlowReporter:
     def tick(self, now: float | None = None) -> None:
         """Close what is due and move it, with every source's gaps, into the buffer."""
         now = self.clock() if now is None else now
-        closed, gaps = self.windows.close_due(now, self.policy_version())
-        for thread in self.threads:
-            gaps.extend(thread.take_gaps())
-        gaps.extend(self._table_gaps(now))
-        if closed or gaps:
-            self.buffer.add(closed, gaps)
+        self._keep(now, self._table_gaps(now))
 
     def close(self) -> None:
         """At shutdown: the open window is closed and kept, with the rest of the buffer."""
         for thread in self.threads:
             thread.stop()
-        closed, gaps = self.windows.close_due(math.inf, self.policy_version())
+        self._keep(math.inf, [])
+
+    def _keep(self, now: float, gaps: list[Gap]) -> None:
+        closed, window_gaps = self.windows.close_due(now, self.policy_version())
+        gaps = window_gaps + gaps
         for thread in self.threads:
             gaps.extend(thread.take_gaps())
-        self.buffer.add(closed, gaps)
+        if closed or gaps:
+            self.buffer.add(closed, gaps)
 
     # --- reporting ---
 

@@ -189,11 +189,15 @@ def _groups_in_range(selected, start: datetime, end: datetime):
     return groups if selected is None else groups.filter(workload__in=selected)
 
 
+def _workloads_of(selected):
+    return Workload.objects.all() if selected is None else Workload.objects.filter(id__in=selected)
+
+
 def coverage(selected, start: datetime, end: datetime) -> dict:
     """What makes a total incomplete: the gaps intersecting the range and the selected workloads that
     sent no window in it."""
     gaps = EvidenceGap.objects.filter(start__lt=end, end__gt=start)
-    workloads = Workload.objects.all() if selected is None else Workload.objects.filter(id__in=selected)
+    workloads = _workloads_of(selected)
     if selected is not None:
         gaps = gaps.filter(workload__in=selected)
     reporting = FlowWindow.objects.filter(start__lt=end, end__gt=start).values("workload_id")
@@ -269,7 +273,7 @@ def simulation_review(*, selected, start: datetime, end: datetime) -> dict:
 
     from fleet.choices import Mode, SyncState
 
-    workloads = Workload.objects.all() if selected is None else Workload.objects.filter(id__in=selected)
+    workloads = _workloads_of(selected)
     would_block = list(
         _groups_in_range(selected, start, end)
         .filter(decision=Decision.WOULD_BLOCK)

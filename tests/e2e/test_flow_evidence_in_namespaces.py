@@ -40,17 +40,26 @@ def _totals(api, workload_id: str, start: str, end: str) -> dict:
     return totals
 
 
+def _serve(lab, tmp_path) -> NamespacedServe:
+    """serve in the control plane's namespace, on its data directory (the same one when started again)."""
+    return NamespacedServe(
+        lab, "cp", tmp_path / "cp", operator_listen=f"{CP}:8080", gateway_listen=f"{CP}:8443"
+    )
+
+
+def _enrolled(serve, web: AgentProcess):
+    api = serve.api(serve.mint_operator_token("flows"))
+    bundle = api.post("/provisioning-tokens", {"description": "flows", "max_uses": 1}).json()["bundle"]
+    return api, web.enrol(bundle, WEB)
+
+
 def test_windows_from_a_real_agent_reach_the_operator_api_with_exact_counts(lab, tmp_path):
     from datetime import UTC, datetime, timedelta
 
-    serve = NamespacedServe(
-        lab, "cp", tmp_path / "cp", operator_listen=f"{CP}:8080", gateway_listen=f"{CP}:8443"
-    ).start()
+    serve = _serve(lab, tmp_path).start()
     web = AgentProcess(lab, "web", tmp_path / "web")
     try:
-        api = serve.api(serve.mint_operator_token("flows"))
-        bundle = api.post("/provisioning-tokens", {"description": "flows", "max_uses": 1}).json()["bundle"]
-        web_id = web.enrol(bundle, WEB)
+        api, web_id = _enrolled(serve, web)
         api.request(
             "PUT", f"/workloads/{web_id}/labels", json={"labels": {"app": "web"}}, headers={"If-Match": '"1"'}
         )
@@ -143,18 +152,11 @@ def test_a_quick_restart_records_no_gap_and_an_outage_longer_than_the_buffer_rec
     def text(at):
         return at.strftime("%Y-%m-%dT%H:%M:%SZ")
 
-    def serve_process():
-        return NamespacedServe(
-            lab, "cp", tmp_path / "cp", operator_listen=f"{CP}:8080", gateway_listen=f"{CP}:8443"
-        )
-
-    serve = serve_process().start()
+    serve = _serve(lab, tmp_path).start()
     web = AgentProcess(lab, "web", tmp_path / "web")
     flags = ("--flow-window-seconds", "3", "--flow-buffer-records", "2")
     try:
-        api = serve.api(serve.mint_operator_token("flows"))
-        bundle = api.post("/provisioning-tokens", {"description": "flows", "max_uses": 1}).json()["bundle"]
-        web_id = web.enrol(bundle, WEB)
+        api, web_id = _enrolled(serve, web)
         web.start(*flags)
         api.wait_converged(web_id)
         began = datetime.now(UTC) - timedelta(seconds=2)
@@ -197,7 +199,7 @@ def test_a_quick_restart_records_no_gap_and_an_outage_longer_than_the_buffer_rec
         for _ in range(4):
             assert probe(lab, "client", WEB, 8080) == "open"
             time.sleep(3)
-        serve = serve_process().start()
+        serve = _serve(lab, tmp_path).start()
         api = serve.api(serve.mint_operator_token("flows-again"))
 
         def overflow():
@@ -222,14 +224,10 @@ def test_a_quick_restart_records_no_gap_and_an_outage_longer_than_the_buffer_rec
 def test_more_keys_than_a_window_holds_is_window_overflow_with_what_was_lost(lab, tmp_path):
     from datetime import UTC, datetime, timedelta
 
-    serve = NamespacedServe(
-        lab, "cp", tmp_path / "cp", operator_listen=f"{CP}:8080", gateway_listen=f"{CP}:8443"
-    ).start()
+    serve = _serve(lab, tmp_path).start()
     web = AgentProcess(lab, "web", tmp_path / "web")
     try:
-        api = serve.api(serve.mint_operator_token("flows"))
-        bundle = api.post("/provisioning-tokens", {"description": "flows", "max_uses": 1}).json()["bundle"]
-        web_id = web.enrol(bundle, WEB)
+        api, web_id = _enrolled(serve, web)
         web.start("--flow-window-seconds", "5", "--flow-window-keys", "1")
         api.wait_converged(web_id)
         began = datetime.now(UTC) - timedelta(seconds=5)
