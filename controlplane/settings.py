@@ -71,6 +71,7 @@ INSTALLED_APPS = [
     "drf_spectacular",
     "drf_spectacular_sidecar",
     "channels",
+    "django_htmx",
     "controlplane.auth.apps.OperatorAuthConfig",
     "controlplane",
     "policy",
@@ -86,6 +87,8 @@ MIDDLEWARE = [
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.security.SecurityMiddleware",
+    "django_htmx.middleware.HtmxMiddleware",
+    "controlplane.console.security.ConsoleSecurityHeadersMiddleware",
 ]
 APPEND_SLASH = False
 
@@ -97,7 +100,10 @@ TEMPLATES = [
         "BACKEND": "django.template.backends.django.DjangoTemplates",
         "DIRS": [BASE_DIR / "templates"],
         "APP_DIRS": True,
-        "OPTIONS": {"context_processors": ["django.template.context_processors.request"]},
+        "OPTIONS": {
+            "context_processors": ["django.template.context_processors.request"],
+            "libraries": {"console": "controlplane.console.templatetags.console"},
+        },
     }
 ]
 

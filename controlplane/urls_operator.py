@@ -25,4 +25,5 @@ api_v1 = [
 
 urlpatterns = [
     path("api/v1/", include(api_v1)),
+    path("", include("controlplane.console.urls")),
 ]

@@ -234,7 +234,10 @@ def credential_renew(*, workload_id: str, now: datetime | None = None) -> Signed
         fields = list(CREDENTIAL_FIELDS)
         if now >= workload.credential_expires_at:
             workload.credential_last_late_renewal = now
-            fields.append("credential_last_late_renewal")
+            workload.credential_last_late_by_seconds = int(
+                (now - workload.credential_expires_at).total_seconds()
+            )
+            fields += ["credential_last_late_renewal", "credential_last_late_by_seconds"]
         credential_start(workload, now=now, serial=workload.credential_serial + 1)
         workload.save(update_fields=fields)
         return credential_issue(workload=workload)

@@ -79,6 +79,8 @@ class Workload(models.Model):
     credential_renewal_failed = models.BooleanField(default=False)
     credential_last_error = models.TextField(blank=True)
     credential_last_late_renewal = models.DateTimeField(null=True)
+    # How long past its expiry that renewal came (the console's 'renewed N late').
+    credential_last_late_by_seconds = models.PositiveIntegerField(null=True)
 
     enrolled_at = models.DateTimeField()
     enrolled_with = models.ForeignKey(

@@ -67,6 +67,7 @@ def workload_data(workload: Workload) -> dict:
                 "renewal_due_at": rfc3339(credential_renewal_due_at(workload)),
                 "last_error": workload.credential_last_error or None,
                 "last_late_renewal": rfc3339(workload.credential_last_late_renewal),
+                "last_late_renewal_late_by_seconds": workload.credential_last_late_by_seconds,
             },
         },
         "enrolled_at": rfc3339(workload.enrolled_at),

@@ -64,6 +64,8 @@ def rollup_row_data(row: dict[str, Any], rule_ids: dict[int, str]) -> dict[str, 
     if "rule_number" in row:
         data["rule_number"] = row["rule_number"]
         data["rule_id"] = rule_ids.get(row["rule_number"]) if row["rule_number"] else None
+    if "start" in row:
+        data["window_start"] = rfc3339(row["start"])
     if "ruleset_id" in row:
         data["ruleset_id"] = str(row["ruleset_id"]) if row["ruleset_id"] else None
     data.update(

@@ -155,6 +155,8 @@ GROUP_KEYS = {
     "decision": ("decision",),
     "rule": ("rule_number",),
     "ruleset": ("ruleset_id",),
+    # The window's start: a time series (connections per window), what the console plots.
+    "window": ("start",),
 }
 COVERAGE_LIST = 100
 

@@ -20,7 +20,7 @@ def test_import_contracts_hold():
         text=True,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "Contracts: 4 kept, 0 broken." in result.stdout, result.stdout
+    assert "Contracts: 5 kept, 0 broken." in result.stdout, result.stdout
 
 
 def test_agent_has_its_own_packaging_metadata():

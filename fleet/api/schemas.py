@@ -25,6 +25,9 @@ class CredentialSerializer(serializers.Serializer):
     last_late_renewal = serializers.DateTimeField(
         allow_null=True, help_text="Set by a renewal made after expiry."
     )
+    last_late_renewal_late_by_seconds = serializers.IntegerField(
+        allow_null=True, help_text="How long after the expiry that renewal came ('renewed N late')."
+    )
 
 
 class HealthSerializer(serializers.Serializer):

@@ -63,6 +63,7 @@ class RollupRowSerializer(serializers.Serializer):
     rule_number = serializers.IntegerField(required=False, allow_null=True)
     rule_id = serializers.UUIDField(required=False, allow_null=True)
     ruleset_id = serializers.UUIDField(required=False, allow_null=True)
+    window_start = serializers.DateTimeField(required=False, help_text="Grouped by `window`.")
     connection_count = serializers.IntegerField()
     bytes_in = serializers.IntegerField()
     bytes_out = serializers.IntegerField()

@@ -103,6 +103,7 @@ def test_workload_and_rendered_policy_reads(api, db):
         "renewal_due_at",
         "last_error",
         "last_late_renewal",
+        "last_late_renewal_late_by_seconds",
     }
     policy = api.get(f"/api/v1/workloads/{workload.id}/rendered-policy").json()
     assert policy["version"] == body["latest_version"]

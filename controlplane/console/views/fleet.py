@@ -1,0 +1,143 @@
+"""The fleet page and one workload's page: state, chips, labels, rendered policy, resend, flows."""
+
+from __future__ import annotations
+
+from urllib.parse import urlencode
+
+from django.views.decorators.http import require_GET, require_http_methods, require_POST
+
+from controlplane.console.chips import workload_chips
+from controlplane.console.pages import RANGES, chosen_range, lines, operator_page, page
+from controlplane.console.plots import connections_plot
+
+SYNC_STATES = ("synced", "pending", "degraded", "offline")
+
+
+def fleet_filters(params) -> dict:
+    return {
+        "label": [value for value in params.getlist("label") if value.strip()],
+        "sync_state": params.get("sync_state", "") if params.get("sync_state") in SYNC_STATES else "",
+        "removed": params.get("removed", "") if params.get("removed") in ("true", "false") else "",
+    }
+
+
+def with_chips(workloads: list[dict]) -> list[dict]:
+    return [{**workload, "chips": workload_chips(workload)} for workload in workloads]
+
+
+@require_GET
+@operator_page
+def fleet(request, api):
+    filters = fleet_filters(request.GET)
+    query = {key: value for key, value in filters.items() if value}
+    cursor = request.GET.get("cursor", "")
+    listing = api.get("/workloads", params={**query, **({"cursor": cursor} if cursor else {})})
+    counts = api.get("/workloads/counts")
+    context = {
+        "filters": filters,
+        "sync_states": SYNC_STATES,
+        "counts": counts.data if counts.ok else None,
+        "problem": listing.problem,
+        "workloads": with_chips(listing.data["items"]) if listing.ok else [],
+        "next_query": urlencode({**query, "cursor": listing.data["next_cursor"]}, doseq=True)
+        if listing.ok and listing.data["next_cursor"]
+        else "",
+        "first_query": urlencode(query, doseq=True),
+        "this_query": request.GET.urlencode(),
+        "paged": bool(cursor),
+    }
+    return page(request, "console/fleet.html", context, partial="console/partials/fleet_body.html")
+
+
+def not_found(request, what: str):
+    return page(request, "console/not_found.html", {"what": what}, status=404)
+
+
+def _labels_text(labels: dict) -> str:
+    return "\n".join(f"{key}={value}" for key, value in sorted(labels.items()))
+
+
+def _labels_from_text(text: str) -> tuple[dict, list[str]]:
+    labels, unreadable = {}, []
+    for line in lines(text):
+        key, sep, value = line.partition("=")
+        if not sep:
+            unreadable.append(f"'{line}' is not key=value")
+            continue
+        labels[key.strip()] = value.strip()
+    return labels, unreadable
+
+
+@require_GET
+@operator_page
+def workload(request, api, workload_id: str):
+    found = api.get(f"/workloads/{workload_id}")
+    if not found.ok:
+        return not_found(request, f"workload {workload_id}")
+    item = found.data
+    labels = api.get(f"/workloads/{workload_id}/labels").data
+    policy = api.get(f"/workloads/{workload_id}/rendered-policy").data
+    return page(
+        request,
+        "console/workload.html",
+        {
+            "workload": {**item, "chips": workload_chips(item)},
+            "labels_form": {"text": _labels_text(labels["labels"]), "version": labels["version"]},
+            "policy": policy,
+            "rule_index": sorted((policy.get("rule_index") or {}).items(), key=lambda kv: int(kv[0])),
+            **workload_flows(api, workload_id, request.GET),
+        },
+        partial="console/partials/workload_flows.html" if request.GET.get("part") == "flows" else None,
+    )
+
+
+def workload_flows(api, workload_id: str, params) -> dict:
+    span = chosen_range(params)
+    selection = {"workload": workload_id, "from": span["from"], "to": span["to"]}
+    series = api.get("/flows/rollup", params={**selection, "group_by": ["window", "decision"], "limit": 500})
+    groups = api.get(
+        "/flows/rollup",
+        params={**selection, "group_by": ["peer", "service", "decision", "rule"], "limit": 200},
+    )
+    gaps = api.get("/flows/gaps", params={**selection, "limit": 100})
+    problem = series.problem or groups.problem or gaps.problem
+    return {
+        "span": span,
+        "ranges": list(RANGES),
+        "flows_problem": problem,
+        "plot": connections_plot(series.data["items"]) if series.ok else None,
+        "groups": groups.data if groups.ok else None,
+        "gaps": gaps.data["items"] if gaps.ok else [],
+    }
+
+
+@require_http_methods(["POST"])
+@operator_page
+def workload_labels(request, api, workload_id: str):
+    labels, unreadable = _labels_from_text(request.POST.get("labels", ""))
+    version = request.POST.get("version", "")
+    form = {"text": request.POST.get("labels", ""), "version": version}
+    context = {"workload": {"id": workload_id}, "labels_form": form, "saved": False}
+    if unreadable:
+        context["findings"] = unreadable
+        return page(request, "console/labels.html", context, partial="console/partials/labels_form.html")
+    result = api.put(f"/workloads/{workload_id}/labels", {"labels": labels}, if_match=version)
+    if result.ok:
+        form.update(text=_labels_text(result.data["labels"]), version=result.data["version"])
+        context["saved"] = True
+    else:
+        context["problem"] = result.problem
+        context["findings"] = [f"{f['path']}: {f['message']}" for f in result.problem.get("errors") or []]
+        if result.problem["name"] == "precondition-failed":
+            current = api.get(f"/workloads/{workload_id}/labels").data
+            context["current"] = {"text": _labels_text(current["labels"]), "version": current["version"]}
+    return page(request, "console/labels.html", context, partial="console/partials/labels_form.html")
+
+
+@require_POST
+@operator_page
+def workload_resend(request, api, workload_id: str):
+    result = api.post(f"/workloads/{workload_id}/resend-snapshot")
+    context = {"workload": {"id": workload_id}, "result": result.data if result.ok else None}
+    context["problem"] = result.problem
+    return page(request, "console/resend.html", context, partial="console/partials/resend_result.html")

@@ -1,0 +1,124 @@
+"""The console in-process (Django's test client): every page renders from the API alone, refusals are
+shown in words where they happen, and the security headers are on every page. The browser tests
+(test_console_in_browser.py) drive the same pages in Chromium against the real serve."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from django.test import Client
+
+from tests.support.workloads import connect, make_workload
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def browser(operator_password):
+    client = Client()
+    response = client.post("/login", {"password": operator_password, "next": "/policy"})
+    assert response.status_code == 302 and response["Location"] == "/policy"
+    return client
+
+
+def text(response) -> str:
+    return re.sub(r"\s+", " ", response.content.decode())
+
+
+def test_pages_need_a_session_and_send_the_operator_back_after_login(operator_password):
+    client = Client()
+    response = client.get("/flows?range=1h")
+    assert response.status_code == 302 and response["Location"].startswith("/login?next=")
+    refused = client.post("/login", {"password": "wrong", "next": "/flows"})
+    assert refused.status_code == 401 and "problem" in text(refused)
+    assert (
+        client.post("/login", {"password": operator_password, "next": "https://evil.example/"})["Location"]
+        == "/"
+    )
+
+
+def test_a_session_ended_elsewhere_sends_the_page_to_login(browser):
+    assert browser.get("/").status_code == 200
+    browser.post("/logout")
+    response = browser.get("/")
+    assert response.status_code == 302 and "/login" in response["Location"]
+
+
+@pytest.mark.parametrize(
+    "path", ["/", "/policy", "/policy/rulesets/new", "/policy/services/new", "/policy/address-groups/new",
+             "/mode-changes", "/review", "/review?range=1h", "/flows", "/tokens", "/about"],
+)  # fmt: skip
+def test_every_page_renders_with_a_strict_content_security_policy(browser, path):
+    response = browser.get(path)
+    assert response.status_code == 200, text(response)[:2000]
+    policy = response["Content-Security-Policy"]
+    assert (
+        "script-src 'self'" in policy and "unsafe-inline" not in policy and "frame-ancestors 'none'" in policy
+    )
+    assert response["X-Frame-Options"] == "DENY"
+    assert "<script>" not in response.content.decode() and " style=" not in response.content.decode()
+
+
+def test_fleet_shows_each_workload_with_its_chips(browser):
+    offline = make_workload(hostname="never-1")
+    synced = connect(make_workload(hostname="up-1", labels={"env": "prod"}))
+    page = text(browser.get("/"))
+    assert "never-1" in page and "offline: never connected" in page
+    assert "up-1" in page and "env=prod" in page
+    assert "never-1" not in text(browser.get("/?label=env%3Dprod"))
+    partial = browser.get("/", headers={"HX-Request": "true"})
+    assert "<html" not in partial.content.decode() and 'id="fleet"' in partial.content.decode()
+    assert str(offline.id) in text(browser.get(f"/workloads/{offline.id}"))
+    assert browser.get(f"/workloads/{synced.id}").status_code == 200
+    assert browser.get("/workloads/not-a-workload").status_code == 404
+
+
+def test_a_label_edit_that_meets_a_conflict_says_so_with_the_current_version(browser):
+    workload = make_workload(hostname="web-1", labels={"app": "web"})
+    url = f"/workloads/{workload.id}/labels"
+    first = browser.post(url, {"labels": "app=web\nenv=prod", "version": "1"})
+    assert "Labels saved" in text(first), text(first)[:3000]
+    stale = browser.post(url, {"labels": "app=api", "version": "1"})
+    page = text(stale)
+    assert "Changed since you opened it" in page and "env=prod" in page
+
+
+def test_a_rule_with_a_validation_error_shows_it_next_to_the_field_then_saves(browser):
+    created = browser.post("/policy/rulesets/new", {"name": "web", "scope": "app=web", "enabled": "on"})
+    assert created.status_code == 302, text(created)[:3000]
+    ruleset_url = created["Location"]
+    bad = browser.post(
+        f"{ruleset_url}/rules/new", {"sources": "role in (", "services": "tcp/443", "action": "save"}
+    )
+    assert bad.status_code == 422
+    assert 'id="sources-errors"' in bad.content.decode()
+    good = browser.post(
+        f"{ruleset_url}/rules/new", {"sources": "role=client", "services": "tcp/443", "action": "save"}
+    )
+    assert good.status_code == 302
+    assert "role=client" in text(browser.get(ruleset_url))
+
+
+def test_deleting_a_referenced_service_says_by_what(browser):
+    browser.post("/policy/services/new", {"name": "https", "text": "tcp/443"})
+    created = browser.post("/policy/rulesets/new", {"name": "web", "scope": "", "enabled": "on"})
+    browser.post(
+        f"{created['Location']}/rules/new", {"sources": "any", "services": "https", "action": "save"}
+    )
+    policy = browser.get("/policy").content.decode()
+    service_url = re.search(r'href="(/policy/services/[0-9a-f-]+)"', policy).group(1)
+    version = re.search(r'name="version" value="([^"]+)"', browser.get(service_url).content.decode()).group(1)
+    refused = browser.post(f"{service_url}/delete", {"version": version})
+    assert refused.status_code == 409 and "Still referenced" in text(refused) and "web" in text(refused)
+
+
+def test_minting_shows_the_secret_once_and_revoking_works(browser):
+    minted = text(browser.post("/tokens", {"kind": "operator", "name": "ci"}))
+    secret = re.search(r"(pal_op_[A-Za-z0-9_\-]+)", minted).group(1)
+    listing = text(browser.get("/tokens"))
+    assert secret not in listing and secret[:12] in listing
+    token_id = re.search(
+        r"/tokens/operator/([0-9a-f-]+)/revoke", browser.get("/tokens").content.decode()
+    ).group(1)
+    assert "Revoked" in text(browser.post(f"/tokens/operator/{token_id}/revoke"))
