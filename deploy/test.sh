@@ -4,7 +4,8 @@
 # Tests that need root or a missing service skip with the reason (PALISADE_REQUIRE_ALL=1 fails them).
 # Extra arguments go to pytest.
 source "$(dirname "${BASH_SOURCE[0]}")/bootstrap.sh"
-apt_install nftables python3-nftables conntrack iproute2 iputils-ping openssl
+# chromium: the console tests drive Debian's browser (Playwright launches it by path).
+apt_install nftables python3-nftables conntrack iproute2 iputils-ping openssl chromium
 ensure_venv test
 link_debian_nftables
 cd "$ROOT"

@@ -48,9 +48,11 @@ def workload_chips(workload: dict, now: datetime | None = None) -> list[Chip]:
     now = now or clock.now()
     sync, health = workload["sync"], workload["health"]
     chips: list[Chip] = []
-    if health["owned_table"]["state"] == "absent":
+    removed = health["owned_table"]["state"] == "absent"
+    if removed:
         chips.append(Chip("Enforcement removed on host", BAD, "the owned table is gone; resend a snapshot"))
-    chips.extend(_sync_chips(sync, health, now))
+    # A removed table enforces nothing: a green "synced" beside it would read as all being well.
+    chips.extend(chip for chip in _sync_chips(sync, health, now) if not (removed and chip.tone == GOOD))
     chips.extend(_credential_chips(health["credential"], now))
     skew = health.get("clock_skew")
     if skew:

@@ -181,8 +181,11 @@ def flows(request, api):
         "rollup": rollup.data if rollup.ok else None,
         "problem": rollup.problem or gaps.problem,
         "gaps": gaps.data["items"] if gaps.ok else [],
-        "plot": connections_plot(series.data["items"]) if series.ok else None,
+        "plot": connections_plot(series.data["items"], start=span["from"], end=span["to"])
+        if series.ok
+        else None,
         "rules": rules.data if rules.ok else None,
+        "rule_hits": [row for row in rules.data["items"] if row.get("rule_number")] if rules.ok else [],
         "query": query.urlencode(),
         "next_cursor": rollup.data["next_cursor"] if rollup.ok else None,
     }

@@ -18,6 +18,7 @@ def fleet_filters(params) -> dict:
         "label": [value for value in params.getlist("label") if value.strip()],
         "sync_state": params.get("sync_state", "") if params.get("sync_state") in SYNC_STATES else "",
         "removed": params.get("removed", "") if params.get("removed") in ("true", "false") else "",
+        "limit": params.get("limit", "") if params.get("limit", "").isdigit() else "",
     }
 
 
@@ -105,7 +106,9 @@ def workload_flows(api, workload_id: str, params) -> dict:
         "span": span,
         "ranges": list(RANGES),
         "flows_problem": problem,
-        "plot": connections_plot(series.data["items"]) if series.ok else None,
+        "plot": connections_plot(series.data["items"], start=span["from"], end=span["to"])
+        if series.ok
+        else None,
         "groups": groups.data if groups.ok else None,
         "gaps": gaps.data["items"] if gaps.ok else [],
     }

@@ -1,0 +1,468 @@
+"""The console in headless Chromium (Debian's package, driven by Playwright) against the real serve over
+TLS, with simulated agents, scripted agents holding each state, and real flow reports.
+
+Every page is checked for requests to another origin and for JavaScript errors, and screenshotted
+into tests/console/screenshots/ (a CI artifact, ignored by git).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+
+from agent.enrol import enrol
+from agent.flowbuffer import FlowBuffer
+from agent.flowreport import report_body, report_headers
+from agent.flowwindow import FlowKey, Windows
+from agent.protocol import FLOWS_PATH
+from agent.state import StateDir
+from tests.support.requirements import require
+from tests.support.scripted_agent import ScriptedStreams
+from tests.support.serve_process import REPO, Site, terminate
+
+pytestmark = pytest.mark.e2e
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+SCREENSHOTS = Path(__file__).resolve().parent / "screenshots"
+PASSWORD = "console test password"
+SIMULATED = 3
+REFUSAL_LOGGED = re.compile(
+    r"^Failed to load resource: the server responded with a status of 4(0[0-9]|1[0-9]|2[0-9]) "
+)
+EXPIRING_LIFETIME = 4  # seconds: the credentials of the workloads meant to be expired
+
+
+def _require_chromium():
+    if not Path(CHROMIUM).exists():
+        require(False, "needs Debian's chromium (apt-get install chromium)")
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        require(False, "needs the playwright package (pip install playwright)")
+
+
+class Lab:
+    """The ids and processes the tests look at."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.ids: dict[str, str] = {}
+
+
+def _flow_report(enrolment, buffer_dir: Path, *, skew: float = 0.0, with_gap: bool) -> bytes:
+    now = time.time()
+    start = math.floor(now / 60) * 60 - 120  # two closed windows before this minute
+    windows = Windows(length=60, max_keys=100, accounting=True)
+    allowed = FlowKey("10.200.0.1", "tcp", 443, "allowed", None)
+    would_block = FlowKey("192.0.2.9", "tcp", 22, "would_block", None)
+    for at in (start + 1, start + 2, start + 3, start + 61, start + 62):
+        windows.connection_opened(allowed, at)
+    for at in (start + 5, start + 65, start + 66):
+        windows.connection_opened(would_block, at)
+    closed, gaps = windows.close_due(start + 120, "v-console")
+    buffer_dir.mkdir()
+    # With room for one window the first overflows: a buffer_overflow gap over its range.
+    buffer = FlowBuffer(buffer_dir, max_records=1 if with_gap else 10)
+    buffer.add(closed, gaps)
+    pending_windows, pending_gaps = buffer.pending()
+    return report_body(
+        pending_windows, pending_gaps, now=now + skew, process_start_id="p-console", uptime_seconds=300.0,
+        window_seconds=60,
+    )  # fmt: skip
+
+
+def _post_report(serve, enrolment, body: bytes) -> None:
+    headers = report_headers(
+        body,
+        key=enrolment.key,
+        workload_id=enrolment.identity.workload_id,
+        credential=enrolment.credential,
+        gateway_fingerprint=enrolment.identity.fingerprint,
+    )
+    with serve.client("gateway") as gateway:
+        answer = gateway.post(FLOWS_PATH, content=body, headers=headers)
+    assert answer.status_code == 200, answer.text
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    _require_chromium()
+    root = tmp_path_factory.mktemp("console")
+    lab = Lab(root)
+    with Site.fresh(root / "data") as site:
+        site.set_operator_password(PASSWORD)
+        # First serve: short credentials, for the two workloads that must be expired.
+        short = site.serve(
+            env={"REDIS_URL": "", "PALISADE_CREDENTIAL_LIFETIME_SECONDS": str(EXPIRING_LIFETIME)}
+        )
+        listen = {"operator_listen": short.operator_listen, "gateway_listen": short.gateway_listen}
+        http = short.client("operator", headers={"Authorization": f"Bearer {short.mint_operator_token()}"})
+        bundle = http.post(
+            "/api/v1/provisioning-tokens", json={"description": "console", "max_uses": 20}
+        ).json()
+        http.close()
+        for name in ("expired-1", "late-1"):
+            lab.ids[name] = enrol(
+                bundle["bundle"], str(root / name), hostname=name, addresses=["10.9.0.1"]
+            ).workload_id
+        expiring_since = time.monotonic()
+        assert short.stop() == 0
+        serve = site.serve(env={"REDIS_URL": ""}, **listen)
+        lab.serve = serve
+        http = serve.client("operator", headers={"Authorization": f"Bearer {serve.mint_operator_token()}"})
+        lab.http = http
+        for index, name in enumerate(
+            ("never-1", "degraded-1", "removed-1", "failing-1", "pending-1", "web-1", "skewed-1")
+        ):
+            lab.ids[name] = enrol(
+                bundle["bundle"], str(root / name), hostname=name, addresses=[f"10.9.1.{index + 1}"]
+            ).workload_id
+        lab_token = http.post(
+            "/api/v1/provisioning-tokens",
+            json={"description": "lab", "max_uses": SIMULATED, "labels": {"env": "lab"}},
+        ).json()
+        (root / "lab.bundle").write_text(lab_token["bundle"])
+        simulator = subprocess.Popen(
+            [sys.executable, "-m", "agent", "simulate", "--bundle-file", str(root / "lab.bundle"),
+             "--count", str(SIMULATED), "--state-root", str(root / "sim"), "--heartbeat-seconds", "1"],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            env=dict(os.environ, PYTHONPATH=str(REPO)), cwd=REPO, start_new_session=True,
+        )  # fmt: skip
+        streams = ScriptedStreams()
+        try:
+            load = {name: StateDir(root / name).load_enrolment() for name in lab.ids}
+            for name, role in (("degraded-1", "degraded"), ("removed-1", "removed"),
+                               ("failing-1", "renewal-failed"), ("pending-1", "pending")):  # fmt: skip
+                streams.hold(load[name], role=role)
+            time.sleep(max(0.0, EXPIRING_LIFETIME + 1 - (time.monotonic() - expiring_since)))
+            streams.hold(load["late-1"], role="renew-late")
+            _post_report(
+                serve, load["web-1"], _flow_report(load["web-1"], root / "buffer-web", with_gap=True)
+            )
+            _post_report(
+                serve,
+                load["skewed-1"],
+                _flow_report(load["skewed-1"], root / "buffer-skewed", skew=900.0, with_gap=False),
+            )
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                items = http.get("/api/v1/workloads", params={"label": "env=lab"}).json()["items"]
+                if len(items) == SIMULATED and all(w["sync"]["state"] == "synced" for w in items):
+                    break
+                time.sleep(0.3)
+            else:
+                raise AssertionError(f"simulated agents not synced: {items}")
+            lab.simulated = [w["id"] for w in items]
+            yield lab
+        finally:
+            streams.close()
+            terminate(simulator)
+            http.close()
+            assert "Traceback" not in serve.stderr_text(), serve.stderr_text()[-4000:]
+
+
+@pytest.fixture(scope="module")
+def browser(lab):
+    from playwright.sync_api import sync_playwright
+
+    SCREENSHOTS.mkdir(exist_ok=True)
+    with sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        yield chromium
+        chromium.close()
+
+
+@pytest.fixture(scope="module")
+def context(browser, lab):
+    context = browser.new_context(
+        ignore_https_errors=True, accept_downloads=True, viewport={"width": 1280, "height": 900}
+    )
+    yield context
+    context.close()
+
+
+class Watched:
+    """A page that fails the test on a request to another origin or a JavaScript error."""
+
+    def __init__(self, page, origin: str):
+        self.page, self.origin, self.problems = page, origin, []
+        page.on("request", self._request)
+        page.on("pageerror", lambda error: self.problems.append(f"page error: {error}"))
+        page.on("console", self._console)
+
+    def _console(self, message) -> None:
+        # A refusal answered 4xx (a 412, a 422) is the console showing the API's problem in words;
+        # Chromium logs its status as a failed resource. Anything else logged as an error fails.
+        if message.type == "error" and not REFUSAL_LOGGED.match(message.text):
+            self.problems.append(f"console error: {message.text}")
+
+    def _request(self, request):
+        parts = urlsplit(request.url)
+        if parts.scheme in ("data", "blob", "about"):
+            return
+        if f"{parts.scheme}://{parts.netloc}" != self.origin:
+            self.problems.append(f"request to another origin: {request.url}")
+
+    def goto(self, path: str):
+        self.page.goto(self.origin + path)
+        return self.page
+
+    def shot(self, name: str) -> None:
+        # caret="initial": hiding the caret injects a <style>, which the page's CSP rightly refuses.
+        self.page.screenshot(path=str(SCREENSHOTS / f"{name}.png"), full_page=True, caret="initial")
+
+    def check(self) -> None:
+        assert not self.problems, self.problems
+
+
+@pytest.fixture(scope="module")
+def logged_in(context, lab):
+    page = Watched(context.new_page(), lab.serve.operator_url)
+    page.goto("/flows")
+    assert "/login" in page.page.url
+    page.shot("login")
+    page.page.get_by_label("Operator password").fill("wrong password")
+    page.page.get_by_role("button", name="Log in").click()
+    assert page.page.locator(".problem").is_visible()
+    page.page.get_by_label("Operator password").fill(PASSWORD)
+    page.page.get_by_role("button", name="Log in").click()
+    page.page.wait_for_url(re.compile(r"/flows"))
+    page.problems.clear()  # the refused login's 401 is the console reporting it, not an error
+    yield page
+    page.check()
+
+
+def row(page, hostname: str):
+    return page.locator(f'tr[data-workload="{hostname}"]')
+
+
+def test_every_chip_appears_for_a_workload_in_that_state(logged_in, lab):
+    page = logged_in.goto("/")
+    expectations = {
+        "never-1": "offline: never connected",
+        "expired-1": "Credential expired",
+        "late-1": "late",
+        "degraded-1": "degraded: Error: Could not process rule",
+        "removed-1": "Enforcement removed on host",
+        "failing-1": "renewal failed, retrying",
+        "pending-1": "not yet applied",
+        "web-1": "Reconnecting",
+        "skewed-1": "Clock skew",
+    }
+    for hostname, chip in expectations.items():
+        assert chip in row(page, hostname).inner_text(), (hostname, row(page, hostname).inner_text())
+    assert re.search(r"renewed \d+ s late", row(page, "late-1").inner_text())
+    assert "Evidence gap" in row(page, "web-1").inner_text()
+    assert re.search(r"Clock skew 1[45] min ahead", row(page, "skewed-1").inner_text())
+    assert "renewal due in" in row(page, "never-1").inner_text()
+    assert "synced" in page.locator("tr", has_text="sim-").first.inner_text()
+    assert page.locator('[data-count="removed"]').inner_text() == "1"
+    assert page.locator('[data-count="total"]').inner_text() == str(len(lab.ids) + SIMULATED)
+    # Fleet order: degraded and enforcement-removed first.
+    first_two = {page.locator("tbody tr").nth(i).get_attribute("data-workload") for i in (0, 1)}
+    assert first_two == {"degraded-1", "removed-1"}
+    logged_in.shot("fleet")
+    logged_in.check()
+
+
+def test_filters_and_paging(logged_in, lab):
+    page = logged_in.goto("/?removed=true")
+    assert page.locator("tbody tr").count() == 1 and row(page, "removed-1").count() == 1
+    page = logged_in.goto("/")
+    page.get_by_label("Add a label requirement").fill("env=lab")
+    page.get_by_role("button", name="Filter").click()
+    page.wait_for_url(re.compile(r"label=env%3Dlab"))
+    assert page.locator("tbody tr").count() == SIMULATED
+    page = logged_in.goto("/?limit=5")
+    first = [page.locator("tbody tr").nth(i).get_attribute("data-workload") for i in range(5)]
+    page.get_by_role("link", name="Next page").click()
+    page.wait_for_url(re.compile(r"cursor="))
+    second = [page.locator("tbody tr").nth(i).get_attribute("data-workload") for i in range(5)]
+    assert not set(first) & set(second)
+    logged_in.check()
+
+
+def test_the_fleet_refreshes_itself(logged_in, lab):
+    page = logged_in.goto("/")
+    assert "Clock skew" in row(page, "skewed-1").inner_text()
+    lab.http.put(
+        f"/api/v1/workloads/{lab.ids['skewed-1']}/labels",
+        json={"labels": {"role": "refreshed"}},
+        headers={
+            "If-Match": '"'
+            + lab.http.get(f"/api/v1/workloads/{lab.ids['skewed-1']}/labels").json()["version"]
+            + '"'
+        },
+    )
+    row(page, "skewed-1").get_by_text("role=refreshed").wait_for(timeout=15_000)
+    logged_in.check()
+
+
+def test_a_label_edit_that_meets_a_conflict(logged_in, context, lab):
+    url = f"/workloads/{lab.ids['never-1']}"
+    mine = logged_in.goto(url)
+    other = Watched(context.new_page(), lab.serve.operator_url)
+    other.goto(url)
+    other.page.get_by_label("One key=value per line").fill("team=blue")
+    other.page.get_by_role("button", name="Save labels").click()
+    other.page.get_by_text("Labels saved").wait_for()
+    mine.get_by_label("One key=value per line").fill("team=red")
+    mine.get_by_role("button", name="Save labels").click()
+    conflict = mine.locator('[data-problem="precondition-failed"]')
+    conflict.wait_for()
+    assert "Changed since you opened it" in conflict.inner_text() and "team=blue" in conflict.inner_text()
+    logged_in.shot("workload-label-conflict")
+    other.page.close()
+    other.check()
+    logged_in.check()
+
+
+def test_resend_on_an_offline_workload_says_when_it_was_last_heard_from(logged_in, lab):
+    page = logged_in.goto(f"/workloads/{lab.ids['never-1']}")
+    page.get_by_role("button", name="Resend snapshot").click()
+    refusal = page.locator('[data-problem="workload-offline"]')
+    refusal.wait_for()
+    assert "never connected" in refusal.inner_text()
+    logged_in.check()
+
+
+def test_the_workload_page_plots_its_flows_and_lists_its_gaps(logged_in, lab):
+    page = logged_in.goto(f"/workloads/{lab.ids['web-1']}?range=1h")
+    assert page.locator("svg rect.bar").count() >= 2
+    # The buffer held one of the two windows: the first was dropped (its range is the gap).
+    assert page.locator('[data-total="would_block"]').inner_text() == "2"
+    assert page.locator('[data-total="allowed"]').inner_text() == "2"
+    assert page.locator('tr[data-gap="buffer_overflow"]').count() == 1
+    assert "Incomplete" in page.locator(".coverage").inner_text()
+    logged_in.shot("workload")
+    logged_in.check()
+
+
+def test_authoring_a_rule_with_a_validation_error_then_fixing_it(logged_in, lab):
+    page = logged_in.goto("/policy/rulesets/new")
+    page.get_by_label("Name", exact=True).fill("lab-web")
+    page.get_by_label("Scope").fill("env=lab")
+    page.locator("#scope-preview").get_by_text(f"{SIMULATED} workloads match").wait_for()
+    page.get_by_role("button", name="Create ruleset").click()
+    page.wait_for_url(re.compile(r"/policy/rulesets/[0-9a-f-]+$"))
+    page.get_by_role("link", name="Add a rule").click()
+    page.get_by_label("Sources").fill("role in (")
+    page.get_by_label("Services").fill("tcp/443")
+    page.get_by_role("button", name="Save rule").click()
+    errors = page.locator("#sources-errors")
+    errors.wait_for()
+    assert errors.inner_text().strip()
+    logged_in.shot("rule-validation-error")
+    page.get_by_label("Sources").fill("env=lab")
+    page.locator("#sources-preview").get_by_text(f"{SIMULATED} workloads match").wait_for()
+    page.get_by_role("button", name="Dry-run").click()
+    page.locator("#dryrun-h").wait_for()
+    assert "would change" in page.locator("#dryrun-h").inner_text()
+    logged_in.shot("rule-dryrun")
+    page.get_by_role("button", name="Save rule").click()
+    page.wait_for_url(re.compile(r"/policy/rulesets/[0-9a-f-]+$"))
+    assert "env=lab" in page.locator("table").inner_text()
+    logged_in.shot("ruleset")
+    logged_in.goto("/policy")
+    logged_in.shot("policy")
+    logged_in.check()
+
+
+def test_a_mode_change_to_enforced_needs_confirmation_of_what_fails_then_converges(logged_in, lab):
+    page = logged_in.goto("/mode-changes")
+    page.get_by_label("Label requirements").fill("env=lab")
+    page.get_by_label("enforced").check()
+    page.get_by_role("button", name="Preview").click()
+    page.locator('[data-verdict="fail"]').wait_for()
+    assert f"{SIMULATED} workloads selected" in page.locator("#mode-change").inner_text()
+    page.get_by_role("button", name="Change mode to enforced").click()
+    confirm = page.locator(".confirm")
+    confirm.wait_for()
+    assert "not in simulation" in confirm.inner_text()
+    logged_in.shot("mode-change-confirm")
+    page.get_by_label(re.compile("I enforce despite")).check()
+    page.get_by_role("button", name="Change mode to enforced").click()
+    page.locator("[data-intent]").wait_for()
+    page.locator(f'[data-converged="{SIMULATED}"][data-selected="{SIMULATED}"]').wait_for(timeout=30_000)
+    logged_in.shot("mode-change-converged")
+    modes = {
+        w["mode"] for w in lab.http.get("/api/v1/workloads", params={"label": "env=lab"}).json()["items"]
+    }
+    assert modes == {"enforced"}
+    logged_in.check()
+
+
+def test_the_review_page_states_its_reasons(logged_in, lab):
+    page = logged_in.goto(f"/review?range=1h&workloads={lab.ids['web-1']}")
+    assert page.locator('[data-verdict="fail"]').count() == 1
+    reasons = page.locator(".reasons").inner_text()
+    assert "would-block" in reasons and "evidence gap" in reasons and "offline" in reasons
+    logged_in.shot("review")
+    logged_in.check()
+
+
+def test_flows_plot_rule_hits_and_csv_export(logged_in, lab):
+    page = logged_in.goto(f"/flows?range=1h&workloads={lab.ids['web-1']}&group_by=peer&group_by=service")
+    assert page.locator("svg rect.bar").count() >= 2
+    assert "192.0.2.9" in page.locator("table.rollup").inner_text()
+    assert page.locator('[data-unused="unknown"]').count() == 1  # a gap: unused rules cannot be known
+    logged_in.shot("flows")
+    with page.expect_download() as download:
+        page.locator("a", has_text="Export CSV").first.click()
+    rows = list(csv.DictReader(io.StringIO(Path(download.value.path()).read_text())))
+    counts = {(r["peer"], r["protocol"], r["port"]): int(r["connection_count"]) for r in rows}
+    assert counts == {("10.200.0.1", "tcp", "443"): 2, ("192.0.2.9", "tcp", "22"): 2}
+    logged_in.check()
+
+
+def test_minting_shows_the_secret_once_and_revoking_asks_first(logged_in, lab):
+    page = logged_in.goto("/tokens")
+    page.get_by_label("Name").fill("ci pipeline")
+    page.get_by_role("button", name="Mint operator token").click()
+    secret = page.locator("#secret").input_value()
+    assert secret.startswith("pal_op_")
+    page.get_by_role("button", name="Copy").click()
+    page.get_by_text("Copied.").wait_for()
+    logged_in.shot("tokens-minted")
+    page = logged_in.goto("/tokens")
+    assert secret not in page.content()
+    token_row = page.locator("tr", has_text="ci pipeline")
+    page.once("dialog", lambda dialog: dialog.accept())
+    token_row.get_by_role("button", name="Revoke").click()
+    page.get_by_text("Revoked.").wait_for()
+    assert "revoked" in page.locator("tr", has_text="ci pipeline").inner_text()
+    assert lab.http.get("/api/v1/me", headers={"Authorization": f"Bearer {secret}"}).status_code == 401
+    logged_in.check()
+
+
+def test_about_and_a_phone_width(logged_in, context, lab):
+    page = logged_in.goto("/about")
+    assert page.locator('[data-fact="version"]').inner_text()
+    logged_in.shot("about")
+    page.set_viewport_size({"width": 390, "height": 844})
+    logged_in.goto("/")
+    width = page.evaluate("document.documentElement.scrollWidth")
+    assert width <= 390 + 1, f"the fleet page scrolls sideways on a phone: {width}px"
+    logged_in.shot("fleet-phone")
+    page.set_viewport_size({"width": 1280, "height": 900})
+    logged_in.check()
+
+
+def test_logout_ends_the_session(logged_in, lab):
+    page = logged_in.goto("/")
+    page.get_by_role("button", name="Log out").click()
+    page.wait_for_url(re.compile(r"/login"))
+    logged_in.goto("/tokens")
+    assert "/login" in page.url
+    logged_in.check()
