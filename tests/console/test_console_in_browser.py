@@ -337,6 +337,20 @@ def test_resend_on_an_offline_workload_says_when_it_was_last_heard_from(logged_i
     logged_in.check()
 
 
+def test_resend_on_a_connected_workload_moves_the_last_snapshot_sent(logged_in, lab):
+    url = f"/workloads/{lab.simulated[0]}"
+    page = logged_in.goto(url)
+    before = page.locator('[data-fact="last-snapshot"]').inner_text()
+    time.sleep(1.1)  # the fact is shown to the second
+    page.get_by_role("button", name="Resend snapshot").click()
+    page.get_by_text("Directive sent").wait_for()
+    deadline = time.monotonic() + 20
+    while logged_in.goto(url).locator('[data-fact="last-snapshot"]').inner_text() == before:
+        assert time.monotonic() < deadline, "the last snapshot sent did not move"
+        time.sleep(0.5)
+    logged_in.check()
+
+
 def test_the_workload_page_plots_its_flows_and_lists_its_gaps(logged_in, lab):
     page = logged_in.goto(f"/workloads/{lab.ids['web-1']}?range=1h")
     assert page.locator("svg rect.bar").count() >= 2

@@ -122,3 +122,35 @@ def test_minting_shows_the_secret_once_and_revoking_works(browser):
         r"/tokens/operator/([0-9a-f-]+)/revoke", browser.get("/tokens").content.decode()
     ).group(1)
     assert "Revoked" in text(browser.post(f"/tokens/operator/{token_id}/revoke"))
+
+
+def test_a_cross_origin_post_from_a_browser_is_refused(browser):
+    workload = make_workload(hostname="web-1")
+    refused = browser.post(
+        f"/workloads/{workload.id}/labels",
+        {"labels": "a=b", "version": "1"},
+        headers={"Sec-Fetch-Site": "cross-site"},
+    )
+    assert refused.status_code == 403
+    assert browser.post("/logout", headers={"Origin": "https://evil.example"}).status_code == 403
+
+
+def test_what_operators_typed_is_shown_escaped(browser):
+    created = browser.post(
+        "/policy/rulesets/new", {"name": "xss", "description": '<img src=x onerror="alert(1)">', "scope": ""}
+    )
+    page = browser.get(created["Location"]).content.decode()
+    assert "<img src=x" not in page and "&lt;img src=x onerror=&quot;alert(1)&quot;&gt;" in page
+
+
+def test_the_dry_run_names_the_workloads_and_rules_that_would_change(browser):
+    make_workload(hostname="web-1", labels={"app": "web"}, mode="simulation")
+    created = browser.post("/policy/rulesets/new", {"name": "web", "scope": "app=web", "enabled": "on"})
+    page = text(
+        browser.post(
+            f"{created['Location']}/rules/new", {"sources": "any", "services": "tcp/443", "action": "dryrun"}
+        )
+    )
+    assert "1 workload would change" in page and "web-1" in page and "this new rule" in page
+    assert "Nothing was saved" in page
+    assert "No rule yet" in text(browser.get(created["Location"]))  # and nothing was

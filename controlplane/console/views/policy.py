@@ -157,7 +157,7 @@ def rule_edit(request, api, ruleset_id: str, rule_id: str | None = None):
             "/policies/render-dryrun", {"rulesets": _dryrun_rulesets(api, ruleset_id, rule_id, body)}
         )
         if result.ok:
-            context["dryrun"] = result.data
+            context["dryrun"] = _with_hostnames(api, result.data)
     elif rule_id is None:
         result = api.post(f"/rulesets/{ruleset_id}/rules", body)
     else:
@@ -172,6 +172,15 @@ def rule_edit(request, api, ruleset_id: str, rule_id: str | None = None):
     return page(
         request, "console/rule.html", context, partial="console/partials/rule_form.html", status=status
     )
+
+
+def _with_hostnames(api, dryrun: dict) -> dict:
+    """The dry-run names workloads by id; a person reads host names (from the first fleet page)."""
+    fleet = api.get("/workloads", params={"limit": 500})
+    names = {w["id"]: w["hostname"] for w in fleet.data["items"]} if fleet.ok else {}
+    for change in dryrun["changed"]:
+        change["hostname"] = names.get(change["workload_id"], change["workload_id"])
+    return dryrun
 
 
 def _rule_errors(result) -> dict:
