@@ -46,10 +46,25 @@ def flows_prune_step() -> int:
     from controlplane import runtime
     from flows.services import flow_evidence_prune
 
-    removed = flow_evidence_prune(older_than=timedelta(days=runtime.facts.retention_days))
-    if removed:
-        log.info("removed %d flow windows and gaps past their retention", removed)
-    return removed
+    pruned = flow_evidence_prune(older_than=timedelta(days=runtime.facts.retention_days))
+    if pruned.rows or pruned.partitions:
+        log.info(
+            "flow evidence past its retention: dropped %d day partitions, deleted %d windows and gaps",
+            pruned.partitions,
+            pruned.rows,
+        )
+    return pruned.rows + pruned.partitions
+
+
+def flow_partitions_step() -> int:
+    """Day partitions for flow evidence, yesterday to three days ahead (PostgreSQL; nothing on SQLite)."""
+    from controlplane import clock
+    from flows.partitions import flow_partitions_ahead
+
+    created = flow_partitions_ahead(now=clock.now())
+    if created:
+        log.info("created %d flow evidence partitions", created)
+    return created
 
 
 async def streams_catch_up_step() -> int:
@@ -70,6 +85,7 @@ class Step:
 STEPS = (
     Step("reap silent streams", 60, run=streams_reap_step),
     Step("prune rendered documents", 600, run=documents_prune_step),
+    Step("create flow evidence partitions ahead", 3600, run=flow_partitions_step),
     Step("remove flow evidence past its retention", 3600, run=flows_prune_step),
     Step("catch up streams", 2.0, run_async=streams_catch_up_step),
 )

@@ -27,3 +27,7 @@ class GapSource(models.TextChoices):
 
 
 AGENT_GAP_KINDS = tuple(kind for kind in GapKind.values if kind != GapKind.AGENT_SILENT)
+
+# The longest window an agent may report (`--flow-window-seconds`). A window that ends after an instant
+# starts less than this before it, which is what lets a range read skip older day partitions.
+MAX_WINDOW_SECONDS = 3600

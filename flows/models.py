@@ -1,4 +1,5 @@
 """Stored flow evidence: windows (one row per agent window, its groups as rows) and evidence gaps.
+On PostgreSQL the three tables are partitioned by day (flows/partitions.py, migration 0002).
 
 Ids are the agent's own, so a window or gap re-sent after a lost acknowledgement is stored once.
 """
@@ -26,7 +27,11 @@ class FlowGroup(models.Model):
     """One key of a window: peer, service, decision and rule, with its counters."""
 
     id = models.BigAutoField(primary_key=True)
-    window = models.ForeignKey(FlowWindow, on_delete=models.CASCADE, related_name="groups")
+    # No database constraint: on PostgreSQL both tables are partitioned by start (flows/partitions.py),
+    # so a window's id alone is not a key the database can reference; they are dropped together.
+    window = models.ForeignKey(
+        FlowWindow, on_delete=models.CASCADE, related_name="groups", db_constraint=False
+    )
     # The window's workload and start, repeated: rollups read this table alone.
     workload = models.ForeignKey(Workload, on_delete=models.CASCADE, related_name="+")
     start = models.DateTimeField()

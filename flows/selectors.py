@@ -12,7 +12,7 @@ from controlplane.problems import Finding, ValidationFailed
 from controlplane.validation import parse_instant
 from fleet.models import Workload
 from fleet.selectors import workload_get, workload_queryset
-from flows.choices import Decision
+from flows.choices import MAX_WINDOW_SECONDS, Decision
 from flows.models import EvidenceGap, FlowGroup, FlowWindow
 from policy.grammar import Selector
 from policy.models import Rule
@@ -95,9 +95,11 @@ def flow_windows_list(
     workload = workload_get(workload_id=workload_id, missing=f"No workload {workload_id}.")
     groups = groups or {}
     matching = FlowGroup.objects.filter(**groups)
-    windows = FlowWindow.objects.filter(workload=workload, start__lt=end, end__gt=start)
+    windows = FlowWindow.objects.filter(workload=workload, **_windows_in(start, end))
     if groups:
-        windows = windows.filter(id__in=matching.filter(workload=workload, start__lt=end).values("window_id"))
+        windows = windows.filter(
+            id__in=matching.filter(workload=workload, **_starts_in(start, end)).values("window_id")
+        )
     windows = windows.prefetch_related(
         Prefetch("groups", queryset=matching.order_by("peer", "protocol", "port", "decision", "rule_number"))
     )
@@ -186,8 +188,20 @@ def workloads_selected(*, workload_ids: list[str], labels: list[Selector]):
     return selected.values("id")
 
 
+def _starts_in(start: datetime, end: datetime) -> dict:
+    """Windows (or their groups) that may intersect [start, end): a lower bound on `start` as well,
+    so that PostgreSQL reads only the day partitions of the range (flows/partitions.py)."""
+    return {"start__lt": end, "start__gt": start - timedelta(seconds=MAX_WINDOW_SECONDS)}
+
+
+def _windows_in(start: datetime, end: datetime) -> dict:
+    return {**_starts_in(start, end), "end__gt": start}
+
+
 def _groups_in_range(selected, start: datetime, end: datetime):
-    groups = FlowGroup.objects.filter(start__lt=end, window__end__gt=start)
+    # The window's bounds repeat the group's, so that the joined window table is pruned as well.
+    window_bounds = {f"window__{name}": value for name, value in _windows_in(start, end).items()}
+    groups = FlowGroup.objects.filter(**_starts_in(start, end), **window_bounds)
     return groups if selected is None else groups.filter(workload__in=selected)
 
 
@@ -202,7 +216,7 @@ def coverage(selected, start: datetime, end: datetime) -> dict:
     workloads = _workloads_of(selected)
     if selected is not None:
         gaps = gaps.filter(workload__in=selected)
-    reporting = FlowWindow.objects.filter(start__lt=end, end__gt=start).values("workload_id")
+    reporting = FlowWindow.objects.filter(**_windows_in(start, end)).values("workload_id")
     silent = workloads.exclude(id__in=reporting).order_by("hostname", "id")
     gap_count, silent_count = gaps.count(), silent.count()
     return {

@@ -11,7 +11,7 @@ from __future__ import annotations
 import ipaddress
 import uuid
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from django.db import transaction
@@ -21,8 +21,9 @@ from controlplane.problems import Finding, ValidationFailed
 from controlplane.validation import parse_instant
 from fleet.models import Workload
 from fleet.selectors import workload_get
-from flows.choices import AGENT_GAP_KINDS, Decision, GapKind, GapSource
+from flows.choices import AGENT_GAP_KINDS, MAX_WINDOW_SECONDS, Decision, GapKind, GapSource
 from flows.models import EvidenceGap, FlowGroup, FlowWindow
+from flows.partitions import flow_partitions_drop, flow_partitions_ensure
 
 MAX_WINDOWS_PER_REPORT = 1000
 MAX_GAPS_PER_REPORT = 1000
@@ -69,7 +70,7 @@ def _envelope(data: Any) -> Report:
     if (
         isinstance(window_seconds, bool)
         or not isinstance(window_seconds, int)
-        or not 1 <= window_seconds <= 3600
+        or not 1 <= window_seconds <= MAX_WINDOW_SECONDS
     ):
         findings.append(
             Finding("/window_seconds", "out-of-range", "window_seconds is a whole number from 1 to 3600.")
@@ -359,6 +360,7 @@ def flow_report_ingest(*, workload_id: str, data: Any) -> dict:
                 for row in rows
             )
             window_results.append(_result(raw, ACCEPTED))
+        flow_partitions_ensure(days={window.start.astimezone(UTC).date() for window in windows})
         FlowWindow.objects.bulk_create(windows)
         FlowGroup.objects.bulk_create(groups, batch_size=5000)
 
@@ -386,6 +388,7 @@ def flow_report_ingest(*, workload_id: str, data: Any) -> dict:
                 gap_results.append(_result(raw, ACCEPTED))
         silent = _agent_silent(workload, report, now)
         gaps.extend(silent)
+        flow_partitions_ensure(days={gap.end.astimezone(UTC).date() for gap in gaps})
         EvidenceGap.objects.bulk_create(gaps)
         Workload.objects.filter(id=workload.id).update(
             flow_process_start_id=report.process_start_id,
@@ -397,10 +400,18 @@ def flow_report_ingest(*, workload_id: str, data: Any) -> dict:
     return {"windows": window_results, "gaps": gap_results}
 
 
-def flow_evidence_prune(*, older_than: timedelta) -> int:
-    """Remove windows (with their groups) and gaps that ended before `older_than` ago."""
+@dataclass(frozen=True)
+class Pruned:
+    rows: int  # windows and gaps deleted row by row
+    partitions: int  # day partitions dropped whole, rows and all (PostgreSQL)
+
+
+def flow_evidence_prune(*, older_than: timedelta) -> Pruned:
+    """Remove windows (with their groups) and gaps that ended before `older_than` ago: whole day
+    partitions on PostgreSQL, then the rows left in the partitions that straddle the cutoff."""
     cutoff = clock.now() - older_than
+    partitions = flow_partitions_drop(before=cutoff)
     FlowGroup.objects.filter(window__end__lt=cutoff).delete()
     windows, _ = FlowWindow.objects.filter(end__lt=cutoff).delete()
     gaps, _ = EvidenceGap.objects.filter(end__lt=cutoff).delete()
-    return windows + gaps
+    return Pruned(rows=windows + gaps, partitions=partitions)

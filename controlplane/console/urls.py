@@ -29,4 +29,6 @@ urlpatterns = [
     path("tokens", tokens.tokens),
     re_path(r"^tokens/(?P<kind>provisioning|operator)/(?P<token_id>[^/]+)/revoke$", tokens.token_revoke),
     path("about", tokens.about),
+    # Any other path outside the API and the static files: the console's own "not found" page.
+    re_path(r"^(?!api/|static/).*$", fleet.page_not_found),
 ]

@@ -463,6 +463,14 @@ def test_minting_shows_the_secret_once_and_revoking_asks_first(logged_in, lab):
 def test_about_and_a_phone_width(logged_in, context, lab):
     page = logged_in.goto("/about")
     assert page.locator('[data-fact="version"]').inner_text()
+    page.keyboard.press("Tab")  # by keyboard: the first stop skips to the content, the next ones are the menu
+    assert page.evaluate("document.activeElement.textContent") == "Skip to content"
+    page.keyboard.press("Tab")
+    page.keyboard.press("Tab")
+    assert page.evaluate("document.activeElement.textContent") == "Fleet"
+    page.keyboard.press("Enter")
+    page.wait_for_url(re.compile(r"/$"))
+    page = logged_in.goto("/about")
     logged_in.shot("about")
     page.set_viewport_size({"width": 390, "height": 844})
     logged_in.goto("/")

@@ -72,6 +72,9 @@ def test_fleet_shows_each_workload_with_its_chips(browser):
     assert str(offline.id) in text(browser.get(f"/workloads/{offline.id}"))
     assert browser.get(f"/workloads/{synced.id}").status_code == 200
     assert browser.get("/workloads/not-a-workload").status_code == 404
+    missing = browser.get("/no/such/page")
+    assert missing.status_code == 404 and "There is no page at /no/such/page" in text(missing)
+    assert browser.get("/api/v1/no-such").status_code == 404  # the API's own problem, not a page
 
 
 def test_a_label_edit_that_meets_a_conflict_says_so_with_the_current_version(browser):

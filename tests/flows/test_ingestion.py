@@ -170,8 +170,8 @@ def test_retention_removes_old_evidence(db, clock_at):
     assert flows_prune_step() == 0
     clock_at(timedelta(days=400))  # the golden window is from 2027-01-15
     runtime.facts_set(flow_retention_days=30)
-    assert flows_prune_step() == 2  # one window (its groups with it) and one gap
-    assert FlowGroup.objects.count() == 0
+    assert flows_prune_step() > 0  # on PostgreSQL whole day partitions, on SQLite rows
+    assert FlowWindow.objects.count() == FlowGroup.objects.count() == EvidenceGap.objects.count() == 0
 
 
 def test_a_report_needs_the_workloads_key_and_a_live_credential(db, clock_at):

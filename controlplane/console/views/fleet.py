@@ -54,6 +54,11 @@ def not_found(request, what: str):
     return page(request, "console/not_found.html", {"what": what}, status=404)
 
 
+@operator_page
+def page_not_found(request, api):
+    return not_found(request, f"page at {request.path}")
+
+
 def _labels_text(labels: dict) -> str:
     return "\n".join(f"{key}={value}" for key, value in sorted(labels.items()))
 
