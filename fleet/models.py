@@ -91,6 +91,8 @@ class Workload(models.Model):
         indexes = [
             models.Index(fields=["rank", "hostname", "id"], name="workload_fleet_order"),
             models.Index(fields=["sync_state", "owned_table_state"], name="workload_counts"),
+            # The latest enrolment: flow ingestion's check that its address -> workload map is current.
+            models.Index(fields=["enrolled_at"], name="workload_enrolled_at"),
         ]
 
 

@@ -1,0 +1,345 @@
+#!/usr/bin/env python3
+"""Flow evidence on PostgreSQL: ingestion against COPY, the rollup against its raw SQL, bytes per row.
+
+    .venv/bin/python bench/bench_flows.py [--workloads 10000] [--reports 2000] [--keys 50]
+        [--rollup-workloads 1000] [--rollup-hours 24] [--rollup-keys 5] [--samples 30]
+
+Needs PostgreSQL (DATABASE_URL names the server; a throwaway database `palisade_bench_flows` is made
+and dropped). Measured in one run:
+
+1. Ingestion: a fleet of --workloads workloads; --reports reports, each one window of --keys keys
+   from a random workload, go through what the gateway does after the signature check: the JSON body
+   parsed, then `flows.services.flow_report_ingest` (validation, idempotence, bulk inserts into the day
+   partitions, agent_silent, skew, the workload's fields). Rows/s (windows + groups) as a ratio against
+   psycopg's COPY of the same number of rows into the same tables (target >= 0.5), and whether that
+   keeps up with 10,000 workloads x 50 keys a minute (8,333 group rows/s) in one process.
+2. Rollup: --rollup-workloads workloads (one label selects them) with a window a minute for
+   --rollup-hours hours of --rollup-keys keys each, loaded with COPY; `flows.selectors.flow_rollup`
+   grouped by peer and service over the whole range, p95 of --samples runs (target under 300 ms), as a
+   ratio against the same aggregate in raw SQL through psycopg.
+3. Storage: bytes per group row and per window row (tables and indexes, every partition).
+Results: bench/results/flows.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import io
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+from benchlib import exit_on_sigterm, results_write  # noqa: E402
+
+ADMIN_URL = os.environ.get("DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+DB_NAME = "palisade_bench_flows"
+DB_URL = ADMIN_URL.rsplit("/", 1)[0] + "/" + DB_NAME
+RATIO_TARGET = 0.5
+FLEET_ROWS_PER_SECOND = 10_000 * 50 / 60
+ROLLUP_P95_TARGET_MS = 300.0
+_t0 = time.perf_counter()
+
+
+def log(message: str) -> None:
+    print(f"[{time.perf_counter() - _t0:6.1f}s] {message}", flush=True)
+
+
+def database(create: bool) -> None:
+    import psycopg
+
+    with psycopg.connect(ADMIN_URL, autocommit=True) as conn:
+        conn.execute(f"DROP DATABASE IF EXISTS {DB_NAME} WITH (FORCE)")
+        if create:
+            conn.execute(f"CREATE DATABASE {DB_NAME}")
+
+
+def django_setup() -> None:
+    os.environ["DATABASE_URL"] = DB_URL
+    os.environ["DJANGO_SETTINGS_MODULE"] = "controlplane.settings"
+    os.environ["PALISADE_DATA_DIR"] = tempfile.mkdtemp(prefix="palisade-bench-flows-")
+    os.environ.setdefault("PALISADE_LOG_LEVEL", "WARNING")
+    import django
+
+    django.setup()
+    from django.core.management import call_command
+
+    call_command("migrate", verbosity=0)
+
+
+def workloads_insert(count: int, labels: dict, rng: random.Random) -> list[str]:
+    from controlplane import clock
+    from fleet.models import Workload
+    from fleet.sync import rank_of
+
+    now = clock.now()
+    rows = [
+        Workload(
+            hostname=f"flows-{labels.get('group', 'fleet')}-{i:05d}",
+            addresses=[f"10.{30 + i // 65536}.{i // 256 % 256}.{i % 256}"],
+            labels=dict(labels),
+            mode="simulation",
+            public_key=base64.b64encode(rng.randbytes(32)).decode(),
+            credential_issued_at=now,
+            credential_expires_at=now + timedelta(days=30),
+            enrolled_at=now - timedelta(days=1),
+            sync_state="synced",
+            owned_table_state="present",
+            rank=rank_of("synced", "present"),
+        )
+        for i in range(count)
+    ]
+    Workload.objects.bulk_create(rows, batch_size=2000)
+    return [str(w.id) for w in rows]
+
+
+def report_json(rng: random.Random, start: float, keys: int, now: float) -> bytes:
+    """One report as the agent sends it (agent/flowreport.py's shape): one window of `keys` keys."""
+    from agent.flowreport import report_body
+
+    groups = [
+        {"peer": f"192.0.{k // 256 % 256}.{k % 256}", "protocol": "tcp", "port": 443 + k % 7,
+         "decision": rng.choice(("allowed", "would_block")), "rule": None, "connection_count": rng.randrange(1, 50),
+         "first_seen": start + 1, "last_seen": start + 59, "bytes_in": 0, "bytes_out": 0}
+        for k in range(keys)
+    ]  # fmt: skip
+    window = {"id": str(uuid.uuid4()), "start": start, "end": start + 60, "policy_version": "v-bench",
+              "accounting": False, "groups": groups}  # fmt: skip
+    return report_body(
+        [window], [], now=now, process_start_id="bench", uptime_seconds=3600.0, window_seconds=60
+    )
+
+
+def bench_ingestion(ids: list[str], reports: int, keys: int, threads: int, rng: random.Random) -> dict:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from django.db import connection
+
+    from flows.models import FlowGroup, FlowWindow
+    from flows.services import flow_report_ingest
+
+    now = time.time()
+    minute = now // 60 * 60 - 60
+    bodies = [(rng.choice(ids), report_json(rng, minute - 60 * (i % 30), keys, now)) for i in range(reports)]
+    log(f"ingesting {reports} reports of {keys} keys on {threads} threads (serve's HTTP pool is 4)")
+
+    def ingest(share):
+        try:
+            for workload_id, body in share:
+                flow_report_ingest(workload_id=workload_id, data=json.loads(body))
+        finally:
+            connection.close()
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(ingest, [bodies[i::threads] for i in range(threads)]))
+    took = time.perf_counter() - started
+    rows = FlowWindow.objects.count() + FlowGroup.objects.count()
+    ingest_rate = rows / took
+
+    log(f"COPY of {rows} rows")
+    copy_took = copy_rows(ids, windows=reports, keys=keys, start=datetime.fromtimestamp(minute, UTC))
+    copy_rate = rows / copy_took
+    group_rows_per_second = reports * keys / took
+    return {
+        "reports": reports,
+        "threads": threads,
+        "ms_per_report": round(took / reports * 1e3 * threads, 2),
+        "keys_per_window": keys,
+        "rows": rows,
+        "ingest_seconds": round(took, 3),
+        "ingest_rows_per_second": round(ingest_rate),
+        "copy_seconds": round(copy_took, 3),
+        "copy_rows_per_second": round(copy_rate),
+        "ratio_ingest_over_copy": round(ingest_rate / copy_rate, 3),
+        "ratio_target": RATIO_TARGET,
+        "group_rows_per_second": round(group_rows_per_second),
+        "fleet_needs_group_rows_per_second": round(FLEET_ROWS_PER_SECOND),
+        "one_process_keeps_up": group_rows_per_second >= FLEET_ROWS_PER_SECOND,
+    }
+
+
+def copy_rows(ids: list[str], *, windows: int, keys: int, start: datetime, minutes: int = 30) -> float:
+    """COPY `windows` windows of `keys` groups each (spread over `minutes` minutes) with psycopg."""
+    import psycopg
+
+    from flows.partitions import flow_partitions_ensure
+
+    flow_partitions_ensure(days={(start - timedelta(minutes=m)).date() for m in range(minutes + 1)})
+    window_rows, group_rows = io.StringIO(), io.StringIO()
+    now = datetime.now(UTC).isoformat()
+    for i in range(windows):
+        window_id, workload = uuid.uuid4(), ids[i % len(ids)]
+        begin = start - timedelta(minutes=i % minutes)
+        end = begin + timedelta(seconds=60)
+        window_rows.write(
+            f"{window_id}\t{workload}\t{begin.isoformat()}\t{end.isoformat()}\tv-bench\tf\t{now}\n"
+        )
+        for k in range(keys):
+            group_rows.write(
+                f"{window_id}\t{workload}\t{begin.isoformat()}\t192.0.{k // 256 % 256}.{k % 256}\t\\N\ttcp\t{443 + k % 7}"
+                f"\tallowed\t\\N\t{k + 1}\t{begin.isoformat()}\t{end.isoformat()}\t0\t0\n"
+            )
+    started = time.perf_counter()
+    with psycopg.connect(DB_URL) as conn, conn.cursor() as cursor:
+        with cursor.copy(
+            'COPY flows_flowwindow (id, workload_id, start, "end", policy_version, accounting, received_at) FROM STDIN'
+        ) as copy:
+            copy.write(window_rows.getvalue())
+        with cursor.copy(
+            "COPY flows_flowgroup (window_id, workload_id, start, peer, peer_workload_id, protocol, port, decision,"
+            " rule_number, connection_count, first_seen, last_seen, bytes_in, bytes_out) FROM STDIN"
+        ) as copy:
+            copy.write(group_rows.getvalue())
+    return time.perf_counter() - started
+
+
+def load_rollup_data(ids: list[str], hours: int, keys: int) -> int:
+    end = datetime.now(UTC).replace(second=0, microsecond=0)
+    windows = len(ids) * hours * 60
+    log(f"loading {windows} windows x {keys} keys for the rollup ({windows * keys} group rows)")
+    chunk = len(ids) * 60  # an hour of the whole selection per COPY
+    for hour in range(hours):
+        copy_rows(ids, windows=chunk, keys=keys, start=end - timedelta(hours=hour), minutes=60)
+    import psycopg
+
+    with psycopg.connect(DB_URL, autocommit=True) as conn:
+        conn.execute("VACUUM ANALYZE")
+    return windows * keys
+
+
+RAW_ROLLUP = """
+SELECT g.peer, g.protocol, g.port, sum(g.connection_count), sum(g.bytes_in), sum(g.bytes_out),
+       min(g.first_seen), max(g.last_seen)
+FROM flows_flowgroup g JOIN flows_flowwindow w ON w.id = g.window_id
+WHERE g.workload_id IN (SELECT id FROM fleet_workload WHERE labels @> %(labels)s::jsonb)
+  AND g.start < %(end)s AND g.start > %(start)s - interval '3600 seconds'
+  AND w.start < %(end)s AND w.start > %(start)s - interval '3600 seconds' AND w."end" > %(start)s
+GROUP BY g.peer, g.protocol, g.port ORDER BY g.peer, g.protocol, g.port LIMIT 101
+"""
+
+
+def bench_rollup(hours: int, samples: int) -> dict:
+    import psycopg
+
+    from fleet.selectors import label_filters_parse
+    from flows.selectors import flow_rollup, workloads_selected
+
+    end = datetime.now(UTC)
+    start = end - timedelta(hours=hours)
+
+    def product():
+        selected = workloads_selected(workload_ids=[], labels=label_filters_parse(["group=rollup"]))
+        rows, _ = flow_rollup(
+            selected=selected, group_by=["peer", "service"], start=start, end=end, cursor=None, limit=100
+        )
+        return rows
+
+    def raw(conn):
+        return conn.execute(
+            RAW_ROLLUP, {"labels": json.dumps({"group": "rollup"}), "start": start, "end": end}
+        ).fetchall()
+
+    product()  # warm
+    ours = []
+    for _ in range(samples):
+        began = time.perf_counter()
+        rows = product()
+        ours.append(time.perf_counter() - began)
+    theirs = []
+    with psycopg.connect(DB_URL) as conn:
+        raw(conn)
+        for _ in range(samples):
+            began = time.perf_counter()
+            raw_rows = raw(conn)
+            theirs.append(time.perf_counter() - began)
+    assert len(rows) == min(len(raw_rows), 100), (len(rows), len(raw_rows))
+
+    def p95(values):
+        return statistics.quantiles(values, n=20)[-1] * 1e3 if len(values) >= 2 else values[0] * 1e3
+
+    return {
+        "samples": samples,
+        "groups": len(rows),
+        "p95_ms": round(p95(ours), 1),
+        "p50_ms": round(statistics.median(ours) * 1e3, 1),
+        "raw_sql_p95_ms": round(p95(theirs), 1),
+        "ratio_over_raw": round(p95(ours) / p95(theirs), 2),
+        "target_ms": ROLLUP_P95_TARGET_MS,
+    }
+
+
+def storage() -> dict:
+    from django.db import connection
+
+    out = {}
+    with connection.cursor() as cursor:
+        for table in ("flows_flowgroup", "flows_flowwindow"):
+            cursor.execute(
+                "SELECT coalesce(sum(pg_total_relation_size(relid)), 0) FROM pg_partition_tree(%s)", [table]
+            )
+            size = cursor.fetchone()[0]
+            cursor.execute(f'SELECT count(*) FROM "{table}"')  # noqa: S608 - our table names
+            rows = cursor.fetchone()[0]
+            out[table] = {
+                "bytes": size,
+                "rows": rows,
+                "bytes_per_row": round(size / rows, 1) if rows else None,
+            }
+    return out
+
+
+def main() -> int:
+    exit_on_sigterm()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workloads", type=int, default=10_000)
+    parser.add_argument("--reports", type=int, default=2000)
+    parser.add_argument("--keys", type=int, default=50)
+    parser.add_argument("--threads", type=int, default=4, help="ingesting threads (serve's HTTP pool: 4)")
+    parser.add_argument("--rollup-workloads", type=int, default=1000)
+    parser.add_argument("--rollup-hours", type=int, default=24)
+    parser.add_argument("--rollup-keys", type=int, default=5)
+    parser.add_argument("--samples", type=int, default=30)
+    args = parser.parse_args()
+    rng = random.Random(20261126)
+    database(create=True)
+    try:
+        django_setup()
+        log(f"a fleet of {args.workloads} workloads")
+        ids = workloads_insert(args.workloads, {"group": "fleet"}, rng)
+        ingestion = bench_ingestion(ids, args.reports, args.keys, args.threads, rng)
+        log(f"ingestion: {ingestion['ingest_rows_per_second']} rows/s, COPY {ingestion['copy_rows_per_second']} "
+            f"rows/s, ratio {ingestion['ratio_ingest_over_copy']} (target >= {RATIO_TARGET})")  # fmt: skip
+        rollup_ids = workloads_insert(args.rollup_workloads, {"group": "rollup"}, rng)
+        load_rollup_data(rollup_ids, args.rollup_hours, args.rollup_keys)
+        rollup = bench_rollup(args.rollup_hours, args.samples)
+        log(f"rollup of {args.rollup_workloads} workloads over {args.rollup_hours} h by peer and service: "
+            f"p95 {rollup['p95_ms']} ms (target < {ROLLUP_P95_TARGET_MS}), raw SQL {rollup['raw_sql_p95_ms']} ms, "
+            f"ratio {rollup['ratio_over_raw']}")  # fmt: skip
+        sizes = storage()
+        for table, size in sizes.items():
+            log(f"{table}: {size['bytes_per_row']} bytes per row ({size['rows']} rows)")
+        results_write(
+            "flows", {"args": vars(args), "ingestion": ingestion, "rollup": rollup, "storage": sizes}
+        )
+    finally:
+        from django.db import connections
+
+        connections.close_all()
+        database(create=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
