@@ -43,6 +43,8 @@ class Workload(models.Model):
     labels = models.JSONField(default=dict)
     labels_version = models.PositiveBigIntegerField(default=1)
     mode = models.CharField(max_length=16, choices=Mode.choices, default=Mode.VISIBILITY)
+    # When the current mode was chosen (a mode change's instant); null: since enrolment.
+    mode_since = models.DateTimeField(null=True)
     latest_policy = models.ForeignKey(RenderedPolicy, on_delete=models.PROTECT, null=True, related_name="+")
     applied_version = models.CharField(max_length=80, blank=True)
     agent_version = models.CharField(max_length=64, blank=True)

@@ -30,6 +30,7 @@ def workload_data(workload: Workload) -> dict:
         "labels": dict(workload.labels),
         "labels_version": version_text(workload.labels_version),
         "mode": workload.mode,
+        "mode_since": rfc3339(workload.mode_since or workload.enrolled_at),
         "latest_version": latest,
         "applied_version": workload.applied_version or None,
         "agent_version": workload.agent_version or None,

@@ -170,7 +170,7 @@ def mode_change_create(*, actor: Actor, data: Mapping[str, Any]) -> ModeChange:
             .exclude(mode=mode)
             .values_list("id", flat=True)
         )
-        Workload.objects.filter(id__in=changed).update(mode=mode)
+        Workload.objects.filter(id__in=changed).update(mode=mode, mode_since=clock.now())
         workloads_rerender(workload_ids=[str(i) for i in changed])
         intent = ModeChange.objects.create(
             actor=str(actor),

@@ -110,7 +110,12 @@ def review_data(review: dict[str, Any]) -> dict[str, Any]:
             for w in review["offline"]
         ],
         "not_in_simulation": [
-            {"workload_id": str(w.id), "hostname": w.hostname, "mode": w.mode}
+            {
+                "workload_id": str(w.id),
+                "hostname": w.hostname,
+                "mode": w.mode,
+                "mode_since": rfc3339(w.mode_since or w.enrolled_at),
+            }
             for w in review["not_in_simulation"]
         ],
     }

@@ -299,7 +299,11 @@ def simulation_review(*, selected, start: datetime, end: datetime) -> dict:
     )
     covered = coverage(selected, start, end)
     offline = list(workloads.filter(sync_state=SyncState.OFFLINE).order_by("hostname", "id")[:COVERAGE_LIST])
-    elsewhere = list(workloads.exclude(mode=Mode.SIMULATION).order_by("hostname", "id")[:COVERAGE_LIST])
+    # In simulation for the whole range: in it now, and since before the range began.
+    simulating_throughout = Q(mode=Mode.SIMULATION) & (
+        Q(mode_since__lte=start) | Q(mode_since=None, enrolled_at__lte=start)
+    )
+    elsewhere = list(workloads.exclude(simulating_throughout).order_by("hostname", "id")[:COVERAGE_LIST])
     reasons = []
     if would_block:
         reasons.append(f"{len(would_block)} would-block groups: enforcing would block them")
@@ -312,7 +316,7 @@ def simulation_review(*, selected, start: datetime, end: datetime) -> dict:
     if offline:
         reasons.append(f"{len(offline)} workloads are offline")
     if elsewhere:
-        reasons.append(f"{len(elsewhere)} workloads are not in simulation")
+        reasons.append(f"{len(elsewhere)} workloads were not in simulation for the whole range")
     return {
         "verdict": "fail" if reasons else "pass",
         "reasons": reasons,

@@ -64,6 +64,9 @@ class WorkloadSerializer(serializers.Serializer):
     labels = serializers.DictField(child=serializers.CharField())
     labels_version = serializers.CharField()
     mode = serializers.ChoiceField(choices=Mode.values)
+    mode_since = serializers.DateTimeField(
+        help_text="When the current mode was chosen (the mode change, or the enrolment)."
+    )
     latest_version = serializers.CharField(
         allow_null=True, help_text="Version of the latest rendered policy."
     )

@@ -113,6 +113,7 @@ class ReviewWorkloadSerializer(serializers.Serializer):
     hostname = serializers.CharField()
     last_heard_from = serializers.DateTimeField(required=False, allow_null=True)
     mode = serializers.CharField(required=False)
+    mode_since = serializers.DateTimeField(required=False)
 
 
 class ReviewSerializer(serializers.Serializer):

@@ -403,7 +403,7 @@ def test_a_mode_change_to_enforced_needs_confirmation_of_what_fails_then_converg
     page.get_by_role("button", name="Change mode to enforced").click()
     confirm = page.locator(".confirm")
     confirm.wait_for()
-    assert "not in simulation" in confirm.inner_text()
+    assert "not in simulation for the whole range" in confirm.inner_text()
     logged_in.shot("mode-change-confirm")
     page.get_by_label(re.compile("I enforce despite")).check()
     page.get_by_role("button", name="Change mode to enforced").click()

@@ -90,6 +90,7 @@ def test_workload_and_rendered_policy_reads(api, db):
         "labels",
         "labels_version",
         "mode",
+        "mode_since",
         "latest_version",
         "applied_version",
         "agent_version",

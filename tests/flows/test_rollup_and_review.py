@@ -96,13 +96,19 @@ def test_rule_hits_and_unused_rules_only_when_the_range_is_covered(api, db):
     assert page["coverage"]["complete"] is False and page["unused_rules"] is None
 
 
-def test_the_review_passes_only_with_nothing_to_fear(api, db):
+def test_the_review_passes_only_with_nothing_to_fear(api, db, clock_at):
     web, _, _ = enrolled("web", "10.50.0.1")
     api.post(
         "/api/v1/mode-changes",
         {"selection": {"workload_ids": [str(web.id)]}, "mode": "simulation"},
         format="json",
     )
+    # In simulation only since just now: a range that began an hour ago was not all simulated.
+    review = api.get("/api/v1/flows/review", {**_range(), "workload": str(web.id)}).json()
+    (elsewhere,) = review["not_in_simulation"]
+    assert elsewhere["mode"] == "simulation" and elsewhere["mode_since"] > _range()["from"]
+    assert "1 workloads were not in simulation for the whole range" in review["reasons"]
+    clock_at(timedelta(hours=2))  # now the whole range lies after the mode change
     _ingest(web, _windows(web, [{"port": 443, "decision": "allowed", "connection_count": 1}]))
     review = api.get("/api/v1/flows/review", {**_range(), "workload": str(web.id)}).json()
     # Never connected: offline, and that alone fails the review.
