@@ -11,13 +11,13 @@ from __future__ import annotations
 import ipaddress
 import uuid
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, date, datetime, timedelta
 from typing import Any
 
 from django.db import connection, transaction
 from django.db.models import Max
 
-from controlplane import clock
+from controlplane import clock, runtime
 from controlplane.problems import Finding, ValidationFailed
 from controlplane.validation import parse_instant
 from fleet.models import Workload
@@ -330,9 +330,36 @@ def _rows_insert(model, rows: list[dict]) -> None:
                 copy.write_row([row[c] for c in columns])
 
 
+def _stored_days(now: datetime) -> tuple[date, date]:
+    """The days evidence may lie on: back to the retention (older would be removed at once), and a
+    year ahead (an agent's clock may be off, but not by years). Bounds the partitions a report makes."""
+    today = now.astimezone(UTC).date()
+    return today - timedelta(days=runtime.facts.retention_days), today + timedelta(days=366)
+
+
+def _check_stored_day(instant: datetime, name: str, days: tuple[date, date]) -> None:
+    if not days[0] <= instant.astimezone(UTC).date() <= days[1]:
+        raise Refused(f"{name} lies outside the stored range: back to the retention, a year ahead")
+
+
+def _report_days(report: Report, days: tuple[date, date], today: date) -> set[date]:
+    """The days this report's rows fall on (windows by start, gaps by end, agent_silent today)."""
+    found = {today}
+    for items, key in ((report.windows, "start"), (report.gaps, "end")):
+        for raw in items:
+            instant = parse_instant(raw.get(key)) if isinstance(raw, dict) else None
+            if instant is not None and days[0] <= instant.astimezone(UTC).date() <= days[1]:
+                found.add(instant.astimezone(UTC).date())
+    return found
+
+
 def flow_report_ingest(*, workload_id: str, data: Any) -> dict:
     """Store a report's windows and gaps; answer each with `accepted` or `refused` and the reason."""
     report = _envelope(data)
+    days = _stored_days(clock.now())
+    # Partitions are made before the report's transaction, each in its own short one: made inside it,
+    # the DDL's lock on the parent table would be held to the end and could deadlock another report's.
+    flow_partitions_ensure(days=_report_days(report, days, clock.now().astimezone(UTC).date()))
     with transaction.atomic():
         workload = workload_get(workload_id=workload_id, for_update=True)
         now = clock.now()
@@ -342,6 +369,7 @@ def flow_report_ingest(*, workload_id: str, data: Any) -> dict:
         for raw in report.windows:
             try:
                 window_id, start, end, body = _window(raw, window_seconds=report.window_seconds)
+                _check_stored_day(start, "start", days)
                 rows = [
                     _group(g, start=start, end=end, accounting=body["accounting"]) for g in body["groups"]
                 ]
@@ -384,7 +412,6 @@ def flow_report_ingest(*, workload_id: str, data: Any) -> dict:
                 for row in rows
             )
             window_results.append(_result(raw, ACCEPTED))
-        flow_partitions_ensure(days={window["start"].astimezone(UTC).date() for window in windows})
         _rows_insert(FlowWindow, windows)
         _rows_insert(FlowGroup, groups)
 
@@ -392,7 +419,9 @@ def flow_report_ingest(*, workload_id: str, data: Any) -> dict:
         gap_parsed = []
         for raw in report.gaps:
             try:
-                gap_parsed.append((raw, *_gap(raw)))
+                gap_id, gap = _gap(raw)
+                _check_stored_day(gap["end"], "end", days)
+                gap_parsed.append((raw, gap_id, gap))
             except Refused as refused:
                 gap_parsed.append((raw, None, str(refused)))
         stored_gaps = dict(
@@ -412,7 +441,6 @@ def flow_report_ingest(*, workload_id: str, data: Any) -> dict:
                 gap_results.append(_result(raw, ACCEPTED))
         silent = _agent_silent(workload, report, now)
         gaps.extend(silent)
-        flow_partitions_ensure(days={gap.end.astimezone(UTC).date() for gap in gaps})
         EvidenceGap.objects.bulk_create(gaps)
         Workload.objects.filter(id=workload.id).update(
             flow_process_start_id=report.process_start_id,

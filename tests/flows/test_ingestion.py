@@ -321,3 +321,17 @@ def test_odd_ids_and_peers_are_refused_per_window(db):
         ("refused", "peer carries a"),
     ]
     assert FlowWindow.objects.count() == 0
+
+
+def test_a_window_older_than_the_retention_or_years_ahead_is_refused_and_the_rest_lands(db):
+    workload, _, _ = enrolled()
+    runtime.facts_set(flow_retention_days=30)
+    old = _window_between(clock.now() - timedelta(days=31), 1)
+    ahead = _window_between(clock.now() + timedelta(days=400), 1)
+    fine = _window_between(clock.now() - timedelta(minutes=10), 1)
+    answer = flow_report_ingest(workload_id=str(workload.id), data=_report("p1", 100, old + ahead + fine))
+    results = [(r["result"], r["reason"]) for r in answer["windows"]]
+    assert results[2] == ("accepted", None)
+    assert [r for r, _ in results[:2]] == ["refused", "refused"]
+    assert all("outside the stored range" in reason for _, reason in results[:2])
+    assert FlowWindow.objects.count() == 1
