@@ -60,7 +60,7 @@ def decode_mark(mark: int) -> tuple[str | None, int | None]:
     return decision, (mark & RULE_NUMBER_MASK) or None
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Entry:
     """One conntrack message: an event (NEW or DESTROY) or a dumped entry."""
 
@@ -77,14 +77,33 @@ class Entry:
     stopped_ns: int | None  # with nf_conntrack_timestamp=1, when the connection ended
 
 
+_NLA = struct.Struct("=HH")
+_NLMSG = struct.Struct("=IHHII")
+_U16, _U32, _U64 = struct.Struct(">H"), struct.Struct(">I"), struct.Struct(">Q")
+
+
 def attributes_of(data: bytes, offset: int = 0, end: int | None = None) -> dict[int, bytes]:
     end = len(data) if end is None else end
     found = {}
     while offset + 4 <= end:
-        length, kind = struct.unpack_from("=HH", data, offset)
+        length, kind = _NLA.unpack_from(data, offset)
         if length < 4:
             break
         found[kind & NLA_TYPE_MASK] = data[offset + 4 : offset + length]
+        offset += (length + 3) & ~3
+    return found
+
+
+def _spans(data: bytes, offset: int, end: int) -> dict[int, tuple[int, int]]:
+    """The attributes between `offset` and `end` as type -> (payload start, payload end): positions in
+    one buffer, so that parsing copies no bytes until a value is read."""
+    found = {}
+    unpack = _NLA.unpack_from
+    while offset + 4 <= end:
+        length, kind = unpack(data, offset)
+        if length < 4:
+            break
+        found[kind & NLA_TYPE_MASK] = (offset + 4, offset + length)
         offset += (length + 3) & ~3
     return found
 
@@ -97,57 +116,72 @@ def _address(raw: bytes) -> str:
     return text[7:] if text.startswith("::ffff:") and "." in text else text  # IPv4-mapped: the IPv4 address
 
 
-def parse_entry(message_type: int, payload: bytes) -> Entry | None:
-    """A conntrack message body (after the netlink header): None for what is not a connection."""
-    attributes = attributes_of(payload, 4)  # past the nfgenmsg header
-    tuple_orig = attributes.get(CTA_TUPLE_ORIG)
-    if tuple_orig is None or CTA_ID not in attributes:
+def _bytes_counted(data: bytes, span: tuple[int, int]) -> int | None:
+    counter = _spans(data, *span).get(CTA_COUNTERS_BYTES)
+    return _U64.unpack_from(data, counter[0])[0] if counter else None
+
+
+def parse_entry(message_type: int, data: bytes, offset: int = 0, end: int | None = None) -> Entry | None:
+    """A conntrack message body (after the netlink header) at data[offset:end]: None for what is not a
+    connection."""
+    end = len(data) if end is None else end
+    top = _spans(data, offset + 4, end)  # past the nfgenmsg header
+    tuple_orig, ident = top.get(CTA_TUPLE_ORIG), top.get(CTA_ID)
+    if tuple_orig is None or ident is None:
         return None
-    parts = attributes_of(tuple_orig)
-    addresses = attributes_of(parts.get(CTA_TUPLE_IP, b""))
-    proto = attributes_of(parts.get(CTA_TUPLE_PROTO, b""))
-    if CTA_PROTO_NUM not in proto:
+    parts = _spans(data, *tuple_orig)
+    ip, proto_span = parts.get(CTA_TUPLE_IP), parts.get(CTA_TUPLE_PROTO)
+    if ip is None or proto_span is None:
+        return None
+    addresses = _spans(data, *ip)
+    proto = _spans(data, *proto_span)
+    number = proto.get(CTA_PROTO_NUM)
+    if number is None:
         return None
     if CTA_IP_V4_SRC in addresses:
-        source, destination = _address(addresses[CTA_IP_V4_SRC]), _address(addresses[CTA_IP_V4_DST])
+        src, dst = addresses[CTA_IP_V4_SRC], addresses.get(CTA_IP_V4_DST)
     elif CTA_IP_V6_SRC in addresses:
-        source, destination = _address(addresses[CTA_IP_V6_SRC]), _address(addresses[CTA_IP_V6_DST])
+        src, dst = addresses[CTA_IP_V6_SRC], addresses.get(CTA_IP_V6_DST)
     else:
         return None
-    protocol = proto[CTA_PROTO_NUM][0]
-    ported = protocol in PORTED and CTA_PROTO_DST_PORT in proto and CTA_PROTO_SRC_PORT in proto
-    port = struct.unpack(">H", proto[CTA_PROTO_DST_PORT])[0] if ported else 0
-    source_port = struct.unpack(">H", proto[CTA_PROTO_SRC_PORT])[0] if ported else 0
+    if dst is None:
+        return None
+    protocol = data[number[0]]
+    sport, dport = proto.get(CTA_PROTO_SRC_PORT), proto.get(CTA_PROTO_DST_PORT)
+    ports = (sport, dport) if protocol in PORTED and sport is not None and dport is not None else None
     bytes_in = bytes_out = stopped = None
-    if CTA_COUNTERS_ORIG in attributes and CTA_COUNTERS_REPLY in attributes:
-        bytes_in = struct.unpack(">Q", attributes_of(attributes[CTA_COUNTERS_ORIG])[CTA_COUNTERS_BYTES])[0]
-        bytes_out = struct.unpack(">Q", attributes_of(attributes[CTA_COUNTERS_REPLY])[CTA_COUNTERS_BYTES])[0]
-    if CTA_TIMESTAMP in attributes:
-        stop = attributes_of(attributes[CTA_TIMESTAMP]).get(CTA_TIMESTAMP_STOP)
-        stopped = struct.unpack(">Q", stop)[0] if stop else None
+    counters_orig, counters_reply = top.get(CTA_COUNTERS_ORIG), top.get(CTA_COUNTERS_REPLY)
+    if counters_orig is not None and counters_reply is not None:
+        bytes_in, bytes_out = _bytes_counted(data, counters_orig), _bytes_counted(data, counters_reply)
+    timestamp = top.get(CTA_TIMESTAMP)
+    if timestamp is not None:
+        stop = _spans(data, *timestamp).get(CTA_TIMESTAMP_STOP)
+        stopped = _U64.unpack_from(data, stop[0])[0] if stop else None
+    mark = top.get(CTA_MARK)
     return Entry(
-        destroyed=(message_type & 0xFF) == IPCTNL_MSG_CT_DELETE,
-        id=struct.unpack(">I", attributes[CTA_ID])[0],
-        protocol=protocol,
-        source=source,
-        destination=destination,
-        destination_port=port,
-        source_port=source_port,
-        mark=struct.unpack(">I", attributes[CTA_MARK])[0] if CTA_MARK in attributes else 0,
-        bytes_in=bytes_in,
-        bytes_out=bytes_out,
-        stopped_ns=stopped,
+        (message_type & 0xFF) == IPCTNL_MSG_CT_DELETE,
+        _U32.unpack_from(data, ident[0])[0],
+        protocol,
+        _address(bytes(data[src[0] : src[1]])),
+        _address(bytes(data[dst[0] : dst[1]])),
+        _U16.unpack_from(data, ports[1][0])[0] if ports else 0,
+        _U16.unpack_from(data, ports[0][0])[0] if ports else 0,
+        _U32.unpack_from(data, mark[0])[0] if mark is not None else 0,
+        bytes_in,
+        bytes_out,
+        stopped,
     )
 
 
 def parse_messages(data: bytes) -> Iterator[Entry]:
-    offset = 0
-    while offset + 16 <= len(data):
-        length, message_type, _flags, _seq, _pid = struct.unpack_from("=IHHII", data, offset)
+    offset, size = 0, len(data)
+    unpack = _NLMSG.unpack_from
+    while offset + 16 <= size:
+        length, message_type = unpack(data, offset)[:2]
         if length < 16:
             break
         if message_type >> 8 == NFNL_SUBSYS_CTNETLINK:
-            entry = parse_entry(message_type, data[offset + 16 : offset + length])
+            entry = parse_entry(message_type, data, offset + 16, min(offset + length, size))
             if entry is not None:
                 yield entry
         offset += (length + 3) & ~3

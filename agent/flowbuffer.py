@@ -30,7 +30,7 @@ def window_record(window: ClosedWindow) -> dict:
         "end": window.end,
         "policy_version": window.policy_version,
         "accounting": window.accounting,
-        "groups": [{**asdict(key), **asdict(counters)} for key, counters in window.groups],
+        "groups": [{**key._asdict(), **asdict(counters)} for key, counters in window.groups],
     }
 
 

@@ -23,12 +23,14 @@ from __future__ import annotations
 import math
 import uuid
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 DECISIONS = ("observed", "allowed", "would_block", "blocked")
 
 
-@dataclass(frozen=True)
-class FlowKey:
+class FlowKey(NamedTuple):
+    """A tuple: built and hashed for every connection event, in C rather than in a dataclass's Python."""
+
     peer: str  # the remote address, as text
     protocol: str  # tcp, udp, icmp, icmpv6, or the protocol number as text
     port: int  # the local (service) port; 0 for protocols without ports
@@ -45,8 +47,10 @@ class Counters:
     bytes_out: int = 0
 
     def seen(self, at: float) -> None:
-        self.first_seen = min(self.first_seen, at)
-        self.last_seen = max(self.last_seen, at)
+        if at < self.first_seen:
+            self.first_seen = at
+        if at > self.last_seen:
+            self.last_seen = at
 
 
 @dataclass(frozen=True)
