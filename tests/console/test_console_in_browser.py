@@ -23,10 +23,10 @@ import pytest
 
 from agent.enrol import enrol
 from agent.flowbuffer import FlowBuffer
-from agent.flowreport import report_body, report_headers
+from agent.flowreport import report_body
 from agent.flowwindow import FlowKey, Windows
-from agent.protocol import FLOWS_PATH
 from agent.state import StateDir
+from tests.support.flow_reports import post_flow_report
 from tests.support.requirements import require
 from tests.support.scripted_agent import ScriptedStreams
 from tests.support.serve_process import REPO, Site, terminate
@@ -83,15 +83,7 @@ def _flow_report(enrolment, buffer_dir: Path, *, skew: float = 0.0, with_gap: bo
 
 
 def _post_report(serve, enrolment, body: bytes) -> None:
-    headers = report_headers(
-        body,
-        key=enrolment.key,
-        workload_id=enrolment.identity.workload_id,
-        credential=enrolment.credential,
-        gateway_fingerprint=enrolment.identity.fingerprint,
-    )
-    with serve.client("gateway") as gateway:
-        answer = gateway.post(FLOWS_PATH, content=body, headers=headers)
+    answer = post_flow_report(serve, enrolment, body)
     assert answer.status_code == 200, answer.text
 
 

@@ -15,10 +15,10 @@ import pytest
 
 from agent.enrol import enrol
 from agent.flowbuffer import FlowBuffer
-from agent.flowreport import instant, report_body, report_headers
+from agent.flowreport import instant, report_body
 from agent.flowwindow import FlowKey, Windows
-from agent.protocol import FLOWS_PATH
 from agent.state import StateDir
+from tests.support.flow_reports import post_flow_report
 from tests.support.serve_process import Site
 
 pytestmark = pytest.mark.e2e
@@ -49,16 +49,7 @@ def lab(tmp_path_factory):
 
 
 def _post(serve, agent, body: bytes, **overrides):
-    headers = report_headers(
-        body,
-        key=agent.key,
-        workload_id=agent.identity.workload_id,
-        credential=agent.credential,
-        gateway_fingerprint=agent.identity.fingerprint,
-    )
-    headers.update(overrides)
-    with serve.client("gateway") as gateway:
-        return gateway.post(FLOWS_PATH, content=body, headers=headers)
+    return post_flow_report(serve, agent, body, **overrides)
 
 
 def _buffered(root, name: str):
@@ -166,15 +157,7 @@ def test_a_report_not_signed_by_the_workload_is_refused(lab, tamper):
 
 
 def _post_tampered_body(serve, agent, body: bytes):
-    headers = report_headers(
-        body,
-        key=agent.key,
-        workload_id=agent.identity.workload_id,
-        credential=agent.credential,
-        gateway_fingerprint=agent.identity.fingerprint,
-    )
-    with serve.client("gateway") as gateway:
-        return gateway.post(FLOWS_PATH, content=body.replace(b'"p1"', b'"p2"'), headers=headers)
+    return post_flow_report(serve, agent, body, sent=body.replace(b'"p1"', b'"p2"'))
 
 
 def test_flow_reads_refuse_bad_ranges(lab):
