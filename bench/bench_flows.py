@@ -16,7 +16,8 @@ and dropped). Measured in one run:
 2. Rollup: --rollup-workloads workloads (one label selects them) with a window a minute for
    --rollup-hours hours of --rollup-keys keys each, loaded with COPY; `flows.selectors.flow_rollup`
    grouped by peer and service over the whole range, p95 of --samples runs (target under 300 ms), as a
-   ratio against the same aggregate in raw SQL through psycopg.
+   ratio against the same SQL (captured from the selector) run through psycopg alone; its plan is kept
+   in the results.
 3. Storage: bytes per group row and per window row (tables and indexes, every partition).
 Results: bench/results/flows.json.
 """
@@ -219,17 +220,6 @@ def load_rollup_data(ids: list[str], hours: int, keys: int) -> int:
     return windows * keys
 
 
-RAW_ROLLUP = """
-SELECT g.peer, g.protocol, g.port, sum(g.connection_count), sum(g.bytes_in), sum(g.bytes_out),
-       min(g.first_seen), max(g.last_seen)
-FROM flows_flowgroup g JOIN flows_flowwindow w ON w.id = g.window_id
-WHERE g.workload_id IN (SELECT id FROM fleet_workload WHERE labels @> %(labels)s::jsonb)
-  AND g.start < %(end)s AND g.start > %(start)s - interval '3600 seconds'
-  AND w.start < %(end)s AND w.start > %(start)s - interval '3600 seconds' AND w."end" > %(start)s
-GROUP BY g.peer, g.protocol, g.port ORDER BY g.peer, g.protocol, g.port LIMIT 101
-"""
-
-
 def bench_rollup(hours: int, samples: int) -> dict:
     import psycopg
 
@@ -246,12 +236,17 @@ def bench_rollup(hours: int, samples: int) -> dict:
         )
         return rows
 
-    def raw(conn):
-        return conn.execute(
-            RAW_ROLLUP, {"labels": json.dumps({"group": "rollup"}), "start": start, "end": end}
-        ).fetchall()
+    # The baseline: the very SQL the selector ran (captured, literals inlined), through psycopg alone.
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
 
-    product()  # warm
+    with CaptureQueriesContext(connection) as captured:
+        product()
+    sql = max((q["sql"] for q in captured.captured_queries), key=lambda text: "GROUP BY" in text)
+
+    def raw(conn):
+        return conn.execute(sql).fetchall()
+
     ours = []
     for _ in range(samples):
         began = time.perf_counter()
@@ -265,6 +260,8 @@ def bench_rollup(hours: int, samples: int) -> dict:
             raw_rows = raw(conn)
             theirs.append(time.perf_counter() - began)
     assert len(rows) == min(len(raw_rows), 100), (len(rows), len(raw_rows))
+    with psycopg.connect(DB_URL) as conn:
+        plan = "\n".join(row[0] for row in conn.execute("EXPLAIN (ANALYZE, BUFFERS) " + sql).fetchall())
 
     def p95(values):
         return statistics.quantiles(values, n=20)[-1] * 1e3 if len(values) >= 2 else values[0] * 1e3
@@ -277,6 +274,7 @@ def bench_rollup(hours: int, samples: int) -> dict:
         "raw_sql_p95_ms": round(p95(theirs), 1),
         "ratio_over_raw": round(p95(ours) / p95(theirs), 2),
         "target_ms": ROLLUP_P95_TARGET_MS,
+        "plan": plan,
     }
 
 

@@ -157,3 +157,13 @@ def test_the_dry_run_names_the_workloads_and_rules_that_would_change(browser):
     assert "1 workload would change" in page and "web-1" in page and "this new rule" in page
     assert "Nothing was saved" in page
     assert "No rule yet" in text(browser.get(created["Location"]))  # and nothing was
+
+
+def test_mode_change_preview_by_ids_names_them_however_large_the_fleet(browser):
+    wanted = make_workload(hostname="zz-last")
+    for index in range(3):
+        make_workload(hostname=f"aa-{index}")
+    page = text(browser.get("/mode-changes", {"workloads": str(wanted.id), "mode": "simulation"}))
+    assert "1 workload selected" in page and "zz-last" in page and "aa-0" not in page
+    missing = text(browser.get("/mode-changes", {"workloads": "nope", "mode": "simulation"}))
+    assert "No workload nope" in missing

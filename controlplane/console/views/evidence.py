@@ -29,12 +29,26 @@ def selected_workloads(api, form: dict) -> tuple[list[dict], bool, dict | None]:
     """The workloads a selection names now (first page of the fleet read), whether there are more,
     and the problem if the API refused the selection."""
     query = selection_query(form)
-    result = api.get("/workloads", params={"label": query["label"], "limit": 100})
-    if not result.ok:
-        return [], False, result.problem
-    ids = set(query["workload"])
-    items = [w for w in result.data["items"] if not ids or w["id"] in ids]
-    return items, bool(result.data["next_cursor"]), None
+    if not query["workload"]:
+        result = api.get("/workloads", params={"label": query["label"], "limit": 100})
+        if not result.ok:
+            return [], False, result.problem
+        return result.data["items"], bool(result.data["next_cursor"]), None
+    # Ids narrow the labels (as in the mode change): read each named workload, then keep those the
+    # label requirements also select.
+    items = []
+    for workload_id in query["workload"][:100]:
+        found = api.get(f"/workloads/{workload_id}")
+        if not found.ok:
+            return [], False, {**found.problem, "detail": f"No workload {workload_id}."}
+        items.append(found.data)
+    if query["label"]:
+        matching = api.get("/workloads", params={"label": query["label"], "limit": 500})
+        if not matching.ok:
+            return [], False, matching.problem
+        selected = {w["id"] for w in matching.data["items"]}
+        items = [w for w in items if w["id"] in selected]
+    return items, len(query["workload"]) > 100, None
 
 
 def review_of(api, form: dict, span: dict):
