@@ -189,7 +189,7 @@ def copy_rows(ids: list[str], *, windows: int, keys: int, start: datetime, minut
         )
         for k in range(keys):
             group_rows.write(
-                f"{window_id}\t{workload}\t{begin.isoformat()}\t192.0.{k // 256 % 256}.{k % 256}\t\\N\ttcp\t{443 + k % 7}"
+                f"{window_id}\t{workload}\t{begin.isoformat()}\t{end.isoformat()}\t192.0.{k // 256 % 256}.{k % 256}\t\\N\ttcp\t{443 + k % 7}"
                 f"\tallowed\t\\N\t{k + 1}\t{begin.isoformat()}\t{end.isoformat()}\t0\t0\n"
             )
     started = time.perf_counter()
@@ -199,7 +199,7 @@ def copy_rows(ids: list[str], *, windows: int, keys: int, start: datetime, minut
         ) as copy:
             copy.write(window_rows.getvalue())
         with cursor.copy(
-            "COPY flows_flowgroup (window_id, workload_id, start, peer, peer_workload_id, protocol, port, decision,"
+            'COPY flows_flowgroup (window_id, workload_id, start, "end", peer, peer_workload_id, protocol, port, decision,'
             " rule_number, connection_count, first_seen, last_seen, bytes_in, bytes_out) FROM STDIN"
         ) as copy:
             copy.write(group_rows.getvalue())

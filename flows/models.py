@@ -32,9 +32,10 @@ class FlowGroup(models.Model):
     window = models.ForeignKey(
         FlowWindow, on_delete=models.CASCADE, related_name="groups", db_constraint=False
     )
-    # The window's workload and start, repeated: rollups read this table alone.
+    # The window's workload, start and end, repeated: rollups read this table alone, with no join.
     workload = models.ForeignKey(Workload, on_delete=models.CASCADE, related_name="+")
     start = models.DateTimeField()
+    end = models.DateTimeField()
     peer = models.CharField(max_length=45)
     peer_workload = models.ForeignKey(Workload, on_delete=models.SET_NULL, null=True, related_name="+")
     protocol = models.CharField(max_length=8)

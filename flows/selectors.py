@@ -199,9 +199,7 @@ def _windows_in(start: datetime, end: datetime) -> dict:
 
 
 def _groups_in_range(selected, start: datetime, end: datetime):
-    # The window's bounds repeat the group's, so that the joined window table is pruned as well.
-    window_bounds = {f"window__{name}": value for name, value in _windows_in(start, end).items()}
-    groups = FlowGroup.objects.filter(**_starts_in(start, end), **window_bounds)
+    groups = FlowGroup.objects.filter(**_windows_in(start, end))
     return groups if selected is None else groups.filter(workload__in=selected)
 
 

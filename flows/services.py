@@ -406,6 +406,7 @@ def flow_report_ingest(*, workload_id: str, data: Any) -> dict:
                     "window_id": window_id,
                     "workload_id": workload.id,
                     "start": start,
+                    "end": end,
                     "peer_workload_id": peers.get(row["peer"]),
                     **row,
                 }
@@ -463,7 +464,7 @@ def flow_evidence_prune(*, older_than: timedelta) -> Pruned:
     partitions on PostgreSQL, then the rows left in the partitions that straddle the cutoff."""
     cutoff = clock.now() - older_than
     partitions = flow_partitions_drop(before=cutoff)
-    FlowGroup.objects.filter(window__end__lt=cutoff).delete()
+    FlowGroup.objects.filter(end__lt=cutoff).delete()
     windows, _ = FlowWindow.objects.filter(end__lt=cutoff).delete()
     gaps, _ = EvidenceGap.objects.filter(end__lt=cutoff).delete()
     return Pruned(rows=windows + gaps, partitions=partitions)
