@@ -175,6 +175,9 @@ PALISADE_CREDENTIAL_GRACE_SECONDS = int(os.environ.get("PALISADE_CREDENTIAL_GRAC
 
 # Flow evidence: windows are one minute unless configured (tests use seconds).
 PALISADE_FLOW_WINDOW_SECONDS = int(os.environ.get("PALISADE_FLOW_WINDOW_SECONDS", 60))
+# The most keys one stored window may hold; a larger window is refused (the agent records a
+# window_rejected gap). Agents default to 50,000 (`--flow-window-keys`).
+PALISADE_FLOW_WINDOW_MAX_KEYS = int(os.environ.get("PALISADE_FLOW_WINDOW_MAX_KEYS", 100_000))
 # Stored flow windows and gaps are removed by serve's housekeeping once this old (`--flow-retention-days`).
 PALISADE_FLOW_RETENTION_DAYS = int(os.environ.get("PALISADE_FLOW_RETENTION_DAYS", 30))
 

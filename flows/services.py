@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
 from typing import Any
 
+from django.conf import settings
 from django.db import connection, transaction
 from django.db.models import Max
 
@@ -28,7 +29,6 @@ from flows.partitions import flow_partitions_drop, flow_partitions_ensure
 
 MAX_WINDOWS_PER_REPORT = 1000
 MAX_GAPS_PER_REPORT = 1000
-MAX_GROUPS_PER_WINDOW = 100_000
 MAX_RULE_NUMBER = (1 << 24) - 1
 PROTOCOLS = ("tcp", "udp", "icmp", "icmpv6")
 ACCEPTED, REFUSED = "accepted", "refused"
@@ -147,8 +147,9 @@ def _window(raw: Any, *, window_seconds: int) -> tuple[uuid.UUID, datetime, date
     if not isinstance(raw.get("accounting"), bool):
         raise Refused("accounting is true or false")
     groups = raw.get("groups")
-    if not isinstance(groups, list) or not groups or len(groups) > MAX_GROUPS_PER_WINDOW:
-        raise Refused(f"groups is a list of 1 to {MAX_GROUPS_PER_WINDOW} keys")
+    most = settings.PALISADE_FLOW_WINDOW_MAX_KEYS
+    if not isinstance(groups, list) or not groups or len(groups) > most:
+        raise Refused(f"groups is a list of 1 to {most} keys")
     return window_id, start, end, raw
 
 

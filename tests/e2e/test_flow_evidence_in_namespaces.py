@@ -255,3 +255,49 @@ def test_more_keys_than_a_window_holds_is_window_overflow_with_what_was_lost(lab
     finally:
         web.kill()
         serve.stop()
+
+
+def test_a_window_the_control_plane_refuses_is_a_window_rejected_gap_of_its_range(lab, tmp_path):
+    from datetime import UTC, datetime, timedelta
+
+    # This control plane stores windows of one key at most; the agent holds many (its default).
+    serve = NamespacedServe(
+        lab, "cp", tmp_path / "cp", operator_listen=f"{CP}:8080", gateway_listen=f"{CP}:8443",
+        env={"PALISADE_FLOW_WINDOW_MAX_KEYS": "1"},
+    ).start()  # fmt: skip
+    web = AgentProcess(lab, "web", tmp_path / "web")
+    try:
+        api, web_id = _enrolled(serve, web)
+        web.start("--flow-window-seconds", "5")
+        api.wait_converged(web_id)
+        began = datetime.now(UTC) - timedelta(seconds=5)
+        time.sleep(5 - time.time() % 5 + 0.2)  # both probes in one window: two keys
+        assert probe(lab, "client", WEB, 8080) == "open"
+        assert probe(lab, "client", WEB, 9090) == "open"
+
+        def evidence():
+            span = {"workload": web_id, "from": began.strftime("%Y-%m-%dT%H:%M:%SZ"),
+                    "to": (datetime.now(UTC) + timedelta(seconds=10)).strftime("%Y-%m-%dT%H:%M:%SZ")}  # fmt: skip
+            return api.get("/flows/gaps", params=span)["items"], api.get("/flows", params=span)["items"]
+
+        gaps, _ = api.wait_for("a window_rejected gap", lambda: evidence()[0] and evidence(), timeout=40)
+        assert [(g["kind"], g["source"], g["lost"]) for g in gaps] == [
+            ("window_rejected", None, {"windows": 1})
+        ]
+        (gap,) = gaps
+        span = datetime.fromisoformat(gap["end"]) - datetime.fromisoformat(gap["start"])
+        assert span == timedelta(seconds=5)  # exactly the refused window
+        assert (
+            api.get("/flows/gaps", params={"workload": web_id, "from": gap["start"], "to": gap["end"]})[
+                "items"
+            ]
+            == gaps
+        )
+        windows = api.get("/flows", params={"workload": web_id, "from": gap["start"], "to": gap["end"]})[
+            "items"
+        ]
+        assert windows == []  # the refused window is not stored
+    finally:
+        web.kill()
+        serve.stop()
+    assert "flow window refused" in web.log()
