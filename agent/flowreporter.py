@@ -179,6 +179,7 @@ class FlowReporter:
         self.last_acknowledged: str | None = None
         self.on_status = on_status
         self.status_at = 0.0
+        self.status_subscribed: tuple[bool, ...] = ()
 
     def start(self) -> None:
         for thread in self.threads:
@@ -290,8 +291,11 @@ class FlowReporter:
         try:
             while not stopping.is_set():
                 self.tick()
-                if self.on_status is not None and time.monotonic() - self.status_at >= STATUS_EVERY_SECONDS:
-                    self.status_at = time.monotonic()
+                # Every few seconds, and at once when a source goes down or comes back.
+                subscribed = tuple(t.subscribed for t in self.threads)
+                due = time.monotonic() - self.status_at >= STATUS_EVERY_SECONDS
+                if self.on_status is not None and (due or subscribed != self.status_subscribed):
+                    self.status_at, self.status_subscribed = time.monotonic(), subscribed
                     self.on_status(self.status())
                 if time.monotonic() >= self.next_send:
                     try:

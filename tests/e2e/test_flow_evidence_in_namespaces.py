@@ -301,3 +301,51 @@ def test_a_window_the_control_plane_refuses_is_a_window_rejected_gap_of_its_rang
         web.kill()
         serve.stop()
     assert "flow window refused" in web.log()
+
+
+# Another NFLOG listener (ulogd, say) holding the group the renderer logs drops to: the kernel admits one.
+NFLOG_SQUATTER = """
+import sys
+from agent.nflog import nflog_socket
+sock = nflog_socket(1 << 20)
+print("bound", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_source_that_cannot_subscribe_is_a_source_restart_gap_until_it_does(lab, tmp_path):
+    from datetime import UTC, datetime, timedelta
+
+    serve = _serve(lab, tmp_path).start()
+    web = AgentProcess(lab, "web", tmp_path / "web")
+    squatter = lab.popen_python("web", NFLOG_SQUATTER)
+    try:
+        assert squatter.stdout.readline().strip() == "bound"
+        api, web_id = _enrolled(serve, web)
+        started = datetime.now(UTC)
+        web.start("--flow-window-seconds", "2")
+        api.wait_converged(web_id)
+        api.wait_for("the nflog source to fail", lambda: "flow source failed" in web.log(), timeout=20)
+        time.sleep(2)
+        released = datetime.now(UTC)
+        squatter.stdin.write("\n")
+        squatter.stdin.flush()
+        squatter.wait(10)
+
+        def gaps():
+            span = {"workload": web_id, "from": (started - timedelta(seconds=5)).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                    "to": (datetime.now(UTC) + timedelta(seconds=10)).strftime("%Y-%m-%dT%H:%M:%SZ")}  # fmt: skip
+            return api.get("/flows/gaps", params=span)["items"]
+
+        found = api.wait_for("a source_restart gap", gaps, timeout=40)
+        assert [(g["kind"], g["source"]) for g in found] == [("source_restart", "nflog")], found
+        (gap,) = found
+        down_from, down_to = datetime.fromisoformat(gap["start"]), datetime.fromisoformat(gap["end"])
+        assert started <= down_from < released, (started, gap)  # from its first failed subscribe
+        assert released <= down_to < released + timedelta(seconds=5), (released, gap)  # until it subscribed
+        status = web.cli("status", "--state-dir", str(tmp_path / "web"))
+        assert "nflog subscribed" in status.stdout, status.stdout + web.log()[-3000:]
+    finally:
+        squatter.kill()
+        web.kill()
+        serve.stop()
