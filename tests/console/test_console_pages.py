@@ -167,3 +167,18 @@ def test_mode_change_preview_by_ids_names_them_however_large_the_fleet(browser):
     assert "1 workload selected" in page and "zz-last" in page and "aa-0" not in page
     missing = text(browser.get("/mode-changes", {"workloads": "nope", "mode": "simulation"}))
     assert "No workload nope" in missing
+
+
+def test_a_provisioning_token_is_minted_with_its_bundle_shown_once(browser):
+    minted = browser.post(
+        "/tokens",
+        {"kind": "provisioning", "description": "rack 4", "max_uses": "3", "labels": "env=prod\nzone=a"},
+    )
+    page = minted.content.decode()
+    bundle = re.search(r'<textarea id="secret"[^>]*>([^<]+)</textarea>', page).group(1).strip()
+    assert bundle.startswith("palisade-enrol-v1:") and "palisade-agent enrol --bundle-file" in page
+    assert minted["Cache-Control"] == "no-store"
+    listing = text(browser.get("/tokens"))
+    assert "rack 4" in listing and bundle not in listing and "0 / 3" in listing
+    refused = text(browser.post("/tokens", {"kind": "provisioning", "description": "", "max_uses": "0"}))
+    assert 'data-problem="validation"' in refused
