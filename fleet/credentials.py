@@ -231,7 +231,9 @@ def credential_renew(*, workload_id: str, now: datetime | None = None) -> Signed
                 f"more than the renewal grace ({_duration(credential_grace())}) ago; it cannot be renewed: "
                 "re-enrol the workload with a new provisioning token.",
             )
-        fields = list(CREDENTIAL_FIELDS)
+        # A renewal is contact, also over a renew-only stream (an expired credential's only message).
+        workload.last_heard_from = now
+        fields = [*CREDENTIAL_FIELDS, "last_heard_from"]
         if now >= workload.credential_expires_at:
             workload.credential_last_late_renewal = now
             workload.credential_last_late_by_seconds = int(

@@ -363,6 +363,7 @@ def test_expired_within_the_grace_renews_and_records_the_late_renewal(workload, 
     assert credential_state(after) == "renews"
     assert after.credential_last_late_renewal >= workload.credential_expires_at + timedelta(hours=71)
     assert after.credential_last_late_renewal == after.credential_issued_at == renewed.issued_at
+    assert after.last_heard_from == after.credential_last_late_renewal  # the renewal was contact
     late_by = after.credential_last_late_renewal - workload.credential_expires_at
     assert after.credential_last_late_by_seconds == int(late_by.total_seconds())
     assert renewed.serial == 2
