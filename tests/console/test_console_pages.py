@@ -72,8 +72,10 @@ def test_fleet_shows_each_workload_with_its_chips(browser):
     assert str(offline.id) in text(browser.get(f"/workloads/{offline.id}"))
     assert browser.get(f"/workloads/{synced.id}").status_code == 200
     assert browser.get("/workloads/not-a-workload").status_code == 404
-    missing = browser.get("/no/such/page")
+    missing = browser.get("/no/such/page", headers={"Accept": "text/html,*/*"})
     assert missing.status_code == 404 and "There is no page at /no/such/page" in text(missing)
+    scripted = browser.get("/no/such/page")  # no browser: the API's problem, as everywhere
+    assert scripted.status_code == 404 and scripted["Content-Type"] == "application/problem+json"
     assert browser.get("/api/v1/no-such").status_code == 404  # the API's own problem, not a page
 
 

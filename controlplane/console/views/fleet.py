@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from urllib.parse import urlencode
 
+from django.http import Http404
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
 from controlplane.console.chips import workload_chips
@@ -54,9 +55,12 @@ def not_found(request, what: str):
     return page(request, "console/not_found.html", {"what": what}, status=404)
 
 
-@operator_page
-def page_not_found(request, api):
-    return not_found(request, f"page at {request.path}")
+def page_not_found(request):
+    """A person's browser gets the console's page; anything else (a script, an agent on the wrong
+    listener) the API's `not-found` problem, as for every unknown path."""
+    if "text/html" not in request.META.get("HTTP_ACCEPT", ""):
+        raise Http404(request.path)
+    return operator_page(lambda request, api: not_found(request, f"page at {request.path}"))(request)
 
 
 def _labels_text(labels: dict) -> str:
