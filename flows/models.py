@@ -49,7 +49,40 @@ class FlowGroup(models.Model):
     bytes_out = models.PositiveBigIntegerField()
 
     class Meta:
-        indexes = [models.Index(fields=["workload", "start"], name="flow_group_workload_start")]
+        indexes = [
+            models.Index(fields=["workload", "start"], name="flow_group_workload_start"),
+            # The edges of a rollup's range: an hour or two of every workload's rows.
+            models.Index(fields=["start"], name="flow_group_start"),
+        ]
+
+
+class FlowHour(models.Model):
+    """The groups of one workload's windows that start in one hour, summed per key: what a rollup
+    reads for the whole hours of its range (the minute rows only at its edges). Written with the
+    groups, in the same transaction."""
+
+    id = models.BigAutoField(primary_key=True)
+    workload = models.ForeignKey(Workload, on_delete=models.CASCADE, related_name="+")
+    hour = models.DateTimeField()
+    peer = models.CharField(max_length=45)
+    peer_workload = models.ForeignKey(Workload, on_delete=models.SET_NULL, null=True, related_name="+")
+    protocol = models.CharField(max_length=8)
+    port = models.PositiveIntegerField()
+    decision = models.CharField(max_length=16, choices=Decision.choices)
+    rule_number = models.PositiveIntegerField()  # 0: no rule decided (a key column, so never null)
+    connection_count = models.PositiveBigIntegerField()
+    first_seen = models.DateTimeField()
+    last_seen = models.DateTimeField()
+    bytes_in = models.PositiveBigIntegerField()
+    bytes_out = models.PositiveBigIntegerField()
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["workload", "hour", "peer", "protocol", "port", "decision", "rule_number"],
+                name="flow_hour_key",
+            )
+        ]
 
 
 class EvidenceGap(models.Model):

@@ -20,7 +20,12 @@ from datetime import UTC, date, datetime, time, timedelta
 from django.db import DatabaseError, connection, transaction
 
 # table -> the column it is partitioned by
-PARTITIONED = {"flows_flowwindow": "start", "flows_flowgroup": "start", "flows_evidencegap": "end"}
+PARTITIONED = {
+    "flows_flowwindow": "start",
+    "flows_flowgroup": "start",
+    "flows_flowhour": "hour",
+    "flows_evidencegap": "end",
+}
 DAYS_AHEAD = 3
 _NAME = re.compile(r"_p(\d{8})$")
 _known: set[str] = set()  # partitions this process has seen exist: ingestion checks nothing twice

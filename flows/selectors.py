@@ -5,7 +5,7 @@ from __future__ import annotations
 import ipaddress
 from datetime import datetime, timedelta
 
-from django.db.models import Prefetch, Q
+from django.db.models import Max, Min, OuterRef, Prefetch, Q, Subquery, Sum
 
 from controlplane.pagination import OrderKey, Page, list_fingerprint, paginate
 from controlplane.problems import Finding, ValidationFailed
@@ -13,7 +13,7 @@ from controlplane.validation import parse_instant
 from fleet.models import Workload
 from fleet.selectors import workload_get, workload_queryset
 from flows.choices import MAX_WINDOW_SECONDS, Decision
-from flows.models import EvidenceGap, FlowGroup, FlowWindow
+from flows.models import EvidenceGap, FlowGroup, FlowHour, FlowWindow
 from policy.grammar import Selector
 from policy.models import Rule
 
@@ -226,22 +226,64 @@ def coverage(selected, start: datetime, end: datetime) -> dict:
     }
 
 
+def _ruleset_of_rule():
+    return Subquery(Rule.objects.filter(number=OuterRef("rule_number")).values("ruleset_id")[:1])
+
+
+def _sums(queryset, columns: list[str]):
+    return queryset.values(*columns).annotate(
+        connection_count=Sum("connection_count"),
+        bytes_in=Sum("bytes_in"),
+        bytes_out=Sum("bytes_out"),
+        first_seen=Min("first_seen"),
+        last_seen=Max("last_seen"),
+    )
+
+
+def _whole_hours(start: datetime, end: datetime) -> tuple[datetime, datetime] | None:
+    """The first and the end of the whole hours inside [start, end), or None when there is none."""
+    first = start.replace(minute=0, second=0, microsecond=0)
+    if first < start:
+        first += timedelta(hours=1)
+    last = end.replace(minute=0, second=0, microsecond=0)
+    return (first, last) if first < last else None
+
+
+def _merged(*parts, columns: list[str]) -> list[dict]:
+    """Rows of the same key from several sums, added up, in the order SQL would give (nulls last)."""
+    merged: dict[tuple, dict] = {}
+    for part in parts:
+        for row in part:
+            if row.get("rule_number") == 0:  # the hourly sums' "no rule"
+                row["rule_number"] = None
+            key = tuple(row[column] for column in columns)
+            seen = merged.get(key)
+            if seen is None:
+                merged[key] = row
+                continue
+            for name in ("connection_count", "bytes_in", "bytes_out"):
+                seen[name] += row[name]
+            seen["first_seen"] = min(seen["first_seen"], row["first_seen"])
+            seen["last_seen"] = max(seen["last_seen"], row["last_seen"])
+    order = sorted(
+        merged, key=lambda key: tuple((value is None, value if value is not None else 0) for value in key)
+    )
+    return [merged[key] for key in order]
+
+
 def flow_rollup(
     *, selected, group_by: list[str], start: datetime, end: datetime, cursor: str | None, limit: int
 ) -> tuple[list[dict], str | None]:
     """Sums of the selected workloads' groups in the range, grouped by `group_by`; paged by offset
     (the rows are aggregates: the cursor carries the position and the query it belongs to)."""
     from django.core import signing
-    from django.db.models import Max, Min, OuterRef, Subquery, Sum
 
     from controlplane.pagination import decode_cursor
 
     columns = [column for name in group_by for column in GROUP_KEYS[name]]
     groups = _groups_in_range(selected, start, end)
     if "ruleset_id" in columns:
-        groups = groups.annotate(
-            ruleset_id=Subquery(Rule.objects.filter(number=OuterRef("rule_number")).values("ruleset_id")[:1])
-        )
+        groups = groups.annotate(ruleset_id=_ruleset_of_rule())
     fingerprint = list_fingerprint(
         "flows-rollup",
         {
@@ -252,17 +294,21 @@ def flow_rollup(
         },
     )
     offset = decode_cursor(cursor, fingerprint, 1)[0] if cursor else 0
-    rows = list(
-        groups.values(*columns)
-        .annotate(
-            connection_count=Sum("connection_count"),
-            bytes_in=Sum("bytes_in"),
-            bytes_out=Sum("bytes_out"),
-            first_seen=Min("first_seen"),
-            last_seen=Max("last_seen"),
-        )
-        .order_by(*columns)[offset : offset + limit + 1]
-    )
+    whole = _whole_hours(start, end)
+    if whole is None or "start" in columns:
+        rows = list(_sums(groups, columns).order_by(*columns)[offset : offset + limit + 1])
+    else:
+        # The whole hours from the hourly sums, the minute rows only at the range's two edges.
+        first, last = whole
+        hours = FlowHour.objects.filter(hour__gte=first, hour__lt=last)
+        hours = hours if selected is None else hours.filter(workload__in=selected)
+        # Two plain ranges, not one OR: each reads only its own partitions and index range.
+        before, after = groups.filter(start__lt=first), groups.filter(start__gte=last)
+        if "ruleset_id" in columns:
+            hours = hours.annotate(ruleset_id=_ruleset_of_rule())
+        parts = (_sums(hours, columns), _sums(before, columns), _sums(after, columns))
+        merged = _merged(*parts, columns=columns)
+        rows = merged[offset : offset + limit + 1]
     next_cursor = None
     if len(rows) > limit:
         rows = rows[:limit]

@@ -24,7 +24,7 @@ from controlplane.validation import parse_instant
 from fleet.models import Workload
 from fleet.selectors import workload_get
 from flows.choices import AGENT_GAP_KINDS, MAX_WINDOW_SECONDS, Decision, GapKind, GapSource
-from flows.models import EvidenceGap, FlowGroup, FlowWindow
+from flows.models import EvidenceGap, FlowGroup, FlowHour, FlowWindow
 from flows.partitions import flow_partitions_drop, flow_partitions_ensure
 
 MAX_WINDOWS_PER_REPORT = 1000
@@ -354,6 +354,70 @@ def _report_days(report: Report, days: tuple[date, date], today: date) -> set[da
     return found
 
 
+HOUR_KEY = ("workload_id", "hour", "peer", "protocol", "port", "decision", "rule_number")
+HOUR_SUMS = ("connection_count", "bytes_in", "bytes_out")
+_LEAST = {"postgresql": ("LEAST", "GREATEST")}
+HOUR_ROWS_PER_STATEMENT = 2000  # 13 parameters each: under SQLite's 32,766
+
+
+def _hours_add(groups: list[dict]) -> None:
+    """Add the report's groups to their hours' sums (FlowHour), one upsert per hour and key."""
+    hours: dict[tuple, dict] = {}
+    for group in groups:
+        hour = group["start"].replace(minute=0, second=0, microsecond=0)
+        key = (group["workload_id"], hour, group["peer"], group["protocol"], group["port"],
+               group["decision"], group["rule_number"] or 0)  # fmt: skip
+        row = hours.get(key)
+        if row is None:
+            hours[key] = {**dict(zip(HOUR_KEY, key, strict=True)), "peer_workload_id": group["peer_workload_id"],
+                          **{name: group[name] for name in (*HOUR_SUMS, "first_seen", "last_seen")}}  # fmt: skip
+            continue
+        for name in HOUR_SUMS:
+            row[name] += group[name]
+        row["first_seen"] = min(row["first_seen"], group["first_seen"])
+        row["last_seen"] = max(row["last_seen"], group["last_seen"])
+    if not hours:
+        return
+    least, greatest = _LEAST.get(connection.vendor, ("min", "max"))
+    table = FlowHour._meta.db_table
+    columns = [*HOUR_KEY, "peer_workload_id", *HOUR_SUMS, "first_seen", "last_seen"]
+    fields = [FlowHour._meta.get_field(name) for name in columns]
+    updates = [f'"{name}" = "{table}"."{name}" + excluded."{name}"' for name in HOUR_SUMS] + [
+        f'"first_seen" = {least}("{table}"."first_seen", excluded."first_seen")',
+        f'"last_seen" = {greatest}("{table}"."last_seen", excluded."last_seen")',
+        '"peer_workload_id" = excluded."peer_workload_id"',
+    ]
+    quoted = ", ".join(f'"{field.column}"' for field in fields)
+    conflict = ", ".join(f'"{FlowHour._meta.get_field(name).column}"' for name in HOUR_KEY)
+    upsert = f"ON CONFLICT ({conflict}) DO UPDATE SET {', '.join(updates)}"
+    if connection.vendor == "postgresql":
+        # One statement of one array per column: the same text for every report (planned once), no
+        # per-value preparation; the report's keys are distinct, as ON CONFLICT needs.
+        arrays = ", ".join(f"%s::{field.db_type(connection)}[]" for field in fields)
+        with connection.cursor() as cursor:
+            cursor.execute(
+                f'INSERT INTO "{table}" ({quoted}) SELECT * FROM unnest({arrays}) {upsert}',  # noqa: S608
+                [[row[name] for row in hours.values()] for name in columns],
+            )
+        return
+    # SQLite: rows of values, prepared as its columns store them, in slices under its parameter cap.
+    per_row = "(" + ", ".join(["%s"] * len(fields)) + ")"
+    rows = [
+        [
+            field.get_db_prep_value(row[name], connection, prepared=False)
+            for field, name in zip(fields, columns, strict=True)
+        ]
+        for row in hours.values()
+    ]
+    with connection.cursor() as cursor:
+        for at in range(0, len(rows), HOUR_ROWS_PER_STATEMENT):
+            chunk = rows[at : at + HOUR_ROWS_PER_STATEMENT]
+            cursor.execute(
+                f'INSERT INTO "{table}" ({quoted}) VALUES {", ".join([per_row] * len(chunk))} {upsert}',  # noqa: S608
+                [value for row in chunk for value in row],
+            )
+
+
 def flow_report_ingest(*, workload_id: str, data: Any) -> dict:
     """Store a report's windows and gaps; answer each with `accepted` or `refused` and the reason."""
     report = _envelope(data)
@@ -416,6 +480,7 @@ def flow_report_ingest(*, workload_id: str, data: Any) -> dict:
             window_results.append(_result(raw, ACCEPTED))
         _rows_insert(FlowWindow, windows)
         _rows_insert(FlowGroup, groups)
+        _hours_add(groups)
 
         gap_results, gaps = [], []
         gap_parsed = []
@@ -466,6 +531,8 @@ def flow_evidence_prune(*, older_than: timedelta) -> Pruned:
     cutoff = clock.now() - older_than
     partitions = flow_partitions_drop(before=cutoff)
     FlowGroup.objects.filter(end__lt=cutoff).delete()
+    # An hour's windows start in it and end within the next: its sums go once both are past.
+    FlowHour.objects.filter(hour__lt=cutoff - timedelta(hours=2)).delete()
     windows, _ = FlowWindow.objects.filter(end__lt=cutoff).delete()
     gaps, _ = EvidenceGap.objects.filter(end__lt=cutoff).delete()
     return Pruned(rows=windows + gaps, partitions=partitions)

@@ -40,16 +40,18 @@ def _partition_table(cursor, table: str, key: str) -> None:
             f"FOR VALUES FROM ('{day.isoformat()}T00:00:00+00:00') "
             f"TO ('{day.isoformat()}T00:00:00+00:00'::timestamptz + interval '1 day')"
         )
-    if table == "flows_flowgroup":
+    cursor.execute(
+        "SELECT attidentity <> '' FROM pg_attribute WHERE attrelid = %s::regclass AND attname = 'id'", [old]
+    )
+    if cursor.fetchone()[0]:
         # The identity column does not carry over to a partitioned table (PostgreSQL < 17): a sequence.
-        cursor.execute('CREATE SEQUENCE "flows_flowgroup_id_partitioned_seq" AS bigint')
+        sequence = f"{table}_id_partitioned_seq"
+        cursor.execute(f'CREATE SEQUENCE "{sequence}" AS bigint')
         cursor.execute(
-            'SELECT setval(\'"flows_flowgroup_id_partitioned_seq"\', COALESCE((SELECT max(id) FROM "flows_flowgroup_unpartitioned"), 0) + 1, false)'
+            f'SELECT setval(\'"{sequence}"\', COALESCE((SELECT max(id) FROM "{old}"), 0) + 1, false)'  # noqa: S608
         )
-        cursor.execute(
-            'ALTER TABLE "flows_flowgroup" ALTER COLUMN "id" SET DEFAULT nextval(\'"flows_flowgroup_id_partitioned_seq"\')'
-        )
-        cursor.execute('ALTER SEQUENCE "flows_flowgroup_id_partitioned_seq" OWNED BY "flows_flowgroup"."id"')
+        cursor.execute(f'ALTER TABLE "{table}" ALTER COLUMN "id" SET DEFAULT nextval(\'"{sequence}"\')')
+        cursor.execute(f'ALTER SEQUENCE "{sequence}" OWNED BY "{table}"."id"')
     cursor.execute(f'INSERT INTO "{table}" SELECT * FROM "{old}"')  # noqa: S608 - our names
     cursor.execute(f'DROP TABLE "{old}"')
     for definition in indexes:
