@@ -275,7 +275,7 @@ def flow_rollup(
     *, selected, group_by: list[str], start: datetime, end: datetime, cursor: str | None, limit: int
 ) -> tuple[list[dict], str | None]:
     """Sums of the selected workloads' groups in the range, grouped by `group_by`; paged by offset
-    (the rows are aggregates: the cursor carries the position and the query it belongs to)."""
+    (the rows are aggregates: the cursor carries the position and the query it belongs to); whole hours come from the hourly sums."""
     from django.core import signing
 
     from controlplane.pagination import decode_cursor
