@@ -9,6 +9,20 @@ import importlib
 import django.db.models.deletion
 from django.db import migrations, models
 
+# Per vendor: the hour of a start, and one of the peer workloads (PostgreSQL has no max() of a uuid).
+HOUR_OF = {
+    "postgresql": ("date_trunc('hour', start)", "(array_agg(peer_workload_id))[1]"),
+    "sqlite": ("strftime('%Y-%m-%d %H:00:00', start)", "max(peer_workload_id)"),
+}
+BACKFILL = """
+INSERT INTO flows_flowhour (workload_id, hour, peer, peer_workload_id, protocol, port, decision, rule_number,
+                            connection_count, bytes_in, bytes_out, first_seen, last_seen)
+SELECT workload_id, {hour}, peer, {peer_workload}, protocol, port, decision, coalesce(rule_number, 0),
+       sum(connection_count), sum(bytes_in), sum(bytes_out), min(first_seen), max(last_seen)
+FROM flows_flowgroup
+GROUP BY workload_id, {hour}, peer, protocol, port, decision, coalesce(rule_number, 0)
+"""
+
 
 def partition(apps, schema_editor):
     if schema_editor.connection.vendor != "postgresql":
@@ -16,6 +30,22 @@ def partition(apps, schema_editor):
     partitioned = importlib.import_module("flows.migrations.0002_partition_by_day")
     with schema_editor.connection.cursor() as cursor:
         partitioned._partition_table(cursor, "flows_flowhour", "hour")
+        # The days the groups already stored fall on, so that their sums have somewhere to go.
+        cursor.execute("SELECT DISTINCT (start AT TIME ZONE 'UTC')::date FROM flows_flowgroup")
+        for (day,) in cursor.fetchall():
+            cursor.execute(
+                f'CREATE TABLE IF NOT EXISTS "flows_flowhour_p{day:%Y%m%d}" PARTITION OF "flows_flowhour" '
+                f"FOR VALUES FROM ('{day.isoformat()}T00:00:00+00:00') "
+                f"TO ('{day.isoformat()}T00:00:00+00:00'::timestamptz + interval '1 day')"
+            )
+
+
+def backfill(apps, schema_editor):
+    """The hourly sums of the groups stored before this migration (rollups read them for whole hours)."""
+    vendor = schema_editor.connection.vendor
+    with schema_editor.connection.cursor() as cursor:
+        hour, peer_workload = HOUR_OF.get(vendor, HOUR_OF["postgresql"])
+        cursor.execute(BACKFILL.format(hour=hour, peer_workload=peer_workload))
 
 
 class Migration(migrations.Migration):
@@ -77,4 +107,5 @@ class Migration(migrations.Migration):
             },
         ),
         migrations.RunPython(partition, elidable=False),  # irreversible: the rows stay partitioned
+        migrations.RunPython(backfill, elidable=False),
     ]
