@@ -23,8 +23,27 @@ class FlowWindow(models.Model):
         indexes = [models.Index(fields=["workload", "start", "id"], name="flow_window_order")]
 
 
-class FlowGroup(models.Model):
-    """One key of a window: peer, service, decision and rule, with its counters."""
+class FlowCounters(models.Model):
+    """A key (peer, service, decision) and its counters, as groups and hourly sums both hold them."""
+
+    workload = models.ForeignKey(Workload, on_delete=models.CASCADE, related_name="+")
+    peer = models.CharField(max_length=45)
+    peer_workload = models.ForeignKey(Workload, on_delete=models.SET_NULL, null=True, related_name="+")
+    protocol = models.CharField(max_length=8)
+    port = models.PositiveIntegerField()
+    decision = models.CharField(max_length=16, choices=Decision.choices)
+    connection_count = models.PositiveBigIntegerField()
+    first_seen = models.DateTimeField()
+    last_seen = models.DateTimeField()
+    bytes_in = models.PositiveBigIntegerField()
+    bytes_out = models.PositiveBigIntegerField()
+
+    class Meta:
+        abstract = True
+
+
+class FlowGroup(FlowCounters):
+    """One key of a window, with its counters."""
 
     id = models.BigAutoField(primary_key=True)
     # No database constraint: on PostgreSQL both tables are partitioned by start (flows/partitions.py),
@@ -32,21 +51,10 @@ class FlowGroup(models.Model):
     window = models.ForeignKey(
         FlowWindow, on_delete=models.CASCADE, related_name="groups", db_constraint=False
     )
-    # The window's workload, start and end, repeated: rollups read this table alone, with no join.
-    workload = models.ForeignKey(Workload, on_delete=models.CASCADE, related_name="+")
+    # The window's start and end (and workload), repeated: rollups read this table alone, with no join.
     start = models.DateTimeField()
     end = models.DateTimeField()
-    peer = models.CharField(max_length=45)
-    peer_workload = models.ForeignKey(Workload, on_delete=models.SET_NULL, null=True, related_name="+")
-    protocol = models.CharField(max_length=8)
-    port = models.PositiveIntegerField()
-    decision = models.CharField(max_length=16, choices=Decision.choices)
     rule_number = models.PositiveIntegerField(null=True)
-    connection_count = models.PositiveBigIntegerField()
-    first_seen = models.DateTimeField()
-    last_seen = models.DateTimeField()
-    bytes_in = models.PositiveBigIntegerField()
-    bytes_out = models.PositiveBigIntegerField()
 
     class Meta:
         indexes = [
@@ -56,25 +64,14 @@ class FlowGroup(models.Model):
         ]
 
 
-class FlowHour(models.Model):
+class FlowHour(FlowCounters):
     """The groups of one workload's windows that start in one hour, summed per key: what a rollup
     reads for the whole hours of its range (the minute rows only at its edges). Written with the
     groups, in the same transaction."""
 
     id = models.BigAutoField(primary_key=True)
-    workload = models.ForeignKey(Workload, on_delete=models.CASCADE, related_name="+")
     hour = models.DateTimeField()
-    peer = models.CharField(max_length=45)
-    peer_workload = models.ForeignKey(Workload, on_delete=models.SET_NULL, null=True, related_name="+")
-    protocol = models.CharField(max_length=8)
-    port = models.PositiveIntegerField()
-    decision = models.CharField(max_length=16, choices=Decision.choices)
     rule_number = models.PositiveIntegerField()  # 0: no rule decided (a key column, so never null)
-    connection_count = models.PositiveBigIntegerField()
-    first_seen = models.DateTimeField()
-    last_seen = models.DateTimeField()
-    bytes_in = models.PositiveBigIntegerField()
-    bytes_out = models.PositiveBigIntegerField()
 
     class Meta:
         constraints = [
