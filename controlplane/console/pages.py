@@ -72,3 +72,15 @@ def chosen_range(params) -> dict:
 
 def lines(text: str) -> list[str]:
     return [line.strip() for line in (text or "").splitlines() if line.strip()]
+
+
+def labels_from_text(text: str) -> tuple[dict, list[str]]:
+    """`key=value` lines as a label set, and the lines that are not `key=value`."""
+    labels, unreadable = {}, []
+    for line in lines(text):
+        key, sep, value = line.partition("=")
+        if not sep:
+            unreadable.append(f"'{line}' is not key=value")
+            continue
+        labels[key.strip()] = value.strip()
+    return labels, unreadable

@@ -184,3 +184,5 @@ def test_a_provisioning_token_is_minted_with_its_bundle_shown_once(browser):
     assert "rack 4" in listing and bundle not in listing and "0 / 3" in listing
     refused = text(browser.post("/tokens", {"kind": "provisioning", "description": "", "max_uses": "0"}))
     assert 'data-problem="validation"' in refused
+    unreadable = text(browser.post("/tokens", {"kind": "provisioning", "description": "x", "labels": "env"}))
+    assert "env&#x27; is not key=value" in unreadable and 'data-problem="validation"' in unreadable

@@ -8,7 +8,7 @@ from django.http import Http404
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
 from controlplane.console.chips import workload_chips
-from controlplane.console.pages import RANGES, chosen_range, lines, operator_page, page
+from controlplane.console.pages import RANGES, chosen_range, labels_from_text, operator_page, page
 from controlplane.console.plots import connections_plot
 
 SYNC_STATES = ("synced", "pending", "degraded", "offline")
@@ -67,17 +67,6 @@ def _labels_text(labels: dict) -> str:
     return "\n".join(f"{key}={value}" for key, value in sorted(labels.items()))
 
 
-def _labels_from_text(text: str) -> tuple[dict, list[str]]:
-    labels, unreadable = {}, []
-    for line in lines(text):
-        key, sep, value = line.partition("=")
-        if not sep:
-            unreadable.append(f"'{line}' is not key=value")
-            continue
-        labels[key.strip()] = value.strip()
-    return labels, unreadable
-
-
 @require_GET
 @operator_page
 def workload(request, api, workload_id: str):
@@ -126,7 +115,7 @@ def workload_flows(api, workload_id: str, params) -> dict:
 @require_http_methods(["POST"])
 @operator_page
 def workload_labels(request, api, workload_id: str):
-    labels, unreadable = _labels_from_text(request.POST.get("labels", ""))
+    labels, unreadable = labels_from_text(request.POST.get("labels", ""))
     version = request.POST.get("version", "")
     form = {"text": request.POST.get("labels", ""), "version": version}
     context = {"workload": {"id": workload_id}, "labels_form": form, "saved": False}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
-from controlplane.console.pages import lines, operator_page, page
+from controlplane.console.pages import labels_from_text, operator_page, page
 
 KINDS = {"provisioning": "/provisioning-tokens", "operator": "/operator-tokens"}
 
@@ -26,9 +26,9 @@ def _mint_body(kind: str, form) -> dict:
             body["max_uses"] = (
                 int(form["max_uses"]) if form["max_uses"].strip().isdigit() else form["max_uses"]
             )
-        labels = dict(line.partition("=")[::2] for line in lines(form.get("labels", "")))
+        labels, _ = labels_from_text(form.get("labels", ""))
         if labels:
-            body["labels"] = {key.strip(): value.strip() for key, value in labels.items()}
+            body["labels"] = labels
     if form.get("expires_at", "").strip():
         body["expires_at"] = form["expires_at"].strip()
     return body
@@ -41,7 +41,12 @@ def tokens(request, api):
     status = 200
     if request.method == "POST":
         kind = request.POST.get("kind", "")
-        if kind in KINDS:
+        unreadable = labels_from_text(request.POST.get("labels", ""))[1]
+        if kind == "provisioning" and unreadable:
+            status = 422
+            context.update(kind=kind, form=request.POST,
+                           problem={"name": "validation", "title": "Labels", "detail": "; ".join(unreadable)})  # fmt: skip
+        elif kind in KINDS:
             result = api.post(KINDS[kind], _mint_body(kind, request.POST))
             context["kind"] = kind
             if result.ok:
