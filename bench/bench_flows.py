@@ -133,7 +133,7 @@ def bench_ingestion(ids: list[str], reports: int, keys: int, threads: int, rng: 
     now = time.time()
     minute = now // 60 * 60 - 60
     bodies = [(rng.choice(ids), report_json(rng, minute - 60 * (i % 30), keys, now)) for i in range(reports)]
-    log(f"ingesting {reports} reports of {keys} keys on {threads} threads (serve's HTTP pool is 4)")
+    log(f"ingesting {reports} reports of {keys} keys on {threads} threads (serve's flow-report pool is 16)")
 
     def ingest(share):
         try:
@@ -168,6 +168,129 @@ def bench_ingestion(ids: list[str], reports: int, keys: int, threads: int, rng: 
         "group_rows_per_second": round(group_rows_per_second),
         "fleet_needs_group_rows_per_second": round(FLEET_ROWS_PER_SECOND),
         "one_process_keeps_up": group_rows_per_second >= FLEET_ROWS_PER_SECOND,
+    }
+
+
+def _post_reports(host: str, port: int, cert_pem: str, requests: list, results) -> None:
+    """One client process: its share of signed reports, over keep-alive HTTPS connections, one per
+    thread, the certificate pinned as the agent pins it."""
+    import http.client
+    import ssl
+    import threading
+
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False
+    context.load_verify_locations(cadata=cert_pem)
+    failures: list[str] = []
+    lock = threading.Lock()
+
+    def run(share) -> None:
+        conn = http.client.HTTPSConnection(host, port, context=context, timeout=60)
+        for body, headers in share:
+            conn.request("POST", "/agent/v1/flows", body=body, headers=headers)
+            response = conn.getresponse()
+            answer = response.read()
+            if response.status != 200 or b'"refused"' in answer:
+                with lock:
+                    failures.append(f"HTTP {response.status}: {answer[:200]!r}")
+        conn.close()
+
+    threads = [threading.Thread(target=run, args=(requests[i::GATEWAY_THREADS_PER_CLIENT],))
+               for i in range(GATEWAY_THREADS_PER_CLIENT)]  # fmt: skip
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    results.put(failures)
+
+
+GATEWAY_THREADS_PER_CLIENT = 4
+
+
+def _process_cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def bench_gateway(reports: int, keys: int, agents: int, clients: int, rng: random.Random) -> dict:
+    """The same reports through the real serve: signed by enrolled workloads' keys, posted over TLS to
+    the gateway listener, authenticated, parsed and written as serve writes them."""
+    import multiprocessing
+    import ssl
+
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from agent.credential import public_key_encode
+    from agent.flowreport import report_headers
+    from controlplane import clock
+    from fleet.credentials import credential_issue, credential_start
+    from fleet.models import Workload
+    from flows.models import FlowGroup, FlowWindow
+    from tests.support.serve_process import ServeProcess
+
+    now_dt = clock.now()
+    keys_of, rows = [], []
+    for i in range(agents):
+        key = Ed25519PrivateKey.generate()
+        workload = Workload(
+            hostname=f"flows-agent-{i:05d}", addresses=[f"10.99.{i // 256 % 256}.{i % 256}"], labels={},
+            mode="simulation", public_key=public_key_encode(key.public_key()), enrolled_at=now_dt,
+            sync_state="synced", owned_table_state="present",
+        )  # fmt: skip
+        credential_start(workload, now=now_dt, serial=1)
+        keys_of.append(key)
+        rows.append(workload)
+    Workload.objects.bulk_create(rows, batch_size=2000)
+    credentials = [credential_issue(workload=w).text for w in rows]
+    serve = ServeProcess(os.environ["PALISADE_DATA_DIR"], database_url=DB_URL).start()
+    try:
+        fingerprint = serve.gateway_fingerprint_served()
+        cert_pem = ssl.DER_cert_to_PEM_cert(serve.served_certificate("gateway"))
+        host, port = serve.address("gateway")
+        now = time.time()
+        minute = now // 60 * 60 - 60
+        requests = []
+        for i in range(reports):
+            workload, key, credential = rows[i % agents], keys_of[i % agents], credentials[i % agents]
+            body = report_json(rng, minute - 60 * (i // agents % 30), keys, now)
+            headers = report_headers(body, key=key, workload_id=str(workload.id), credential=credential,
+                                     gateway_fingerprint=fingerprint)  # fmt: skip
+            requests.append((body, headers))
+        before = FlowWindow.objects.count() + FlowGroup.objects.count()
+        log(f"posting {reports} signed reports of {keys} keys from {agents} agents to serve's gateway "
+            f"({clients} client processes x {GATEWAY_THREADS_PER_CLIENT} connections)")  # fmt: skip
+        ctx = multiprocessing.get_context("spawn")
+        results = ctx.Queue()
+        workers = [ctx.Process(target=_post_reports, args=(host, port, cert_pem, requests[c::clients], results))
+                   for c in range(clients)]  # fmt: skip
+        cpu_before = _process_cpu_seconds(serve.process.pid)
+        started = time.perf_counter()
+        for worker in workers:
+            worker.start()
+        failures = [failure for _ in workers for failure in results.get(timeout=600)]
+        took = time.perf_counter() - started
+        serve_cpu = _process_cpu_seconds(serve.process.pid) - cpu_before
+        for worker in workers:
+            worker.join()
+        assert serve.stop() == 0
+    finally:
+        serve.kill()
+    if failures:
+        raise SystemExit(f"{len(failures)} reports failed, e.g. {failures[:3]}")
+    stored = FlowWindow.objects.count() + FlowGroup.objects.count() - before
+    assert stored == reports * (keys + 1), (stored, reports * (keys + 1))
+    return {
+        "reports": reports,
+        "agents": agents,
+        "client_processes": clients,
+        "connections": clients * GATEWAY_THREADS_PER_CLIENT,
+        "rows": stored,
+        "seconds": round(took, 3),
+        "rows_per_second": round(stored / took),
+        "reports_per_second": round(reports / took, 1),
+        "group_rows_per_second": round(reports * keys / took),
+        "serve_cpu_ms_per_report": round(serve_cpu / reports * 1e3, 2),
+        "one_process_keeps_up": reports * keys / took >= FLEET_ROWS_PER_SECOND,
     }
 
 
@@ -322,7 +445,11 @@ def main() -> int:
     parser.add_argument("--workloads", type=int, default=10_000)
     parser.add_argument("--reports", type=int, default=2000)
     parser.add_argument("--keys", type=int, default=50)
-    parser.add_argument("--threads", type=int, default=4, help="ingesting threads (serve's HTTP pool: 4)")
+    parser.add_argument(
+        "--threads", type=int, default=16, help="ingesting threads (serve's flow-report pool: 16)"
+    )
+    parser.add_argument("--agents", type=int, default=1000, help="enrolled workloads posting to the gateway")
+    parser.add_argument("--clients", type=int, default=4, help="client processes posting to the gateway")
     parser.add_argument("--rollup-workloads", type=int, default=1000)
     parser.add_argument("--rollup-hours", type=int, default=24)
     parser.add_argument("--rollup-keys", type=int, default=5)
@@ -337,6 +464,11 @@ def main() -> int:
         ingestion = bench_ingestion(ids, args.reports, args.keys, args.threads, rng)
         log(f"ingestion: {ingestion['ingest_rows_per_second']} rows/s, COPY {ingestion['copy_rows_per_second']} "
             f"rows/s, ratio {ingestion['ratio_ingest_over_copy']} (target >= {RATIO_TARGET})")  # fmt: skip
+        gateway = bench_gateway(args.reports, args.keys, args.agents, args.clients, rng)
+        gateway["ratio_over_copy"] = round(gateway["rows_per_second"] / ingestion["copy_rows_per_second"], 3)
+        log(f"through serve's gateway: {gateway['rows_per_second']} rows/s ({gateway['reports_per_second']} "
+            f"reports/s, serve {gateway['serve_cpu_ms_per_report']} ms CPU each), ratio over COPY {gateway['ratio_over_copy']} (target >= {RATIO_TARGET}); "
+            f"keeps up with the fleet: {gateway['one_process_keeps_up']}")  # fmt: skip
         rollup_ids = workloads_insert(args.rollup_workloads, {"group": "rollup"}, rng)
         load_rollup_data(rollup_ids, args.rollup_hours, args.rollup_keys)
         rollup = bench_rollup(args.rollup_hours, args.samples)
@@ -347,7 +479,14 @@ def main() -> int:
         for table, size in sizes.items():
             log(f"{table}: {size['bytes_per_row']} bytes per row ({size['rows']} rows)")
         results_write(
-            "flows", {"args": vars(args), "ingestion": ingestion, "rollup": rollup, "storage": sizes}
+            "flows",
+            {
+                "args": vars(args),
+                "ingestion": ingestion,
+                "gateway": gateway,
+                "rollup": rollup,
+                "storage": sizes,
+            },
         )
     finally:
         from django.db import connections

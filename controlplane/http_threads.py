@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from asgiref.wsgi import WsgiToAsgiInstance
 from django.core.handlers.wsgi import WSGIHandler
 
+from agent.protocol import FLOWS_PATH
 from controlplane.listeners import body_limit
 from controlplane.problems import Problem
 
@@ -27,6 +28,10 @@ POOL_THREADS = int(os.environ.get("PALISADE_HTTP_THREADS", 4))
 HEAVY_PATHS = frozenset({"/api/v1/policies/render-dryrun", "/api/v1/selectors/preview"})
 HEAVY_THREADS = int(os.environ.get("PALISADE_HEAVY_THREADS", 2))
 HEAVY_WAITING = 8
+# Agents' flow reports run on a pool of their own: a busy fleet's reports never hold the threads the
+# operator API answers on, and the reports that wait together are written together (flows/services.py
+# writes them in one transaction), so more threads here mean fewer, larger writes.
+FLOW_REPORT_THREADS = int(os.environ.get("PALISADE_FLOW_REPORT_THREADS", 16))
 LISTENER_KEY = "palisade.listener"
 
 
@@ -58,9 +63,11 @@ class ThreadPoolHttp:
         threads: int = POOL_THREADS,
         heavy_threads: int = HEAVY_THREADS,
         heavy_waiting: int = HEAVY_WAITING,
+        flow_report_threads: int = FLOW_REPORT_THREADS,
     ):
         self.handler = WSGIHandler()
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="http")
+        self.flow_report_pool = ThreadPoolExecutor(flow_report_threads, thread_name_prefix="http-flows")
         self.heavy_pool = ThreadPoolExecutor(heavy_threads, thread_name_prefix="http-heavy")
         self.heavy_admitted = 0  # running or queued; only the event loop's thread changes it
         self.heavy_limit = heavy_threads + heavy_waiting
@@ -68,6 +75,8 @@ class ThreadPoolHttp:
     async def _run(self, environ: dict) -> tuple[int, list, bytes]:
         loop = asyncio.get_running_loop()
         path = environ.get("PATH_INFO", "")
+        if path == FLOWS_PATH:
+            return await loop.run_in_executor(self.flow_report_pool, self._respond, environ)
         if path not in HEAVY_PATHS:
             return await loop.run_in_executor(self.pool, self._respond, environ)
         if self.heavy_admitted >= self.heavy_limit:

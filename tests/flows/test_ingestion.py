@@ -335,3 +335,82 @@ def test_a_window_older_than_the_retention_or_years_ahead_is_refused_and_the_res
     assert [r for r, _ in results[:2]] == ["refused", "refused"]
     assert all("outside the stored range" in reason for _, reason in results[:2])
     assert FlowWindow.objects.count() == 1
+
+
+def _submitted(workload_id, data: dict):
+    from flows.partitions import flow_partitions_ensure
+    from flows.reports import report_parse
+    from flows.services import SubmittedReport
+
+    parsed = report_parse(data, now=clock.now())
+    flow_partitions_ensure(days=parsed.days)
+    return SubmittedReport(workload_id, parsed)
+
+
+def _with_new_ids(data: dict) -> dict:
+    import uuid
+
+    return {
+        **data,
+        "windows": [{**w, "id": str(uuid.uuid4())} for w in data["windows"]],
+        "gaps": [{**g, "id": str(uuid.uuid4())} for g in data["gaps"]],
+    }
+
+
+def test_reports_of_several_workloads_written_together_are_each_stored_and_answered(db):
+    import uuid
+
+    from flows.models import FlowHour
+    from flows.services import flow_reports_write
+
+    first, second, third = (enrolled(f"web-{i}", f"10.50.1.{i}")[0] for i in range(3))
+    stored_before = at_agent_clock(golden(), clock.now())
+    flow_report_ingest(workload_id=str(first.id), data=stored_before)
+    nobody = uuid.uuid4()
+    answers = flow_reports_write(
+        [
+            _submitted(first.id, stored_before),  # a re-send: acknowledged, not stored again
+            _submitted(second.id, at_agent_clock(_with_new_ids(golden()), clock.now())),
+            _submitted(nobody, at_agent_clock(_with_new_ids(golden()), clock.now())),
+            _submitted(third.id, at_agent_clock(_with_new_ids(golden()), clock.now() + timedelta(hours=1))),
+        ]
+    )
+    for answer in (answers[0], answers[1], answers[3]):
+        assert [r["result"] for r in answer["windows"] + answer["gaps"]] == ["accepted", "accepted"]
+    assert isinstance(answers[2], Problem) and answers[2].name == "not-found"
+    assert (
+        FlowWindow.objects.count() == 3
+        and FlowGroup.objects.count() == 6
+        and EvidenceGap.objects.count() == 3
+    )
+    for workload in (first, second, third):
+        hours = FlowHour.objects.filter(workload=workload)
+        assert sorted(hours.values_list("connection_count", flat=True)) == [1, 3]
+        workload.refresh_from_db()
+        assert workload.last_flow_report_at is not None and workload.last_gap_kind == "source_overrun"
+    third.refresh_from_db()
+    assert 3595 <= third.clock_skew_seconds <= 3605
+    second.refresh_from_db()
+    assert second.clock_skew_seconds is None
+
+
+@pytest.mark.postgres
+def test_writers_in_several_serve_processes_store_a_window_once(transactional_db):
+    """The in-process group commit keeps one workload's reports apart; across serve processes the
+    workload's row lock does: four writers, each on its own connection, as four processes would be."""
+    from django.db import connection
+
+    from flows.services import flow_reports_write
+    from tests.support.requirements import require
+
+    require(connection.vendor == "postgresql", "needs PostgreSQL: set DATABASE_URL=postgresql://...")
+    workload, _, _ = enrolled()
+    item = _submitted(workload.id, at_agent_clock(golden(), clock.now()))
+    results = race(*[lambda: flow_reports_write([item]) for _ in range(4)])
+    assert not [r for r in results if isinstance(r, Exception) or isinstance(r[0], Exception)], results
+    assert all(r[0]["windows"][0]["result"] == "accepted" for r in results)
+    assert (
+        FlowWindow.objects.count() == 1
+        and FlowGroup.objects.count() == 2
+        and EvidenceGap.objects.count() == 1
+    )

@@ -1,0 +1,295 @@
+"""An agent's flow report read and checked, before anything is stored: the envelope as a whole (a
+malformed one refuses the report), then each window and gap on its own (a malformed one is refused with
+its reason and the rest of the report still lands). Nothing here touches the database.
+"""
+
+from __future__ import annotations
+
+import functools
+import ipaddress
+import uuid
+from dataclasses import dataclass
+from datetime import UTC, date, datetime, timedelta
+from typing import Any
+
+from django.conf import settings
+
+from controlplane import runtime
+from controlplane.problems import Finding, ValidationFailed
+from controlplane.validation import parse_instant
+from flows.choices import AGENT_GAP_KINDS, MAX_WINDOW_SECONDS, Decision, GapSource
+
+MAX_WINDOWS_PER_REPORT = 1000
+MAX_GAPS_PER_REPORT = 1000
+MAX_RULE_NUMBER = (1 << 24) - 1
+PROTOCOLS = ("tcp", "udp", "icmp", "icmpv6")
+ACCEPTED, REFUSED = "accepted", "refused"
+
+
+class Refused(ValueError):
+    """One window or gap is malformed; the message says why (sent back to the agent)."""
+
+
+@dataclass(frozen=True)
+class Report:
+    agent_clock: datetime
+    process_start_id: str
+    uptime_seconds: float
+    window_seconds: int
+    windows: list
+    gaps: list
+
+
+def report_envelope(data: Any) -> Report:
+    findings: list[Finding] = []
+    if not isinstance(data, dict):
+        raise ValidationFailed([Finding("", "type", "A flow report is a JSON object.")])
+    if data.get("v") != 1 or data.get("type") != "flow_report":
+        findings.append(Finding("/type", "protocol-version", "Expected a flow_report of agent protocol 1."))
+    agent_clock = parse_instant(data.get("agent_clock"))
+    if agent_clock is None:
+        findings.append(Finding("/agent_clock", "instant", "agent_clock is not an RFC 3339 instant."))
+    process = data.get("process_start_id")
+    if not isinstance(process, str) or not 0 < len(process) <= 64:
+        findings.append(
+            Finding("/process_start_id", "type", "process_start_id is a string of 1-64 characters.")
+        )
+    uptime = data.get("uptime_seconds")
+    if isinstance(uptime, bool) or not isinstance(uptime, int | float) or uptime < 0:
+        findings.append(
+            Finding("/uptime_seconds", "type", "uptime_seconds is a number of seconds, not negative.")
+        )
+    window_seconds = data.get("window_seconds")
+    if (
+        isinstance(window_seconds, bool)
+        or not isinstance(window_seconds, int)
+        or not 1 <= window_seconds <= MAX_WINDOW_SECONDS
+    ):
+        findings.append(
+            Finding("/window_seconds", "out-of-range", "window_seconds is a whole number from 1 to 3600.")
+        )
+    for key, maximum in (("windows", MAX_WINDOWS_PER_REPORT), ("gaps", MAX_GAPS_PER_REPORT)):
+        if not isinstance(data.get(key, []), list):
+            findings.append(Finding(f"/{key}", "type", f"{key} is a list."))
+        elif len(data.get(key, [])) > maximum:
+            findings.append(Finding(f"/{key}", "too-many", f"At most {maximum} {key} per report."))
+    unknown = set(data) - {
+        "v",
+        "type",
+        "agent_clock",
+        "process_start_id",
+        "uptime_seconds",
+        "window_seconds",
+        "windows",
+        "gaps",
+    }
+    for name in sorted(unknown)[:5]:
+        findings.append(Finding(f"/{name}"[:80], "unknown-field", "Not a field of a flow report."))
+    if findings:
+        raise ValidationFailed(findings)
+    return Report(
+        agent_clock, process, float(uptime), window_seconds, data.get("windows", []), data.get("gaps", [])
+    )
+
+
+def _id(raw: Any) -> uuid.UUID:
+    try:
+        if isinstance(raw, str):
+            return uuid.UUID(raw)
+    except ValueError:
+        pass
+    raise Refused("id is not a UUID")
+
+
+def _instant(raw: Any, name: str) -> datetime:
+    parsed = parse_instant(raw)
+    if parsed is None:
+        raise Refused(f"{name} is not an RFC 3339 instant")
+    return parsed
+
+
+def _count(raw: Any, name: str) -> int:
+    if isinstance(raw, bool) or not isinstance(raw, int) or not 0 <= raw < 1 << 62:
+        raise Refused(f"{name} is not a whole number from 0")
+    return raw
+
+
+def _peer(raw: Any) -> str:
+    return _peer_cached(raw) if isinstance(raw, str) and len(raw) <= 64 else _peer_cached("")
+
+
+@functools.lru_cache(maxsize=65536)  # a fleet's peers recur in every report
+def _peer_cached(raw: str) -> str:
+    try:
+        address = ipaddress.ip_address(raw)
+    except ValueError:
+        raise Refused("peer is not an IP address") from None
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.scope_id:
+            raise Refused("peer carries a zone (%...): give the address alone")
+        if address.ipv4_mapped:
+            return address.ipv4_mapped.compressed
+    return address.compressed
+
+
+def _window(raw: Any, *, window_seconds: int) -> tuple[uuid.UUID, datetime, datetime, dict]:
+    if not isinstance(raw, dict):
+        raise Refused("a window is a JSON object")
+    window_id = _id(raw.get("id"))
+    start, end = _instant(raw.get("start"), "start"), _instant(raw.get("end"), "end")
+    if end - start != timedelta(seconds=window_seconds):
+        raise Refused(f"a window is {window_seconds} s long, from start to end")
+    if not isinstance(raw.get("policy_version", ""), str) or len(raw.get("policy_version", "")) > 80:
+        raise Refused("policy_version is a string of at most 80 characters")
+    if not isinstance(raw.get("accounting"), bool):
+        raise Refused("accounting is true or false")
+    groups = raw.get("groups")
+    most = settings.PALISADE_FLOW_WINDOW_MAX_KEYS
+    if not isinstance(groups, list) or not groups or len(groups) > most:
+        raise Refused(f"groups is a list of 1 to {most} keys")
+    return window_id, start, end, raw
+
+
+def _group(raw: Any, *, start: datetime, end: datetime, accounting: bool) -> dict:
+    if not isinstance(raw, dict):
+        raise Refused("a group is a JSON object")
+    protocol = raw.get("protocol")
+    if protocol not in PROTOCOLS and not (
+        isinstance(protocol, str) and protocol.isdigit() and int(protocol) < 256
+    ):
+        raise Refused("protocol is tcp, udp, icmp, icmpv6 or a protocol number")
+    port = raw.get("port")
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise Refused("port is a whole number from 0 to 65535")
+    if raw.get("decision") not in Decision.values:
+        raise Refused(f"decision is one of {', '.join(Decision.values)}")
+    rule = raw.get("rule")
+    if rule is not None and (
+        isinstance(rule, bool) or not isinstance(rule, int) or not 0 < rule <= MAX_RULE_NUMBER
+    ):
+        raise Refused("rule is a rule number or null")
+    first_seen, last_seen = (
+        _instant(raw.get("first_seen"), "first_seen"),
+        _instant(raw.get("last_seen"), "last_seen"),
+    )
+    if not start <= first_seen <= last_seen <= end:
+        raise Refused("first_seen and last_seen lie in the window, in that order")
+    bytes_in, bytes_out = _count(raw.get("bytes_in"), "bytes_in"), _count(raw.get("bytes_out"), "bytes_out")
+    if not accounting and (bytes_in or bytes_out):
+        raise Refused("bytes are counted only with accounting")
+    return {
+        "peer": _peer(raw.get("peer")),
+        "protocol": protocol,
+        "port": port,
+        "decision": raw["decision"],
+        "rule_number": rule,
+        "connection_count": _count(raw.get("connection_count"), "connection_count"),
+        "first_seen": first_seen,
+        "last_seen": last_seen,
+        "bytes_in": bytes_in,
+        "bytes_out": bytes_out,
+    }
+
+
+def _gap(raw: Any) -> tuple[uuid.UUID, dict]:
+    if not isinstance(raw, dict):
+        raise Refused("a gap is a JSON object")
+    gap_id = _id(raw.get("id"))
+    if raw.get("kind") not in AGENT_GAP_KINDS:
+        raise Refused(f"kind is one of {', '.join(AGENT_GAP_KINDS)}")
+    if raw.get("source") is not None and raw.get("source") not in GapSource.values:
+        raise Refused("source is conntrack, nflog or null")
+    start, end = _instant(raw.get("start"), "start"), _instant(raw.get("end"), "end")
+    if not start < end:
+        raise Refused("a gap ends after it starts")
+    lost = raw.get("lost", {})
+    if (
+        not isinstance(lost, dict)
+        or len(lost) > 8
+        or not all(
+            isinstance(k, str) and len(k) <= 16 and not isinstance(v, bool) and isinstance(v, int) and v >= 0
+            for k, v in lost.items()
+        )
+    ):
+        raise Refused("lost maps at most 8 names to whole numbers")
+    return gap_id, {
+        "kind": raw["kind"],
+        "source": raw.get("source"),
+        "start": start,
+        "end": end,
+        "lost": lost,
+    }
+
+
+def item_answer(raw: Any, outcome: str, reason: str = "") -> dict:
+    item_id = raw.get("id") if isinstance(raw, dict) and isinstance(raw.get("id"), str) else None
+    return {"id": item_id[:64] if item_id else None, "result": outcome, "reason": reason or None}
+
+
+def _stored_days(now: datetime) -> tuple[date, date]:
+    """The days evidence may lie on: back to the retention (older would be removed at once), and a
+    year ahead (an agent's clock may be off, but not by years). Bounds the partitions a report makes."""
+    today = now.astimezone(UTC).date()
+    return today - timedelta(days=runtime.facts.retention_days), today + timedelta(days=366)
+
+
+def _check_stored_day(instant: datetime, name: str, days: tuple[date, date]) -> None:
+    if not days[0] <= instant.astimezone(UTC).date() <= days[1]:
+        raise Refused(f"{name} lies outside the stored range: back to the retention, a year ahead")
+
+
+@dataclass(frozen=True)
+class ParsedWindow:
+    id: uuid.UUID
+    start: datetime
+    end: datetime
+    policy_version: str
+    accounting: bool
+    groups: list[dict]
+
+
+@dataclass(frozen=True)
+class ParsedReport:
+    """A report whose every window and gap has been checked: each item is its raw form (for the answer)
+    with either what it parsed to or the reason it is refused."""
+
+    envelope: Report
+    windows: list[tuple[Any, ParsedWindow | str]]
+    gaps: list[tuple[Any, tuple[uuid.UUID, dict] | str]]
+    days: set[date]  # the days its rows fall on (windows by start, gaps by end, and today)
+
+
+def report_parse(data: Any, *, now: datetime) -> ParsedReport:
+    """Check a report against the stored range of days around `now`; raises ValidationFailed for a
+    malformed envelope only."""
+    envelope = report_envelope(data)
+    stored = _stored_days(now)
+    today = now.astimezone(UTC).date()
+    windows: list[tuple[Any, ParsedWindow | str]] = []
+    row_days = {today}
+    for raw in envelope.windows:
+        try:
+            window_id, start, end, body = _window(raw, window_seconds=envelope.window_seconds)
+            _check_stored_day(start, "start", stored)
+            groups = [_group(g, start=start, end=end, accounting=body["accounting"]) for g in body["groups"]]
+            windows.append(
+                (
+                    raw,
+                    ParsedWindow(
+                        window_id, start, end, body.get("policy_version", ""), body["accounting"], groups
+                    ),
+                )
+            )
+            row_days.add(start.astimezone(UTC).date())
+        except Refused as refused:
+            windows.append((raw, str(refused)))
+    gaps: list[tuple[Any, tuple[uuid.UUID, dict] | str]] = []
+    for raw in envelope.gaps:
+        try:
+            gap_id, gap = _gap(raw)
+            _check_stored_day(gap["end"], "end", stored)
+            gaps.append((raw, (gap_id, gap)))
+            row_days.add(gap["end"].astimezone(UTC).date())
+        except Refused as refused:
+            gaps.append((raw, str(refused)))
+    return ParsedReport(envelope, windows, gaps, row_days)
