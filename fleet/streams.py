@@ -50,7 +50,7 @@ def _credential_holder(workload_id: str, credential: str) -> Workload | None:
         workload_key = uuid.UUID(workload_id)
     except ValueError:
         return None
-    workload = Workload.objects.filter(id=workload_key).first()
+    workload = next(iter(Workload.objects.filter(id=workload_key)), None)  # not first(): no ORDER BY
     if workload is None:
         return None
     try:

@@ -24,6 +24,7 @@ MAX_GAPS_PER_REPORT = 1000
 MAX_RULE_NUMBER = (1 << 24) - 1
 PROTOCOLS = ("tcp", "udp", "icmp", "icmpv6")
 ACCEPTED, REFUSED = "accepted", "refused"
+DECISIONS = frozenset(Decision.values)  # `.values` builds a list on every read: once per group is too often
 
 
 class Refused(ValueError):
@@ -161,7 +162,7 @@ def _group(raw: Any, *, start: datetime, end: datetime, accounting: bool) -> dic
     port = raw.get("port")
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
         raise Refused("port is a whole number from 0 to 65535")
-    if raw.get("decision") not in Decision.values:
+    if raw.get("decision") not in DECISIONS:
         raise Refused(f"decision is one of {', '.join(Decision.values)}")
     rule = raw.get("rule")
     if rule is not None and (
