@@ -20,7 +20,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 
-from agent.conntrack import PROTOCOL_NAMES, attributes_of, netlink_socket
+from agent.conntrack import PROTOCOL_NAMES, attributes_of, drain_queued, is_overrun, netlink_socket
 from agent.flowwindow import FlowKey, Gap, Windows
 
 NFLOG_GROUP_BLOCKED = 7302  # policy/renderer.py; tests/agent keeps the two equal
@@ -136,14 +136,12 @@ class BlockedCounter:
         peer = source_and_port.split("|")[0]
         self.windows.connection_opened(FlowKey(peer, name, dport, "blocked", None), at)
 
-    def overrun(self, at: float) -> Gap:
+    def overrun(self, *, since: float | None, at: float) -> Gap:
+        """Packets were lost between `since` (the last one read before the failure) and `at`."""
         self.overruns += 1
-        start = (
-            self.last_packet_at
-            if self.last_packet_at is not None and self.last_packet_at < at
-            else at - 0.001
+        return Gap(
+            "source_overrun", "nflog", since if since is not None and since < at else at - 0.001, at, {}
         )
-        return Gap("source_overrun", "nflog", start, at, {})
 
 
 class NflogSource:
@@ -166,10 +164,15 @@ class NflogSource:
         except TimeoutError:
             return 0
         except OSError as error:
-            if error.errno != errno.ENOBUFS:
+            if not is_overrun(error):
                 raise
-            self.gaps.append(self.counter.overrun(self.clock()))
+            since = self.counter.last_packet_at
+            drain_queued(self.sock, self._packets)  # until then, further drops go unreported
+            self.gaps.append(self.counter.overrun(since=since, at=self.clock()))
             return 0
+        return self._packets(data)
+
+    def _packets(self, data: bytes) -> int:
         now = self.clock()
         packets = list(parse_packets(data))
         for payload in packets:

@@ -349,3 +349,145 @@ def test_a_source_that_cannot_subscribe_is_a_source_restart_gap_until_it_does(la
         squatter.kill()
         web.kill()
         serve.stop()
+
+
+# Sends one datagram from each of COUNT fixed source ports to HOST:PORT: COUNT new conntrack entries
+# (each its own 5-tuple; UDP entries stay in the table for 30 s, unreplied).
+UDP_BURST = """
+import socket, sys
+host, port, count, first = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+for source_port in range(first, first + count):
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.bind(("0.0.0.0", source_port))
+    s.sendto(b"x", (host, port))
+    s.close()
+"""
+
+
+def _span(began, extra_seconds: int = 10) -> dict:
+    from datetime import UTC, datetime, timedelta
+
+    return {
+        "from": began.strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "to": (datetime.now(UTC) + timedelta(seconds=extra_seconds)).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
+
+
+def _udp_count(api, web_id: str, began, port: int) -> int:
+    page = api.get(
+        "/flows/rollup", params={"workload": web_id, "group_by": ["peer", "service"], **_span(began)}
+    )
+    return sum(
+        item["connection_count"]
+        for item in page["items"]
+        if item["peer"] == CLIENT and item["service"] == {"protocol": "udp", "port": port}
+    )
+
+
+def test_a_burst_over_a_tiny_netlink_buffer_is_a_source_overrun_and_the_counts_stay_exact(lab, tmp_path):
+    """ENOBUFS on the conntrack socket: the agent says evidence was lost (source_overrun, conntrack),
+    dumps the table again and counts every connection still in it once, so the totals through the
+    operator API equal the connections the kernel made. (Dumping before the socket's queue was read
+    empty counted 1,659 of 3,000 here: the kernel drops silently until then.)"""
+    from datetime import UTC, datetime, timedelta
+
+    serve = _serve(lab, tmp_path).start()
+    web = AgentProcess(lab, "web", tmp_path / "web")
+    burst = 3000
+    try:
+        api, web_id = _enrolled(serve, web)
+        web.start("--flow-window-seconds", "2", "--flow-netlink-buffer", "4096")
+        api.wait_converged(web_id)
+        began = datetime.now(UTC) - timedelta(seconds=2)
+        sent = lab.python("client", UDP_BURST, WEB, "7777", str(burst), "20000")
+        assert sent.returncode == 0, sent.stderr
+
+        counts: list[int] = []
+        api.wait_for(
+            f"{burst} connections counted",
+            lambda: counts.append(_udp_count(api, web_id, began, 7777)) or counts[-1] >= burst,
+            timeout=60,
+        )
+        assert counts[-1] == burst
+        gaps = api.get("/flows/gaps", params={"workload": web_id, **_span(began)})["items"]
+        assert gaps and {(g["kind"], g["source"]) for g in gaps} == {("source_overrun", "conntrack")}, gaps
+        status = web.cli("status", "--state-dir", str(tmp_path / "web")).stdout
+        assert "overruns" in status, status
+    finally:
+        web.kill()
+        serve.stop()
+    assert "Traceback" not in web.log(), web.log()
+
+
+def test_a_table_larger_than_the_dump_bound_is_one_dump_truncated_gap(lab, tmp_path):
+    """The table holds entries once the owned table (which uses conntrack) is in the kernel; it stays
+    when the agent stops. The next process, bounded to 5 entries at subscribe, says how many it left."""
+    from datetime import UTC, datetime, timedelta
+
+    serve = _serve(lab, tmp_path).start()
+    web = AgentProcess(lab, "web", tmp_path / "web")
+    try:
+        api, web_id = _enrolled(serve, web)
+        began = datetime.now(UTC) - timedelta(seconds=2)
+        web.start("--flow-window-seconds", "2")
+        api.wait_converged(web_id)
+        sent = lab.python("client", UDP_BURST, WEB, "7777", "20", "21000")  # live for 30 s
+        assert sent.returncode == 0, sent.stderr
+        web.kill(signal.SIGTERM)
+        web.start("--flow-window-seconds", "2", "--flow-dump-max", "5")
+
+        gaps = api.wait_for(
+            "a dump_truncated gap",
+            lambda: api.get("/flows/gaps", params={"workload": web_id, **_span(began)})["items"],
+            timeout=40,
+        )
+        time.sleep(4)  # two more windows: nothing else may follow
+        gaps = api.get("/flows/gaps", params={"workload": web_id, **_span(began)})["items"]
+        assert [(g["kind"], g["source"]) for g in gaps] == [("dump_truncated", "conntrack")], gaps
+        assert gaps[0]["lost"]["entries"] >= 20 - 5, gaps
+    finally:
+        web.kill()
+        serve.stop()
+    assert "Traceback" not in web.log(), web.log()
+
+
+def test_an_agent_killed_for_longer_than_two_windows_is_one_agent_silent_gap_of_the_silence(lab, tmp_path):
+    """SIGKILL: no window is closed, nothing is said. The control plane finds the silence when the next
+    process reports: from the old process's last sign of life (a report or a heartbeat) to the new
+    one's start."""
+    from datetime import UTC, datetime, timedelta
+
+    serve = _serve(lab, tmp_path).start()
+    web = AgentProcess(lab, "web", tmp_path / "web")
+    flags = ("--flow-window-seconds", "2", "--heartbeat-seconds", "1")
+    try:
+        api, web_id = _enrolled(serve, web)
+        began = datetime.now(UTC) - timedelta(seconds=2)
+        web.start(*flags)
+        api.wait_converged(web_id)
+        assert probe(lab, "client", WEB, 8080) == "open"
+        api.wait_for("a first report", lambda: api.workload(web_id)["health"]["telemetry_live"], timeout=30)
+        time.sleep(2)  # heartbeats of the reporting process
+
+        killed_at = datetime.now(UTC)
+        web.kill(signal.SIGKILL)
+        time.sleep(8)  # four windows
+        restarted_at = datetime.now(UTC)
+        web.start(*flags)
+        api.wait_converged(web_id)
+        assert probe(lab, "client", WEB, 8080) == "open"  # the new process has something to report
+
+        found = api.wait_for(
+            "an agent_silent gap",
+            lambda: api.get("/flows/gaps", params={"workload": web_id, **_span(began)})["items"],
+            timeout=40,
+        )
+        assert [(g["kind"], g["source"]) for g in found] == [("agent_silent", None)], found
+        (gap,) = found
+        silent_from, silent_to = datetime.fromisoformat(gap["start"]), datetime.fromisoformat(gap["end"])
+        assert killed_at - timedelta(seconds=3) <= silent_from <= killed_at, (killed_at, gap)
+        # Up to the new process's start, less what its first window covers (windows align to the clock).
+        assert restarted_at - timedelta(seconds=2) <= silent_to <= restarted_at + timedelta(seconds=5), gap
+    finally:
+        web.kill()
+        serve.stop()
