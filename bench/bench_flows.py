@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Flow evidence on PostgreSQL: ingestion against COPY, the rollup against its raw SQL, bytes per row.
 
-    .venv/bin/python bench/bench_flows.py [--workloads 10000] [--reports 2000] [--keys 50]
-        [--rollup-workloads 1000] [--rollup-hours 24] [--rollup-keys 5] [--samples 30]
+    .venv/bin/python bench/bench_flows.py [--workloads 10000] [--reports 2000] [--keys 50] [--threads 16]
+        [--agents 1000] [--clients 4] [--rollup-workloads 1000] [--rollup-hours 24] [--rollup-keys 5]
+        [--samples 30]
 
 Needs PostgreSQL (DATABASE_URL names the server; a throwaway database `palisade_bench_flows` is made
 and dropped). Measured in one run:
@@ -13,12 +14,17 @@ and dropped). Measured in one run:
    partitions, agent_silent, skew, the workload's fields). Rows/s (windows + groups) as a ratio against
    psycopg's COPY of the same number of rows into the same tables (target >= 0.5), and whether that
    keeps up with 10,000 workloads x 50 keys a minute (8,333 group rows/s) in one process.
-2. Rollup: --rollup-workloads workloads (one label selects them) with a window a minute for
+2. The same through the real serve: --agents workloads with real keys and signed credentials (rows
+   as enrolment leaves them), the
+   reports signed as the agent signs them and POSTed over TLS to the gateway listener by --clients
+   client processes (4 keep-alive connections each); rows/s against the same COPY, serve's CPU per
+   report, and whether serve keeps up with the fleet.
+3. Rollup: --rollup-workloads workloads (one label selects them) with a window a minute for
    --rollup-hours hours of --rollup-keys keys each, loaded with COPY; `flows.selectors.flow_rollup`
    grouped by peer and service over the whole range, p95 of --samples runs (target under 300 ms), as a
    ratio against the same SQL (captured from the selector) run through psycopg alone; its plan is kept
    in the results.
-3. Storage: bytes per group row and per window row (tables and indexes, every partition).
+4. Storage: bytes per group row and per window row (tables and indexes, every partition).
 Results: bench/results/flows.json.
 """
 
