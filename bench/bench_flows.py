@@ -15,10 +15,9 @@ and dropped). Measured in one run:
    psycopg's COPY of the same number of rows into the same tables (target >= 0.5), and whether that
    keeps up with 10,000 workloads x 50 keys a minute (8,333 group rows/s) in one process.
 2. The same through the real serve: --agents workloads with real keys and signed credentials (rows
-   as enrolment leaves them), the
-   reports signed as the agent signs them and POSTed over TLS to the gateway listener by --clients
-   client processes (4 keep-alive connections each); rows/s against the same COPY, serve's CPU per
-   report, and whether serve keeps up with the fleet.
+   as enrolment leaves them), the reports signed as the agent signs them and POSTed over TLS to the
+   gateway listener by --clients client processes (4 keep-alive connections each); rows/s against the
+   same COPY, serve's CPU per report, and whether serve keeps up with the fleet.
 3. Rollup: --rollup-workloads workloads (one label selects them) with a window a minute for
    --rollup-hours hours of --rollup-keys keys each, loaded with COPY; `flows.selectors.flow_rollup`
    grouped by peer and service over the whole range, p95 of --samples runs (target under 300 ms), as a
