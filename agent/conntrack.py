@@ -21,6 +21,7 @@ The netlink reading is stdlib only: a small reader parsed 35,000 events/s where 
 from __future__ import annotations
 
 import errno
+import select
 import socket
 import struct
 import time
@@ -274,6 +275,7 @@ class ConntrackSource:
 
     def subscribe(self) -> None:
         self.sock = event_socket(self.buffer_bytes)
+        self.datagrams = Datagrams(self.sock)
         self._dump()
 
     def _dump(self) -> None:
@@ -288,18 +290,17 @@ class ConntrackSource:
     def read_once(self, timeout: float) -> int:
         if self.sock is None:
             raise RuntimeError("subscribe before reading events")
-        self.sock.settimeout(timeout)
         try:
-            entries = read_events(self.sock)
-        except TimeoutError:
-            return 0
+            entries = read_events(self.datagrams, timeout)
         except OSError as error:
             if not is_overrun(error):
                 raise
             since = self.counter.last_event_at
-            drain_queued(self.sock, self._events)
+            drain_queued(self.datagrams, self._events)
             self.gaps.append(self.counter.overrun(since=since, at=self.clock()))
             self._dump()
+            return 0
+        if entries is None:
             return 0
         self._count(entries)
         return len(entries)
@@ -367,31 +368,62 @@ def dump(buffer_bytes: int = 8 << 20, *, limit: int | None = None) -> tuple[list
                 return entries, over
 
 
-def read_events(sock: socket.socket) -> list[Entry]:
-    """The events waiting on `sock` (blocking for the first); OSError(ENOBUFS) when some were lost."""
-    data = sock.recv(1 << 20)
-    return list(parse_messages(data))
+class Datagrams:
+    """A netlink socket's datagrams, read the cheap way for one event per datagram: the socket stays
+    non-blocking, so a busy source costs one `recv` per datagram, and it waits in `poll` only when
+    nothing is queued (a Python socket with a timeout polls before every `recv`, and `settimeout`
+    itself costs two `fcntl` calls). The datagrams land in one buffer allocated once, larger than any
+    datagram these sockets receive, so none is truncated."""
+
+    def __init__(self, sock: socket.socket, size: int = 1 << 20) -> None:
+        sock.setblocking(False)
+        self.sock = sock
+        self._buffer = bytearray(size)
+        self._view = memoryview(self._buffer)
+        self._poll = select.poll()
+        self._poll.register(sock, select.POLLIN)
+
+    def next(self, timeout: float) -> bytes | None:
+        """The next datagram, waiting up to `timeout` seconds for one (None if none came);
+        OSError(ENOBUFS) when some were lost."""
+        data = self.queued()
+        if data is None and self._poll.poll(timeout * 1000):
+            data = self.queued()
+        return data
+
+    def queued(self) -> bytes | None:
+        """The next datagram already queued, or None."""
+        try:
+            return bytes(self._view[: self.sock.recv_into(self._buffer)])
+        except BlockingIOError:
+            return None
+
+
+def read_events(datagrams: Datagrams, timeout: float) -> list[Entry] | None:
+    """The events of the next datagram, waiting up to `timeout` for it (None if none came);
+    OSError(ENOBUFS) when some were lost."""
+    data = datagrams.next(timeout)
+    return None if data is None else list(parse_messages(data))
 
 
 def is_overrun(error: OSError) -> bool:
     return error.errno == errno.ENOBUFS
 
 
-def drain_queued(sock: socket.socket, handle: Callable[[bytes], object]) -> None:
-    """Hand every message queued on `sock` to `handle`, without waiting, until the queue is empty. After
+def drain_queued(datagrams: Datagrams, handle: Callable[[bytes], object]) -> None:
+    """Hand every datagram queued on the socket to `handle`, without waiting, until the queue is empty. After
     ENOBUFS the kernel reports no further drop until the queue has been emptied, so a source that met
     an overrun reads it empty before it trusts the socket again. Under a flood that never pauses this
     reads on, counting, until it does."""
-    sock.setblocking(False)
     while True:
         try:
-            data = sock.recv(1 << 20)
-        except BlockingIOError:
-            return
+            data = datagrams.queued()
         except OSError as error:
             if not is_overrun(error):
                 raise
             continue  # dropped again while draining: inside the gap being recorded
+        if data is None:
+            return
         handle(data)
 
 

@@ -20,7 +20,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 
-from agent.conntrack import PROTOCOL_NAMES, attributes_of, drain_queued, is_overrun, netlink_socket
+from agent.conntrack import PROTOCOL_NAMES, Datagrams, attributes_of, drain_queued, is_overrun, netlink_socket
 from agent.flowwindow import FlowKey, Gap, Windows
 
 NFLOG_GROUP_BLOCKED = 7302  # policy/renderer.py; tests/agent keeps the two equal
@@ -154,23 +154,21 @@ class NflogSource:
 
     def subscribe(self) -> None:
         self.sock = nflog_socket(self.buffer_bytes)
+        self.datagrams = Datagrams(self.sock)
 
     def read_once(self, timeout: float) -> int:
         if self.sock is None:
             raise RuntimeError("subscribe before reading packets")
-        self.sock.settimeout(timeout)
         try:
-            data = self.sock.recv(1 << 20)
-        except TimeoutError:
-            return 0
+            data = self.datagrams.next(timeout)
         except OSError as error:
             if not is_overrun(error):
                 raise
             since = self.counter.last_packet_at
-            drain_queued(self.sock, self._packets)  # until then, further drops go unreported
+            drain_queued(self.datagrams, self._packets)  # until then, further drops go unreported
             self.gaps.append(self.counter.overrun(since=since, at=self.clock()))
             return 0
-        return self._packets(data)
+        return 0 if data is None else self._packets(data)
 
     def _packets(self, data: bytes) -> int:
         now = self.clock()

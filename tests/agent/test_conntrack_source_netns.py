@@ -100,13 +100,10 @@ def lab():
 
 def _drain(sock: socket.socket, counter: conntrack.ConntrackCounter, quiet: float = 1.0) -> None:
     """Read events until none arrives for `quiet` seconds."""
-    sock.settimeout(quiet)
-    while True:
-        try:
-            for entry in conntrack.read_events(sock):
-                counter.event(entry, time.time())
-        except TimeoutError:
-            return
+    datagrams = conntrack.Datagrams(sock)
+    while (entries := conntrack.read_events(datagrams, quiet)) is not None:
+        for entry in entries:
+            counter.event(entry, time.time())
 
 
 def test_counts_decisions_rules_and_bytes_equal_ground_truth(lab):
