@@ -295,7 +295,7 @@ class ConntrackSource:
         except OSError as error:
             if not is_overrun(error):
                 raise
-            since = self.counter.last_event_at
+            since = _latest(self.counter.last_event_at, self.subscribed_at)  # the dump saw what came before
             drain_queued(self.datagrams, self._events)
             self.gaps.append(self.counter.overrun(since=since, at=self.clock()))
             self._dump()
@@ -404,6 +404,11 @@ def read_events(datagrams: Datagrams, timeout: float) -> list[Entry] | None:
     OSError(ENOBUFS) when some were lost."""
     data = datagrams.next(timeout)
     return None if data is None else list(parse_messages(data))
+
+
+def _latest(*instants: float | None) -> float | None:
+    known = [instant for instant in instants if instant is not None]
+    return max(known) if known else None
 
 
 def is_overrun(error: OSError) -> bool:

@@ -151,10 +151,12 @@ class NflogSource:
         self.clock = clock
         self.gaps: list[Gap] = []
         self.sock: socket.socket | None = None
+        self.subscribed_at: float | None = None
 
     def subscribe(self) -> None:
         self.sock = nflog_socket(self.buffer_bytes)
         self.datagrams = Datagrams(self.sock)
+        self.subscribed_at = self.clock()
 
     def read_once(self, timeout: float) -> int:
         if self.sock is None:
@@ -164,7 +166,8 @@ class NflogSource:
         except OSError as error:
             if not is_overrun(error):
                 raise
-            since = self.counter.last_packet_at
+            # Lost since the last packet read, or since the subscription if none was.
+            since = self.counter.last_packet_at or self.subscribed_at
             drain_queued(self.datagrams, self._packets)  # until then, further drops go unreported
             self.gaps.append(self.counter.overrun(since=since, at=self.clock()))
             return 0

@@ -266,3 +266,47 @@ def test_the_nflog_group_is_the_renderers():
     from policy import renderer
 
     assert nflog.NFLOG_GROUP_BLOCKED == renderer.NFLOG_GROUP_BLOCKED
+
+
+def test_dropped_packets_over_a_tiny_nflog_buffer_are_a_source_overrun_covering_the_loss(lab):
+    """Nothing reads while 500 blocked datagrams arrive on a 4 KiB buffer: ENOBUFS, and the gap runs
+    from the last packet read before it to the moment the queue was read empty (until then the kernel
+    drops silently), so every attempt not counted lies inside it."""
+    from agent import nflog
+
+    assert dataplane_call(lab, "wl", "apply", _document("enforced"))["error"] is None
+    wl = NamespaceThread(lab.ns("wl"))
+    try:
+        windows = Windows(length=3600, max_keys=100_000, accounting=True)
+        blocked = nflog.NflogSource(windows, buffer_bytes=4096)
+        wl.call(blocked.subscribe)
+        sent_at = time.time()
+        done = lab.python("client", _UDP_ATTEMPTS, HOSTS["wl"][0], "500")
+        assert done.returncode == 0, done.stderr
+        burst_done_at = time.time()
+        quiet = 0
+        while quiet < 2:  # read until nothing arrives twice in a row
+            quiet = quiet + 1 if wl.call(blocked.read_once, 0.5) == 0 else 0
+        drained_at = time.time()
+        wl.call(blocked.close)
+        closed, _ = windows.close_due(math.inf, "v1")
+    finally:
+        wl.close()
+    counted = sum(c.connection_count for w in closed for _, c in w.groups)
+    assert [(g.kind, g.source) for g in blocked.gaps] == [("source_overrun", "nflog")] * len(blocked.gaps)
+    assert blocked.gaps and counted < 500  # evidence was lost, and said so
+    first = blocked.gaps[0]
+    # Nothing was read before the failure: the loss may lie anywhere since the subscription.
+    assert first.start <= sent_at and burst_done_at <= first.end <= drained_at, (sent_at, first, drained_at)
+
+
+# One datagram from each of COUNT source ports to port 7777: COUNT blocked attempts.
+_UDP_ATTEMPTS = """
+import socket, sys
+host, count = sys.argv[1], int(sys.argv[2])
+for source_port in range(30000, 30000 + count):
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.bind(("0.0.0.0", source_port))
+    s.sendto(b"x", (host, 7777))
+    s.close()
+"""
