@@ -302,44 +302,27 @@ def flow_reports_write(items: list[SubmittedReport]) -> list[dict | Exception]:
         for item in items:
             workload = locked.get(item.workload_id)
             if workload is None:
-                try:
-                    workload_get(workload_id=item.workload_id)
-                except Problem as missing:
-                    outcomes.append(missing)
-                    continue
+                outcomes.append(Problem("not-found", f"No workload {item.workload_id}."))
+                continue
             window_answers, new_windows = [], []
             for raw, window in item.report.windows:
                 if isinstance(window, str):
                     window_answers.append(item_answer(raw, REFUSED, window))
                     continue
-                owner = stored_windows.get(window.id)
-                if owner is not None:
-                    window_answers.append(
-                        item_answer(raw, ACCEPTED)
-                        if owner == workload.id
-                        else item_answer(raw, REFUSED, "id is taken")
-                    )
-                    continue
-                stored_windows[window.id] = workload.id  # a repeat within this report is stored once
-                new_windows.append(window)
-                window_answers.append(item_answer(raw, ACCEPTED))
+                answer, new = _stored_once(raw, window.id, stored_windows, workload.id)
+                window_answers.append(answer)
+                if new:
+                    new_windows.append(window)
             gap_answers, new_gaps = [], []
             for raw, gap in item.report.gaps:
                 if isinstance(gap, str):
                     gap_answers.append(item_answer(raw, REFUSED, gap))
                     continue
                 gap_id, fields = gap
-                owner = stored_gaps.get(gap_id)
-                if owner is not None:
-                    gap_answers.append(
-                        item_answer(raw, ACCEPTED)
-                        if owner == workload.id
-                        else item_answer(raw, REFUSED, "id is taken")
-                    )
-                    continue
-                stored_gaps[gap_id] = workload.id
-                new_gaps.append(EvidenceGap(id=gap_id, workload=workload, received_at=now, **fields))
-                gap_answers.append(item_answer(raw, ACCEPTED))
+                answer, new = _stored_once(raw, gap_id, stored_gaps, workload.id)
+                gap_answers.append(answer)
+                if new:
+                    new_gaps.append(EvidenceGap(id=gap_id, workload=workload, received_at=now, **fields))
             new_gaps.extend(
                 _agent_silent(
                     workload, item.report.envelope, now, arriving=[(w.start, w.end) for w in new_windows]
@@ -365,6 +348,18 @@ def flow_reports_write(items: list[SubmittedReport]) -> list[dict | Exception]:
         EvidenceGap.objects.bulk_create(gaps)
         _workloads_update(touched)
     return outcomes
+
+
+def _stored_once(raw: Any, item_id: uuid.UUID, stored: dict, workload_id: uuid.UUID) -> tuple[dict, bool]:
+    """A window's or gap's answer, and whether to store it: an id already stored for this workload is
+    a re-send (acknowledged again, stored once), an id stored for another workload is refused."""
+    owner = stored.get(item_id)
+    if owner is None:
+        stored[item_id] = workload_id  # a repeat later in this write is a re-send
+        return item_answer(raw, ACCEPTED), True
+    if owner == workload_id:
+        return item_answer(raw, ACCEPTED), False
+    return item_answer(raw, REFUSED, "id is taken"), False
 
 
 def _window_row(window: ParsedWindow, *, workload: Workload, now: datetime) -> dict:
