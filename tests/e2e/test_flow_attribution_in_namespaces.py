@@ -151,6 +151,9 @@ def test_a_connection_keeps_its_rule_across_a_policy_change_and_bytes_follow_acc
         _close(_connection(lab))  # opened and closed under the new version
 
         def attributed():
+            # Expired entries wait for conntrack's garbage collector, which may take a minute under
+            # load; a dump of the table reaps them at once (and sends their DESTROY events).
+            lab.run("web", ["conntrack", "-L"])
             groups = [g for g in _groups(api, web_id, began) if g["port"] == 7070]
             return groups if sum(g["connection_count"] for g in groups) == 2 and sum(g["bytes_in"] for g in groups) >= 2 * SENT and sum(g["bytes_out"] for g in groups) >= 2 * ANSWERED else None  # fmt: skip
 
