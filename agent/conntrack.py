@@ -13,7 +13,7 @@ A full socket buffer makes `recv` fail with ENOBUFS: events were lost. After tha
 further events without saying so until the socket's queue is empty (netlink's congested state), so the
 source first reads what is queued, then dumps the table again, so that connections still open are
 recovered (counted once, by id). That is a `source_overrun` gap from the last event read before the
-failure to the moment the queue was empty: every silent drop lies inside it.
+failure (or the last dump, if later) to the moment the queue was empty: every silent drop lies inside it.
 
 The netlink reading is stdlib only: a small reader parsed 35,000 events/s where pyroute2 did 14,000.
 """
@@ -295,7 +295,7 @@ class ConntrackSource:
         except OSError as error:
             if not is_overrun(error):
                 raise
-            since = _latest(self.counter.last_event_at, self.subscribed_at)  # the dump saw what came before
+            since = latest(self.counter.last_event_at, self.subscribed_at)  # the dump saw what came before
             drain_queued(self.datagrams, self._events)
             self.gaps.append(self.counter.overrun(since=since, at=self.clock()))
             self._dump()
@@ -406,7 +406,7 @@ def read_events(datagrams: Datagrams, timeout: float) -> list[Entry] | None:
     return None if data is None else list(parse_messages(data))
 
 
-def _latest(*instants: float | None) -> float | None:
+def latest(*instants: float | None) -> float | None:
     known = [instant for instant in instants if instant is not None]
     return max(known) if known else None
 

@@ -20,7 +20,15 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 
-from agent.conntrack import PROTOCOL_NAMES, Datagrams, attributes_of, drain_queued, is_overrun, netlink_socket
+from agent.conntrack import (
+    PROTOCOL_NAMES,
+    Datagrams,
+    attributes_of,
+    drain_queued,
+    is_overrun,
+    latest,
+    netlink_socket,
+)
 from agent.flowwindow import FlowKey, Gap, Windows
 
 NFLOG_GROUP_BLOCKED = 7302  # policy/renderer.py; tests/agent keeps the two equal
@@ -166,8 +174,8 @@ class NflogSource:
         except OSError as error:
             if not is_overrun(error):
                 raise
-            # Lost since the last packet read, or since the subscription if none was.
-            since = self.counter.last_packet_at or self.subscribed_at
+            # Lost since the last packet read, or since the subscription if none was read since.
+            since = latest(self.counter.last_packet_at, self.subscribed_at)
             drain_queued(self.datagrams, self._packets)  # until then, further drops go unreported
             self.gaps.append(self.counter.overrun(since=since, at=self.clock()))
             return 0
