@@ -274,13 +274,27 @@ def flow_report_ingest(*, workload_id: str, data: Any) -> dict:
 def flow_reports_write(items: list[SubmittedReport]) -> list[dict | Exception]:
     """Store the reports of distinct workloads in one transaction: one lock statement for their rows,
     one id lookup per table, one COPY per table, one upsert of the hourly sums, one update of the
-    workloads. Returns each report's answer, or the problem that refused it."""
+    workloads. Returns each report's answer, or the problem that refused it.
+
+    The batch never waits for a workload's row: one that another transaction holds (a re-render, a
+    mode change, another serve process's write) is skipped, and its report written alone afterwards,
+    waiting then for that one row. Waiting while holding the batch's other rows could close a cycle
+    with a transaction that locks the same rows in another order (a deadlock, one of them aborted)."""
+    batch = _reports_write(items, skip_locked=len(items) > 1)
+    return [
+        _reports_write([item], skip_locked=False)[0] if outcome is None else outcome
+        for item, outcome in zip(items, batch, strict=True)
+    ]
+
+
+def _reports_write(items: list[SubmittedReport], *, skip_locked: bool) -> list[dict | Exception | None]:
+    """`flow_reports_write` for one transaction; None for a report whose workload row was skipped."""
     with transaction.atomic():
         locked = {
             workload.id: workload
-            for workload in Workload.objects.select_for_update()
+            for workload in Workload.objects.select_for_update(skip_locked=skip_locked)
             .filter(id__in=[item.workload_id for item in items])
-            .order_by("id")  # one order for every writer: no deadlock between serve processes
+            .order_by("id")  # one order for every writer
         }
         now = clock.now()
         peers = _peer_workloads()
@@ -294,7 +308,7 @@ def flow_reports_write(items: list[SubmittedReport]) -> list[dict | Exception]:
                 id__in=[g[0] for item in items for _, g in item.report.gaps if not isinstance(g, str)]
             ).values_list("id", "workload_id")
         )
-        outcomes: list[dict | Exception] = []
+        outcomes: list[dict | Exception | None] = []
         windows: list[dict] = []
         groups: list[dict] = []
         gaps: list[EvidenceGap] = []
@@ -302,7 +316,9 @@ def flow_reports_write(items: list[SubmittedReport]) -> list[dict | Exception]:
         for item in items:
             workload = locked.get(item.workload_id)
             if workload is None:
-                outcomes.append(Problem("not-found", f"No workload {item.workload_id}."))
+                outcomes.append(
+                    None if skip_locked else Problem("not-found", f"No workload {item.workload_id}.")
+                )
                 continue
             window_answers, new_windows = [], []
             for raw, window in item.report.windows:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -414,3 +415,59 @@ def test_writers_in_several_serve_processes_store_a_window_once(transactional_db
         and FlowGroup.objects.count() == 2
         and EvidenceGap.objects.count() == 1
     )
+
+
+@pytest.mark.postgres
+def test_a_batch_skips_a_workload_another_transaction_holds_and_writes_its_report_after(transactional_db):
+    """A batch never waits for a row while holding others (a cycle with a re-render that locks the
+    same rows in another order would be a deadlock): the held workload's report is written alone,
+    once its row is free, and the rest of the batch is stored meanwhile."""
+    import threading
+
+    from django.db import connection, transaction
+
+    from fleet.models import Workload
+    from flows.services import flow_reports_write
+    from tests.support.requirements import require
+
+    require(connection.vendor == "postgresql", "needs PostgreSQL: set DATABASE_URL=postgresql://...")
+    held, free = enrolled("held", "10.50.2.1")[0], enrolled("free", "10.50.2.2")[0]
+    items = [
+        _submitted(held.id, at_agent_clock(_with_new_ids(golden()), clock.now())),
+        _submitted(free.id, at_agent_clock(_with_new_ids(golden()), clock.now())),
+    ]
+    locked, release, answers = threading.Event(), threading.Event(), []
+
+    def holder():
+        try:
+            with transaction.atomic():
+                list(Workload.objects.select_for_update().filter(id=held.id))
+                locked.set()
+                release.wait(10)
+        finally:
+            connection.close()
+
+    def writer():
+        try:
+            answers.extend(flow_reports_write(items))
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=holder), threading.Thread(target=writer)]
+    threads[0].start()
+    assert locked.wait(10)
+    threads[1].start()
+
+    def stored(workload) -> int:
+        return FlowWindow.objects.filter(workload=workload).count()
+
+    deadline = time.monotonic() + 10
+    while stored(free) == 0:
+        assert time.monotonic() < deadline, "the batch waited for the held workload"
+        time.sleep(0.02)
+    assert stored(held) == 0 and not answers  # the held one waits for its row, alone
+    release.set()
+    for thread in threads:
+        thread.join(10)
+    assert [a["windows"][0]["result"] for a in answers] == ["accepted", "accepted"]
+    assert stored(held) == 1 and stored(free) == 1
