@@ -121,7 +121,7 @@ class AgentProcess:
             self.ns, [sys.executable, "-m", "agent", *args], input=input, env=env, timeout=60, cwd=REPO
         )
 
-    def enrol(self, bundle: str, address: str) -> str:
+    def enrol(self, bundle: str, *addresses: str) -> str:
         done = self.cli(
             "enrol",
             "--bundle-file",
@@ -130,8 +130,7 @@ class AgentProcess:
             str(self.state_dir),
             "--hostname",
             self.ns,
-            "--address",
-            address,
+            *[arg for address in addresses for arg in ("--address", address)],
             input=bundle,
         )
         assert done.returncode == 0, done.stderr
