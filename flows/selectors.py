@@ -348,19 +348,16 @@ def simulation_review(*, selected, start: datetime, end: datetime) -> dict:
         Q(mode_since__lte=start) | Q(mode_since=None, enrolled_at__lte=start)
     )
     elsewhere = list(workloads.exclude(simulating_throughout).order_by("hostname", "id")[:COVERAGE_LIST])
-    reasons = []
-    if would_block:
-        reasons.append(f"{len(would_block)} would-block groups: enforcing would block them")
-    if covered["gap_count"]:
-        reasons.append(f"{covered['gap_count']} evidence gaps intersect the range")
-    if covered["workloads_without_reports_count"]:
-        reasons.append(
-            f"{covered['workloads_without_reports_count']} workloads sent no flow report in the range"
-        )
-    if offline:
-        reasons.append(f"{len(offline)} workloads are offline")
-    if elsewhere:
-        reasons.append(f"{len(elsewhere)} workloads were not in simulation for the whole range")
+    counts = (
+        (len(would_block), "would-block group: enforcing would block it", "would-block groups: enforcing would block them"),
+        (covered["gap_count"], "evidence gap intersects the range", "evidence gaps intersect the range"),
+        (covered["workloads_without_reports_count"], "workload sent no flow report in the range",
+         "workloads sent no flow report in the range"),
+        (len(offline), "workload is offline", "workloads are offline"),
+        (len(elsewhere), "workload was not in simulation for the whole range",
+         "workloads were not in simulation for the whole range"),
+    )  # fmt: skip
+    reasons = [f"{count} {one if count == 1 else many}" for count, one, many in counts if count]
     return {
         "verdict": "fail" if reasons else "pass",
         "reasons": reasons,

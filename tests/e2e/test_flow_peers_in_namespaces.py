@@ -4,6 +4,7 @@ connections made."""
 
 from __future__ import annotations
 
+import time
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -62,7 +63,11 @@ def test_ipv6_ipv4_and_icmp_connections_are_counted_with_the_peer_workload(lab, 
         assert changed.status_code == 202, changed.text
         web.start("--flow-window-seconds", "2")
         api.wait_converged(web_id)
-        began = datetime.now(UTC) - timedelta(seconds=3)
+        # Traffic starts on a window boundary after the mode change: a range from there holds every
+        # window of it, and the workload was in simulation for all of that range.
+        boundary = (int(time.time()) // 2 + 1) * 2
+        time.sleep(boundary - time.time() + 0.05)
+        began = datetime.fromtimestamp(boundary, UTC)
 
         for _ in range(OVER_V4):
             assert probe(lab, "client", WEB, 8080) == "open"
@@ -104,6 +109,18 @@ def test_ipv6_ipv4_and_icmp_connections_are_counted_with_the_peer_workload(lab, 
             api.wait_for("the rollup to equal the connections made", counted, timeout=60)
         except AssertionError as error:
             raise AssertionError(f"{error}; expected {expected}") from None
+
+        # The review before enforcing names exactly what enforcement would block, and fails on it.
+        review = api.get(
+            "/flows/review",
+            params={"workload": web_id, "from": began.strftime("%Y-%m-%dT%H:%M:%SZ"),
+                    "to": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")},
+        )  # fmt: skip
+        assert review["verdict"] == "fail"
+        assert review["reasons"] == ["2 would-block groups: enforcing would block them"], review
+        assert sorted(
+            (g["peer"], g["service"]["protocol"], g["connection_count"]) for g in review["would_block"]
+        ) == [(CLIENT, "icmp", 1), (CLIENT6, "icmpv6", 1)]
     finally:
         web.kill()
         assert serve.stop() == 0

@@ -107,7 +107,7 @@ def test_the_review_passes_only_with_nothing_to_fear(api, db, clock_at):
     review = api.get("/api/v1/flows/review", {**_range(), "workload": str(web.id)}).json()
     (elsewhere,) = review["not_in_simulation"]
     assert elsewhere["mode"] == "simulation" and elsewhere["mode_since"] > _range()["from"]
-    assert "1 workloads were not in simulation for the whole range" in review["reasons"]
+    assert "1 workload was not in simulation for the whole range" in review["reasons"]
     clock_at(timedelta(hours=2))  # now the whole range lies after the mode change
     _ingest(web, _windows(web, [{"port": 443, "decision": "allowed", "connection_count": 1}]))
     review = api.get("/api/v1/flows/review", {**_range(), "workload": str(web.id)}).json()
