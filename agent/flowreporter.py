@@ -133,6 +133,9 @@ class SourceThread:
                 self.stopping.wait(SOURCE_RETRY_SECONDS)
         self.source.close()
 
+    def overruns(self) -> int:
+        return int(getattr(getattr(self.source, "counter", None), "overruns", 0))
+
     def take_gaps(self) -> list[Gap]:
         """The gaps recorded since the last call (the source thread only appends)."""
         taken = []
@@ -179,7 +182,7 @@ class FlowReporter:
         self.last_acknowledged: str | None = None
         self.on_status = on_status
         self.status_at = 0.0
-        self.status_subscribed: tuple[bool, ...] = ()
+        self.status_sources: tuple[tuple[bool, int], ...] = ()
 
     def start(self) -> None:
         for thread in self.threads:
@@ -291,11 +294,11 @@ class FlowReporter:
         try:
             while not stopping.is_set():
                 self.tick()
-                # Every few seconds, and at once when a source goes down or comes back.
-                subscribed = tuple(t.subscribed for t in self.threads)
+                # Every few seconds, and at once when a source goes down, comes back or overruns.
+                sources = tuple((t.subscribed, t.overruns()) for t in self.threads)
                 due = time.monotonic() - self.status_at >= STATUS_EVERY_SECONDS
-                if self.on_status is not None and (due or subscribed != self.status_subscribed):
-                    self.status_at, self.status_subscribed = time.monotonic(), subscribed
+                if self.on_status is not None and (due or sources != self.status_sources):
+                    self.status_at, self.status_sources = time.monotonic(), sources
                     self.on_status(self.status())
                 if time.monotonic() >= self.next_send:
                     try:
@@ -328,7 +331,7 @@ class FlowReporter:
                         if t.last_read_at
                         else None
                     ),
-                    "overruns": getattr(getattr(t.source, "counter", None), "overruns", 0),
+                    "overruns": t.overruns(),
                 }
                 for t in self.threads
             },
