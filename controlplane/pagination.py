@@ -127,10 +127,12 @@ def paginate(
     next_cursor = None
     if len(rows) > limit:
         rows = rows[:limit]
-        last = rows[-1]
-        next_cursor = signing.dumps(
-            {"f": fingerprint, "k": [_encode_value(k.value_of(last)) for k in order]},
-            salt=_SALT,
-            compress=True,
-        )
+        next_cursor = cursor_encode(fingerprint, [k.value_of(rows[-1]) for k in order])
     return Page(items=rows, next_cursor=next_cursor)
+
+
+def cursor_encode(fingerprint: str, values: Sequence[Any]) -> str:
+    """A signed cursor holding the last key of a page, for the list `fingerprint` names."""
+    return signing.dumps(
+        {"f": fingerprint, "k": [_encode_value(v) for v in values]}, salt=_SALT, compress=True
+    )

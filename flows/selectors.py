@@ -265,20 +265,42 @@ def _merged(*parts, columns: list[str]) -> list[dict]:
                 seen[name] += row[name]
             seen["first_seen"] = min(seen["first_seen"], row["first_seen"])
             seen["last_seen"] = max(seen["last_seen"], row["last_seen"])
-    order = sorted(
-        merged, key=lambda key: tuple((value is None, value if value is not None else 0) for value in key)
-    )
-    return [merged[key] for key in order]
+    return [merged[key] for key in sorted(merged, key=_null_last)]
+
+
+UUID_COLUMNS = frozenset({"workload_id", "peer_workload_id", "ruleset_id"})
+
+
+def _null_last(values) -> tuple:
+    """The sort key of a group's key values: in column order, a null after every value."""
+    return tuple((value is None, value if value is not None else 0) for value in values)
+
+
+def _after_key(columns: list[str], last: list) -> Q:
+    """Groups whose key comes after `last` in column order, nulls last: (a > x) or (a = x and b > y) ...
+    A null is after every value, and nothing is after a null but what ties it."""
+    condition = Q(pk__in=[])  # nothing, until a step adds something
+    for index, (column, value) in enumerate(zip(columns, last, strict=True)):
+        if value is None:
+            continue
+        step = Q(**{f"{column}__gt": value}) | Q(**{f"{column}__isnull": True})
+        for previous, earlier in zip(columns[:index], last[:index], strict=True):
+            step &= Q(**{f"{previous}__isnull": True}) if earlier is None else Q(**{previous: earlier})
+        condition |= step
+    return condition
 
 
 def flow_rollup(
     *, selected, group_by: list[str], start: datetime, end: datetime, cursor: str | None, limit: int
 ) -> tuple[list[dict], str | None]:
-    """Sums of the selected workloads' groups in the range, grouped by `group_by`; paged by offset
-    (the rows are aggregates: the cursor carries the position and the query it belongs to); whole hours come from the hourly sums."""
-    from django.core import signing
+    """Sums of the selected workloads' groups in the range, grouped by `group_by`, in the order of
+    their keys (nulls last); whole hours come from the hourly sums. Paged by key: the cursor holds the
+    last key of the page, so groups that appear while a client pages never shift the pages."""
+    import uuid
 
-    from controlplane.pagination import decode_cursor
+    from django.db.models import F
+
+    from controlplane.pagination import cursor_encode, decode_cursor
 
     columns = [column for name in group_by for column in GROUP_KEYS[name]]
     groups = _groups_in_range(selected, start, end)
@@ -293,28 +315,37 @@ def flow_rollup(
             "sel": str(selected.query) if selected is not None else "",
         },
     )
-    offset = decode_cursor(cursor, fingerprint, 1)[0] if cursor else 0
+    last = None
+    if cursor:
+        last = [
+            uuid.UUID(value) if column in UUID_COLUMNS and isinstance(value, str) else value
+            for column, value in zip(columns, decode_cursor(cursor, fingerprint, len(columns)), strict=True)
+        ]
     whole = _whole_hours(start, end)
     if whole is None or "start" in columns:
-        rows = list(_sums(groups, columns).order_by(*columns)[offset : offset + limit + 1])
+        if last is not None:
+            groups = groups.filter(_after_key(columns, last))
+        order = [F(column).asc(nulls_last=True) for column in columns]
+        rows = list(_sums(groups, columns).order_by(*order)[: limit + 1])
     else:
         # The whole hours from the hourly sums, the minute rows only at the range's two edges.
-        first, last = whole
-        hours = FlowHour.objects.filter(hour__gte=first, hour__lt=last)
+        first, last_hour = whole
+        hours = FlowHour.objects.filter(hour__gte=first, hour__lt=last_hour)
         hours = hours if selected is None else hours.filter(workload__in=selected)
         # Two plain ranges, not one OR: each reads only its own partitions and index range.
-        before, after = groups.filter(start__lt=first), groups.filter(start__gte=last)
+        before, after = groups.filter(start__lt=first), groups.filter(start__gte=last_hour)
         if "ruleset_id" in columns:
             hours = hours.annotate(ruleset_id=_ruleset_of_rule())
         parts = (_sums(hours, columns), _sums(before, columns), _sums(after, columns))
         merged = _merged(*parts, columns=columns)
-        rows = merged[offset : offset + limit + 1]
+        if last is not None:
+            bound = _null_last(last)
+            merged = [row for row in merged if _null_last(row[c] for c in columns) > bound]
+        rows = merged[: limit + 1]
     next_cursor = None
     if len(rows) > limit:
         rows = rows[:limit]
-        next_cursor = signing.dumps(
-            {"f": fingerprint, "k": [offset + limit]}, salt="palisade.cursor", compress=True
-        )
+        next_cursor = cursor_encode(fingerprint, [rows[-1][column] for column in columns])
     return rows, next_cursor
 
 
