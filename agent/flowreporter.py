@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 from agent import protocol
 from agent.flowbuffer import FlowBuffer
-from agent.flowreport import report_body, report_headers
+from agent.flowreport import report_body
 from agent.flowwindow import Gap, Windows
 from agent.state import StateDir
 
@@ -245,13 +245,7 @@ class FlowReporter:
             uptime_seconds=time.monotonic() - self.started,
             window_seconds=self.settings.window_seconds,
         )
-        headers = report_headers(
-            body,
-            key=enrolment.key,
-            workload_id=enrolment.identity.workload_id,
-            credential=enrolment.credential,
-            gateway_fingerprint=enrolment.identity.fingerprint,
-        )
+        headers = enrolment.flow_report_headers(body)
         host, _, port = enrolment.identity.gateway.rpartition(":")
         connection = http.client.HTTPSConnection(
             host.strip("[]"), int(port), context=self.context(), timeout=30

@@ -24,6 +24,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from agent.credential import CredentialError, credential_verify, public_key_encode
 from agent.errors import AgentError, EnrolmentNeeded
+from agent.flowreport import report_headers
 
 DEFAULT_STATE_DIR = "/var/lib/palisade-agent"
 KEY_FILE = "key.pem"
@@ -57,6 +58,16 @@ class Enrolment:
     key: Ed25519PrivateKey
     credential: str
     expires_at: str
+
+    def flow_report_headers(self, body: bytes) -> dict[str, str]:
+        """The headers of a flow report of `body`: this workload, its credential, the body signed."""
+        return report_headers(
+            body,
+            key=self.key,
+            workload_id=self.identity.workload_id,
+            credential=self.credential,
+            gateway_fingerprint=self.identity.fingerprint,
+        )
 
 
 def write_atomically(path: Path, data: bytes, *, mode: int = 0o600, durable: bool = True) -> None:
