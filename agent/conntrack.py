@@ -15,29 +15,35 @@ source first reads what is queued, then dumps the table again, so that connectio
 recovered (counted once, by id). That is a `source_overrun` gap from the last event read before the
 failure (or the last dump, if later) to the moment the queue was empty: every silent drop lies inside it.
 
-The netlink reading is stdlib only: a small reader parsed 35,000 events/s where pyroute2 did 14,000.
+The socket and its datagrams are agent/netlink.py's; this module parses and counts.
 """
 
 from __future__ import annotations
 
-import errno
-import select
 import socket
 import struct
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from agent.flowwindow import FlowKey, Gap, Windows
+from agent.netlink import (
+    NLA_F_NESTED,
+    NLA_HEADER,
+    NLA_TYPE_MASK,
+    Datagrams,
+    drain_queued,
+    is_overrun,
+    latest,
+    netlink_socket,
+    spans,
+)
 
-NETLINK_NETFILTER = 12
-SO_RCVBUFFORCE = 33
 NFNL_SUBSYS_CTNETLINK = 1
 IPCTNL_MSG_CT_NEW, IPCTNL_MSG_CT_GET, IPCTNL_MSG_CT_DELETE = 0, 1, 2
 NFNLGRP_CONNTRACK_NEW, NFNLGRP_CONNTRACK_DESTROY = 1, 3
 NLMSG_ERROR, NLMSG_DONE = 2, 3
 NLM_F_REQUEST, NLM_F_DUMP = 0x1, 0x300
-NLA_TYPE_MASK = 0x3FFF
 
 CTA_TUPLE_ORIG, CTA_MARK, CTA_COUNTERS_ORIG, CTA_COUNTERS_REPLY, CTA_ID, CTA_TIMESTAMP = 1, 8, 9, 10, 12, 20
 CTA_TUPLE_IP, CTA_TUPLE_PROTO = 1, 2
@@ -80,38 +86,25 @@ class Entry:
     stopped_ns: int | None  # with nf_conntrack_timestamp=1, when the connection ended
 
 
-_NLA = struct.Struct("=HH")
-_NLMSG = struct.Struct("=IHHII")
+_NLMSG_LENGTH_AND_TYPE = struct.Struct("=IH")
 _U16, _U32, _U64 = struct.Struct(">H"), struct.Struct(">I"), struct.Struct(">Q")
 
 
-def attributes_of(data: bytes, offset: int = 0, end: int | None = None) -> dict[int, bytes]:
-    end = len(data) if end is None else end
-    found = {}
-    while offset + 4 <= end:
-        length, kind = _NLA.unpack_from(data, offset)
-        if length < 4:
-            break
-        found[kind & NLA_TYPE_MASK] = data[offset + 4 : offset + length]
-        offset += (length + 3) & ~3
-    return found
-
-
-def _spans(data: bytes, offset: int, end: int) -> dict[int, tuple[int, int]]:
-    """The attributes between `offset` and `end` as type -> (payload start, payload end): positions in
-    one buffer, so that parsing copies no bytes until a value is read."""
-    found = {}
-    unpack = _NLA.unpack_from
-    while offset + 4 <= end:
-        length, kind = unpack(data, offset)
-        if length < 4:
-            break
-        found[kind & NLA_TYPE_MASK] = (offset + 4, offset + length)
-        offset += (length + 3) & ~3
-    return found
-
-
 def _address(raw: bytes) -> str:
+    text = _ADDRESS_TEXT.get(raw)
+    if text is None:
+        if len(_ADDRESS_TEXT) >= _ADDRESSES_KEPT:
+            _ADDRESS_TEXT.clear()
+        text = _ADDRESS_TEXT[raw] = _address_text(raw)
+    return text
+
+
+# Most events name an address seen before (the workload's own, its usual peers): their text is kept.
+_ADDRESS_TEXT: dict[bytes, str] = {}
+_ADDRESSES_KEPT = 1 << 16
+
+
+def _address_text(raw: bytes) -> str:
     # inet_ntop writes the same compressed text as ipaddress, at a tenth of the cost per event.
     if len(raw) == 4:
         return socket.inet_ntop(socket.AF_INET, raw)
@@ -120,24 +113,59 @@ def _address(raw: bytes) -> str:
 
 
 def _bytes_counted(data: bytes, span: tuple[int, int]) -> int | None:
-    counter = _spans(data, *span).get(CTA_COUNTERS_BYTES)
+    counter = spans(data, *span).get(CTA_COUNTERS_BYTES)
     return _U64.unpack_from(data, counter[0])[0] if counter else None
 
 
-def parse_entry(message_type: int, data: bytes, offset: int = 0, end: int | None = None) -> Entry | None:
-    """A conntrack message body (after the netlink header) at data[offset:end]: None for what is not a
-    connection."""
-    end = len(data) if end is None else end
-    top = _spans(data, offset + 4, end)  # past the nfgenmsg header
-    tuple_orig, ident = top.get(CTA_TUPLE_ORIG), top.get(CTA_ID)
-    if tuple_orig is None or ident is None:
-        return None
-    parts = _spans(data, *tuple_orig)
+# The original tuple of a TCP or UDP connection as the kernel lays it out (ctnetlink_dump_tuples): the
+# nested IP and protocol attributes at fixed places. One unpack reads the headers and the values; a
+# message whose headers differ (ICMP, or a layout this does not expect) takes the general walk.
+def _header(length: int, kind: int) -> int:
+    """An attribute header (host order) as the layout's big-endian unpack reads it."""
+    return struct.unpack(">I", struct.pack("=HH", length, kind))[0]
+
+
+def _tuple_layout(address_bytes: int, src: int, dst: int) -> tuple[struct.Struct, tuple[int, ...]]:
+    ip_length = 4 + 2 * (4 + address_bytes)
+    layout = struct.Struct(f">4xI I{address_bytes}s I{address_bytes}s I IB3x IH2x IH2x")
+    headers = (
+        _header(ip_length, CTA_TUPLE_IP | NLA_F_NESTED),
+        _header(4 + address_bytes, src),
+        _header(4 + address_bytes, dst),
+        _header(28, CTA_TUPLE_PROTO | NLA_F_NESTED),
+        _header(5, CTA_PROTO_NUM),
+        _header(6, CTA_PROTO_SRC_PORT),
+        _header(6, CTA_PROTO_DST_PORT),
+    )
+    return layout, headers
+
+
+_PORTED_TUPLES = (
+    _tuple_layout(4, CTA_IP_V4_SRC, CTA_IP_V4_DST),
+    _tuple_layout(16, CTA_IP_V6_SRC, CTA_IP_V6_DST),
+)
+
+
+def _ported_tuple(data: bytes, offset: int, end: int) -> tuple[bytes, bytes, int, int, int] | None:
+    """The original tuple at `offset` (its attribute header) if it has the kernel's TCP/UDP layout:
+    source, destination, protocol, source port, destination port."""
+    for layout, headers in _PORTED_TUPLES:
+        if offset + layout.size > end:
+            continue
+        ip, sh, src, dh, dst, ph, nh, protocol, sph, sport, dph, dport = layout.unpack_from(data, offset)
+        if (ip, sh, dh, ph, nh, sph, dph) == headers and protocol in PORTED:
+            return src, dst, protocol, sport, dport
+    return None
+
+
+def _any_tuple(data: bytes, span: tuple[int, int]) -> tuple[bytes, bytes, int, int, int] | None:
+    """The original tuple by walking its attributes: any protocol, any order."""
+    parts = spans(data, *span)
     ip, proto_span = parts.get(CTA_TUPLE_IP), parts.get(CTA_TUPLE_PROTO)
     if ip is None or proto_span is None:
         return None
-    addresses = _spans(data, *ip)
-    proto = _spans(data, *proto_span)
+    addresses = spans(data, *ip)
+    proto = spans(data, *proto_span)
     number = proto.get(CTA_PROTO_NUM)
     if number is None:
         return None
@@ -150,25 +178,64 @@ def parse_entry(message_type: int, data: bytes, offset: int = 0, end: int | None
     if dst is None:
         return None
     protocol = data[number[0]]
-    sport, dport = proto.get(CTA_PROTO_SRC_PORT), proto.get(CTA_PROTO_DST_PORT)
-    ports = (sport, dport) if protocol in PORTED and sport is not None and dport is not None else None
+    sport = dport = 0
+    sport_at, dport_at = proto.get(CTA_PROTO_SRC_PORT), proto.get(CTA_PROTO_DST_PORT)
+    if protocol in PORTED and sport_at is not None and dport_at is not None:
+        sport, dport = _U16.unpack_from(data, sport_at[0])[0], _U16.unpack_from(data, dport_at[0])[0]
+    return bytes(data[src[0] : src[1]]), bytes(data[dst[0] : dst[1]]), protocol, sport, dport
+
+
+def _top_level(data: bytes, offset: int, end: int) -> list[tuple[int, int] | None]:
+    """Where the top-level attributes this source reads are, as [tuple_orig, id, mark, counters_orig,
+    counters_reply, timestamp] (payload start, end) or None; one pass, nothing kept for the others."""
+    found: list[tuple[int, int] | None] = [None] * 6
+    unpack = NLA_HEADER.unpack_from
+    while offset + 4 <= end:
+        length, kind = unpack(data, offset)
+        if length < 4:
+            break
+        slot = _TOP_LEVEL_SLOTS.get(kind & NLA_TYPE_MASK)
+        if slot is not None:
+            found[slot] = (offset + 4, offset + length)
+        offset += (length + 3) & ~3
+    return found
+
+
+_TOP_LEVEL_SLOTS = {CTA_TUPLE_ORIG: 0, CTA_ID: 1, CTA_MARK: 2, CTA_COUNTERS_ORIG: 3, CTA_COUNTERS_REPLY: 4,
+                    CTA_TIMESTAMP: 5}  # fmt: skip
+
+
+def parse_entry(
+    message_type: int, data: bytes, offset: int = 0, end: int | None = None, *, marked_only: bool = False
+) -> Entry | None:
+    """A conntrack message body (after the netlink header) at data[offset:end]: None for what is not a
+    connection, or, with `marked_only`, for a connection Palisade's table did not mark (read no further:
+    on a busy host most are)."""
+    end = len(data) if end is None else end
+    tuple_orig, ident, mark, counters_orig, counters_reply, timestamp = _top_level(data, offset + 4, end)
+    if tuple_orig is None or ident is None:
+        return None
+    if marked_only and (mark is None or decode_mark(_U32.unpack_from(data, mark[0])[0])[0] is None):
+        return None
+    # The kernel's TCP/UDP layout is read in one unpack (from the attribute's header); any other walks.
+    found = _ported_tuple(data, tuple_orig[0] - 4, tuple_orig[1]) or _any_tuple(data, tuple_orig)
+    if found is None:
+        return None
+    src, dst, protocol, sport, dport = found
     bytes_in = bytes_out = stopped = None
-    counters_orig, counters_reply = top.get(CTA_COUNTERS_ORIG), top.get(CTA_COUNTERS_REPLY)
     if counters_orig is not None and counters_reply is not None:
         bytes_in, bytes_out = _bytes_counted(data, counters_orig), _bytes_counted(data, counters_reply)
-    timestamp = top.get(CTA_TIMESTAMP)
     if timestamp is not None:
-        stop = _spans(data, *timestamp).get(CTA_TIMESTAMP_STOP)
+        stop = spans(data, *timestamp).get(CTA_TIMESTAMP_STOP)
         stopped = _U64.unpack_from(data, stop[0])[0] if stop else None
-    mark = top.get(CTA_MARK)
     return Entry(
         (message_type & 0xFF) == IPCTNL_MSG_CT_DELETE,
         _U32.unpack_from(data, ident[0])[0],
         protocol,
-        _address(bytes(data[src[0] : src[1]])),
-        _address(bytes(data[dst[0] : dst[1]])),
-        _U16.unpack_from(data, ports[1][0])[0] if ports else 0,
-        _U16.unpack_from(data, ports[0][0])[0] if ports else 0,
+        _address(src),
+        _address(dst),
+        dport,
+        sport,
         _U32.unpack_from(data, mark[0])[0] if mark is not None else 0,
         bytes_in,
         bytes_out,
@@ -176,18 +243,22 @@ def parse_entry(message_type: int, data: bytes, offset: int = 0, end: int | None
     )
 
 
-def parse_messages(data: bytes) -> Iterator[Entry]:
+def parse_messages(data: bytes, *, marked_only: bool = False) -> list[Entry]:
+    entries = []
     offset, size = 0, len(data)
-    unpack = _NLMSG.unpack_from
+    unpack = _NLMSG_LENGTH_AND_TYPE.unpack_from
     while offset + 16 <= size:
-        length, message_type = unpack(data, offset)[:2]
+        length, message_type = unpack(data, offset)
         if length < 16:
             break
         if message_type >> 8 == NFNL_SUBSYS_CTNETLINK:
-            entry = parse_entry(message_type, data, offset + 16, min(offset + length, size))
+            entry = parse_entry(
+                message_type, data, offset + 16, min(offset + length, size), marked_only=marked_only
+            )
             if entry is not None:
-                yield entry
+                entries.append(entry)
         offset += (length + 3) & ~3
+    return entries
 
 
 def key_of(entry: Entry) -> FlowKey | None:
@@ -195,7 +266,7 @@ def key_of(entry: Entry) -> FlowKey | None:
     decision, rule = decode_mark(entry.mark)
     if decision is None:
         return None
-    protocol = PROTOCOL_NAMES.get(entry.protocol, str(entry.protocol))
+    protocol = PROTOCOL_NAMES.get(entry.protocol) or str(entry.protocol)
     return FlowKey(entry.source, protocol, entry.destination_port, decision, rule)
 
 
@@ -223,8 +294,9 @@ class ConntrackCounter:
 
     def _count(self, entry: Entry, at: float) -> FlowKey | None:
         identity = _identity(entry)
-        if identity in self.counted:
-            return self.counted[identity]
+        known = self.counted.get(identity)
+        if known is not None:
+            return known
         key = key_of(entry)
         if key is not None:
             self.windows.connection_opened(key, at)
@@ -234,8 +306,14 @@ class ConntrackCounter:
     def subscribed(self, entries: list[Entry], at: float) -> None:
         """The table as dumped just after joining the event groups: live connections count once,
         first seen now."""
-        for entry in entries:
-            self._count(entry, at)
+        with self.windows.lock:
+            for entry in entries:
+                self._count(entry, at)
+
+    def events(self, entries: list[Entry], at: float) -> None:
+        with self.windows.lock:
+            for entry in entries:
+                self.event(entry, at)
 
     def event(self, entry: Entry, at: float) -> None:
         self.last_event_at = at
@@ -306,32 +384,15 @@ class ConntrackSource:
         return len(entries)
 
     def _events(self, data: bytes) -> None:
-        self._count(list(parse_messages(data)))
+        self._count(parse_messages(data, marked_only=True))
 
     def _count(self, entries: list[Entry]) -> None:
-        now = self.clock()
-        for entry in entries:
-            self.counter.event(entry, now)
+        self.counter.events(entries, self.clock())
 
     def close(self) -> None:
         if self.sock is not None:
             self.sock.close()
             self.sock = None
-
-
-def netlink_socket(groups: int, buffer_bytes: int) -> socket.socket:
-    """A netfilter netlink socket with `buffer_bytes` of receive buffer, joined to `groups`."""
-    sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_NETFILTER)
-    try:
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, buffer_bytes)
-        except PermissionError:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer_bytes)
-        sock.bind((0, groups))
-    except BaseException:
-        sock.close()
-        raise
-    return sock
 
 
 def event_socket(buffer_bytes: int) -> socket.socket:
@@ -368,68 +429,13 @@ def dump(buffer_bytes: int = 8 << 20, *, limit: int | None = None) -> tuple[list
                 return entries, over
 
 
-class Datagrams:
-    """A netlink socket's datagrams, read the cheap way for one event per datagram: the socket stays
-    non-blocking, so a busy source costs one `recv` per datagram, and it waits in `poll` only when
-    nothing is queued (a Python socket with a timeout polls before every `recv`, and `settimeout`
-    itself costs two `fcntl` calls). The datagrams land in one buffer allocated once, larger than any
-    datagram these sockets receive, so none is truncated."""
-
-    def __init__(self, sock: socket.socket, size: int = 1 << 20) -> None:
-        sock.setblocking(False)
-        self.sock = sock
-        self._buffer = bytearray(size)
-        self._view = memoryview(self._buffer)
-        self._poll = select.poll()
-        self._poll.register(sock, select.POLLIN)
-
-    def next(self, timeout: float) -> bytes | None:
-        """The next datagram, waiting up to `timeout` seconds for one (None if none came);
-        OSError(ENOBUFS) when some were lost."""
-        data = self.queued()
-        if data is None and self._poll.poll(timeout * 1000):
-            data = self.queued()
-        return data
-
-    def queued(self) -> bytes | None:
-        """The next datagram already queued, or None."""
-        try:
-            return bytes(self._view[: self.sock.recv_into(self._buffer)])
-        except BlockingIOError:
-            return None
-
-
 def read_events(datagrams: Datagrams, timeout: float) -> list[Entry] | None:
-    """The events of the next datagram, waiting up to `timeout` for it (None if none came);
+    """The events of the datagrams queued, waiting up to `timeout` for one (None if none came);
     OSError(ENOBUFS) when some were lost."""
-    data = datagrams.next(timeout)
-    return None if data is None else list(parse_messages(data))
-
-
-def latest(*instants: float | None) -> float | None:
-    known = [instant for instant in instants if instant is not None]
-    return max(known) if known else None
-
-
-def is_overrun(error: OSError) -> bool:
-    return error.errno == errno.ENOBUFS
-
-
-def drain_queued(datagrams: Datagrams, handle: Callable[[bytes], object]) -> None:
-    """Hand every datagram queued on the socket to `handle`, without waiting, until the queue is empty. After
-    ENOBUFS the kernel reports no further drop until the queue has been emptied, so a source that met
-    an overrun reads it empty before it trusts the socket again. Under a flood that never pauses this
-    reads on, counting, until it does."""
-    while True:
-        try:
-            data = datagrams.queued()
-        except OSError as error:
-            if not is_overrun(error):
-                raise
-            continue  # dropped again while draining: inside the gap being recorded
-        if data is None:
-            return
-        handle(data)
+    batch = datagrams.next(timeout)
+    if not batch:
+        return None
+    return [entry for data in batch for entry in parse_messages(data, marked_only=True)]
 
 
 def accounting_enabled() -> bool:

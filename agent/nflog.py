@@ -20,16 +20,9 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 
-from agent.conntrack import (
-    PROTOCOL_NAMES,
-    Datagrams,
-    attributes_of,
-    drain_queued,
-    is_overrun,
-    latest,
-    netlink_socket,
-)
+from agent.conntrack import PROTOCOL_NAMES
 from agent.flowwindow import FlowKey, Gap, Windows
+from agent.netlink import Datagrams, attributes_of, drain_queued, is_overrun, latest, netlink_socket
 
 NFLOG_GROUP_BLOCKED = 7302  # policy/renderer.py; tests/agent keeps the two equal
 NFNL_SUBSYS_ULOG = 4
@@ -170,7 +163,7 @@ class NflogSource:
         if self.sock is None:
             raise RuntimeError("subscribe before reading packets")
         try:
-            data = self.datagrams.next(timeout)
+            batch = self.datagrams.next(timeout)
         except OSError as error:
             if not is_overrun(error):
                 raise
@@ -179,13 +172,14 @@ class NflogSource:
             drain_queued(self.datagrams, self._packets)  # until then, further drops go unreported
             self.gaps.append(self.counter.overrun(since=since, at=self.clock()))
             return 0
-        return 0 if data is None else self._packets(data)
+        return sum(self._packets(data) for data in batch)
 
     def _packets(self, data: bytes) -> int:
         now = self.clock()
         packets = list(parse_packets(data))
-        for payload in packets:
-            self.counter.packet(payload, now)
+        with self.counter.windows.lock:
+            for payload in packets:
+                self.counter.packet(payload, now)
         return len(packets)
 
     def close(self) -> None:

@@ -65,12 +65,11 @@ def _process_cpu(pid: int) -> float:
 
 def burst(lab, nsthread, rate: int, seconds: float) -> dict:
     from agent import conntrack
-    from agent.flowreporter import DEFAULT_NETLINK_BUFFER
-    from agent.flowwindow import Windows
+    from agent.flowreporter import DEFAULT_NETLINK_BUFFER, LockedWindows
 
     count = int(rate * seconds)
     lab.run("wl", ["conntrack", "-F"])
-    windows = Windows(length=3600, max_keys=10_000_000, accounting=False)
+    windows = LockedWindows(length=3600, max_keys=10_000_000, accounting=False)  # the agent's
     source = conntrack.ConntrackSource(windows, buffer_bytes=DEFAULT_NETLINK_BUFFER, dump_max=10_000_000)
     nsthread.call(source.subscribe)
     listener = subprocess.Popen(

@@ -88,3 +88,33 @@ def test_the_window_key_comes_from_the_mark():
     (unmarked,) = conntrack.parse_messages(message(mark=None))
     assert conntrack.key_of(allowed) == conntrack.FlowKey("10.0.0.2", "tcp", 443, "allowed", 7)
     assert conntrack.key_of(unmarked) is None
+    for mark in (None, 0, 9 << 24):  # none, zero, not a decision: not read past the mark
+        assert conntrack.parse_messages(message(mark=mark), marked_only=True) == []
+    assert len(conntrack.parse_messages(message(), marked_only=True)) == 1
+
+
+@pytest.mark.parametrize("family, src, dst", [(socket.AF_INET, "10.0.0.2", "10.0.0.1"),
+                                              (socket.AF_INET6, "fd00::2", "fd00::1")])  # fmt: skip
+@pytest.mark.parametrize("protocol", [6, 17])
+def test_the_one_unpack_path_reads_what_the_walk_reads(family, src, dst, protocol):
+    built = message(src=src, dst=dst, protocol=protocol, sport=61000, dport=8443, family=family)
+    orig_at = 16 + 4  # the netlink and nfgenmsg headers
+    length = struct.unpack_from("=H", built, orig_at)[0]
+    fast = conntrack._ported_tuple(built, orig_at, orig_at + length)
+    assert fast is not None
+    assert fast == conntrack._any_tuple(built, (orig_at + 4, orig_at + length))
+    assert fast[2:] == (protocol, 61000, 8443)
+
+
+def test_a_tuple_laid_out_otherwise_is_walked_not_misread():
+    """The same tuple with its ports in the other order: the one-unpack path declines, the walk reads it."""
+    ip = nla(1, nla(1, address("10.0.0.2")) + nla(2, address("10.0.0.1")), True)
+    proto = nla(
+        2, nla(1, bytes([6])) + nla(3, struct.pack(">H", 443)) + nla(2, struct.pack(">H", 40000)), True
+    )
+    body = struct.pack("=BBH", socket.AF_INET, 0, 0) + nla(1, ip + proto, True)
+    body += nla(8, struct.pack(">I", (2 << 24) | 7)) + nla(12, struct.pack(">I", 9))
+    built = struct.pack("=IHHII", 16 + len(body), 1 << 8, 0, 0, 0) + body
+    assert conntrack._ported_tuple(built, 20, 20 + 4 + len(ip) + len(proto)) is None
+    (entry,) = conntrack.parse_messages(built)
+    assert (entry.source, entry.source_port, entry.destination_port, entry.id) == ("10.0.0.2", 40000, 443, 9)
