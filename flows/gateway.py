@@ -30,11 +30,11 @@ class FlowReportView(APIView):
         ]
         if missing:
             raise Problem("unauthenticated", f"A flow report carries the headers {', '.join(missing)}.")
-        workload = report_authenticate(
+        workload_id = report_authenticate(
             workload_id=headers[protocol.HEADER_WORKLOAD],
             credential=headers[protocol.HEADER_CREDENTIAL],
             signature=headers[protocol.HEADER_SIGNATURE],
             body=body,
         )
         data = json_loads_strict(body, what="the flow report")
-        return Response(flow_report_ingest(workload_id=str(workload.id), data=data))
+        return Response(flow_report_ingest(workload_id=str(workload_id), data=data))

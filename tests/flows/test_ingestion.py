@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -183,13 +184,21 @@ def test_a_report_needs_the_workloads_key_and_a_live_credential(db, clock_at):
         body, key=key, workload_id=str(workload.id), credential=credential, gateway_fingerprint=FINGERPRINT
     )
     signature = headers["Palisade-Signature"]
-    assert report_authenticate(
-        workload_id=str(workload.id), credential=credential, signature=signature, body=body
+    assert (
+        report_authenticate(
+            workload_id=str(workload.id), credential=credential, signature=signature, body=body
+        )
+        == workload.id
     )
     with pytest.raises(Problem):
         report_authenticate(
             workload_id=str(workload.id), credential=credential, signature=signature, body=body + b" "
         )
+    other, _, other_credential = enrolled(hostname="db", address="10.50.0.2")
+    for sender, presented in [(str(uuid.uuid4()), credential), ("not-a-uuid", credential),
+                              (str(other.id), credential), (str(workload.id), other_credential)]:  # fmt: skip
+        with pytest.raises(Problem, match="enrolled workload"):
+            report_authenticate(workload_id=sender, credential=presented, signature=signature, body=body)
     clock_at(timedelta(days=400))  # past expiry, within or beyond the grace alike
     with pytest.raises(Problem, match="renew"):
         report_authenticate(
