@@ -101,6 +101,7 @@ class SourceThread:
         self.stopping = threading.Event()
         self.restart_gaps: list[Gap] = []
         self.subscribed = False
+        self.down_reason: str | None = None  # why it is down, while it is
         self.last_read_at: float | None = None
         self.thread = threading.Thread(target=self._run, name=f"flow-{name}", daemon=True)
 
@@ -113,7 +114,7 @@ class SourceThread:
             try:
                 if not self.subscribed:
                     self.source.subscribe()
-                    self.subscribed = True
+                    self.subscribed, self.down_reason = True, None
                     if down_since is not None:
                         self.restart_gaps.append(
                             Gap("source_restart", self.name, down_since, self.clock(), {})
@@ -123,10 +124,12 @@ class SourceThread:
                 if self.source.read_once(0.5):
                     self.last_read_at = self.clock()
             except OSError as error:
-                self.log("flow source failed", source=self.name, error=error.strerror or str(error))
+                reason = error.strerror or str(error)
+                if reason != self.down_reason:  # once per failure, not once per retry
+                    self.log("flow source failed", source=self.name, error=reason)
                 self.source.close()
-                self.subscribed = False
-                down_since = down_since or self.clock()
+                self.subscribed, self.down_reason = False, reason
+                down_since = down_since or getattr(error, "since", None) or self.clock()
                 self.stopping.wait(SOURCE_RETRY_SECONDS)
         self.source.close()
 
@@ -317,6 +320,7 @@ class FlowReporter:
             "sources": {
                 t.name: {
                     "subscribed": t.subscribed,
+                    "down_reason": t.down_reason,
                     "last_event_at": (
                         datetime.fromtimestamp(t.last_read_at, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
                         if t.last_read_at

@@ -100,7 +100,8 @@ def _flow_lines(flows: dict[str, Any] | None) -> list[str]:
         return ["flows:        not reported by this daemon"]
     sources = "; ".join(
         f"{name} {'subscribed' if source['subscribed'] else 'DOWN'}"
-        f" (last event {source.get('last_event_at') or 'none'}, overruns {source.get('overruns', 0)})"
+        + (f": {source['down_reason']}" if source.get("down_reason") else "")
+        + f" (last event {source.get('last_event_at') or 'none'}, overruns {source.get('overruns', 0)})"
         for name, source in sorted(flows.get("sources", {}).items())
     )
     buffer = flows.get("buffer", {})

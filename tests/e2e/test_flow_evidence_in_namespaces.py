@@ -374,15 +374,19 @@ def _span(began, extra_seconds: int = 10) -> dict:
     }
 
 
-def _udp_count(api, web_id: str, began, port: int) -> int:
+def _udp_count(api, web_id: str, began, port: int, protocol: str = "udp") -> int:
     page = api.get(
         "/flows/rollup", params={"workload": web_id, "group_by": ["peer", "service"], **_span(began)}
     )
     return sum(
         item["connection_count"]
         for item in page["items"]
-        if item["peer"] == CLIENT and item["service"] == {"protocol": "udp", "port": port}
+        if item["peer"] == CLIENT and item["service"] == {"protocol": protocol, "port": port}
     )
+
+
+def _tcp_count(api, web_id: str, began, port: int) -> int:
+    return _udp_count(api, web_id, began, port, protocol="tcp")
 
 
 def test_a_burst_over_a_tiny_netlink_buffer_is_a_source_overrun_and_the_counts_stay_exact(lab, tmp_path):
@@ -492,3 +496,57 @@ def test_an_agent_killed_for_longer_than_two_windows_is_one_agent_silent_gap_of_
     finally:
         web.kill()
         serve.stop()
+
+
+def _sysctl_events(lab, value: int) -> None:
+    done = lab.run("web", ["sysctl", "-w", f"net.netfilter.nf_conntrack_events={value}"])
+    assert done.returncode == 0, done.stderr
+
+
+def test_connection_events_switched_off_are_a_conntrack_source_restart_and_the_dump_recovers(lab, tmp_path):
+    """The conntrack source torn down from outside: with net.netfilter.nf_conntrack_events=0 the kernel
+    sends the agent nothing, and a quiet source would read as a quiet workload. The agent notices when
+    it next goes quiet, says why it is down, and subscribes again once events are back: one
+    source_restart gap (conntrack) from its last event to then, and the connections opened meanwhile
+    and still open are counted by the new subscription's dump, so the totals stay exact."""
+    from datetime import UTC, datetime, timedelta
+
+    serve = _serve(lab, tmp_path).start()
+    web = AgentProcess(lab, "web", tmp_path / "web")
+    burst = 40
+    try:
+        api, web_id = _enrolled(serve, web)
+        web.start("--flow-window-seconds", "2")
+        api.wait_converged(web_id)
+        began = datetime.now(UTC) - timedelta(seconds=2)
+        assert probe(lab, "client", WEB, 8080) == "open"
+        api.wait_for("the probe counted", lambda: _tcp_count(api, web_id, began, 8080) == 1, timeout=30)
+
+        switched_off = datetime.now(UTC)
+        _sysctl_events(lab, 0)
+        sent = lab.python("client", UDP_BURST, WEB, "7777", str(burst), "21000")
+        assert sent.returncode == 0, sent.stderr
+
+        def status():
+            return web.cli("status", "--state-dir", str(tmp_path / "web")).stdout
+
+        api.wait_for("the source down", lambda: "conntrack DOWN: connection events are off" in status(), 20)
+        switched_on = datetime.now(UTC)
+        _sysctl_events(lab, 2)
+        api.wait_for("the source back", lambda: "conntrack subscribed" in status(), timeout=20)
+
+        api.wait_for(f"{burst} recovered", lambda: _udp_count(api, web_id, began, 7777) >= burst, timeout=30)
+        time.sleep(4)  # two more windows: nothing counted twice, no further gap
+        assert _udp_count(api, web_id, began, 7777) == burst
+        assert _tcp_count(api, web_id, began, 8080) == 1
+        gaps = api.get("/flows/gaps", params={"workload": web_id, **_span(began)})["items"]
+        assert [(g["kind"], g["source"]) for g in gaps] == [("source_restart", "conntrack")], gaps
+        (gap,) = gaps
+        start, end = datetime.fromisoformat(gap["start"]), datetime.fromisoformat(gap["end"])
+        assert began <= start <= switched_off, (began, gap, switched_off)  # from the last event read
+        assert switched_on <= end < switched_on + timedelta(seconds=5), (switched_on, gap)
+    finally:
+        _sysctl_events(lab, 2)
+        web.kill()
+        serve.stop()
+    assert "Traceback" not in web.log(), web.log()
