@@ -289,6 +289,9 @@ class ConntrackCounter:
         # Live connections already counted. The conntrack id is a 32-bit hash, not unique: among 80,000
         # live entries two share one about as often as not, so the id goes with the original tuple.
         self.counted: dict[tuple, FlowKey] = {}
+        # Counted connections the last complete dump no longer held: forgotten, but recognised for one
+        # dump more, should a DESTROY sent while that dump ran arrive after it.
+        self.ended: dict[tuple, FlowKey] = {}
         self.last_event_at: float | None = None
         self.overruns = 0
 
@@ -303,12 +306,20 @@ class ConntrackCounter:
             self.counted[identity] = key
         return key
 
-    def subscribed(self, entries: list[Entry], at: float) -> None:
+    def subscribed(self, entries: list[Entry], at: float, *, complete: bool = True) -> None:
         """The table as dumped just after joining the event groups: live connections count once,
-        first seen now."""
+        first seen now. A complete dump is also when the source forgets the connections whose end it
+        never heard of (a DESTROY lost in an overrun, or never sent: events were off), which would
+        otherwise be kept for the life of the process."""
         with self.windows.lock:
+            live = {}
             for entry in entries:
-                self._count(entry, at)
+                key = self._count(entry, at)
+                if key is not None:
+                    live[_identity(entry)] = key
+        if complete:
+            self.ended = {identity: key for identity, key in self.counted.items() if identity not in live}
+            self.counted = live
 
     def events(self, entries: list[Entry], at: float) -> None:
         """A batch of events read at `at` (possibly none marked: unmarked ones are dropped unparsed)."""
@@ -322,8 +333,10 @@ class ConntrackCounter:
         if not entry.destroyed:
             self._count(entry, at)
             return
-        key = self._count(entry, at)  # opened and closed unseen (its NEW was lost): counted now
-        self.counted.pop(_identity(entry), None)
+        identity = _identity(entry)
+        # Opened and closed unseen (its NEW was lost): counted now; unless it was counted and forgotten.
+        key = self.ended.pop(identity, None) or self._count(entry, at)
+        self.counted.pop(identity, None)
         if key is not None and entry.bytes_in is not None and entry.bytes_out is not None:
             ended = entry.stopped_ns / 1e9 if entry.stopped_ns else at
             self.windows.bytes_counted(key, ended, entry.bytes_in, entry.bytes_out)
@@ -366,7 +379,7 @@ class ConntrackSource:
         if over:
             # Connections beyond the bound were live and are not counted: evidence lost at this instant.
             self.gaps.append(Gap("dump_truncated", "conntrack", at - 0.001, at, {"entries": over}))
-        self.counter.subscribed(entries, at)
+        self.counter.subscribed(entries, at, complete=not over)
         self.subscribed_at = at
 
     def read_once(self, timeout: float) -> int:
