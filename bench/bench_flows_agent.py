@@ -119,6 +119,10 @@ def burst(lab, nsthread, rate: int, seconds: float) -> dict:
         "conntrack_E_events": conntrack_events,
         "agent_cpu_s": round(agent_cpu[0], 3),
         "conntrack_E_cpu_s": round(listener_cpu, 3),
+        "agent_cpu_per_10k_connections_s": round(agent_cpu[0] / created * 10_000, 3) if created else None,
+        "conntrack_E_cpu_per_10k_connections_s": round(listener_cpu / created * 10_000, 3)
+        if created
+        else None,
         "cpu_ratio": round(agent_cpu[0] / listener_cpu, 2) if listener_cpu else None,
     }
 
@@ -171,7 +175,9 @@ def main() -> None:
                     f"created {result['created']:>7}, "
                     f"agent counted {result['agent_counted']:>7} (lost {result['agent_lost']}, "
                     f"overrun gaps {result['overrun_gaps']}); CPU agent {result['agent_cpu_s']} s, "
-                    f"conntrack -E {result['conntrack_E_cpu_s']} s, ratio {result['cpu_ratio']}",
+                    f"conntrack -E {result['conntrack_E_cpu_s']} s; per 10,000 connections agent "
+                    f"{result['agent_cpu_per_10k_connections_s']} s, conntrack -E "
+                    f"{result['conntrack_E_cpu_per_10k_connections_s']} s, ratio {result['cpu_ratio']}",
                     flush=True,
                 )
         finally:

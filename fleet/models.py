@@ -72,6 +72,9 @@ class Workload(models.Model):
     # or a heartbeat of that process): a report from another process after a silence yields agent_silent.
     flow_process_start_id = models.CharField(max_length=64, blank=True)
     flow_process_alive_at = models.DateTimeField(null=True)
+    # The longest window it ever reported (seconds): how long before a range one of its windows that
+    # reaches into the range can start, so reads look back that far and not the hour windows may last.
+    flow_window_seconds_longest = models.PositiveIntegerField(default=0)
     rank = models.PositiveSmallIntegerField(default=RANK_OFFLINE)
 
     public_key = models.CharField(max_length=64)  # Ed25519, base64

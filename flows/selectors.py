@@ -12,7 +12,7 @@ from controlplane.problems import Finding, ValidationFailed
 from controlplane.validation import parse_instant
 from fleet.models import Workload
 from fleet.selectors import workload_get, workload_queryset
-from flows.choices import MAX_WINDOW_SECONDS, Decision
+from flows.choices import Decision
 from flows.models import EvidenceGap, FlowGroup, FlowHour, FlowWindow
 from policy.grammar import Selector
 from policy.models import Rule
@@ -95,10 +95,11 @@ def flow_windows_list(
     workload = workload_get(workload_id=workload_id, missing=f"No workload {workload_id}.")
     groups = groups or {}
     matching = FlowGroup.objects.filter(**groups)
-    windows = FlowWindow.objects.filter(workload=workload, **_windows_in(start, end))
+    lookback = timedelta(seconds=workload.flow_window_seconds_longest)
+    windows = FlowWindow.objects.filter(workload=workload, **_windows_in(start, end, lookback))
     if groups:
         windows = windows.filter(
-            id__in=matching.filter(workload=workload, **_starts_in(start, end)).values("window_id")
+            id__in=matching.filter(workload=workload, **_starts_in(start, end, lookback)).values("window_id")
         )
     windows = windows.prefetch_related(
         Prefetch("groups", queryset=matching.order_by("peer", "protocol", "port", "decision", "rule_number"))
@@ -188,18 +189,26 @@ def workloads_selected(*, workload_ids: list[str], labels: list[Selector]):
     return selected.values("id")
 
 
-def _starts_in(start: datetime, end: datetime) -> dict:
+def _starts_in(start: datetime, end: datetime, lookback: timedelta) -> dict:
     """Windows (or their groups) that may intersect [start, end): a lower bound on `start` as well,
-    so that PostgreSQL reads only the day partitions of the range (flows/partitions.py)."""
-    return {"start__lt": end, "start__gt": start - timedelta(seconds=MAX_WINDOW_SECONDS)}
+    `lookback` (the longest window) before the range, so that an index or a partition is read from
+    there: with the hour a window may last instead, every range's leading edge read an hour of rows
+    only to drop them."""
+    return {"start__lt": end, "start__gt": start - lookback}
 
 
-def _windows_in(start: datetime, end: datetime) -> dict:
-    return {**_starts_in(start, end), "end__gt": start}
+def _windows_in(start: datetime, end: datetime, lookback: timedelta) -> dict:
+    return {**_starts_in(start, end, lookback), "end__gt": start}
+
+
+def _lookback(selected) -> timedelta:
+    """The longest window the selected workloads ever reported (flows/services.py keeps it per workload)."""
+    longest = _workloads_of(selected).aggregate(longest=Max("flow_window_seconds_longest"))["longest"]
+    return timedelta(seconds=longest or 0)
 
 
 def _groups_in_range(selected, start: datetime, end: datetime):
-    groups = FlowGroup.objects.filter(**_windows_in(start, end))
+    groups = FlowGroup.objects.filter(**_windows_in(start, end, _lookback(selected)))
     return groups if selected is None else groups.filter(workload__in=selected)
 
 
@@ -214,7 +223,9 @@ def coverage(selected, start: datetime, end: datetime) -> dict:
     workloads = _workloads_of(selected)
     if selected is not None:
         gaps = gaps.filter(workload__in=selected)
-    reporting = FlowWindow.objects.filter(**_windows_in(start, end)).values("workload_id")
+    reporting = FlowWindow.objects.filter(**_windows_in(start, end, _lookback(selected))).values(
+        "workload_id"
+    )
     silent = workloads.exclude(id__in=reporting).order_by("hostname", "id")
     gap_count, silent_count = gaps.count(), silent.count()
     return {

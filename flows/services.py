@@ -231,6 +231,7 @@ def _hours_add_in_postgresql(groups: list[dict]) -> None:
 
 
 WORKLOAD_FLOW_FIELDS = (
+    "flow_window_seconds_longest",
     "flow_process_start_id",
     "flow_process_alive_at",
     "last_flow_report_at",
@@ -369,6 +370,9 @@ def _reports_write(items: list[SubmittedReport], *, skip_locked: bool) -> list[d
             groups.extend(_group_rows(new_windows, workload=workload, peers=peers))
             gaps.extend(new_gaps)
             changes = {
+                "flow_window_seconds_longest": max(
+                    workload.flow_window_seconds_longest, item.report.envelope.window_seconds
+                ),
                 "flow_process_start_id": item.report.envelope.process_start_id,
                 "flow_process_alive_at": now,
                 "last_flow_report_at": now,

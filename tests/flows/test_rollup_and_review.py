@@ -199,3 +199,34 @@ def test_rollup_pages_put_groups_without_a_rule_last(api, db):
             if not (cursor := page["next_cursor"]):
                 break
         assert seen == [7, 9, None], group_by
+
+
+def test_a_window_reaching_into_the_range_from_before_it_counts_whatever_the_window_length(api, db):
+    """Reads look back from a range's start by the longest window the workloads reported (kept per
+    workload, never shortened), so a window that began before the range and reaches into it counts."""
+    from datetime import datetime
+
+    from flows.models import FlowWindow
+
+    web, _, _ = enrolled("web", "10.50.0.1")
+    long = _window_between(clock.now() - timedelta(minutes=30), 1)
+    started = datetime.fromisoformat(long[0]["start"])
+    long[0]["end"] = (started + timedelta(minutes=5)).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    report = {**_report("p1", 100, long), "window_seconds": 300}
+    assert flow_report_ingest(workload_id=str(web.id), data=report)["windows"][0]["result"] == "accepted"
+    _ingest(web, _window_between(clock.now() - timedelta(minutes=10), 1))  # one-minute windows since
+    web.refresh_from_db()
+    assert web.flow_window_seconds_longest == 300
+
+    text = lambda t: t.strftime("%Y-%m-%dT%H:%M:%SZ")  # noqa: E731
+    for window in FlowWindow.objects.filter(workload=web):
+        late_start = window.end - timedelta(seconds=30)  # the range begins inside the window
+        span = {
+            "workload": str(web.id),
+            "from": text(late_start),
+            "to": text(late_start + timedelta(minutes=1)),
+        }
+        listed = api.get("/api/v1/flows", span).json()["items"]
+        assert [w["id"] for w in listed] == [str(window.id)], (window.start, window.end)
+        rolled = api.get("/api/v1/flows/rollup", {**span, "group_by": "peer"}).json()["items"]
+        assert [r["connection_count"] for r in rolled] == [1]
