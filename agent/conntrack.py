@@ -20,6 +20,7 @@ The socket and its datagrams are agent/netlink.py's; this module parses and coun
 
 from __future__ import annotations
 
+import math
 import socket
 import struct
 import time
@@ -337,9 +338,13 @@ class ConntrackCounter:
         # Opened and closed unseen (its NEW was lost): counted now; unless it was counted and forgotten.
         key = self.ended.pop(identity, None) or self._count(entry, at)
         self.counted.pop(identity, None)
-        if key is not None and entry.bytes_in is not None and entry.bytes_out is not None:
-            ended = entry.stopped_ns / 1e9 if entry.stopped_ns else at
+        if key is None:
+            return
+        ended = entry.stopped_ns / 1e9 if entry.stopped_ns else at
+        if entry.bytes_in is not None and entry.bytes_out is not None:
             self.windows.bytes_counted(key, ended, entry.bytes_in, entry.bytes_out)
+        else:
+            self.windows.bytes_not_counted(ended)
 
     def overrun(self, *, since: float | None, at: float) -> Gap:
         """Events were lost between `since` (the last one read before the failure) and `at`."""
@@ -365,6 +370,7 @@ class ConntrackSource:
         self.gaps: list[Gap] = []
         self.sock: socket.socket | None = None
         self.subscribed_at: float | None = None
+        self.accounting_read_at = -math.inf
 
     def subscribe(self) -> None:
         if not events_enabled():
@@ -385,6 +391,7 @@ class ConntrackSource:
     def read_once(self, timeout: float) -> int:
         if self.sock is None:
             raise RuntimeError("subscribe before reading events")
+        self._accounting_follow()
         try:
             entries = read_events(self.datagrams, timeout)
         except OSError as error:
@@ -402,6 +409,14 @@ class ConntrackSource:
             return 0
         self._count(entries)
         return len(entries)
+
+    def _accounting_follow(self) -> None:
+        """Windows opened from now on say whether accounting is on now: an operator may switch
+        nf_conntrack_acct while the agent runs (read at most once a second)."""
+        now = self.clock()
+        if now - self.accounting_read_at >= 1.0:
+            self.accounting_read_at = now
+            self.counter.windows.accounting = accounting_enabled()
 
     def _events(self, data: bytes) -> None:
         self._count(parse_messages(data, marked_only=True))

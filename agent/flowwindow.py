@@ -112,6 +112,18 @@ class OpenWindow:
             entry.bytes_out += bytes_out
             entry.seen(at)
 
+    def bytes_not_counted(self) -> None:
+        """A connection ended in this window without counters (accounting was off when it opened): the
+        window's bytes would fall short, so it counts none and says so, rather than report a short total."""
+        if not self.accounting:
+            return
+        self.accounting = False
+        for key, counters in list(self.counters.items()):
+            if counters.connection_count == 0:  # there only for bytes
+                del self.counters[key]
+            else:
+                counters.bytes_in = counters.bytes_out = 0
+
     def close(self, policy_version: str) -> tuple[ClosedWindow | None, Gap | None]:
         """The closed window (None when it saw nothing: no report for it), and its overflow gap."""
         gap = None
@@ -175,6 +187,9 @@ class Windows:
 
     def bytes_counted(self, key: FlowKey, at: float, bytes_in: int, bytes_out: int) -> None:
         self._window(at).bytes_counted(key, at, bytes_in, bytes_out)
+
+    def bytes_not_counted(self, at: float) -> None:
+        self._window(at).bytes_not_counted()
 
     def close_due(self, now: float, policy_version: str) -> tuple[list[ClosedWindow], list[Gap]]:
         """Close every window that ended at or before `now` (all of them at shutdown: pass math.inf)."""

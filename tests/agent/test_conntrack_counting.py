@@ -30,8 +30,8 @@ def test_each_connection_counts_once_whichever_message_saw_it_first():
     counting.subscribed([entry(1)], 10.0)  # live at subscribe
     counting.events([entry(1), entry(2)], 11.0)  # 1 again (its NEW raced the dump), 2 new
     counting.events([entry(3, destroyed=True, bytes_=(5, 6))], 12.0)  # NEW lost: counted at its end
-    counting.events([entry(1, destroyed=True), entry(2, destroyed=True)], 13.0)
-    assert total(counting) == (3, 5)
+    counting.events([entry(1, destroyed=True, bytes_=(1, 1)), entry(2, destroyed=True, bytes_=(2, 2))], 13.0)
+    assert total(counting) == (3, 8)
     assert counting.counted == {}
 
 
@@ -53,3 +53,30 @@ def test_a_truncated_dump_forgets_nothing():
     counting.subscribed([entry(1)], 20.0, complete=False)  # 2 may be live beyond the bound
     counting.events([entry(2, destroyed=True)], 21.0)
     assert total(counting) == (2, 0)
+
+
+def test_a_connection_ending_without_counters_makes_its_window_count_no_bytes_rather_than_too_few():
+    """Accounting switched on or off while the agent runs: a connection's counters exist only if it
+    was on when the connection opened. A window whose bytes would fall short says "not counted"."""
+    counting = counter()  # accounting on
+    counting.events([entry(1), entry(2)], 10.0)
+    counting.events([entry(1, destroyed=True, bytes_=(100, 200))], 11.0)
+    counting.events([entry(3, destroyed=True, bytes_=(5, 6))], 12.0)  # only its end seen: counted now
+    (window,), _ = counting.windows.close_due(3600.0, "v1")
+    assert window.accounting is True and sum(c.bytes_in for _, c in window.groups) == 105
+
+    counting.events([entry(4)], 3700.0)
+    counting.events([entry(2, destroyed=True, bytes_=(7, 8))], 3701.0)  # bytes of a connection opened earlier
+    counting.events([entry(4, destroyed=True)], 3702.0)  # opened with accounting off: no counters
+    (window,), _ = counting.windows.close_due(7200.0, "v1")
+    assert window.accounting is False
+    assert [(c.connection_count, c.bytes_in, c.bytes_out) for _, c in window.groups] == [(1, 0, 0)]
+
+
+def test_windows_opened_after_accounting_changes_follow_it():
+    counting = counter()
+    counting.windows.accounting = False  # as the source reads the setting, once a second
+    counting.events([entry(1)], 10.0)
+    counting.events([entry(1, destroyed=True, bytes_=(100, 200))], 11.0)
+    (window,), _ = counting.windows.close_due(3600.0, "v1")
+    assert window.accounting is False and [c.bytes_in for _, c in window.groups] == [0]

@@ -317,3 +317,40 @@ for source_port in range(30000, 30000 + count):
     s.sendto(b"x", (host, 7777))
     s.close()
 """
+
+
+def test_accounting_switched_on_while_the_source_runs_counts_bytes_in_windows_opened_after(lab):
+    """nf_conntrack_acct switched on while the agent runs: the source reads it (once a second), windows
+    opened afterwards count the bytes of connections opened afterwards, and the windows before say
+    "not counted" rather than show zero bytes as if counted."""
+    lab.run("wl", ["sysctl", "-w", "net.netfilter.nf_conntrack_acct=0"])
+    wl = NamespaceThread(lab.ns("wl"))
+
+    def read_for(seconds: float) -> None:
+        until = time.time() + seconds
+        while time.time() < until:
+            wl.call(source.read_once, 0.2)
+
+    try:
+        windows = Windows(length=2, max_keys=1000, accounting=False)  # as the agent started: off
+        source = conntrack.ConntrackSource(windows, buffer_bytes=8 << 20, dump_max=100_000)
+        wl.call(source.subscribe)
+        before = lab.python("client", _CLIENT, HOSTS["wl"][0], str(ALLOWED_PORT), "2", "1000", "close")
+        lab.run("wl", ["conntrack", "-D", "-p", "tcp"])  # their ends, without counters
+        read_for(1.0)
+        lab.run("wl", ["sysctl", "-w", "net.netfilter.nf_conntrack_acct=1"])
+        read_for(2.5)  # the setting read again, and a window boundary passed
+        after = lab.python("client", _CLIENT, HOSTS["wl"][0], str(ALLOWED_PORT), "3", "1000", "close")
+        lab.run("wl", ["conntrack", "-D", "-p", "tcp"])  # their ends, with their bytes
+        read_for(1.5)
+        wl.call(source.close)
+        closed, _ = windows.close_due(math.inf, "v1")
+    finally:
+        wl.close()
+    assert before.returncode == 0 and after.returncode == 0, before.stderr + after.stderr
+    assert sum(c.connection_count for w in closed for _, c in w.groups) == 5
+    assert closed[0].accounting is False and closed[-1].accounting is True, [w.accounting for w in closed]
+    assert all(c.bytes_in == c.bytes_out == 0 for w in closed if not w.accounting for _, c in w.groups)
+    counted = [c for w in closed if w.accounting for _, c in w.groups]
+    assert sum(c.connection_count for c in counted) == 3
+    assert sum(c.bytes_in for c in counted) >= 3 * 1000 and sum(c.bytes_out for c in counted) >= 3 * 1000
