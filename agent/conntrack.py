@@ -330,7 +330,6 @@ class ConntrackCounter:
                 self.event(entry, at)
 
     def event(self, entry: Entry, at: float) -> None:
-        self.last_event_at = at
         if not entry.destroyed:
             self._count(entry, at)
             return

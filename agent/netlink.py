@@ -23,15 +23,9 @@ NLA_HEADER = struct.Struct("=HH")
 
 
 def attributes_of(data: bytes, offset: int = 0, end: int | None = None) -> dict[int, bytes]:
-    end = len(data) if end is None else end
-    found = {}
-    while offset + 4 <= end:
-        length, kind = NLA_HEADER.unpack_from(data, offset)
-        if length < 4:
-            break
-        found[kind & NLA_TYPE_MASK] = data[offset + 4 : offset + length]
-        offset += (length + 3) & ~3
-    return found
+    """The attributes between `offset` and `end` as type -> payload bytes."""
+    found = spans(data, offset, len(data) if end is None else end)
+    return {kind: data[start:stop] for kind, (start, stop) in found.items()}
 
 
 def spans(data: bytes, offset: int, end: int) -> dict[int, tuple[int, int]]:

@@ -48,9 +48,8 @@ def gateway_fingerprint() -> str:
 def _credential_holder(workload_id: str, credential: str) -> Workload | None:
     """The workload, when `credential` is one this control plane signed for it, naming the key it is
     enrolled with, at its current serial; None otherwise (expiry is the caller's to judge)."""
-    try:
-        workload_key = uuid.UUID(workload_id)
-    except ValueError:
+    workload_key = _workload_key(workload_id)
+    if workload_key is None:
         return None
     workload = next(iter(Workload.objects.filter(id=workload_key)), None)  # not first(): no ORDER BY
     if workload is None or not _credential_names(
@@ -58,6 +57,13 @@ def _credential_holder(workload_id: str, credential: str) -> Workload | None:
     ):
         return None
     return workload
+
+
+def _workload_key(workload_id: str) -> uuid.UUID | None:
+    try:
+        return uuid.UUID(workload_id)
+    except ValueError:
+        return None
 
 
 def _credential_names(credential: str, *, workload_id: uuid.UUID, public_key: str, serial: int) -> bool:
@@ -183,10 +189,7 @@ def report_authenticate(*, workload_id: str, credential: str, signature: str, bo
     """A flow report's sender (its workload's id): the workload's current credential, and the body signed
     with its key. An expired credential (within its grace or beyond) reports nothing: it renews on the
     stream first."""
-    try:
-        workload_key = uuid.UUID(workload_id)
-    except ValueError:
-        workload_key = None
+    workload_key = _workload_key(workload_id)
     sender = _report_sender(workload_key, now=clock.now()) if workload_key else None
     if (
         sender is None
