@@ -19,6 +19,15 @@ MAX_DEPTH = 32  # the deepest request body of the API is a ruleset's rules' sour
 MAX_NUMBER_DIGITS = 40  # far beyond any count or port the API takes
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
+# The parser's hooks cost a Python call per number: most of the parse of a flow report (a few hundred
+# numbers). Text with no run of number characters longer than we admit, and no NaN or Infinity, parses
+# the same without them; a byte translation finds such runs ten times faster than a regex scan.
+_NUMBER_CHARACTERS = bytes(ord("#") if chr(i) in "0123456789.eE+-" else ord(" ") for i in range(256))
+_TOO_LONG_RUN = b"#" * (MAX_NUMBER_DIGITS + 1)
+
+
+def _needs_hooks(raw: bytes) -> bool:
+    return b"NaN" in raw or b"Infinity" in raw or _TOO_LONG_RUN in raw.translate(_NUMBER_CHARACTERS)
 
 
 def _refuse_constant(name: str) -> Any:
@@ -39,15 +48,22 @@ def _parse_float(text: str) -> float:
 
 def json_loads_strict(raw: bytes | str, *, what: str = "The body") -> Any:
     """Parse UTF-8 JSON, or raise a `malformed-request` problem that says why in plain words."""
-    if isinstance(raw, bytes):
+    from_utf8 = isinstance(raw, bytes)
+    if from_utf8:
+        hooks = _needs_hooks(raw)
         try:
             raw = raw.decode("utf-8")
         except UnicodeDecodeError:
             raise Problem("malformed-request", f"{what} is not UTF-8 text.") from None
+    else:
+        hooks = _needs_hooks(raw.encode("utf-8", "surrogatepass"))
     try:
-        data = json.loads(
-            raw, parse_constant=_refuse_constant, parse_int=_parse_int, parse_float=_parse_float
-        )
+        if hooks:
+            data = json.loads(
+                raw, parse_constant=_refuse_constant, parse_int=_parse_int, parse_float=_parse_float
+            )
+        else:
+            data = json.loads(raw)
     except RecursionError:
         raise Problem("malformed-request", f"{what} is nested more than {MAX_DEPTH} levels deep.") from None
     except json.JSONDecodeError as error:
@@ -58,9 +74,10 @@ def json_loads_strict(raw: bytes | str, *, what: str = "The body") -> Any:
     except ValueError as error:
         raise Problem("malformed-request", f"{what} is not valid JSON: {error}.") from None
     # A decoded string can hold NUL or a lone surrogate only through a \u escape (a raw control
-    # character is already refused by the parser), or a surrogate already in the text: without either,
-    # only the depth is left to check, and the strings need not be visited (flow reports are large).
-    texts = "\\u" in raw or _SURROGATE.search(raw) is not None
+    # character is already refused by the parser), or a surrogate already in the text (never in text
+    # decoded from UTF-8, which refuses them): without either, only the depth is left to check, and the
+    # strings need not be visited (flow reports are large).
+    texts = "\\u" in raw or (not from_utf8 and _SURROGATE.search(raw) is not None)
     _check_values(data, what, texts=texts)
     return data
 

@@ -48,16 +48,43 @@ def test_deep_nesting_without_a_credential_is_a_400_too(anon):
         ('{"name": "a\\u0000b", "entries": [{"protocol": "tcp", "port": 1}]}', "NUL"),
         ('{"name\\u0000": "x"}', "NUL"),
         ('{"name": "n", "entries": [{"protocol": "tcp", "port": ' + "9" * 5000 + "}]}", "too many digits"),
+        ('{"name": "n", "entries": [{"protocol": "tcp", "port": ' + "9" * 41 + "}]}", "too many digits"),
+        ('{"name": "n", "entries": [], "x": -1.' + "5" * 39 + "}", "too many digits"),
         ('{"name": "n", "entries": [], "x": NaN}', "NaN is not JSON"),
+        ('{"name": "n", "entries": [], "x": -Infinity}', "-Infinity is not JSON"),
         (b'{"name": "caf\xff"}', "not UTF-8"),
     ],
-    ids=["lone-surrogate", "nul-in-value", "nul-in-key", "huge-number", "nan", "not-utf8"],
+    ids=[
+        "lone-surrogate",
+        "nul-in-value",
+        "nul-in-key",
+        "huge-number",
+        "41-digits",
+        "long-float",
+        "nan",
+        "infinity",
+        "not-utf8",
+    ],  # fmt: skip
 )
 def test_strings_and_numbers_json_cannot_carry_safely_are_400s(api, raw, fragment):
     body = assert_problem(post_raw(api, "/api/v1/services", raw), 400, "malformed-request")
     assert fragment in body["detail"]
     assert "sys." not in body["detail"] and "codec" not in body["detail"] and "0xff" not in body["detail"]
     assert not Service.objects.exists()
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        '{"n": ' + "9" * 40 + ', "s": "' + "1" * 60 + '"}',
+        '{"s": "NaN and Infinity, as text", "e": -1.5e+300}',
+    ],
+    ids=["forty-digits-and-a-long-digit-string", "constants-named-in-a-string"],
+)
+def test_json_that_only_looks_like_a_refused_number_parses_exactly(raw):
+    from controlplane.strict_json import json_loads_strict
+
+    assert json_loads_strict(raw.encode()) == json.loads(raw) == json_loads_strict(raw)
 
 
 @pytest.mark.parametrize("charset", ["latin-1", "utf-7", "cp500", "utf-16"])
