@@ -15,7 +15,6 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import connection, transaction
-from django.db.models import Max
 
 from controlplane import clock
 from controlplane.problems import Problem
@@ -35,7 +34,9 @@ def _peer_workloads() -> dict[str, uuid.UUID]:
     at enrolment and re-enrolment only, both of which set `enrolled_at` to now, and workloads are never
     deleted, so the latest enrolment (read off an index) says whether the map is current."""
     global _peer_map
-    stamp = tuple(Workload.objects.aggregate(latest=Max("enrolled_at")).values())
+    with connection.cursor() as cursor:  # once per write: the ORM's aggregate cost 3 times the query
+        cursor.execute(f'SELECT max("enrolled_at") FROM "{Workload._meta.db_table}"')  # noqa: S608
+        stamp = cursor.fetchone()
     if stamp != _peer_map[0]:
         addresses = Workload.objects.values_list("id", "addresses")
         _peer_map = (stamp, {address: wid for wid, listed in addresses for address in listed})
@@ -102,7 +103,7 @@ def _agent_silent(
     return [
         EvidenceGap(
             id=uuid.uuid4(),
-            workload=workload,
+            workload_id=workload.id,
             kind=GapKind.AGENT_SILENT,
             source=None,
             start=low,
@@ -312,23 +313,15 @@ def flow_reports_write(items: list[SubmittedReport]) -> list[dict | Exception]:
 def _reports_write(items: list[SubmittedReport], *, skip_locked: bool) -> list[dict | Exception | None]:
     """`flow_reports_write` for one transaction; None for a report whose workload row was skipped."""
     with transaction.atomic():
-        locked = {
-            workload.id: workload
-            for workload in Workload.objects.select_for_update(skip_locked=skip_locked)
-            .filter(id__in=[item.workload_id for item in items])
-            .order_by("id")  # one order for every writer
-        }
+        locked = _workloads_lock([item.workload_id for item in items], skip_locked=skip_locked)
         now = clock.now()
         peers = _peer_workloads()
-        stored_windows = dict(
-            FlowWindow.objects.filter(
-                id__in=[w.id for item in items for _, w in item.report.windows if isinstance(w, ParsedWindow)]
-            ).values_list("id", "workload_id")
+        stored_windows = _owners_of(
+            FlowWindow,
+            [w.id for item in items for _, w in item.report.windows if isinstance(w, ParsedWindow)],
         )
-        stored_gaps = dict(
-            EvidenceGap.objects.filter(
-                id__in=[g[0] for item in items for _, g in item.report.gaps if not isinstance(g, str)]
-            ).values_list("id", "workload_id")
+        stored_gaps = _owners_of(
+            EvidenceGap, [g[0] for item in items for _, g in item.report.gaps if not isinstance(g, str)]
         )
         outcomes: list[dict | Exception | None] = []
         windows: list[dict] = []
@@ -360,7 +353,9 @@ def _reports_write(items: list[SubmittedReport], *, skip_locked: bool) -> list[d
                 answer, new = _stored_once(raw, gap_id, stored_gaps, workload.id)
                 gap_answers.append(answer)
                 if new:
-                    new_gaps.append(EvidenceGap(id=gap_id, workload=workload, received_at=now, **fields))
+                    new_gaps.append(
+                        EvidenceGap(id=gap_id, workload_id=workload.id, received_at=now, **fields)
+                    )
             new_gaps.extend(
                 _agent_silent(
                     workload, item.report.envelope, now, arriving=[(w.start, w.end) for w in new_windows]
@@ -389,6 +384,47 @@ def _reports_write(items: list[SubmittedReport], *, skip_locked: bool) -> list[d
         EvidenceGap.objects.bulk_create(gaps)
         _workloads_update(touched)
     return outcomes
+
+
+# A write's reads are a handful of small statements over a few rows each: written out in SQL, they cost
+# a third of the CPU the ORM spent building them, and serve writes hundreds of reports a second.
+
+
+def _workloads_lock(ids: list[uuid.UUID], *, skip_locked: bool) -> dict[uuid.UUID, Workload]:
+    """The reporting workloads' rows, locked (PostgreSQL) in one order for every writer, with the flow
+    fields a write reads and updates only."""
+    if not ids:
+        return {}
+    table, pk = Workload._meta.db_table, Workload._meta.pk
+    columns = ", ".join(
+        f'"{Workload._meta.get_field(name).column}"' for name in ("id", *WORKLOAD_FLOW_FIELDS)
+    )
+    lock = (
+        connection.ops.for_update_sql(skip_locked=skip_locked)
+        if connection.features.has_select_for_update
+        else ""
+    )
+    sql = (
+        f'SELECT {columns} FROM "{table}" WHERE "id" IN ({", ".join(["%s"] * len(ids))}) ORDER BY "id" {lock}'  # noqa: S608
+    )
+    return {
+        workload.id: workload
+        for workload in Workload.objects.raw(sql, [pk.get_db_prep_value(i, connection) for i in ids])
+    }
+
+
+def _owners_of(model, ids: list[uuid.UUID]) -> dict[uuid.UUID, uuid.UUID]:
+    """Stored id -> its workload's id, for those of `ids` that are stored already."""
+    if not ids:
+        return {}
+    pk, owner = model._meta.pk, model._meta.get_field("workload")
+    sql = (
+        f'SELECT "id", "{owner.column}" FROM "{model._meta.db_table}" '  # noqa: S608 - our names
+        f'WHERE "id" IN ({", ".join(["%s"] * len(ids))})'
+    )
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [pk.get_db_prep_value(i, connection) for i in ids])
+        return {pk.to_python(row[0]): owner.target_field.to_python(row[1]) for row in cursor.fetchall()}
 
 
 def _stored_once(raw: Any, item_id: uuid.UUID, stored: dict, workload_id: uuid.UUID) -> tuple[dict, bool]:
