@@ -52,6 +52,20 @@ def _batch(windows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return taken
 
 
+def _answered_items(answer: bytes) -> list[dict[str, Any]]:
+    """The windows' and gaps' answers of an accepted report; ValueError (the report is sent again
+    later) when the answer is not what the gateway sends, rather than an exception the loop would
+    not expect."""
+    results = json.loads(answer)
+    lists = [results.get(name, []) for name in ("windows", "gaps")] if isinstance(results, dict) else [None]
+    items = [item for listed in lists if isinstance(listed, list) for item in listed]
+    if not all(isinstance(listed, list) for listed in lists) or not all(
+        isinstance(item, dict) and isinstance(item.get("id"), str | None) for item in items
+    ):
+        raise ValueError("the gateway's answer to a flow report is not one of its answers")
+    return items
+
+
 def _expired(expires_at: str, now: float) -> bool:
     try:
         return datetime.fromisoformat(expires_at.replace("Z", "+00:00")).timestamp() <= now
@@ -259,16 +273,16 @@ class FlowReporter:
         if response.status != 200:
             detail = ""
             try:
-                detail = json.loads(answer).get("detail", "")
+                problem = json.loads(answer)
+                detail = str(problem.get("detail", "")) if isinstance(problem, dict) else ""
             except ValueError:
                 pass
             self.log("flow report refused", status=response.status, detail=detail[:200])
             return False
-        results = json.loads(answer)
         done: set[str] = set()
         rejected = []
         by_id = {w["id"]: w for w in windows}
-        for result in results.get("windows", []) + results.get("gaps", []):
+        for result in _answered_items(answer):
             if result.get("id"):
                 done.add(result["id"])
             if result.get("result") == "refused" and result.get("id") in by_id:

@@ -162,7 +162,8 @@ def _group(raw: Any, *, start: datetime, end: datetime, accounting: bool) -> dic
     port = raw.get("port")
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
         raise Refused("port is a whole number from 0 to 65535")
-    if raw.get("decision") not in DECISIONS:
+    decision = raw.get("decision")
+    if not isinstance(decision, str) or decision not in DECISIONS:  # a set: a list or object would raise
         raise Refused(f"decision is one of {', '.join(Decision.values)}")
     rule = raw.get("rule")
     if rule is not None and (
@@ -182,7 +183,7 @@ def _group(raw: Any, *, start: datetime, end: datetime, accounting: bool) -> dic
         "peer": _peer(raw.get("peer")),
         "protocol": protocol,
         "port": port,
-        "decision": raw["decision"],
+        "decision": decision,
         "rule_number": rule,
         "connection_count": _count(raw.get("connection_count"), "connection_count"),
         "first_seen": first_seen,

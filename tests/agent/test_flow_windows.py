@@ -145,3 +145,31 @@ def test_reports_are_cut_to_a_byte_budget_but_always_carry_one_window():
     assert flowreporter._batch([huge, small]) == [huge]
     assert flowreporter._batch([small] * 3) == [small] * 3
     assert len(flowreporter._batch([huge] * 3)) == 1
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        b"[]",
+        b'"ok"',
+        b'{"windows": 3}',
+        b'{"windows": {"id": "x"}}',
+        b'{"gaps": [[1]]}',
+        b'{"windows": [{"id": 7}]}',
+    ],
+)
+def test_an_answer_the_gateway_never_sends_is_an_error_the_loop_retries_on(answer):
+    from agent import flowreporter
+
+    with pytest.raises(ValueError):  # what the report loop catches: the report is sent again
+        flowreporter._answered_items(answer)
+
+
+def test_the_gateways_answers_are_read_per_window_and_gap():
+    from agent import flowreporter
+
+    answer = {
+        "windows": [{"id": "w", "result": "accepted", "reason": None}],
+        "gaps": [{"id": None, "result": "refused"}],
+    }
+    assert flowreporter._answered_items(json.dumps(answer).encode()) == answer["windows"] + answer["gaps"]

@@ -1,0 +1,87 @@
+"""Every field of a flow report, and every query parameter of the flow endpoints, given values of every
+JSON type and odd text: each is refused with a reason or a problem document, never an exception or a 5xx.
+Runs on SQLite and PostgreSQL (CI)."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import uuid
+from datetime import timedelta
+
+from controlplane import clock
+from controlplane.problems import Problem, ValidationFailed
+from flows.services import flow_report_ingest
+from tests.flows.test_ingestion import _report, _window_between, enrolled
+
+JSON_VALUES = [None, True, False, 0, -1, 1.5, 2**70, -(2**70), "", "x", "x" * 500, [], {}, [1], {"a": 1},
+               "2026-01-01T00:00:00Z", "9999-12-31T23:59:59-14:00", "0001-01-01T00:00:00+14:00",
+               "::ffff:10.0.0.1", "fe80::1%eth0", "255", "256", "6"]  # fmt: skip
+
+QUERY_VALUES = ["", " ", "0", "-1", "99999999999999999999999999", "1e9", "NaN", "x" * 5000, "\x00", "ü", "../",
+                "null", "2026-13-01T00:00:00Z", "2026-01-01", "2026-01-01T00:00:00", "9999-12-31T23:59:59Z",
+                "0001-01-01T00:00:00Z", "00000000-0000-0000-0000-000000000000", "tcp/", "tcp/99999", "/80",
+                "::1%eth0", "10.0.0.0/8", "a=b", "a=", "=b", "a!=b", "a in (b)", "rule", "start", "id"]  # fmt: skip
+ENCODED_VALUES = ["%ED%A0%80", "%FF", "%00", "%C0%AF"]  # a surrogate, bytes that are not UTF-8, NUL
+ENDPOINTS = {
+    "/api/v1/flows": ["workload", "from", "to", "cursor", "limit", "decision", "peer", "service", "rule"],
+    "/api/v1/flows/rollup": ["workload", "label", "from", "to", "group_by", "cursor", "limit"],
+    "/api/v1/flows/gaps": ["workload", "label", "from", "to", "cursor", "limit"],
+    "/api/v1/flows/review": ["workload", "label", "from", "to"],
+}
+
+
+def _base_report() -> dict:
+    report = _report("p1", 100, _window_between(clock.now() - timedelta(minutes=10), 1))
+    window = report["windows"][0]
+    report["gaps"] = [{"id": str(uuid.uuid4()), "kind": "window_overflow", "source": None,
+                       "start": window["start"], "end": window["end"], "lost": {"keys": 1}}]  # fmt: skip
+    return report
+
+
+def _variants(base: dict):
+    """The report with one field at a time set to each value (fresh ids, so nothing is a re-send)."""
+    window, gap = base["windows"][0], base["gaps"][0]
+    places = [(lambda r: r, base), (lambda r: r["windows"][0], window),
+              (lambda r: r["windows"][0]["groups"][0], window["groups"][0]), (lambda r: r["gaps"][0], gap)]  # fmt: skip
+    for (part_of, part), value in itertools.product(places, JSON_VALUES):
+        for name in part:
+            report = copy.deepcopy(base)
+            report["windows"][0]["id"], report["gaps"][0]["id"] = str(uuid.uuid4()), str(uuid.uuid4())
+            part_of(report)[name] = value
+            yield name, value, report
+
+
+def test_every_field_of_a_report_at_every_json_type_is_refused_or_stored_never_an_exception(db):
+    workload, _, _ = enrolled("odd", "10.50.0.9")
+    failures = []
+    for name, value, report in _variants(_base_report()):
+        try:
+            flow_report_ingest(workload_id=str(workload.id), data=report)
+        except (Problem, ValidationFailed):
+            pass
+        except Exception as error:  # noqa: BLE001 - collected, so that one run lists every case
+            failures.append(f"{name}={value!r:.40}: {error!r:.200}")
+    assert not failures, "\n".join(failures)
+
+
+def test_every_query_parameter_of_the_flow_endpoints_answers_odd_values_without_a_5xx(api, db):
+    workload, _, _ = enrolled("odd", "10.50.0.9")
+    flow_report_ingest(workload_id=str(workload.id), data=_base_report())
+    now = clock.now()
+    text = lambda t: t.strftime("%Y-%m-%dT%H:%M:%SZ")  # noqa: E731
+    base = {"from": text(now - timedelta(hours=1)), "to": text(now + timedelta(hours=1)),
+            "workload": str(workload.id), "group_by": "peer"}  # fmt: skip
+    failures = []
+    for path, params in ENDPOINTS.items():
+        for param in params:
+            rest = "&".join(f"{k}={v}" for k, v in base.items() if k != param)
+            answers = [(value, api.get(path, {**base, param: value})) for value in QUERY_VALUES]
+            answers += [(value, api.get(f"{path}?{param}={value}&{rest}")) for value in ENCODED_VALUES]
+            answers.append(("twice", api.get(f"{path}?{param}=a&{param}=b&{rest}")))
+            failures += [
+                f"{path} {param}={value!r:.40}: {response.status_code}"
+                for value, response in answers
+                if response.status_code not in (200, 404, 422)
+            ]
+    assert not failures, "\n".join(failures)
