@@ -155,6 +155,23 @@ def test_the_flows_command_rolls_up_and_reviews(db):
         (r["protocol"], r["port"], r["decision"], r["connection_count"])
         for r in csv.DictReader(io.StringIO(out))
     ] == [("tcp", "5432", "would_block", "9")]
+    assert (
+        out.splitlines()[0]
+        == "protocol,port,decision,connection_count,bytes_in,bytes_out,first_seen,last_seen"
+    )
+    code, out, _ = run_command("flows", "rollup", "--group-by", "service", *window, "--json")
+    assert json.loads(out)["items"][0]["service"] == {"protocol": "tcp", "port": 5432}
+    empty = ("--from", "2026-01-01T00:00:00Z", "--to", "2026-01-01T01:00:00Z")
+    code, out, err = run_command(
+        "flows", "rollup", "--group-by", "peer", "--group-by", "rule", *empty, "--csv"
+    )
+    assert (code, out.strip()) == (
+        0,
+        "peer,rule_number,rule_id," + "connection_count,bytes_in,bytes_out,first_seen,last_seen",
+    )
+    assert "incomplete: 0 gaps, 1 workloads sent no report in the range" in err
+    code, out, _ = run_command("flows", "rollup", "--group-by", "peer", *empty)
+    assert out.splitlines()[0] == "no flows in the range" and out.splitlines()[1].startswith("incomplete:")
     code, out, _ = run_command("flows", "review", *window, "--json")
     assert code == 0 and json.loads(out)["verdict"] == "fail"
     code, out, _ = run_command("flows", "review", *window)

@@ -21,6 +21,12 @@ from flows.representations import (
 GROUP_COLUMNS = ("window_start", "window_end", "peer", "peer_workload_id", "protocol", "port", "decision",
                  "rule_number", "rule_id", "connection_count", "first_seen", "last_seen", "bytes_in", "bytes_out")  # fmt: skip
 GAP_COLUMNS = ("workload_id", "kind", "source", "start", "end", "lost")
+# A rollup's CSV columns per grouping, in the order of its rows' keys (flows/representations.py), so an
+# empty rollup still has its header and a spreadsheet lines ranges up column for column.
+ROLLUP_KEY_COLUMNS = {"workload": ("workload_id",), "peer": ("peer",), "peer_workload": ("peer_workload_id",),
+                      "service": ("protocol", "port"), "decision": ("decision",), "rule": ("rule_number", "rule_id"),
+                      "window": ("window_start",), "ruleset": ("ruleset_id",)}  # fmt: skip
+ROLLUP_SUM_COLUMNS = ("connection_count", "bytes_in", "bytes_out", "first_seen", "last_seen")
 
 
 def _pages(fetch):
@@ -148,20 +154,28 @@ class Command(PalisadeCommand):
         rule_ids = selectors.rule_ids_by_number({row.get("rule_number") for row in rows})
         data = [rollup_row_data(row, rule_ids) for row in rows]
         covered = coverage_data(selectors.coverage(selected, start, end))
+        # The service object as two columns, in its place.
         flat = [
-            {**{k: v for k, v in row.items() if k != "service"}, **({"protocol": row["service"]["protocol"], "port": row["service"]["port"]} if "service" in row else {})}
-            for row in data
-        ]  # fmt: skip
-        if o["csv"]:
-            columns = list(dict.fromkeys(key for row in flat for key in row)) or ["connection_count"]
-            self.stdout.write(_csv(columns, flat))
-            return
-        lines = [json.dumps(row, sort_keys=True) for row in flat]
-        if not covered["complete"]:
-            lines.append(
-                f"incomplete: {covered['gap_count']} gaps, "
-                f"{covered['workloads_without_reports_count']} workloads sent no report in the range"
+            dict(
+                pair
+                for key, value in row.items()
+                for pair in (value.items() if key == "service" else [(key, value)])
             )
+            for row in data
+        ]
+        incomplete = (
+            f"incomplete: {covered['gap_count']} gaps, "
+            f"{covered['workloads_without_reports_count']} workloads sent no report in the range"
+        )
+        if o["csv"]:
+            keys = [c for name in ROLLUP_KEY_COLUMNS if name in group_by for c in ROLLUP_KEY_COLUMNS[name]]
+            self.stdout.write(_csv([*keys, *ROLLUP_SUM_COLUMNS], flat))
+            if not covered["complete"]:  # beside the data, where a spreadsheet would not take it for a row
+                self.stderr.write(incomplete + " (--json lists them)")
+            return
+        lines = [json.dumps(row, sort_keys=True) for row in flat] or ["no flows in the range"]
+        if not covered["complete"]:
+            lines.append(incomplete)
         self.emit({"items": data, "coverage": covered}, "\n".join(lines))
 
     def do_review(self, o):
