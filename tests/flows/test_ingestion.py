@@ -404,6 +404,27 @@ def test_reports_of_several_workloads_written_together_are_each_stored_and_answe
     assert second.clock_skew_seconds is None
 
 
+def test_a_write_runs_the_same_statements_for_one_report_as_for_several(db):
+    """No statement per report or per row: a field the write reads but did not load, or an ORM save,
+    would add one per workload. SQLite alone updates its workloads one statement each."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    from flows.services import flow_reports_write
+
+    workloads = [enrolled(f"web-{i}", f"10.50.2.{i}")[0] for i in range(5)]
+
+    def statements(batch):
+        reports = [_submitted(w.id, at_agent_clock(_with_new_ids(golden()), clock.now())) for w in batch]
+        with CaptureQueriesContext(connection) as captured:
+            flow_reports_write(reports)
+        return len(captured.captured_queries)
+
+    statements(workloads[:1])  # the first write after enrolments also reads the fleet's addresses
+    one, three = statements(workloads[1:2]), statements(workloads[2:])
+    assert three - one == (0 if connection.vendor == "postgresql" else 2)
+
+
 @pytest.mark.postgres
 def test_writers_in_several_serve_processes_store_a_window_once(transactional_db):
     """The in-process group commit keeps one workload's reports apart; across serve processes the
