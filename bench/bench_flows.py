@@ -177,7 +177,7 @@ def bench_ingestion(ids: list[str], reports: int, keys: int, threads: int, rng: 
     }
 
 
-def _post_reports(host: str, port: int, cert_pem: str, requests: list, results) -> None:
+def _post_reports(host: str, port: int, cert_pem: str, requests: list, connections: int, results) -> None:
     """One client process: its share of signed reports, over keep-alive HTTPS connections, one per
     thread, the certificate pinned as the agent pins it."""
     import http.client
@@ -201,16 +201,13 @@ def _post_reports(host: str, port: int, cert_pem: str, requests: list, results) 
                     failures.append(f"HTTP {response.status}: {answer[:200]!r}")
         conn.close()
 
-    threads = [threading.Thread(target=run, args=(requests[i::GATEWAY_THREADS_PER_CLIENT],))
-               for i in range(GATEWAY_THREADS_PER_CLIENT)]  # fmt: skip
+    threads = [threading.Thread(target=run, args=(requests[i::connections],)) for i in range(connections)]
+    cpu = time.process_time()
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    results.put(failures)
-
-
-GATEWAY_THREADS_PER_CLIENT = 4
+    results.put((failures, time.process_time() - cpu))
 
 
 def _process_cpu_seconds(pid: int) -> float:
@@ -218,7 +215,23 @@ def _process_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
-def bench_gateway(reports: int, keys: int, agents: int, clients: int, rng: random.Random) -> dict:
+def _postgres_cpu_seconds() -> float:
+    """CPU of every PostgreSQL process on the machine (the backends serve writes through, and the
+    WAL and background writers they keep busy)."""
+    total = 0.0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:  # gone since the listing
+            continue
+        if "(postgres)" in text:
+            total += _process_cpu_seconds(int(stat.parent.name))
+    return total
+
+
+def bench_gateway(
+    reports: int, keys: int, agents: int, clients: int, connections: int, rng: random.Random
+) -> dict:
     """The same reports through the real serve: signed by enrolled workloads' keys, posted over TLS to
     the gateway listener, authenticated, parsed and written as serve writes them."""
     import multiprocessing
@@ -264,18 +277,21 @@ def bench_gateway(reports: int, keys: int, agents: int, clients: int, rng: rando
             requests.append((body, headers))
         before = FlowWindow.objects.count() + FlowGroup.objects.count()
         log(f"posting {reports} signed reports of {keys} keys from {agents} agents to serve's gateway "
-            f"({clients} client processes x {GATEWAY_THREADS_PER_CLIENT} connections)")  # fmt: skip
+            f"({clients} client processes x {connections} connections)")  # fmt: skip
         ctx = multiprocessing.get_context("spawn")
         results = ctx.Queue()
-        workers = [ctx.Process(target=_post_reports, args=(host, port, cert_pem, requests[c::clients], results))
+        workers = [ctx.Process(target=_post_reports, args=(host, port, cert_pem, requests[c::clients], connections, results))
                    for c in range(clients)]  # fmt: skip
-        cpu_before = _process_cpu_seconds(serve.process.pid)
+        cpu_before, postgres_before = _process_cpu_seconds(serve.process.pid), _postgres_cpu_seconds()
         started = time.perf_counter()
         for worker in workers:
             worker.start()
-        failures = [failure for _ in workers for failure in results.get(timeout=600)]
+        answers = [results.get(timeout=600) for _ in workers]
         took = time.perf_counter() - started
         serve_cpu = _process_cpu_seconds(serve.process.pid) - cpu_before
+        postgres_cpu = _postgres_cpu_seconds() - postgres_before
+        failures = [failure for failed, _ in answers for failure in failed]
+        clients_cpu = sum(cpu for _, cpu in answers)
         for worker in workers:
             worker.join()
         assert serve.stop() == 0
@@ -289,13 +305,17 @@ def bench_gateway(reports: int, keys: int, agents: int, clients: int, rng: rando
         "reports": reports,
         "agents": agents,
         "client_processes": clients,
-        "connections": clients * GATEWAY_THREADS_PER_CLIENT,
+        "connections": clients * connections,
         "rows": stored,
         "seconds": round(took, 3),
         "rows_per_second": round(stored / took),
         "reports_per_second": round(reports / took, 1),
         "group_rows_per_second": round(reports * keys / took),
         "serve_cpu_ms_per_report": round(serve_cpu / reports * 1e3, 2),
+        # Where the machine's cores went: serve shares them with the clients and PostgreSQL here.
+        "clients_cpu_ms_per_report": round(clients_cpu / reports * 1e3, 2),
+        "postgres_cpu_ms_per_report": round(postgres_cpu / reports * 1e3, 2),
+        "one_serve_core_reports_per_second": round(reports / serve_cpu),
         "one_process_keeps_up": reports * keys / took >= FLEET_ROWS_PER_SECOND,
     }
 
@@ -459,6 +479,12 @@ def main() -> int:
     )
     parser.add_argument("--agents", type=int, default=1000, help="enrolled workloads posting to the gateway")
     parser.add_argument("--clients", type=int, default=4, help="client processes posting to the gateway")
+    parser.add_argument(
+        "--connections",
+        type=int,
+        default=4,
+        help="keep-alive connections of each client process, one report in flight on each",
+    )
     parser.add_argument("--rollup-workloads", type=int, default=1000)
     parser.add_argument("--rollup-hours", type=int, default=24)
     parser.add_argument("--rollup-keys", type=int, default=5)
@@ -473,11 +499,14 @@ def main() -> int:
         ingestion = bench_ingestion(ids, args.reports, args.keys, args.threads, rng)
         log(f"ingestion: {ingestion['ingest_rows_per_second']} rows/s, COPY {ingestion['copy_rows_per_second']} "
             f"rows/s, ratio {ingestion['ratio_ingest_over_copy']} (target >= {RATIO_TARGET})")  # fmt: skip
-        gateway = bench_gateway(args.reports, args.keys, args.agents, args.clients, rng)
+        gateway = bench_gateway(args.reports, args.keys, args.agents, args.clients, args.connections, rng)
         gateway["ratio_over_copy"] = round(gateway["rows_per_second"] / ingestion["copy_rows_per_second"], 3)
         log(f"through serve's gateway: {gateway['rows_per_second']} rows/s ({gateway['reports_per_second']} "
             f"reports/s, serve {gateway['serve_cpu_ms_per_report']} ms CPU each), ratio over COPY {gateway['ratio_over_copy']} (target >= {RATIO_TARGET}); "
             f"keeps up with the fleet: {gateway['one_process_keeps_up']}")  # fmt: skip
+        log(f"CPU per report: serve {gateway['serve_cpu_ms_per_report']} ms, clients {gateway['clients_cpu_ms_per_report']} ms, "
+            f"PostgreSQL {gateway['postgres_cpu_ms_per_report']} ms on {os.cpu_count()} cores; one core of serve's: "
+            f"{gateway['one_serve_core_reports_per_second']} reports/s (the fleet sends {FLEET_ROWS_PER_SECOND / args.keys:.0f})")  # fmt: skip
         rollup_ids = workloads_insert(args.rollup_workloads, {"group": "rollup"}, rng)
         load_rollup_data(rollup_ids, args.rollup_hours, args.rollup_keys)
         rollup = bench_rollup(args.rollup_hours, args.samples)
