@@ -72,6 +72,13 @@ class FlowHour(FlowCounters):
     id = models.BigAutoField(primary_key=True)
     hour = models.DateTimeField()
     rule_number = models.PositiveIntegerField()  # 0: no rule decided (a key column, so never null)
+    # Every report updates its hours' rows in place. No index of their own on these two: the key's
+    # unique index leads with the workload, and nothing looks rows up by peer workload; an update
+    # that touches no indexed column can stay on its page (a HOT update, flows/partitions.py).
+    workload = models.ForeignKey(Workload, on_delete=models.CASCADE, related_name="+", db_index=False)
+    peer_workload = models.ForeignKey(
+        Workload, on_delete=models.SET_NULL, null=True, related_name="+", db_index=False
+    )
 
     class Meta:
         constraints = [
