@@ -214,21 +214,24 @@ def _hours_add(groups: list[dict]) -> None:
 
 
 def _hours_add_in_postgresql(groups: list[dict]) -> None:
-    # The groups' starts bound the read to their day partitions; the window ids pick the rows by index.
-    # GROUP BY makes each key appear once, as ON CONFLICT needs.
+    # The groups' workloads and starts pick the rows off the (workload, start) index within their day
+    # partitions, then the window ids keep those just written. By start alone the read would walk every
+    # workload's rows of those minutes: the whole fleet's, growing with it. GROUP BY makes each key
+    # appear once, as ON CONFLICT needs.
     quoted = ", ".join(f'"{name}"' for name in HOUR_COLUMNS)
     sql = (
         f'INSERT INTO "{FlowHour._meta.db_table}" ({quoted}) '  # noqa: S608 - our names
         "SELECT workload_id, date_trunc('hour', start, 'UTC'), peer, protocol, port, decision,"
         " coalesce(rule_number, 0), (array_agg(peer_workload_id))[1], sum(connection_count), sum(bytes_in),"
         f' sum(bytes_out), min(first_seen), max(last_seen) FROM "{FlowGroup._meta.db_table}"'
-        " WHERE window_id = ANY(%s) AND start >= %s AND start <= %s GROUP BY 1, 2, 3, 4, 5, 6, 7 "
-        + _hours_upsert_clause("LEAST", "GREATEST")
+        " WHERE workload_id = ANY(%s) AND start >= %s AND start <= %s AND window_id = ANY(%s)"
+        " GROUP BY 1, 2, 3, 4, 5, 6, 7 " + _hours_upsert_clause("LEAST", "GREATEST")
     )
+    workload_ids = list({group["workload_id"] for group in groups})
     window_ids = list({group["window_id"] for group in groups})
     starts = [group["start"] for group in groups]
     with connection.cursor() as cursor:
-        cursor.execute(sql, [window_ids, min(starts), max(starts)])
+        cursor.execute(sql, [workload_ids, min(starts), max(starts), window_ids])
 
 
 WORKLOAD_FLOW_FIELDS = (
