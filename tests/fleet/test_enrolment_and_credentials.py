@@ -260,7 +260,9 @@ def test_credential_is_signed_and_verifies(provisioning_secret):
     )  # Ed25519 is deterministic: the row is the credential
 
 
-def test_a_credential_verified_before_is_refused_once_the_signing_key_is_replaced(data_dir, provisioning_secret):
+def test_a_credential_verified_before_is_refused_once_the_signing_key_is_replaced(
+    data_dir, provisioning_secret
+):
     text = enrol(provisioning_secret).credential.text
     assert credential_verify(text)["serial"] == 1
     (data_dir / "agent-signing-key.pem").unlink()  # an operator forcing every workload to re-enrol
