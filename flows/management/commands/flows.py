@@ -4,6 +4,7 @@ JSON (`--json`) or CSV (`--csv`, for spreadsheets)."""
 import csv
 import io
 import json
+from datetime import UTC, datetime
 
 from controlplane.management.base import PalisadeCommand
 from controlplane.pagination import MAX_LIMIT
@@ -21,12 +22,23 @@ from flows.representations import (
 GROUP_COLUMNS = ("window_start", "window_end", "peer", "peer_workload_id", "protocol", "port", "decision",
                  "rule_number", "rule_id", "connection_count", "first_seen", "last_seen", "bytes_in", "bytes_out")  # fmt: skip
 GAP_COLUMNS = ("workload_id", "kind", "source", "start", "end", "lost")
-# A rollup's CSV columns per grouping, in the order of its rows' keys (flows/representations.py), so an
-# empty rollup still has its header and a spreadsheet lines ranges up column for column.
-ROLLUP_KEY_COLUMNS = {"workload": ("workload_id",), "peer": ("peer",), "peer_workload": ("peer_workload_id",),
-                      "service": ("protocol", "port"), "decision": ("decision",), "rule": ("rule_number", "rule_id"),
-                      "window": ("window_start",), "ruleset": ("ruleset_id",)}  # fmt: skip
-ROLLUP_SUM_COLUMNS = ("connection_count", "bytes_in", "bytes_out", "first_seen", "last_seen")
+
+
+def _flat(row: dict) -> dict:
+    """A rollup row with its service object as two columns, protocol and port, in its place."""
+    return dict(
+        pair for key, value in row.items() for pair in (value.items() if key == "service" else [(key, value)])
+    )
+
+
+def _rollup_columns(group_by: list[str]) -> list[str]:
+    """The CSV header of a rollup grouped by `group_by`: the columns its rows have (taken from the row
+    representation itself), so that an empty rollup has one too."""
+    epoch = datetime(1970, 1, 1, tzinfo=UTC)
+    sample = {column: epoch if column == "start" else None
+              for name in group_by for column in selectors.GROUP_KEYS[name]}  # fmt: skip
+    sample.update(connection_count=0, bytes_in=0, bytes_out=0, first_seen=epoch, last_seen=epoch)
+    return list(_flat(rollup_row_data(sample, {})))
 
 
 def _pages(fetch):
@@ -154,22 +166,13 @@ class Command(PalisadeCommand):
         rule_ids = selectors.rule_ids_by_number({row.get("rule_number") for row in rows})
         data = [rollup_row_data(row, rule_ids) for row in rows]
         covered = coverage_data(selectors.coverage(selected, start, end))
-        # The service object as two columns, in its place.
-        flat = [
-            dict(
-                pair
-                for key, value in row.items()
-                for pair in (value.items() if key == "service" else [(key, value)])
-            )
-            for row in data
-        ]
+        flat = [_flat(row) for row in data]
         incomplete = (
             f"incomplete: {covered['gap_count']} gaps, "
             f"{covered['workloads_without_reports_count']} workloads sent no report in the range"
         )
         if o["csv"]:
-            keys = [c for name in ROLLUP_KEY_COLUMNS if name in group_by for c in ROLLUP_KEY_COLUMNS[name]]
-            self.stdout.write(_csv([*keys, *ROLLUP_SUM_COLUMNS], flat))
+            self.stdout.write(_csv(_rollup_columns(group_by), flat))
             if not covered["complete"]:  # beside the data, where a spreadsheet would not take it for a row
                 self.stderr.write(incomplete + " (--json lists them)")
             return
