@@ -66,15 +66,17 @@ class FlowGroup(FlowCounters):
 
 class FlowHour(FlowCounters):
     """The groups of one workload's windows that start in one hour, summed per key: what a rollup
-    reads for the whole hours of its range (the minute rows only at its edges). Written with the
-    groups, in the same transaction."""
+    reads for the whole hours of its range (the minute rows only at its edges, and of windows not
+    summed yet). Written by serve's housekeeping once the hour is over (flows.services.flow_hours_sum),
+    not by ingestion: each row is then written about once instead of once a minute."""
 
     id = models.BigAutoField(primary_key=True)
     hour = models.DateTimeField()
     rule_number = models.PositiveIntegerField()  # 0: no rule decided (a key column, so never null)
-    # Every report updates its hours' rows in place. No index of their own on these two: the key's
-    # unique index leads with the workload, and nothing looks rows up by peer workload; an update
-    # that touches no indexed column can stay on its page (a HOT update, flows/partitions.py).
+    # A window arriving after its hour was summed updates the hour's rows in place. No index of their
+    # own on these two: the key's unique index leads with the workload, and nothing looks rows up by
+    # peer workload; an update that touches no indexed column can stay on its page (a HOT update,
+    # flows/partitions.py).
     workload = models.ForeignKey(Workload, on_delete=models.CASCADE, related_name="+", db_index=False)
     peer_workload = models.ForeignKey(
         Workload, on_delete=models.SET_NULL, null=True, related_name="+", db_index=False
@@ -86,6 +88,22 @@ class FlowHour(FlowCounters):
                 fields=["workload", "hour", "peer", "protocol", "port", "decision", "rule_number"],
                 name="flow_hour_key",
             )
+        ]
+
+
+class UnsummedWindow(models.Model):
+    """A stored window whose groups are not in the hourly sums yet: written with the window, removed
+    in the transaction that adds its groups to their hours. Rollups read these windows' groups
+    themselves, so a total never depends on whether summing has run."""
+
+    window_id = models.UUIDField(primary_key=True)
+    workload = models.ForeignKey(Workload, on_delete=models.CASCADE, related_name="+", db_index=False)
+    start = models.DateTimeField()
+
+    class Meta:
+        indexes = [
+            models.Index(fields=["start"], name="unsummed_window_start"),
+            models.Index(fields=["workload", "start"], name="unsummed_window_order"),
         ]
 
 

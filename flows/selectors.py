@@ -13,7 +13,7 @@ from controlplane.validation import parse_instant
 from fleet.models import Workload
 from fleet.selectors import workload_get, workload_queryset
 from flows.choices import Decision
-from flows.models import EvidenceGap, FlowGroup, FlowHour, FlowWindow
+from flows.models import EvidenceGap, FlowGroup, FlowHour, FlowWindow, UnsummedWindow
 from policy.grammar import Selector
 from policy.models import Rule
 
@@ -339,16 +339,22 @@ def flow_rollup(
         order = [F(column).asc(nulls_last=True) for column in columns]
         rows = list(_sums(groups, columns).order_by(*order)[: limit + 1])
     else:
-        # The whole hours from the hourly sums, the minute rows only at the range's two edges.
+        # The whole hours from the hourly sums and the groups of windows not summed yet, the minute
+        # rows only at the range's two edges. One statement: summing moves windows from the one to the
+        # other, and two statements could see a window in both or in neither.
         first, last_hour = whole
         hours = FlowHour.objects.filter(hour__gte=first, hour__lt=last_hour)
         hours = hours if selected is None else hours.filter(workload__in=selected)
-        # Two plain ranges, not one OR: each reads only its own partitions and index range.
+        unsummed = UnsummedWindow.objects.filter(start__gte=first, start__lt=last_hour)
+        # Three plain ranges, not one OR: each reads only its own partitions and index range.
         before, after = groups.filter(start__lt=first), groups.filter(start__gte=last_hour)
+        within = groups.filter(
+            start__gte=first, start__lt=last_hour, window_id__in=unsummed.values("window_id")
+        )
         if "ruleset_id" in columns:
             hours = hours.annotate(ruleset_id=_ruleset_of_rule())
-        parts = (_sums(hours, columns), _sums(before, columns), _sums(after, columns))
-        merged = _merged(*parts, columns=columns)
+        parts = [_sums(part, columns) for part in (before, within, after)]
+        merged = _merged(_sums(hours, columns).union(*parts, all=True), columns=columns)
         if last is not None:
             bound = _null_last(last)
             merged = [row for row in merged if _null_last(row[c] for c in columns) > bound]

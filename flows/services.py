@@ -22,7 +22,7 @@ from fleet.models import Workload
 from fleet.selectors import workload_get
 from flows.choices import GapKind
 from flows.group_commit import GroupCommit
-from flows.models import EvidenceGap, FlowGroup, FlowHour, FlowWindow
+from flows.models import EvidenceGap, FlowGroup, FlowHour, FlowWindow, UnsummedWindow
 from flows.partitions import flow_partitions_drop, flow_partitions_ensure
 from flows.reports import ACCEPTED, REFUSED, ParsedReport, ParsedWindow, Report, item_answer, report_parse
 
@@ -170,15 +170,46 @@ def _hours_upsert_clause(least: str, greatest: str) -> str:
     return f"ON CONFLICT ({conflict}) DO UPDATE SET {', '.join(updates)}"
 
 
-def _hours_add(groups: list[dict]) -> None:
-    """Add the groups just stored to their hours' sums (FlowHour), one upsert per workload, hour and
-    key. On PostgreSQL the database sums the rows it was just sent, by window id; elsewhere Python does."""
-    if not groups:
-        return
+# An hour is summed this long after it ends: by then the windows that started in it (a minute long by
+# default, sent as they close) have arrived, so its rows are written once. A window arriving later is
+# summed on a later round, adding to the rows.
+HOURS_SUMMED_AFTER = timedelta(minutes=5)
+WINDOWS_PER_SUM = 5000  # a transaction of about 250,000 group rows at 50 keys a window
+
+
+def flow_hours_sum(*, before: datetime, most: int = WINDOWS_PER_SUM) -> int:
+    """Add the groups of the stored windows that started before `before` and are not summed yet to
+    their hours' sums; returns how many windows. Each batch of `most` windows is one transaction that
+    removes the windows from UnsummedWindow and adds their groups, so a window is summed exactly once
+    even with two serve processes at it (each skips the rows the other holds)."""
+    summed = 0
+    while True:
+        with transaction.atomic():
+            taken = list(
+                UnsummedWindow.objects.filter(start__lt=before)
+                .order_by("workload_id", "start")
+                .select_for_update(skip_locked=True)
+                .values_list("window_id", "workload_id", "start")[:most]
+            )
+            if not taken:
+                return summed
+            UnsummedWindow.objects.filter(window_id__in=[window_id for window_id, _, _ in taken]).delete()
+            _hours_add(taken)
+        summed += len(taken)
+
+
+def _hours_add(windows: list[tuple[uuid.UUID, uuid.UUID, datetime]]) -> None:
+    """Add the groups of `windows` (id, workload id, start) to their hours' sums (FlowHour), one
+    upsert per workload, hour and key. On PostgreSQL the database sums the groups where they lie;
+    elsewhere Python does."""
     if connection.vendor == "postgresql":
-        _hours_add_in_postgresql(groups)
+        _hours_add_in_postgresql(windows)
         return
     hours: dict[tuple, dict] = {}
+    groups = FlowGroup.objects.filter(window_id__in=[window_id for window_id, _, _ in windows]).values(
+        "workload_id", "start", "peer", "protocol", "port", "decision", "rule_number", "peer_workload_id",
+        *HOUR_SUMS, "first_seen", "last_seen",
+    )  # fmt: skip
     for group in groups:
         hour = group["start"].replace(minute=0, second=0, microsecond=0)
         key = (group["workload_id"], hour, group["peer"], group["protocol"], group["port"],
@@ -213,11 +244,11 @@ def _hours_add(groups: list[dict]) -> None:
             )
 
 
-def _hours_add_in_postgresql(groups: list[dict]) -> None:
-    # The groups' workloads and starts pick the rows off the (workload, start) index within their day
-    # partitions, then the window ids keep those just written. By start alone the read would walk every
-    # workload's rows of those minutes: the whole fleet's, growing with it. GROUP BY makes each key
-    # appear once, as ON CONFLICT needs.
+def _hours_add_in_postgresql(windows: list[tuple[uuid.UUID, uuid.UUID, datetime]]) -> None:
+    # The windows' workloads and starts pick the groups off the (workload, start) index within their
+    # day partitions, then the window ids keep those of these windows. By start alone the read would
+    # walk every workload's rows of those minutes: the whole fleet's. GROUP BY makes each key appear
+    # once, as ON CONFLICT needs.
     quoted = ", ".join(f'"{name}"' for name in HOUR_COLUMNS)
     sql = (
         f'INSERT INTO "{FlowHour._meta.db_table}" ({quoted}) '  # noqa: S608 - our names
@@ -227,11 +258,17 @@ def _hours_add_in_postgresql(groups: list[dict]) -> None:
         " WHERE workload_id = ANY(%s) AND start >= %s AND start <= %s AND window_id = ANY(%s)"
         " GROUP BY 1, 2, 3, 4, 5, 6, 7 " + _hours_upsert_clause("LEAST", "GREATEST")
     )
-    workload_ids = list({group["workload_id"] for group in groups})
-    window_ids = list({group["window_id"] for group in groups})
-    starts = [group["start"] for group in groups]
+    starts = [start for _, _, start in windows]
     with connection.cursor() as cursor:
-        cursor.execute(sql, [workload_ids, min(starts), max(starts), window_ids])
+        cursor.execute(
+            sql,
+            [
+                list({workload_id for _, workload_id, _ in windows}),
+                min(starts),
+                max(starts),
+                [window_id for window_id, _, _ in windows],
+            ],
+        )
 
 
 WORKLOAD_FLOW_FIELDS = (
@@ -299,8 +336,8 @@ def flow_report_ingest(*, workload_id: str, data: Any) -> dict:
 
 def flow_reports_write(items: list[SubmittedReport]) -> list[dict | Exception]:
     """Store the reports of distinct workloads in one transaction: one lock statement for their rows,
-    one id lookup per table, one COPY per table, one upsert of the hourly sums, one update of the
-    workloads. Returns each report's answer, or the problem that refused it.
+    one id lookup per table, one COPY per table, one update of the workloads. Their hours are summed
+    later (`flow_hours_sum`). Returns each report's answer, or the problem that refused it.
 
     The batch never waits for a workload's row: one that another transaction holds (a re-render, a
     mode change, another serve process's write) is skipped, and its report written alone afterwards,
@@ -383,7 +420,7 @@ def _reports_write(items: list[SubmittedReport], *, skip_locked: bool) -> list[d
             outcomes.append({"windows": window_answers, "gaps": gap_answers})
         _rows_insert(FlowWindow, windows)
         _rows_insert(FlowGroup, groups)
-        _hours_add(groups)
+        _rows_insert(UnsummedWindow, [_unsummed_row(window) for window in windows])
         EvidenceGap.objects.bulk_create(gaps)
         _workloads_update(touched)
     return outcomes
@@ -454,6 +491,10 @@ def _window_row(window: ParsedWindow, *, workload: Workload, now: datetime) -> d
     }
 
 
+def _unsummed_row(window: dict) -> dict:
+    return {"window_id": window["id"], "workload_id": window["workload_id"], "start": window["start"]}
+
+
 def _group_rows(
     windows: list[ParsedWindow], *, workload: Workload, peers: dict[str, uuid.UUID]
 ) -> list[dict]:
@@ -490,6 +531,7 @@ def flow_evidence_prune(*, older_than: timedelta) -> Pruned:
     FlowGroup.objects.filter(end__lt=cutoff).delete()
     # An hour's windows start in it and end within the next: its sums go once both are past.
     FlowHour.objects.filter(hour__lt=cutoff - timedelta(hours=2)).delete()
+    UnsummedWindow.objects.filter(start__lt=cutoff - timedelta(hours=2)).delete()
     windows, _ = FlowWindow.objects.filter(end__lt=cutoff).delete()
     gaps, _ = EvidenceGap.objects.filter(end__lt=cutoff).delete()
     return Pruned(rows=windows + gaps, partitions=partitions)

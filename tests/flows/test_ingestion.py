@@ -19,7 +19,7 @@ from controlplane.problems import Problem, ValidationFailed
 from fleet.enrolment import workload_enrol
 from fleet.provisioning import provisioning_token_mint
 from fleet.streams import report_authenticate
-from flows.models import EvidenceGap, FlowGroup, FlowWindow
+from flows.models import EvidenceGap, FlowGroup, FlowWindow, UnsummedWindow
 from flows.services import flow_report_ingest
 from tests.support.helpers import assert_problem, race
 
@@ -174,6 +174,7 @@ def test_retention_removes_old_evidence(db, clock_at):
     runtime.facts_set(flow_retention_days=30)
     assert flows_prune_step() > 0  # on PostgreSQL whole day partitions, on SQLite rows
     assert FlowWindow.objects.count() == FlowGroup.objects.count() == EvidenceGap.objects.count() == 0
+    assert not UnsummedWindow.objects.exists()  # nor is a dropped window summed later
 
 
 def test_a_report_needs_the_workloads_key_and_a_live_credential(db, clock_at):
@@ -371,7 +372,7 @@ def test_reports_of_several_workloads_written_together_are_each_stored_and_answe
     import uuid
 
     from flows.models import FlowHour
-    from flows.services import flow_reports_write
+    from flows.services import flow_hours_sum, flow_reports_write
 
     first, second, third = (enrolled(f"web-{i}", f"10.50.1.{i}")[0] for i in range(3))
     stored_before = at_agent_clock(golden(), clock.now())
@@ -393,6 +394,8 @@ def test_reports_of_several_workloads_written_together_are_each_stored_and_answe
         and FlowGroup.objects.count() == 6
         and EvidenceGap.objects.count() == 3
     )
+    assert not FlowHour.objects.exists()  # summed later, by serve's housekeeping
+    assert flow_hours_sum(before=clock.now() + timedelta(days=3650)) == 3  # golden windows are in 2027
     for workload in (first, second, third):
         hours = FlowHour.objects.filter(workload=workload)
         assert sorted(hours.values_list("connection_count", flat=True)) == [1, 3]

@@ -58,9 +58,10 @@ def test_rollup_sums_by_the_keys_asked_for_and_states_its_coverage(api, db):
     ).json()
     assert only_web["coverage"]["complete"] is True
     assert {r["peer_workload_id"] for r in only_web["items"]} == {str(db_host.id), None}
-    first = api.get("/api/v1/flows/rollup", {**_range(), "group_by": "peer", "limit": 1}).json()
+    span = _range()  # one range for every page: a cursor belongs to its query
+    first = api.get("/api/v1/flows/rollup", {**span, "group_by": "peer", "limit": 1}).json()
     rest = api.get(
-        "/api/v1/flows/rollup", {**_range(), "group_by": "peer", "limit": 1, "cursor": first["next_cursor"]}
+        "/api/v1/flows/rollup", {**span, "group_by": "peer", "limit": 1, "cursor": first["next_cursor"]}
     ).json()
     assert [r["peer"] for r in first["items"] + rest["items"]] == ["10.50.0.2", "10.9.9.9"] and rest[
         "next_cursor"
@@ -205,12 +206,13 @@ def test_rollup_pages_put_groups_without_a_rule_last(api, db):
         {"peer": "10.1.0.2", "port": 443, "decision": "allowed", "rule": 9, "connection_count": 1},
         {"peer": "10.1.0.3", "port": 443, "decision": "allowed", "rule": 7, "connection_count": 1},
     ]))  # fmt: skip
+    span = _range()  # one range for every page: a cursor belongs to its query
     for group_by in (["rule"], ["rule", "window"]):
         seen, cursor = [], None
         while True:
             page = api.get(
                 "/api/v1/flows/rollup",
-                {**_range(), "group_by": group_by, "limit": 1, **({"cursor": cursor} if cursor else {})},
+                {**span, "group_by": group_by, "limit": 1, **({"cursor": cursor} if cursor else {})},
             ).json()
             seen += [r["rule_number"] for r in page["items"]]
             if not (cursor := page["next_cursor"]):

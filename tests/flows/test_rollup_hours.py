@@ -10,12 +10,12 @@ from datetime import UTC, timedelta
 import pytest
 
 from controlplane import clock
-from flows.models import FlowGroup, FlowHour
-from flows.selectors import _groups_in_range, _sums, flow_rollup
-from flows.services import flow_report_ingest
+from flows.models import FlowGroup, FlowHour, UnsummedWindow
+from flows.selectors import _groups_in_range, _ruleset_of_rule, _sums, flow_rollup
+from flows.services import flow_hours_sum, flow_report_ingest
 from tests.flows.test_ingestion import _report, enrolled
 
-GROUPINGS = [["peer", "service"], ["workload", "decision"], ["rule"], ["peer_workload", "decision", "rule"]]
+GROUPINGS = [["peer", "service"], ["workload", "decision"], ["rule"], ["peer_workload", "decision", "rule"], ["ruleset", "peer"]]
 
 
 def _instant(at) -> str:
@@ -45,7 +45,10 @@ def _expected(start, end, group_by) -> list[dict]:
     from flows.selectors import GROUP_KEYS
 
     columns = [column for name in group_by for column in GROUP_KEYS[name]]
-    return list(_sums(_groups_in_range(None, start, end), columns))
+    groups = _groups_in_range(None, start, end)
+    if "ruleset_id" in columns:
+        groups = groups.annotate(ruleset_id=_ruleset_of_rule())
+    return list(_sums(groups, columns))
 
 
 def _key(row):
@@ -59,10 +62,26 @@ def test_hourly_sums_and_edges_add_up_to_the_minute_rows(db, seed):
     enrolled("db", "10.50.0.2")
     begin = (clock.now() - timedelta(hours=5)).replace(minute=0, second=0, microsecond=0)
     windows = _random_windows(rng, begin, 60)
+    halfway = begin + timedelta(minutes=120)
     for chunk in (windows[:25], windows[25:]):  # two reports: hours summed across reports
         answer = flow_report_ingest(workload_id=str(web.id), data=_report("p1", 100, chunk))
         assert all(r["result"] == "accepted" for r in answer["windows"])
+    # Rollups add up the same before summing, half summed (a summed hour with windows arriving after
+    # it was summed) and all summed.
+    _rollups_equal_the_minute_rows(rng, begin)
+    assert flow_hours_sum(before=halfway, most=7) == sum(w["start"] < _instant(halfway) for w in windows)
+    late = _random_windows(rng, begin, 10)
+    flow_report_ingest(workload_id=str(web.id), data=_report("p1", 100, late))
+    _rollups_equal_the_minute_rows(rng, begin)
+    assert flow_hours_sum(before=clock.now()) == 60 + 10 - sum(
+        w["start"] < _instant(halfway) for w in windows
+    )
     assert FlowHour.objects.count() < FlowGroup.objects.count()
+    assert not UnsummedWindow.objects.exists()
+    _rollups_equal_the_minute_rows(rng, begin)
+
+
+def _rollups_equal_the_minute_rows(rng: random.Random, begin) -> None:
     for _ in range(12):
         start = begin + timedelta(minutes=rng.randrange(-30, 200), seconds=rng.choice([0, 17]))
         end = start + timedelta(minutes=rng.choice([20, 61, 90, 150, 300]))
@@ -75,3 +94,55 @@ def test_hourly_sums_and_edges_add_up_to_the_minute_rows(db, seed):
                 end,
                 group_by,
             )
+
+
+def test_housekeeping_sums_an_hour_once_it_is_a_few_minutes_over(db, clock_at):
+    from controlplane.housekeeping import flow_hours_sum_step
+
+    web, _, _ = enrolled("web", "10.50.0.1")
+    hour = clock.now().replace(minute=0, second=0, microsecond=0) - timedelta(hours=1)
+    earlier, later = (
+        [
+            w
+            for w in _random_windows(random.Random(4), start, 40)
+            if w["start"] < _instant(start + timedelta(hours=1))
+        ]
+        for start in (hour, hour + timedelta(hours=1))
+    )
+    flow_report_ingest(workload_id=str(web.id), data=_report("p1", 100, earlier + later))
+    clock_at(hour + timedelta(hours=1, minutes=2) - clock.now())
+    assert flow_hours_sum_step() == 0  # windows of the hour just over may still be on their way
+    clock_at(timedelta(minutes=4))
+    assert flow_hours_sum_step() == len(earlier)
+    assert {h.hour for h in FlowHour.objects.all()} == {hour}
+    clock_at(timedelta(hours=1))
+    assert flow_hours_sum_step() == len(later) and not UnsummedWindow.objects.exists()
+
+
+@pytest.mark.postgres
+def test_serve_processes_summing_at_once_sum_each_window_once(transactional_db):
+    from django.db import connection
+    from django.db.models import Sum
+
+    from tests.support.helpers import race
+    from tests.support.requirements import require
+
+    require(connection.vendor == "postgresql", "needs PostgreSQL: set DATABASE_URL=postgresql://...")
+    rng = random.Random(5)
+    begin = (clock.now() - timedelta(hours=5)).replace(minute=0, second=0, microsecond=0)
+    for index in range(3):
+        workload, _, _ = enrolled(f"web-{index}", f"10.50.0.{index + 1}")
+        windows = _random_windows(rng, begin, 40)
+        flow_report_ingest(workload_id=str(workload.id), data=_report("p1", 100, windows))
+    results = race(*[lambda: flow_hours_sum(before=clock.now(), most=7) for _ in range(4)])
+    assert sum(results) == 120, results
+    sums = {
+        model: {
+            tuple(row.values())
+            for row in model.objects.values("workload_id", "peer", "port", "decision").annotate(
+                n=Sum("connection_count")
+            )
+        }
+        for model in (FlowHour, FlowGroup)
+    }
+    assert sums[FlowHour] == sums[FlowGroup]
