@@ -15,7 +15,13 @@ from flows.selectors import _groups_in_range, _ruleset_of_rule, _sums, flow_roll
 from flows.services import flow_hours_sum, flow_report_ingest
 from tests.flows.test_ingestion import _report, enrolled
 
-GROUPINGS = [["peer", "service"], ["workload", "decision"], ["rule"], ["peer_workload", "decision", "rule"], ["ruleset", "peer"]]
+GROUPINGS = [
+    ["peer", "service"],
+    ["workload", "decision"],
+    ["rule"],
+    ["peer_workload", "decision", "rule"],
+    ["ruleset", "peer"],
+]
 
 
 def _instant(at) -> str:
