@@ -27,9 +27,10 @@ PARTITIONED = {
     "flows_evidencegap": "end",
 }
 DAYS_AHEAD = 3
-# The hourly sums are updated in place by every report (up to sixty times an hour per key): space left
-# free on each page lets PostgreSQL write the new row version beside the old one without touching the
-# indexes (a HOT update). The other tables are only ever appended to.
+# An hour's sums are updated in place when a window arrives after the hour was summed (buffered through
+# an outage, flows.services.flow_hours_sum): space left free on each page lets PostgreSQL write the new
+# row version beside the old one without touching the indexes (a HOT update). The other tables are
+# only ever appended to.
 STORAGE = {"flows_flowhour": " WITH (fillfactor = 70)"}
 _NAME = re.compile(r"_p(\d{8})$")
 _known: set[str] = set()  # partitions this process has seen exist: ingestion checks nothing twice
