@@ -95,6 +95,8 @@ def review_data(review: dict[str, Any]) -> dict[str, Any]:
     return {
         "verdict": review["verdict"],
         "reasons": review["reasons"],
+        "workload_count": review["workload_count"],
+        "would_block_count": review["would_block_count"],
         "would_block": [
             {
                 "workload_id": str(row["workload_id"]),
@@ -105,10 +107,12 @@ def review_data(review: dict[str, Any]) -> dict[str, Any]:
             for row in review["would_block"]
         ],
         "coverage": coverage_data(review["coverage"]),
+        "offline_count": review["offline_count"],
         "offline": [
             {"workload_id": str(w.id), "hostname": w.hostname, "last_heard_from": rfc3339(w.last_heard_from)}
             for w in review["offline"]
         ],
+        "not_in_simulation_count": review["not_in_simulation_count"],
         "not_in_simulation": [
             {
                 "workload_id": str(w.id),

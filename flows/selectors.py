@@ -162,6 +162,7 @@ GROUP_KEYS = {
     "window": ("start",),
 }
 COVERAGE_LIST = 100
+WOULD_BLOCK_LIST = 1000
 
 
 def group_by_parse(values: list[str]) -> list[str]:
@@ -377,40 +378,48 @@ def unused_rules(selected, start: datetime, end: datetime) -> list[Rule]:
 def simulation_review(*, selected, start: datetime, end: datetime) -> dict:
     """The review before enforcing: would-block groups, gaps, offline workloads and workloads not in
     simulation; any one fails it (a gap alone does: rule 5)."""
-    from django.db.models import Sum
-
     from fleet.choices import Mode, SyncState
 
     workloads = _workloads_of(selected)
-    would_block = list(
+    would_block = (
         _groups_in_range(selected, start, end)
         .filter(decision=Decision.WOULD_BLOCK)
         .values("workload_id", "peer", "protocol", "port")
         .annotate(connection_count=Sum("connection_count"))
-        .order_by("-connection_count", "workload_id", "peer", "protocol", "port")[:1000]
+        .order_by("-connection_count", "workload_id", "peer", "protocol", "port")
     )
     covered = coverage(selected, start, end)
-    offline = list(workloads.filter(sync_state=SyncState.OFFLINE).order_by("hostname", "id")[:COVERAGE_LIST])
+    offline = workloads.filter(sync_state=SyncState.OFFLINE).order_by("hostname", "id")
     # In simulation for the whole range: in it now, and since before the range began.
     simulating_throughout = Q(mode=Mode.SIMULATION) & (
         Q(mode_since__lte=start) | Q(mode_since=None, enrolled_at__lte=start)
     )
-    elsewhere = list(workloads.exclude(simulating_throughout).order_by("hostname", "id")[:COVERAGE_LIST])
+    elsewhere = workloads.exclude(simulating_throughout).order_by("hostname", "id")
+    # The lists are capped; the counts, and so the reasons, are exact: a script gating enforcement
+    # reads them.
+    would_block_count, offline_count = would_block.count(), offline.count()
+    elsewhere_count, selected_count = elsewhere.count(), workloads.count()
     counts = (
-        (len(would_block), "would-block group: enforcing would block it", "would-block groups: enforcing would block them"),
+        (would_block_count, "would-block group: enforcing would block it", "would-block groups: enforcing would block them"),
         (covered["gap_count"], "evidence gap intersects the range", "evidence gaps intersect the range"),
         (covered["workloads_without_reports_count"], "workload sent no flow report in the range",
          "workloads sent no flow report in the range"),
-        (len(offline), "workload is offline", "workloads are offline"),
-        (len(elsewhere), "workload was not in simulation for the whole range",
+        (offline_count, "workload is offline", "workloads are offline"),
+        (elsewhere_count, "workload was not in simulation for the whole range",
          "workloads were not in simulation for the whole range"),
     )  # fmt: skip
-    reasons = [f"{count} {one if count == 1 else many}" for count, one, many in counts if count]
+    # A selection of nothing would pass vacuously; the mode change it gates refuses it anyway.
+    reasons = ["the selection matches no workload"] if selected_count == 0 else []
+    reasons += [f"{count} {one if count == 1 else many}" for count, one, many in counts if count]
     return {
         "verdict": "fail" if reasons else "pass",
         "reasons": reasons,
-        "would_block": would_block,
+        "workload_count": selected_count,
+        "would_block_count": would_block_count,
+        "would_block": list(would_block[:WOULD_BLOCK_LIST]),
         "coverage": covered,
-        "offline": offline,
-        "not_in_simulation": elsewhere,
+        "offline_count": offline_count,
+        "offline": list(offline[:COVERAGE_LIST]),
+        "not_in_simulation_count": elsewhere_count,
+        "not_in_simulation": list(elsewhere[:COVERAGE_LIST]),
     }

@@ -119,7 +119,15 @@ class ReviewWorkloadSerializer(serializers.Serializer):
 class ReviewSerializer(serializers.Serializer):
     verdict = serializers.ChoiceField(choices=["pass", "fail"])
     reasons = serializers.ListField(child=serializers.CharField())
+    workload_count = serializers.IntegerField(help_text="Workloads selected; none fails the review.")
+    would_block_count = serializers.IntegerField(
+        help_text="Would-block groups; the list shows the first 1,000."
+    )
     would_block = WouldBlockSerializer(many=True)
     coverage = CoverageSerializer()
+    offline_count = serializers.IntegerField(help_text="Offline workloads; the list shows the first 100.")
     offline = ReviewWorkloadSerializer(many=True)
+    not_in_simulation_count = serializers.IntegerField(
+        help_text="Workloads not in simulation for the whole range; the list shows the first 100."
+    )
     not_in_simulation = ReviewWorkloadSerializer(many=True)

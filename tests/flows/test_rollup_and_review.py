@@ -249,3 +249,36 @@ def test_a_window_reaching_into_the_range_from_before_it_counts_whatever_the_win
         assert [w["id"] for w in listed] == [str(window.id)], (window.start, window.end)
         rolled = api.get("/api/v1/flows/rollup", {**span, "group_by": "peer"}).json()["items"]
         assert [r["connection_count"] for r in rolled] == [1]
+
+
+def test_the_review_counts_exactly_beyond_the_lists_it_shows(api, db, monkeypatch):
+    from flows import selectors
+
+    monkeypatch.setattr(selectors, "COVERAGE_LIST", 1)
+    monkeypatch.setattr(selectors, "WOULD_BLOCK_LIST", 1)
+    web, _, _ = enrolled("web", "10.50.0.1")
+    enrolled("db", "10.50.0.2")
+    enrolled("cache", "10.50.0.3")
+    _ingest(web, _windows(web, [
+        {"peer": "10.7.7.7", "port": 5432, "decision": "would_block", "connection_count": 9},
+        {"peer": "10.7.7.8", "port": 5432, "decision": "would_block", "connection_count": 2},
+    ]))  # fmt: skip
+    review = api.get("/api/v1/flows/review", _range()).json()
+    assert review["workload_count"] == 3
+    assert review["would_block_count"] == 2 and len(review["would_block"]) == 1
+    assert review["offline_count"] == 3 and len(review["offline"]) == 1
+    assert review["not_in_simulation_count"] == 3 and len(review["not_in_simulation"]) == 1
+    assert review["coverage"]["workloads_without_reports_count"] == 2
+    assert review["reasons"] == [
+        "2 would-block groups: enforcing would block them",
+        "2 workloads sent no flow report in the range",
+        "3 workloads are offline",
+        "3 workloads were not in simulation for the whole range",
+    ]
+
+
+def test_a_review_of_no_workload_fails_rather_than_pass_vacuously(api, db):
+    enrolled("web", "10.50.0.1")
+    review = api.get("/api/v1/flows/review", {**_range(), "label": "app=nothing-has-this"}).json()
+    assert review["verdict"] == "fail" and review["workload_count"] == 0
+    assert review["reasons"] == ["the selection matches no workload"]
