@@ -186,3 +186,13 @@ def test_a_provisioning_token_is_minted_with_its_bundle_shown_once(browser):
     assert 'data-problem="validation"' in refused
     unreadable = text(browser.post("/tokens", {"kind": "provisioning", "description": "x", "labels": "env"}))
     assert "env&#x27; is not key=value" in unreadable and 'data-problem="validation"' in unreadable
+
+
+def test_the_review_page_says_when_a_list_shows_only_the_first_of_many(browser, monkeypatch):
+    from flows import selectors
+
+    monkeypatch.setattr(selectors, "COVERAGE_LIST", 1)
+    make_workload(hostname="never-1")
+    make_workload(hostname="never-2")
+    page = text(browser.get("/review?range=1h"))
+    assert "2 workloads are offline" in page and "Showing the first 1 of 2." in page
