@@ -227,22 +227,33 @@ def _post_reports(host: str, port: int, cert_pem: str, requests: list, connectio
     results.put((failures, time.process_time() - cpu))
 
 
-def _process_cpu_seconds(pid: int) -> float:
+def _process_cpu_seconds(pid: int, *, with_exited_children: bool = False) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+    ticks = int(fields[11]) + int(fields[12])  # utime + stime
+    if with_exited_children:
+        ticks += int(fields[13]) + int(fields[14])  # cutime + cstime: children waited for
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def _postgres_cpu_seconds() -> float:
     """CPU of every PostgreSQL process on the machine (the backends serve writes through, and the
-    WAL and background writers they keep busy)."""
-    total = 0.0
+    WAL and background writers they keep busy), and of the backends that exited since the server
+    started: the postmaster collects their CPU when it reaps them. Without them a backend that ended
+    between two readings took its CPU with it (a reading once came out negative)."""
+    stats = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             text = stat.read_text()
         except OSError:  # gone since the listing
             continue
         if "(postgres)" in text:
-            total += _process_cpu_seconds(int(stat.parent.name))
+            stats[int(stat.parent.name)] = int(text.rsplit(")", 1)[1].split()[1])  # its parent
+    total = 0.0
+    for pid, parent in stats.items():
+        try:
+            total += _process_cpu_seconds(pid, with_exited_children=parent not in stats)
+        except OSError:
+            continue
     return total
 
 
