@@ -38,7 +38,7 @@ def _check_gateway(gateway: object) -> str:
     host, colon, port = gateway.rpartition(":")
     if (
         not colon
-        or not port.isdigit()
+        or not (port.isascii() and port.isdigit())  # isdigit alone admits "²", which int refuses
         or not 1 <= int(port) <= 65535
         or not (_HOST.fullmatch(host) or _IPV6_BRACKETED.fullmatch(host))
     ):

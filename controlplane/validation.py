@@ -32,6 +32,11 @@ class Findings:
 MAX_ECHOED_KEY = 128
 
 
+def is_digits(text: str) -> bool:
+    """ASCII digits only: `str.isdigit` also admits characters such as "²" that `int` refuses."""
+    return text.isascii() and text.isdigit()
+
+
 def quoted(text: Any, limit: int = 64) -> str:
     """The caller's text quoted in a message, bounded: messages never echo unbounded input."""
     text = str(text)

@@ -16,12 +16,15 @@ from django.conf import settings
 
 from controlplane import runtime
 from controlplane.problems import Finding, ValidationFailed
-from controlplane.validation import parse_instant
+from controlplane.validation import is_digits, parse_instant
 from flows.choices import AGENT_GAP_KINDS, MAX_WINDOW_SECONDS, Decision, GapSource
 
 MAX_WINDOWS_PER_REPORT = 1000
 MAX_GAPS_PER_REPORT = 1000
 MAX_RULE_NUMBER = (1 << 24) - 1
+# The agent process's age: the control plane subtracts it from now (agent_silent), and a datetime
+# cannot reach back further than year 1.
+MAX_UPTIME = 100 * 365 * 86400
 PROTOCOLS = ("tcp", "udp", "icmp", "icmpv6")
 ACCEPTED, REFUSED = "accepted", "refused"
 DECISIONS = frozenset(Decision.values)  # `.values` builds a list on every read: once per group is too often
@@ -56,9 +59,13 @@ def report_envelope(data: Any) -> Report:
             Finding("/process_start_id", "type", "process_start_id is a string of 1-64 characters.")
         )
     uptime = data.get("uptime_seconds")
-    if isinstance(uptime, bool) or not isinstance(uptime, int | float) or uptime < 0:
+    if isinstance(uptime, bool) or not isinstance(uptime, int | float) or not 0 <= uptime <= MAX_UPTIME:
         findings.append(
-            Finding("/uptime_seconds", "type", "uptime_seconds is a number of seconds, not negative.")
+            Finding(
+                "/uptime_seconds",
+                "out-of-range",
+                "uptime_seconds is a number of seconds from 0 to 3153600000 (a hundred years).",
+            )
         )
     window_seconds = data.get("window_seconds")
     if (
@@ -156,7 +163,7 @@ def _group(raw: Any, *, start: datetime, end: datetime, accounting: bool) -> dic
         raise Refused("a group is a JSON object")
     protocol = raw.get("protocol")
     if protocol not in PROTOCOLS and not (
-        isinstance(protocol, str) and protocol.isdigit() and int(protocol) < 256
+        isinstance(protocol, str) and is_digits(protocol) and int(protocol) < 256
     ):
         raise Refused("protocol is tcp, udp, icmp, icmpv6 or a protocol number")
     port = raw.get("port")

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import ipaddress
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 
 from django.db.models import Max, Min, OuterRef, Prefetch, Q, Subquery, Sum
 
 from controlplane.pagination import OrderKey, Page, list_fingerprint, paginate
 from controlplane.problems import Finding, ValidationFailed
-from controlplane.validation import parse_instant
+from controlplane.validation import is_digits, parse_instant
 from fleet.models import Workload
 from fleet.selectors import workload_get, workload_queryset
 from flows.choices import Decision
@@ -18,12 +18,16 @@ from policy.grammar import Selector
 from policy.models import Rule
 
 MAX_RANGE = timedelta(days=31)
+# No evidence lies outside these, and reading a range reaches a window's length before it and a few
+# hours around it: near year 1 or 9999 that arithmetic leaves what a datetime can hold.
+EARLIEST = datetime(1970, 1, 1, tzinfo=UTC)
+LATEST = datetime(9000, 1, 1, tzinfo=UTC)
 WINDOW_ORDER = (OrderKey("start"), OrderKey("id", read=lambda w: str(w.id)))
 GAP_ORDER = (OrderKey("start"), OrderKey("id", read=lambda g: str(g.id)))
 
 
 def flow_range_parse(*, start: str | None, end: str | None) -> tuple[datetime, datetime]:
-    """`from` and `to`: RFC 3339 instants, `from` before `to`, at most 31 days apart."""
+    """`from` and `to`: RFC 3339 instants from 1970 to 9000, `from` before `to`, at most 31 days apart."""
     findings = []
     parsed = {}
     for name, raw in (("from", start), ("to", end)):
@@ -32,6 +36,10 @@ def flow_range_parse(*, start: str | None, end: str | None) -> tuple[datetime, d
             findings.append(
                 Finding(f"?{name}", "instant" if raw else "required", f"{name} is an RFC 3339 instant.")
             )
+    for name in ("from", "to"):
+        if parsed[name] is not None and not EARLIEST <= parsed[name] <= LATEST:
+            parsed[name] = None
+            findings.append(Finding(f"?{name}", "out-of-range", f"{name} lies between 1970 and 9000."))
     if not findings and not parsed["from"] < parsed["to"]:
         findings.append(Finding("?to", "out-of-range", "to comes after from."))
     if not findings and parsed["to"] - parsed["from"] > MAX_RANGE:
@@ -61,14 +69,14 @@ def group_filters_parse(
     if service:
         protocol, _, port = service.partition("/")
         if protocol not in ("tcp", "udp", "icmp", "icmpv6") or (
-            port and not (port.isdigit() and int(port) <= 65535)
+            port and not (is_digits(port) and int(port) <= 65535)
         ):
             findings.append(Finding("?service", "service", "service is tcp/PORT, udp/PORT, icmp or icmpv6."))
         filters["protocol"] = protocol
-        if port.isdigit():
+        if is_digits(port):
             filters["port"] = int(port)
     if rule:
-        if not rule.isdigit():
+        if not is_digits(rule):
             findings.append(Finding("?rule", "type", "rule is a rule number."))
         else:
             filters["rule_number"] = int(rule)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 
 from controlplane.console.pages import lines
+from controlplane.validation import is_digits
 
 INLINE = re.compile(
     r"^(?P<protocol>tcp|udp)/(?P<port>[^-]+)(?:-(?P<port_to>.+))?$|^(?P<bare>icmp|icmpv6)$", re.I
@@ -17,7 +18,7 @@ INLINE = re.compile(
 
 
 def _number(text: str):
-    return int(text) if text.strip().isdigit() else text.strip()
+    return int(text) if is_digits(text.strip()) else text.strip()
 
 
 def entry_from_line(line: str) -> dict | None:

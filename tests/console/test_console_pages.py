@@ -98,6 +98,10 @@ def test_a_rule_with_a_validation_error_shows_it_next_to_the_field_then_saves(br
     )
     assert bad.status_code == 422
     assert 'id="sources-errors"' in bad.content.decode()
+    superscript = browser.post(
+        f"{ruleset_url}/rules/new", {"sources": "role=client", "services": "tcp/4²", "action": "save"}
+    )
+    assert superscript.status_code == 422 and 'id="services-errors"' in superscript.content.decode()
     good = browser.post(
         f"{ruleset_url}/rules/new", {"sources": "role=client", "services": "tcp/443", "action": "save"}
     )
@@ -184,6 +188,9 @@ def test_a_provisioning_token_is_minted_with_its_bundle_shown_once(browser):
     assert "rack 4" in listing and bundle not in listing and "0 / 3" in listing
     refused = text(browser.post("/tokens", {"kind": "provisioning", "description": "", "max_uses": "0"}))
     assert 'data-problem="validation"' in refused
+    # "²" is a digit to str.isdigit but not to int: refused as text, not a 500.
+    superscript = browser.post("/tokens", {"kind": "provisioning", "description": "x", "max_uses": "²"})
+    assert superscript.status_code == 422 and 'data-problem="validation"' in text(superscript)
     unreadable = text(browser.post("/tokens", {"kind": "provisioning", "description": "x", "labels": "env"}))
     assert "env&#x27; is not key=value" in unreadable and 'data-problem="validation"' in unreadable
 

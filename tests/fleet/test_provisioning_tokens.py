@@ -388,6 +388,7 @@ GOOD = {"gateway": GATEWAY, "fingerprint": FINGERPRINT, "token": "pal_pt_" + "A"
         (_b64({**GOOD, "extra": 1}), "unknown fields extra"),
         (_b64({**GOOD, "gateway": "no-port"}), "is not HOST:PORT"),
         (_b64({**GOOD, "gateway": "host:99999"}), "is not HOST:PORT"),
+        (_b64({**GOOD, "gateway": "host:²"}), "is not HOST:PORT"),  # a digit to str.isdigit, not to int
         (_b64({**GOOD, "gateway": 8443}), "must be a string"),
         (_b64({**GOOD, "fingerprint": "AB:CD"}), "not a SHA-256 fingerprint"),
         (_b64({**GOOD, "token": "pal_op_" + "A" * 43}), "not a provisioning token"),

@@ -18,10 +18,43 @@ JSON_VALUES = [None, True, False, 0, -1, 1.5, 2**70, -(2**70), "", "x", "x" * 50
                "2026-01-01T00:00:00Z", "9999-12-31T23:59:59-14:00", "0001-01-01T00:00:00+14:00",
                "::ffff:10.0.0.1", "fe80::1%eth0", "255", "256", "6"]  # fmt: skip
 
-QUERY_VALUES = ["", " ", "0", "-1", "99999999999999999999999999", "1e9", "NaN", "x" * 5000, "\x00", "ü", "../",
-                "null", "2026-13-01T00:00:00Z", "2026-01-01", "2026-01-01T00:00:00", "9999-12-31T23:59:59Z",
-                "0001-01-01T00:00:00Z", "00000000-0000-0000-0000-000000000000", "tcp/", "tcp/99999", "/80",
-                "::1%eth0", "10.0.0.0/8", "a=b", "a=", "=b", "a!=b", "a in (b)", "rule", "start", "id"]  # fmt: skip
+QUERY_VALUES = [
+    "",
+    " ",
+    "0",
+    "-1",
+    "99999999999999999999999999",
+    "1e9",
+    "NaN",
+    "x" * 5000,
+    "\x00",
+    "ü",
+    "../",
+    "null",
+    "2026-13-01T00:00:00Z",
+    "2026-01-01",
+    "2026-01-01T00:00:00",
+    "9999-12-31T23:59:59Z",
+    "0001-01-01T00:00:00Z",
+    "00000000-0000-0000-0000-000000000000",
+    "tcp/",
+    "tcp/99999",
+    "/80",
+    "::1%eth0",
+    "10.0.0.0/8",
+    "a=b",
+    "a=",
+    "=b",
+    "a!=b",
+    "a in (b)",
+    "rule",
+    "start",
+    "id",
+    "²",
+    "tcp/²",
+    "٣",
+    "tcp/٣",
+]  # fmt: skip  (str.isdigit admits these; int takes only some)
 ENCODED_VALUES = ["%ED%A0%80", "%FF", "%00", "%C0%AF"]  # a surrogate, bytes that are not UTF-8, NUL
 ENDPOINTS = {
     "/api/v1/flows": ["workload", "from", "to", "cursor", "limit", "decision", "peer", "service", "rule"],
@@ -48,6 +81,8 @@ def _variants(base: dict):
         for name in part:
             report = copy.deepcopy(base)
             report["windows"][0]["id"], report["gaps"][0]["id"] = str(uuid.uuid4()), str(uuid.uuid4())
+            # Another agent process each time, so the envelope's uptime reaches the agent_silent rules.
+            report["process_start_id"] = f"p-{uuid.uuid4().hex[:8]}"
             part_of(report)[name] = value
             yield name, value, report
 
@@ -85,3 +120,16 @@ def test_every_query_parameter_of_the_flow_endpoints_answers_odd_values_without_
                 if response.status_code not in (200, 404, 422)
             ]
     assert not failures, "\n".join(failures)
+
+
+def test_ranges_at_the_ends_of_the_calendar_are_refused_not_an_overflow(api, db):
+    workload, _, _ = enrolled("odd", "10.50.0.9")
+    flow_report_ingest(workload_id=str(workload.id), data=_base_report())  # a window length to reach back
+    ranges = [("0001-01-01T00:00:00Z", "0001-01-02T00:00:00Z"), ("0001-01-01T00:00:30Z", "0001-01-01T01:00:00Z"),
+              ("9999-12-31T00:00:00Z", "9999-12-31T23:59:59.999999Z"), ("1969-12-31T23:00:00Z", "1970-01-01T01:00:00Z")]  # fmt: skip
+    for path in ENDPOINTS:
+        for start, end in ranges:
+            params = {"from": start, "to": end, "workload": str(workload.id), "group_by": "peer"}
+            response = api.get(path, params)
+            assert response.status_code == 422, (path, start, end, response.status_code)
+            assert {e["path"] for e in response.json()["errors"]} & {"?from", "?to"}

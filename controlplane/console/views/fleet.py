@@ -10,6 +10,7 @@ from django.views.decorators.http import require_GET, require_http_methods, requ
 from controlplane.console.chips import workload_chips
 from controlplane.console.pages import RANGES, chosen_range, labels_from_text, operator_page, page
 from controlplane.console.plots import connections_plot
+from controlplane.validation import is_digits
 
 SYNC_STATES = ("synced", "pending", "degraded", "offline")
 
@@ -19,7 +20,7 @@ def fleet_filters(params) -> dict:
         "label": [value for value in params.getlist("label") if value.strip()],
         "sync_state": params.get("sync_state", "") if params.get("sync_state") in SYNC_STATES else "",
         "removed": params.get("removed", "") if params.get("removed") in ("true", "false") else "",
-        "limit": params.get("limit", "") if params.get("limit", "").isdigit() else "",
+        "limit": params.get("limit", "") if is_digits(params.get("limit", "")) else "",
     }
 
 

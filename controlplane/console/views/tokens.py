@@ -6,6 +6,7 @@ from __future__ import annotations
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
 from controlplane.console.pages import labels_from_text, operator_page, page
+from controlplane.validation import is_digits
 
 KINDS = {"provisioning": "/provisioning-tokens", "operator": "/operator-tokens"}
 
@@ -24,7 +25,7 @@ def _mint_body(kind: str, form) -> dict:
         body = {"description": form.get("description", "")}
         if form.get("max_uses", "").strip():
             body["max_uses"] = (
-                int(form["max_uses"]) if form["max_uses"].strip().isdigit() else form["max_uses"]
+                int(form["max_uses"]) if is_digits(form["max_uses"].strip()) else form["max_uses"]
             )
         labels, _ = labels_from_text(form.get("labels", ""))
         if labels:
