@@ -25,13 +25,13 @@ RANGE = [
         "from",
         OpenApiTypes.DATETIME,
         required=True,
-        description="RFC 3339; windows and gaps ending after it.",
+        description="RFC 3339, from 1970 to 9000; windows and gaps ending after it.",
     ),
     OpenApiParameter(
         "to",
         OpenApiTypes.DATETIME,
         required=True,
-        description="RFC 3339; starting before it. At most 31 days after `from`.",
+        description="RFC 3339, from 1970 to 9000; starting before it. At most 31 days after `from`.",
     ),
 ]
 INVALID = {
