@@ -310,6 +310,26 @@ def _after_key(columns: list[str], last: list) -> Q:
     return condition
 
 
+def _summed_by_hours(selected, columns: list[str], start: datetime, end: datetime, **filters) -> list[dict]:
+    """Every group of the range summed by `columns`, in key order: the whole hours from the hourly sums
+    and the groups of windows not summed yet, the minute rows only at the range's two edges (the range
+    holds a whole hour). One statement: summing moves windows from the one to the other, and two
+    statements could see a window in both or in neither. `filters` narrow both by key columns."""
+    first, last_hour = _whole_hours(start, end)
+    groups = _groups_in_range(selected, start, end).filter(**filters)
+    hours = FlowHour.objects.filter(hour__gte=first, hour__lt=last_hour, **filters)
+    hours = hours if selected is None else hours.filter(workload__in=selected)
+    if "ruleset_id" in columns:
+        groups = groups.annotate(ruleset_id=_ruleset_of_rule())
+        hours = hours.annotate(ruleset_id=_ruleset_of_rule())
+    unsummed = UnsummedWindow.objects.filter(start__gte=first, start__lt=last_hour)
+    # Three plain ranges, not one OR: each reads only its own partitions and index range.
+    before, after = groups.filter(start__lt=first), groups.filter(start__gte=last_hour)
+    within = groups.filter(start__gte=first, start__lt=last_hour, window_id__in=unsummed.values("window_id"))
+    parts = [_sums(part, columns) for part in (before, within, after)]
+    return _merged(_sums(hours, columns).union(*parts, all=True), columns=columns)
+
+
 def flow_rollup(
     *, selected, group_by: list[str], start: datetime, end: datetime, cursor: str | None, limit: int
 ) -> tuple[list[dict], str | None]:
@@ -323,9 +343,6 @@ def flow_rollup(
     from controlplane.pagination import cursor_encode, decode_cursor
 
     columns = [column for name in group_by for column in GROUP_KEYS[name]]
-    groups = _groups_in_range(selected, start, end)
-    if "ruleset_id" in columns:
-        groups = groups.annotate(ruleset_id=_ruleset_of_rule())
     fingerprint = list_fingerprint(
         "flows-rollup",
         {
@@ -341,29 +358,16 @@ def flow_rollup(
             uuid.UUID(value) if column in UUID_COLUMNS and isinstance(value, str) else value
             for column, value in zip(columns, decode_cursor(cursor, fingerprint, len(columns)), strict=True)
         ]
-    whole = _whole_hours(start, end)
-    if whole is None or "start" in columns:
+    if _whole_hours(start, end) is None or "start" in columns:
+        groups = _groups_in_range(selected, start, end)
+        if "ruleset_id" in columns:
+            groups = groups.annotate(ruleset_id=_ruleset_of_rule())
         if last is not None:
             groups = groups.filter(_after_key(columns, last))
         order = [F(column).asc(nulls_last=True) for column in columns]
         rows = list(_sums(groups, columns).order_by(*order)[: limit + 1])
     else:
-        # The whole hours from the hourly sums and the groups of windows not summed yet, the minute
-        # rows only at the range's two edges. One statement: summing moves windows from the one to the
-        # other, and two statements could see a window in both or in neither.
-        first, last_hour = whole
-        hours = FlowHour.objects.filter(hour__gte=first, hour__lt=last_hour)
-        hours = hours if selected is None else hours.filter(workload__in=selected)
-        unsummed = UnsummedWindow.objects.filter(start__gte=first, start__lt=last_hour)
-        # Three plain ranges, not one OR: each reads only its own partitions and index range.
-        before, after = groups.filter(start__lt=first), groups.filter(start__gte=last_hour)
-        within = groups.filter(
-            start__gte=first, start__lt=last_hour, window_id__in=unsummed.values("window_id")
-        )
-        if "ruleset_id" in columns:
-            hours = hours.annotate(ruleset_id=_ruleset_of_rule())
-        parts = [_sums(part, columns) for part in (before, within, after)]
-        merged = _merged(_sums(hours, columns).union(*parts, all=True), columns=columns)
+        merged = _summed_by_hours(selected, columns, start, end)
         if last is not None:
             bound = _null_last(last)
             merged = [row for row in merged if _null_last(row[c] for c in columns) > bound]
@@ -383,19 +387,35 @@ def unused_rules(selected, start: datetime, end: datetime) -> list[Rule]:
     )
 
 
+def _would_block(selected, start: datetime, end: datetime) -> list[dict]:
+    """The would-block groups of the range by workload, peer and service, most connections first. A
+    range of whole hours reads the hourly sums: a day of a thousand workloads is millions of minute
+    rows but a hundred thousand hour rows."""
+    columns = ["workload_id", "peer", "protocol", "port"]
+    if _whole_hours(start, end) is None:
+        groups = _groups_in_range(selected, start, end).filter(decision=Decision.WOULD_BLOCK)
+        rows = list(_sums(groups, columns))
+    else:
+        rows = _summed_by_hours(selected, columns, start, end, decision=Decision.WOULD_BLOCK)
+    return sorted(
+        rows,
+        key=lambda row: (
+            -row["connection_count"],
+            str(row["workload_id"]),
+            row["peer"],
+            row["protocol"],
+            row["port"],
+        ),
+    )
+
+
 def simulation_review(*, selected, start: datetime, end: datetime) -> dict:
     """The review before enforcing: would-block groups, gaps, offline workloads and workloads not in
     simulation; any one fails it (a gap alone does: rule 5)."""
     from fleet.choices import Mode, SyncState
 
     workloads = _workloads_of(selected)
-    would_block = (
-        _groups_in_range(selected, start, end)
-        .filter(decision=Decision.WOULD_BLOCK)
-        .values("workload_id", "peer", "protocol", "port")
-        .annotate(connection_count=Sum("connection_count"))
-        .order_by("-connection_count", "workload_id", "peer", "protocol", "port")
-    )
+    would_block = _would_block(selected, start, end)
     covered = coverage(selected, start, end)
     offline = workloads.filter(sync_state=SyncState.OFFLINE).order_by("hostname", "id")
     # In simulation for the whole range: in it now, and since before the range began.
@@ -405,7 +425,7 @@ def simulation_review(*, selected, start: datetime, end: datetime) -> dict:
     elsewhere = workloads.exclude(simulating_throughout).order_by("hostname", "id")
     # The lists are capped; the counts, and so the reasons, are exact: a script gating enforcement
     # reads them.
-    would_block_count, offline_count = would_block.count(), offline.count()
+    would_block_count, offline_count = len(would_block), offline.count()
     elsewhere_count, selected_count = elsewhere.count(), workloads.count()
     counts = (
         (would_block_count, "would-block group: enforcing would block it", "would-block groups: enforcing would block them"),
@@ -424,7 +444,7 @@ def simulation_review(*, selected, start: datetime, end: datetime) -> dict:
         "reasons": reasons,
         "workload_count": selected_count,
         "would_block_count": would_block_count,
-        "would_block": list(would_block[:WOULD_BLOCK_LIST]),
+        "would_block": would_block[:WOULD_BLOCK_LIST],
         "coverage": covered,
         "offline_count": offline_count,
         "offline": list(offline[:COVERAGE_LIST]),

@@ -1,5 +1,6 @@
-"""Rollups read whole hours from the hourly sums and the minute rows at the edges: for any range and
-grouping the answer equals summing the minute rows themselves (SQLite and PostgreSQL)."""
+"""Rollups (and the review's would-block groups) read whole hours from the hourly sums and the minute
+rows at the edges: for any range and grouping the answer equals summing the minute rows themselves
+(SQLite and PostgreSQL)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 
 from controlplane import clock
 from flows.models import FlowGroup, FlowHour, UnsummedWindow
-from flows.selectors import _groups_in_range, _ruleset_of_rule, _sums, flow_rollup
+from flows.selectors import _groups_in_range, _ruleset_of_rule, _sums, flow_rollup, simulation_review
 from flows.services import flow_hours_sum, flow_report_ingest
 from tests.flows.test_ingestion import _report, enrolled
 
@@ -100,6 +101,13 @@ def _rollups_equal_the_minute_rows(rng: random.Random, begin) -> None:
                 end,
                 group_by,
             )
+        # The review's would-block groups come the same way, most connections first.
+        would_block = simulation_review(selected=None, start=start, end=end)["would_block"]
+        expected = _sums(
+            _groups_in_range(None, start, end).filter(decision="would_block"),
+            ["workload_id", "peer", "protocol", "port"],
+        ).order_by("-connection_count", "workload_id", "peer", "protocol", "port")
+        assert [_key(row) for row in would_block] == [_key(row) for row in expected], (start, end)
 
 
 def test_housekeeping_sums_an_hour_once_it_is_a_few_minutes_over(db, clock_at):
