@@ -531,6 +531,9 @@ def main() -> int:
     parser.add_argument("--rollup-hours", type=int, default=24)
     parser.add_argument("--rollup-keys", type=int, default=5)
     parser.add_argument("--samples", type=int, default=30)
+    parser.add_argument(
+        "--keep-database", action="store_true", help=f"leave {DB_NAME} for a look at its plans afterwards"
+    )
     args = parser.parse_args()
     rng = random.Random(20261126)
     database(create=True)
@@ -578,7 +581,8 @@ def main() -> int:
         from django.db import connections
 
         connections.close_all()
-        database(create=False)
+        if not args.keep_database:
+            database(create=False)
     return 0
 
 
