@@ -428,16 +428,18 @@ def bench_rollup(hours: int, samples: int) -> dict:
     import psycopg
 
     from fleet.selectors import label_filters_parse
-    from flows.selectors import flow_rollup, workloads_selected
+    from flows.selectors import coverage, flow_rollup, workloads_selected
 
     end = datetime.now(UTC)
     start = end - timedelta(hours=hours)
 
     def product():
+        """What GET /flows/rollup computes: the sums and the coverage that every answer carries."""
         selected = workloads_selected(workload_ids=[], labels=label_filters_parse(["group=rollup"]))
         rows, _ = flow_rollup(
             selected=selected, group_by=["peer", "service"], start=start, end=end, cursor=None, limit=100
         )
+        coverage(selected, start, end)
         return rows
 
     # The baseline: the very SQL the selector ran (captured, literals inlined), through psycopg alone.
@@ -446,14 +448,17 @@ def bench_rollup(hours: int, samples: int) -> dict:
 
     with CaptureQueriesContext(connection) as captured:
         product()
-    # The hourly sums and the two edges of minute rows: the queries the selector runs, added up here.
-    sqls = [q["sql"] for q in captured.captured_queries if "GROUP BY" in q["sql"]]
+    # Every query the endpoint's functions ran; the sums' rows (hourly sums and the two edges of
+    # minute rows) added up here.
+    sqls = [q["sql"] for q in captured.captured_queries]
 
     def raw(conn):
         merged: dict = {}
         for sql in sqls:
-            for row in conn.execute(sql).fetchall():
-                merged[row[:3]] = merged.get(row[:3], 0) + (row[3] or 0)
+            rows = conn.execute(sql).fetchall()
+            if "GROUP BY" in sql:
+                for row in rows:
+                    merged[row[:3]] = merged.get(row[:3], 0) + (row[3] or 0)
         return list(merged.items())
 
     ours = []

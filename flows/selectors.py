@@ -5,7 +5,7 @@ from __future__ import annotations
 import ipaddress
 from datetime import UTC, datetime, timedelta
 
-from django.db.models import Max, Min, OuterRef, Prefetch, Q, Subquery, Sum
+from django.db.models import Exists, Max, Min, OuterRef, Prefetch, Q, Subquery, Sum
 
 from controlplane.pagination import OrderKey, Page, list_fingerprint, paginate
 from controlplane.problems import Finding, ValidationFailed
@@ -232,10 +232,12 @@ def coverage(selected, start: datetime, end: datetime) -> dict:
     workloads = _workloads_of(selected)
     if selected is not None:
         gaps = gaps.filter(workload__in=selected)
-    reporting = FlowWindow.objects.filter(**_windows_in(start, end, _lookback(selected))).values(
-        "workload_id"
+    # One probe of the (workload, start) index per workload: a day of a thousand workloads' windows
+    # is over a million rows, which NOT IN (their workload ids) read whole.
+    reporting = FlowWindow.objects.filter(
+        workload_id=OuterRef("id"), **_windows_in(start, end, _lookback(selected))
     )
-    silent = workloads.exclude(id__in=reporting).order_by("hostname", "id")
+    silent = workloads.filter(~Exists(reporting)).order_by("hostname", "id")
     gap_count, silent_count = gaps.count(), silent.count()
     return {
         "complete": gap_count == 0 and silent_count == 0,
