@@ -185,12 +185,12 @@ def bench_ingestion(ids: list[str], reports: int, keys: int, threads: int, rng: 
 
 
 def hours_sum() -> float:
-    """Sum every stored window into its hours (serve's housekeeping, run here at once); its seconds.
+    """Sum every stored window into its hours and blocks (serve's housekeeping, run here at once); its seconds.
     An upper bound of its cost in a fleet: here an hour's row gathers a few windows, not sixty."""
-    from flows.services import flow_hours_sum
+    from flows.services import flow_windows_sum
 
     started = time.perf_counter()
-    flow_hours_sum(before=datetime.now(UTC) + timedelta(days=1))
+    flow_windows_sum(before=datetime.now(UTC) + timedelta(days=1))
     return time.perf_counter() - started
 
 
@@ -402,11 +402,14 @@ def load_rollup_data(ids: list[str], hours: int, keys: int) -> int:
         copy_rows(ids, windows=chunk, keys=keys, start=end - timedelta(hours=hour), minutes=60)
     import psycopg
 
-    from flows.services import HOURS_SUMMED_AFTER, flow_hours_sum
+    from flows.buckets import BLOCK
+    from flows.services import flow_sums_due, flow_windows_sum
 
     # As serve's housekeeping leaves them: every window recorded as unsummed, as ingestion records it,
-    # then the hours over five minutes ago summed by the real step; the hour under way stays unsummed.
-    summed_before = (datetime.now(UTC) - HOURS_SUMMED_AFTER).replace(minute=0, second=0, microsecond=0)
+    # then summed by the real function a ten-minute block at a time, as housekeeping sums them (so each
+    # hour's rows are updated once a block); the blocks under way stay unsummed.
+    due = flow_sums_due(now=datetime.now(UTC))
+    rounds = [due - BLOCK * n for n in range(hours * 6 + 6, -1, -1)]
     with psycopg.connect(DB_URL, autocommit=True) as conn:
         conn.execute(
             "INSERT INTO flows_unsummedwindow (window_id, workload_id, start)"
@@ -415,10 +418,11 @@ def load_rollup_data(ids: list[str], hours: int, keys: int) -> int:
         )
         conn.execute("VACUUM ANALYZE")
     postgres_before, started = _postgres_cpu_seconds(), time.perf_counter()
-    summed = flow_hours_sum(before=summed_before)
+    summed = sum(flow_windows_sum(before=before) for before in rounds)
     took, postgres_cpu = time.perf_counter() - started, _postgres_cpu_seconds() - postgres_before
-    log(f"summed {summed} windows into their hours in {took:.1f} s ({took / summed * 1e6:.0f} us a window, "
-        f"PostgreSQL {postgres_cpu / summed * 1e6:.0f} us of CPU a window; sixty windows to an hour's row)")  # fmt: skip
+    log(f"summed {summed} windows into their hours and blocks in {took:.1f} s ({took / summed * 1e6:.0f} us a "
+        f"window, PostgreSQL {postgres_cpu / summed * 1e6:.0f} us of CPU a window; sixty windows to an hour's "
+        "row, ten to a block's)")  # fmt: skip
     with psycopg.connect(DB_URL, autocommit=True) as conn:
         conn.execute("VACUUM ANALYZE")
     return windows * keys

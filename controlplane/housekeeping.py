@@ -56,15 +56,15 @@ def flows_prune_step() -> int:
     return pruned.rows + pruned.partitions
 
 
-def flow_hours_sum_step() -> int:
-    """The hourly sums rollups read, for every hour over a few minutes ago (flows.services)."""
+def flow_windows_sum_step() -> int:
+    """The hourly and ten-minute sums rollups read, for every ten-minute block over a few minutes ago
+    (flows.services)."""
     from controlplane import clock
-    from flows.services import HOURS_SUMMED_AFTER, flow_hours_sum
+    from flows.services import flow_sums_due, flow_windows_sum
 
-    hour = (clock.now() - HOURS_SUMMED_AFTER).replace(minute=0, second=0, microsecond=0)
-    summed = flow_hours_sum(before=hour)
+    summed = flow_windows_sum(before=flow_sums_due(now=clock.now()))
     if summed:
-        log.info("added %d flow windows to their hourly sums", summed)
+        log.info("added %d flow windows to their hourly and ten-minute sums", summed)
     return summed
 
 
@@ -97,7 +97,7 @@ class Step:
 STEPS = (
     Step("reap silent streams", 60, run=streams_reap_step),
     Step("prune rendered documents", 600, run=documents_prune_step),
-    Step("sum flow windows into hours", 60, run=flow_hours_sum_step),
+    Step("sum flow windows into hours and blocks", 60, run=flow_windows_sum_step),
     Step("create flow evidence partitions ahead", 3600, run=flow_partitions_step),
     Step("remove flow evidence past its retention", 3600, run=flows_prune_step),
     Step("catch up streams", 2.0, run_async=streams_catch_up_step),

@@ -66,9 +66,10 @@ class FlowGroup(FlowCounters):
 
 class FlowHour(FlowCounters):
     """The groups of one workload's windows that start in one hour, summed per key: what a rollup
-    reads for the whole hours of its range (the minute rows only at its edges, and of windows not
-    summed yet). Written by serve's housekeeping once the hour is over (flows.services.flow_hours_sum),
-    not by ingestion: each row is then written about once instead of once a minute."""
+    reads for the whole hours of its range (ten-minute sums and minute rows only at its edges, and the
+    minute rows of windows not summed yet). Written by serve's housekeeping a few minutes after each
+    ten-minute block is over (flows.services.flow_windows_sum), not by ingestion: each row is then
+    written six times an hour instead of once a minute per workload."""
 
     id = models.BigAutoField(primary_key=True)
     hour = models.DateTimeField()
@@ -91,9 +92,32 @@ class FlowHour(FlowCounters):
         ]
 
 
+class FlowBlock(FlowCounters):
+    """The same sums over ten-minute blocks: what a rollup reads for the whole blocks in the part-hours
+    at its range's edges, so that it reads at most ten minutes of minute rows on each side (a day's
+    range ending now is otherwise up to an hour of every selected workload's minute rows). Written with
+    the hourly sums, from the same windows, in the same transaction."""
+
+    id = models.BigAutoField(primary_key=True)
+    block = models.DateTimeField()  # its start: a multiple of ten minutes
+    rule_number = models.PositiveIntegerField()  # 0: no rule decided, as in the hourly sums
+    workload = models.ForeignKey(Workload, on_delete=models.CASCADE, related_name="+", db_index=False)
+    peer_workload = models.ForeignKey(
+        Workload, on_delete=models.SET_NULL, null=True, related_name="+", db_index=False
+    )
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["workload", "block", "peer", "protocol", "port", "decision", "rule_number"],
+                name="flow_block_key",
+            )
+        ]
+
+
 class UnsummedWindow(models.Model):
-    """A stored window whose groups are not in the hourly sums yet: written with the window, removed
-    in the transaction that adds its groups to their hours. Rollups read these windows' groups
+    """A stored window whose groups are not in the sums yet: written with the window, removed in the
+    transaction that adds its groups to their hour and block. Rollups read these windows' groups
     themselves, so a total never depends on whether summing has run."""
 
     window_id = models.UUIDField(primary_key=True)

@@ -12,8 +12,9 @@ from controlplane.problems import Finding, ValidationFailed
 from controlplane.validation import is_digits, parse_instant
 from fleet.models import Workload
 from fleet.selectors import workload_get, workload_queryset
+from flows.buckets import BLOCK, HOUR, whole_spans
 from flows.choices import Decision
-from flows.models import EvidenceGap, FlowGroup, FlowHour, FlowWindow, UnsummedWindow
+from flows.models import EvidenceGap, FlowBlock, FlowGroup, FlowHour, FlowWindow, UnsummedWindow
 from policy.grammar import Selector
 from policy.models import Rule
 
@@ -262,15 +263,6 @@ def _sums(queryset, columns: list[str]):
     )
 
 
-def _whole_hours(start: datetime, end: datetime) -> tuple[datetime, datetime] | None:
-    """The first and the end of the whole hours inside [start, end), or None when there is none."""
-    first = start.replace(minute=0, second=0, microsecond=0)
-    if first < start:
-        first += timedelta(hours=1)
-    last = end.replace(minute=0, second=0, microsecond=0)
-    return (first, last) if first < last else None
-
-
 def _merged(*parts, columns: list[str]) -> list[dict]:
     """Rows of the same key from several sums, added up, in the order SQL would give (nulls last)."""
     merged: dict[tuple, dict] = {}
@@ -312,24 +304,35 @@ def _after_key(columns: list[str], last: list) -> Q:
     return condition
 
 
-def _summed_by_hours(selected, columns: list[str], start: datetime, end: datetime, **filters) -> list[dict]:
-    """Every group of the range summed by `columns`, in key order: the whole hours from the hourly sums
-    and the groups of windows not summed yet, the minute rows only at the range's two edges (the range
-    holds a whole hour). One statement: summing moves windows from the one to the other, and two
-    statements could see a window in both or in neither. `filters` narrow both by key columns."""
-    first, last_hour = _whole_hours(start, end)
+def _summed_by_spans(selected, columns: list[str], start: datetime, end: datetime, **filters) -> list[dict]:
+    """Every group of the range summed by `columns`, in key order, for a range that holds a whole
+    ten-minute block: its whole hours from the hourly sums, the whole blocks left at either side from
+    the ten-minute sums, the groups of windows in those not summed yet, and the minute rows only at the
+    two edges (under ten minutes each). One statement: summing moves windows from the groups read to
+    the sums, and two statements could see a window in both or in neither. `filters` narrow every part
+    by key columns."""
+    first_block, last_block = whole_spans(start, end, BLOCK)
+    hours = whole_spans(start, end, HOUR)
+    first_hour, last_hour = hours or (last_block, last_block)  # no whole hour: the blocks take it all
     groups = _groups_in_range(selected, start, end).filter(**filters)
-    hours = FlowHour.objects.filter(hour__gte=first, hour__lt=last_hour, **filters)
-    hours = hours if selected is None else hours.filter(workload__in=selected)
+    sums = [
+        FlowHour.objects.filter(hour__gte=first_hour, hour__lt=last_hour, **filters),
+        # Two plain ranges, not one OR: each reads only its own partitions and index range.
+        FlowBlock.objects.filter(block__gte=first_block, block__lt=first_hour, **filters),
+        FlowBlock.objects.filter(block__gte=last_hour, block__lt=last_block, **filters),
+    ]
+    if selected is not None:
+        sums = [part.filter(workload__in=selected) for part in sums]
     if "ruleset_id" in columns:
         groups = groups.annotate(ruleset_id=_ruleset_of_rule())
-        hours = hours.annotate(ruleset_id=_ruleset_of_rule())
-    unsummed = UnsummedWindow.objects.filter(start__gte=first, start__lt=last_hour)
-    # Three plain ranges, not one OR: each reads only its own partitions and index range.
-    before, after = groups.filter(start__lt=first), groups.filter(start__gte=last_hour)
-    within = groups.filter(start__gte=first, start__lt=last_hour, window_id__in=unsummed.values("window_id"))
-    parts = [_sums(part, columns) for part in (before, within, after)]
-    return _merged(_sums(hours, columns).union(*parts, all=True), columns=columns)
+        sums = [part.annotate(ruleset_id=_ruleset_of_rule()) for part in sums]
+    unsummed = UnsummedWindow.objects.filter(start__gte=first_block, start__lt=last_block)
+    edges = [groups.filter(start__lt=first_block), groups.filter(start__gte=last_block)]
+    within = groups.filter(
+        start__gte=first_block, start__lt=last_block, window_id__in=unsummed.values("window_id")
+    )
+    parts = [_sums(part, columns) for part in (*sums[1:], *edges, within)]
+    return _merged(_sums(sums[0], columns).union(*parts, all=True), columns=columns)
 
 
 def flow_rollup(
@@ -360,7 +363,7 @@ def flow_rollup(
             uuid.UUID(value) if column in UUID_COLUMNS and isinstance(value, str) else value
             for column, value in zip(columns, decode_cursor(cursor, fingerprint, len(columns)), strict=True)
         ]
-    if _whole_hours(start, end) is None or "start" in columns:
+    if whole_spans(start, end, BLOCK) is None or "start" in columns:
         groups = _groups_in_range(selected, start, end)
         if "ruleset_id" in columns:
             groups = groups.annotate(ruleset_id=_ruleset_of_rule())
@@ -369,7 +372,7 @@ def flow_rollup(
         order = [F(column).asc(nulls_last=True) for column in columns]
         rows = list(_sums(groups, columns).order_by(*order)[: limit + 1])
     else:
-        merged = _summed_by_hours(selected, columns, start, end)
+        merged = _summed_by_spans(selected, columns, start, end)
         if last is not None:
             bound = _null_last(last)
             merged = [row for row in merged if _null_last(row[c] for c in columns) > bound]
@@ -391,14 +394,14 @@ def unused_rules(selected, start: datetime, end: datetime) -> list[Rule]:
 
 def _would_block(selected, start: datetime, end: datetime) -> list[dict]:
     """The would-block groups of the range by workload, peer and service, most connections first. A
-    range of whole hours reads the hourly sums: a day of a thousand workloads is millions of minute
-    rows but a hundred thousand hour rows."""
+    range of whole hours reads the sums: a day of a thousand workloads is millions of minute rows but
+    a hundred thousand hour rows."""
     columns = ["workload_id", "peer", "protocol", "port"]
-    if _whole_hours(start, end) is None:
+    if whole_spans(start, end, BLOCK) is None:
         groups = _groups_in_range(selected, start, end).filter(decision=Decision.WOULD_BLOCK)
         rows = list(_sums(groups, columns))
     else:
-        rows = _summed_by_hours(selected, columns, start, end, decision=Decision.WOULD_BLOCK)
+        rows = _summed_by_spans(selected, columns, start, end, decision=Decision.WOULD_BLOCK)
     return sorted(
         rows,
         key=lambda row: (

@@ -20,9 +20,10 @@ from controlplane import clock
 from controlplane.problems import Problem
 from fleet.models import Workload
 from fleet.selectors import workload_get
+from flows.buckets import BLOCK, HOUR, span_start
 from flows.choices import GapKind
 from flows.group_commit import GroupCommit
-from flows.models import EvidenceGap, FlowGroup, FlowHour, FlowWindow, UnsummedWindow
+from flows.models import EvidenceGap, FlowBlock, FlowGroup, FlowHour, FlowWindow, UnsummedWindow
 from flows.partitions import flow_partitions_drop, flow_partitions_ensure
 from flows.reports import ACCEPTED, REFUSED, ParsedReport, ParsedWindow, Report, item_answer, report_parse
 
@@ -153,35 +154,60 @@ def _binary_copy_type(field) -> str:
     return _BINARY_COPY_TYPES[(field.target_field if field.is_relation else field).get_internal_type()]
 
 
-HOUR_KEY = ("workload_id", "hour", "peer", "protocol", "port", "decision", "rule_number")
-HOUR_SUMS = ("connection_count", "bytes_in", "bytes_out")
-HOUR_COLUMNS = (*HOUR_KEY, "peer_workload_id", *HOUR_SUMS, "first_seen", "last_seen")
-HOUR_ROWS_PER_STATEMENT = 2000  # 13 parameters each: under SQLite's 32,766
+@dataclass(frozen=True)
+class _Sums:
+    """A table of sums: its model, the column holding its span's start, and that start in SQL."""
+
+    model: type
+    bucket: str
+    span: timedelta
+    in_postgresql: str  # of a group's `start`, as flows.buckets.span_start finds it
+
+    def key(self) -> tuple[str, ...]:
+        return ("workload_id", self.bucket, "peer", "protocol", "port", "decision", "rule_number")
+
+    def columns(self) -> tuple[str, ...]:
+        return (*self.key(), "peer_workload_id", *SUMMED, "first_seen", "last_seen")
 
 
-def _hours_upsert_clause(least: str, greatest: str) -> str:
-    table = FlowHour._meta.db_table
-    updates = [f'"{name}" = "{table}"."{name}" + excluded."{name}"' for name in HOUR_SUMS] + [
+SUMMED = ("connection_count", "bytes_in", "bytes_out")
+SUMS = (
+    _Sums(FlowHour, "hour", HOUR, "date_trunc('hour', start, 'UTC')"),
+    _Sums(FlowBlock, "block", BLOCK, "date_bin('10 minutes', start, TIMESTAMPTZ '2000-01-01 00:00:00+00')"),
+)
+SUM_ROWS_PER_STATEMENT = 2000  # 13 parameters each: under SQLite's 32,766
+
+
+def _upsert_clause(sums: _Sums, least: str, greatest: str) -> str:
+    table = sums.model._meta.db_table
+    updates = [f'"{name}" = "{table}"."{name}" + excluded."{name}"' for name in SUMMED] + [
         f'"first_seen" = {least}("{table}"."first_seen", excluded."first_seen")',
         f'"last_seen" = {greatest}("{table}"."last_seen", excluded."last_seen")',
         '"peer_workload_id" = excluded."peer_workload_id"',
     ]
-    conflict = ", ".join(f'"{name}"' for name in HOUR_KEY)
+    conflict = ", ".join(f'"{name}"' for name in sums.key())
     return f"ON CONFLICT ({conflict}) DO UPDATE SET {', '.join(updates)}"
 
 
-# An hour is summed this long after it ends: by then the windows that started in it (a minute long by
-# default, sent as they close) have arrived, so its rows are written once. A window arriving later is
-# summed on a later round, adding to the rows.
-HOURS_SUMMED_AFTER = timedelta(minutes=5)
+# A block's windows are summed this long after it ends: by then the windows that started in it (a
+# minute long by default, sent as they close) have arrived, so its rows are written once and its
+# hour's rows once a block. A window arriving later is summed on a later round, adding to the rows.
+SUMMED_AFTER = timedelta(minutes=3)
 WINDOWS_PER_SUM = 5000  # a transaction of about 250,000 group rows at 50 keys a window
 
 
-def flow_hours_sum(*, before: datetime, most: int = WINDOWS_PER_SUM) -> int:
+def flow_sums_due(*, now: datetime) -> datetime:
+    """Windows that start before this are summed (serve's housekeeping): those of every block over
+    by SUMMED_AFTER."""
+    return span_start(now - SUMMED_AFTER, BLOCK)
+
+
+def flow_windows_sum(*, before: datetime, most: int = WINDOWS_PER_SUM) -> int:
     """Add the groups of the stored windows that started before `before` and are not summed yet to
-    their hours' sums; returns how many windows. Each batch of `most` windows is one transaction that
-    removes the windows from UnsummedWindow and adds their groups, so a window is summed exactly once
-    even with two serve processes at it (each skips the rows the other holds)."""
+    their hours' and blocks' sums; returns how many windows. Each batch of `most` windows is one
+    transaction that removes the windows from UnsummedWindow and adds their groups, so a window is
+    summed exactly once, into both, even with two serve processes at it (each skips the rows the other
+    holds)."""
     summed = 0
     while True:
         with transaction.atomic():
@@ -194,69 +220,77 @@ def flow_hours_sum(*, before: datetime, most: int = WINDOWS_PER_SUM) -> int:
             if not taken:
                 return summed
             UnsummedWindow.objects.filter(window_id__in=[window_id for window_id, _, _ in taken]).delete()
-            _hours_add(taken)
+            _sums_add(taken)
         summed += len(taken)
 
 
-def _hours_add(windows: list[tuple[uuid.UUID, uuid.UUID, datetime]]) -> None:
-    """Add the groups of `windows` (id, workload id, start) to their hours' sums (FlowHour), one
-    upsert per workload, hour and key. On PostgreSQL the database sums the groups where they lie;
+def _sums_add(windows: list[tuple[uuid.UUID, uuid.UUID, datetime]]) -> None:
+    """Add the groups of `windows` (id, workload id, start) to their hours' and blocks' sums, one
+    upsert per workload, span and key. On PostgreSQL the database sums the groups where they lie;
     elsewhere Python does."""
     if connection.vendor == "postgresql":
-        _hours_add_in_postgresql(windows)
+        for sums in SUMS:
+            _sums_add_in_postgresql(sums, windows)
         return
-    hours: dict[tuple, dict] = {}
-    groups = FlowGroup.objects.filter(window_id__in=[window_id for window_id, _, _ in windows]).values(
-        "workload_id", "start", "peer", "protocol", "port", "decision", "rule_number", "peer_workload_id",
-        *HOUR_SUMS, "first_seen", "last_seen",
+    groups = list(
+        FlowGroup.objects.filter(window_id__in=[window_id for window_id, _, _ in windows]).values(
+            "workload_id", "start", "peer", "protocol", "port", "decision", "rule_number", "peer_workload_id",
+            *SUMMED, "first_seen", "last_seen",
+        )
     )  # fmt: skip
+    for sums in SUMS:
+        _sums_write(sums, _summed_in_python(sums, groups))
+
+
+def _summed_in_python(sums: _Sums, groups: list[dict]) -> list[dict]:
+    rows: dict[tuple, dict] = {}
     for group in groups:
-        hour = group["start"].replace(minute=0, second=0, microsecond=0)
-        key = (group["workload_id"], hour, group["peer"], group["protocol"], group["port"],
-               group["decision"], group["rule_number"] or 0)  # fmt: skip
-        row = hours.get(key)
+        key = (group["workload_id"], span_start(group["start"], sums.span), group["peer"], group["protocol"],
+               group["port"], group["decision"], group["rule_number"] or 0)  # fmt: skip
+        row = rows.get(key)
         if row is None:
-            hours[key] = {**dict(zip(HOUR_KEY, key, strict=True)), "peer_workload_id": group["peer_workload_id"],
-                          **{name: group[name] for name in (*HOUR_SUMS, "first_seen", "last_seen")}}  # fmt: skip
+            rows[key] = {**dict(zip(sums.key(), key, strict=True)), "peer_workload_id": group["peer_workload_id"],
+                         **{name: group[name] for name in (*SUMMED, "first_seen", "last_seen")}}  # fmt: skip
             continue
-        for name in HOUR_SUMS:
+        for name in SUMMED:
             row[name] += group[name]
         row["first_seen"] = min(row["first_seen"], group["first_seen"])
         row["last_seen"] = max(row["last_seen"], group["last_seen"])
-    # SQLite: rows of values, prepared as its columns store them, in slices under its parameter cap.
-    fields = [FlowHour._meta.get_field(name) for name in HOUR_COLUMNS]
+    return list(rows.values())
+
+
+def _sums_write(sums: _Sums, rows: list[dict]) -> None:
+    """SQLite: rows of values, prepared as its columns store them, in slices under its parameter cap."""
+    fields = [sums.model._meta.get_field(name) for name in sums.columns()]
     per_row = "(" + ", ".join(["%s"] * len(fields)) + ")"
-    rows = [
-        [
-            field.get_db_prep_value(row[name], connection, prepared=False)
-            for field, name in zip(fields, HOUR_COLUMNS, strict=True)
-        ]
-        for row in hours.values()
-    ]
+    values = [
+        [field.get_db_prep_value(row[name], connection, prepared=False) for field, name in zip(fields, sums.columns(), strict=True)]
+        for row in rows
+    ]  # fmt: skip
     quoted = ", ".join(f'"{field.column}"' for field in fields)
     with connection.cursor() as cursor:
-        for at in range(0, len(rows), HOUR_ROWS_PER_STATEMENT):
-            chunk = rows[at : at + HOUR_ROWS_PER_STATEMENT]
+        for at in range(0, len(values), SUM_ROWS_PER_STATEMENT):
+            chunk = values[at : at + SUM_ROWS_PER_STATEMENT]
             cursor.execute(
-                f'INSERT INTO "{FlowHour._meta.db_table}" ({quoted}) VALUES {", ".join([per_row] * len(chunk))} '  # noqa: S608
-                + _hours_upsert_clause("min", "max"),
+                f'INSERT INTO "{sums.model._meta.db_table}" ({quoted}) VALUES {", ".join([per_row] * len(chunk))} '  # noqa: S608
+                + _upsert_clause(sums, "min", "max"),
                 [value for row in chunk for value in row],
             )
 
 
-def _hours_add_in_postgresql(windows: list[tuple[uuid.UUID, uuid.UUID, datetime]]) -> None:
+def _sums_add_in_postgresql(sums: _Sums, windows: list[tuple[uuid.UUID, uuid.UUID, datetime]]) -> None:
     # The windows' workloads and starts pick the groups off the (workload, start) index within their
     # day partitions, then the window ids keep those of these windows. By start alone the read would
     # walk every workload's rows of those minutes: the whole fleet's. GROUP BY makes each key appear
     # once, as ON CONFLICT needs.
-    quoted = ", ".join(f'"{name}"' for name in HOUR_COLUMNS)
+    quoted = ", ".join(f'"{name}"' for name in sums.columns())
     sql = (
-        f'INSERT INTO "{FlowHour._meta.db_table}" ({quoted}) '  # noqa: S608 - our names
-        "SELECT workload_id, date_trunc('hour', start, 'UTC'), peer, protocol, port, decision,"
+        f'INSERT INTO "{sums.model._meta.db_table}" ({quoted}) '  # noqa: S608 - our names
+        f"SELECT workload_id, {sums.in_postgresql}, peer, protocol, port, decision,"
         " coalesce(rule_number, 0), (array_agg(peer_workload_id))[1], sum(connection_count), sum(bytes_in),"
         f' sum(bytes_out), min(first_seen), max(last_seen) FROM "{FlowGroup._meta.db_table}"'
         " WHERE workload_id = ANY(%s) AND start >= %s AND start <= %s AND window_id = ANY(%s)"
-        " GROUP BY 1, 2, 3, 4, 5, 6, 7 " + _hours_upsert_clause("LEAST", "GREATEST")
+        " GROUP BY 1, 2, 3, 4, 5, 6, 7 " + _upsert_clause(sums, "LEAST", "GREATEST")
     )
     starts = [start for _, _, start in windows]
     with connection.cursor() as cursor:
@@ -336,8 +370,8 @@ def flow_report_ingest(*, workload_id: str, data: Any) -> dict:
 
 def flow_reports_write(items: list[SubmittedReport]) -> list[dict | Exception]:
     """Store the reports of distinct workloads in one transaction: one lock statement for their rows,
-    one id lookup per table, one COPY per table, one update of the workloads. Their hours are summed
-    later (`flow_hours_sum`). Returns each report's answer, or the problem that refused it.
+    one id lookup per table, one COPY per table, one update of the workloads. Their hours and blocks
+    are summed later (`flow_windows_sum`). Returns each report's answer, or the problem that refused it.
 
     The batch never waits for a workload's row: one that another transaction holds (a re-render, a
     mode change, another serve process's write) is skipped, and its report written alone afterwards,
@@ -531,6 +565,7 @@ def flow_evidence_prune(*, older_than: timedelta) -> Pruned:
     FlowGroup.objects.filter(end__lt=cutoff).delete()
     # An hour's windows start in it and end within the next: its sums go once both are past.
     FlowHour.objects.filter(hour__lt=cutoff - timedelta(hours=2)).delete()
+    FlowBlock.objects.filter(block__lt=cutoff - timedelta(hours=2)).delete()
     UnsummedWindow.objects.filter(start__lt=cutoff - timedelta(hours=2)).delete()
     windows, _ = FlowWindow.objects.filter(end__lt=cutoff).delete()
     gaps, _ = EvidenceGap.objects.filter(end__lt=cutoff).delete()

@@ -372,7 +372,7 @@ def test_reports_of_several_workloads_written_together_are_each_stored_and_answe
     import uuid
 
     from flows.models import FlowHour
-    from flows.services import flow_hours_sum, flow_reports_write
+    from flows.services import flow_reports_write, flow_windows_sum
 
     first, second, third = (enrolled(f"web-{i}", f"10.50.1.{i}")[0] for i in range(3))
     stored_before = at_agent_clock(golden(), clock.now())
@@ -395,7 +395,7 @@ def test_reports_of_several_workloads_written_together_are_each_stored_and_answe
         and EvidenceGap.objects.count() == 3
     )
     assert not FlowHour.objects.exists()  # summed later, by serve's housekeeping
-    assert flow_hours_sum(before=clock.now() + timedelta(days=3650)) == 3  # golden windows are in 2027
+    assert flow_windows_sum(before=clock.now() + timedelta(days=3650)) == 3  # golden windows are in 2027
     for workload in (first, second, third):
         hours = FlowHour.objects.filter(workload=workload)
         assert sorted(hours.values_list("connection_count", flat=True)) == [1, 3]

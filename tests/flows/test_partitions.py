@@ -11,7 +11,7 @@ from django.db import connection
 from controlplane import clock, runtime
 from flows.models import EvidenceGap, FlowGroup, FlowWindow
 from flows.partitions import PARTITIONED, flow_partitions_ahead, flow_partitions_list
-from flows.services import flow_hours_sum, flow_report_ingest
+from flows.services import flow_report_ingest, flow_windows_sum
 from tests.flows.test_ingestion import at_agent_clock, enrolled, golden
 from tests.support.requirements import require
 
@@ -67,7 +67,7 @@ def test_an_hours_sums_are_updated_in_place_on_pages_with_room_for_it():
     first, second = _window_between(hour, 2)  # two minutes of one hour, the same key
     for window in (first, second):  # the second arrives after the first was summed
         flow_report_ingest(workload_id=str(workload.id), data=_report("p", 100, [window]))
-        assert flow_hours_sum(before=hour + timedelta(hours=1)) == 1
+        assert flow_windows_sum(before=hour + timedelta(hours=1)) == 1
     name = f"flows_flowhour_p{hour.astimezone(UTC):%Y%m%d}"
     with connection.cursor() as cursor:
         cursor.execute("SELECT reloptions FROM pg_class WHERE relname = %s", [name])

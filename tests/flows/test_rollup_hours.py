@@ -9,11 +9,13 @@ import uuid
 from datetime import UTC, timedelta
 
 import pytest
+from django.db.models import Sum
 
 from controlplane import clock
-from flows.models import FlowGroup, FlowHour, UnsummedWindow
+from flows.buckets import BLOCK, HOUR, span_start
+from flows.models import FlowBlock, FlowGroup, FlowHour, UnsummedWindow
 from flows.selectors import _groups_in_range, _ruleset_of_rule, _sums, flow_rollup, simulation_review
-from flows.services import flow_hours_sum, flow_report_ingest
+from flows.services import flow_report_ingest, flow_windows_sum
 from tests.flows.test_ingestion import _report, enrolled
 
 GROUPINGS = [
@@ -69,21 +71,21 @@ def test_hourly_sums_and_edges_add_up_to_the_minute_rows(db, seed):
     enrolled("db", "10.50.0.2")
     begin = (clock.now() - timedelta(hours=5)).replace(minute=0, second=0, microsecond=0)
     windows = _random_windows(rng, begin, 60)
-    halfway = begin + timedelta(minutes=120)
+    halfway = begin + timedelta(minutes=130)  # a block, not an hour: an hour summed in part
     for chunk in (windows[:25], windows[25:]):  # two reports: hours summed across reports
         answer = flow_report_ingest(workload_id=str(web.id), data=_report("p1", 100, chunk))
         assert all(r["result"] == "accepted" for r in answer["windows"])
     # Rollups add up the same before summing, half summed (a summed hour with windows arriving after
     # it was summed) and all summed.
     _rollups_equal_the_minute_rows(rng, begin)
-    assert flow_hours_sum(before=halfway, most=7) == sum(w["start"] < _instant(halfway) for w in windows)
+    assert flow_windows_sum(before=halfway, most=7) == sum(w["start"] < _instant(halfway) for w in windows)
     late = _random_windows(rng, begin, 10)
     flow_report_ingest(workload_id=str(web.id), data=_report("p1", 100, late))
     _rollups_equal_the_minute_rows(rng, begin)
-    assert flow_hours_sum(before=clock.now()) == 60 + 10 - sum(
+    assert flow_windows_sum(before=clock.now()) == 60 + 10 - sum(
         w["start"] < _instant(halfway) for w in windows
     )
-    assert FlowHour.objects.count() < FlowGroup.objects.count()
+    assert FlowHour.objects.count() < FlowBlock.objects.count() < FlowGroup.objects.count()
     assert not UnsummedWindow.objects.exists()
     _rollups_equal_the_minute_rows(rng, begin)
 
@@ -110,27 +112,26 @@ def _rollups_equal_the_minute_rows(rng: random.Random, begin) -> None:
         assert [_key(row) for row in would_block] == [_key(row) for row in expected], (start, end)
 
 
-def test_housekeeping_sums_an_hour_once_it_is_a_few_minutes_over(db, clock_at):
-    from controlplane.housekeeping import flow_hours_sum_step
+def test_housekeeping_sums_a_block_once_it_is_a_few_minutes_over_into_its_hour_and_block(db, clock_at):
+    from controlplane.housekeeping import flow_windows_sum_step
+    from tests.flows.test_ingestion import _window_between
 
     web, _, _ = enrolled("web", "10.50.0.1")
-    hour = clock.now().replace(minute=0, second=0, microsecond=0) - timedelta(hours=1)
-    earlier, later = (
-        [
-            w
-            for w in _random_windows(random.Random(4), start, 40)
-            if w["start"] < _instant(start + timedelta(hours=1))
-        ]
-        for start in (hour, hour + timedelta(hours=1))
-    )
+    block = span_start(clock.now(), BLOCK) - 2 * BLOCK
+    earlier, later = (_window_between(start - timedelta(minutes=1), 10) for start in (block, block + BLOCK))
     flow_report_ingest(workload_id=str(web.id), data=_report("p1", 100, earlier + later))
-    clock_at(hour + timedelta(hours=1, minutes=2) - clock.now())
-    assert flow_hours_sum_step() == 0  # windows of the hour just over may still be on their way
-    clock_at(timedelta(minutes=4))
-    assert flow_hours_sum_step() == len(earlier)
-    assert {h.hour for h in FlowHour.objects.all()} == {hour}
-    clock_at(timedelta(hours=1))
-    assert flow_hours_sum_step() == len(later) and not UnsummedWindow.objects.exists()
+    clock_at(block + BLOCK + timedelta(minutes=2) - clock.now())
+    assert flow_windows_sum_step() == 0  # windows of the block just over may still be on their way
+    clock_at(timedelta(minutes=2))
+    assert flow_windows_sum_step() == len(earlier) == 10
+    assert {b.block for b in FlowBlock.objects.all()} == {block}
+    assert {h.hour for h in FlowHour.objects.all()} == {span_start(block, HOUR)}
+    clock_at(BLOCK)
+    assert flow_windows_sum_step() == len(later) and not UnsummedWindow.objects.exists()
+    assert {b.block for b in FlowBlock.objects.all()} == {block, block + BLOCK}
+    # Both blocks' windows are in their hours' sums, once each.
+    for model in (FlowHour, FlowBlock):
+        assert model.objects.aggregate(total=Sum("connection_count"))["total"] == 20
 
 
 @pytest.mark.postgres
@@ -148,7 +149,7 @@ def test_serve_processes_summing_at_once_sum_each_window_once(transactional_db):
         workload, _, _ = enrolled(f"web-{index}", f"10.50.0.{index + 1}")
         windows = _random_windows(rng, begin, 40)
         flow_report_ingest(workload_id=str(workload.id), data=_report("p1", 100, windows))
-    results = race(*[lambda: flow_hours_sum(before=clock.now(), most=7) for _ in range(4)])
+    results = race(*[lambda: flow_windows_sum(before=clock.now(), most=7) for _ in range(4)])
     assert sum(results) == 120, results
     sums = {
         model: {
@@ -157,6 +158,6 @@ def test_serve_processes_summing_at_once_sum_each_window_once(transactional_db):
                 n=Sum("connection_count")
             )
         }
-        for model in (FlowHour, FlowGroup)
+        for model in (FlowHour, FlowBlock, FlowGroup)
     }
-    assert sums[FlowHour] == sums[FlowGroup]
+    assert sums[FlowHour] == sums[FlowBlock] == sums[FlowGroup]
