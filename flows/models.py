@@ -90,6 +90,9 @@ class FlowHour(FlowCounters):
                 name="flow_hour_key",
             )
         ]
+        # A rollup of the whole fleet reads its hours by hour alone. Updates never change `hour`, so
+        # they stay HOT.
+        indexes = [models.Index(fields=["hour"], name="flow_hour_start")]
 
 
 class FlowBlock(FlowCounters):
@@ -113,6 +116,8 @@ class FlowBlock(FlowCounters):
                 name="flow_block_key",
             )
         ]
+        # A rollup reads a few blocks at each edge of its range, of a day's: by block, not the day.
+        indexes = [models.Index(fields=["block"], name="flow_block_start")]
 
 
 class UnsummedWindow(models.Model):

@@ -116,8 +116,13 @@ class Migration(migrations.Migration):
                         name="flow_block_key",
                     )
                 ],
+                "indexes": [models.Index(fields=["block"], name="flow_block_start")],
             },
         ),
         migrations.RunPython(partition, elidable=False),  # irreversible: the rows stay partitioned
         migrations.RunPython(backfill, elidable=False),
+        migrations.AddIndex(
+            model_name="flowhour",
+            index=models.Index(fields=["hour"], name="flow_hour_start"),
+        ),
     ]
