@@ -402,13 +402,13 @@ def load_rollup_data(ids: list[str], hours: int, keys: int) -> int:
         copy_rows(ids, windows=chunk, keys=keys, start=end - timedelta(hours=hour), minutes=60)
     import psycopg
 
-    from flows.buckets import BLOCK
-    from flows.services import flow_sums_due, flow_windows_sum
+    from flows.buckets import BLOCK, sums_due
+    from flows.services import flow_windows_sum
 
     # As serve's housekeeping leaves them: every window recorded as unsummed, as ingestion records it,
     # then summed by the real function a ten-minute block at a time, as housekeeping sums them (so each
     # hour's rows are updated once a block); the blocks under way stay unsummed.
-    due = flow_sums_due(now=datetime.now(UTC))
+    due = sums_due(now=datetime.now(UTC))
     rounds = [due - BLOCK * n for n in range(hours * 6 + 6, -1, -1)]
     with psycopg.connect(DB_URL, autocommit=True) as conn:
         conn.execute(
@@ -471,14 +471,16 @@ def bench_rollup(hours: int, samples: int) -> dict:
         rows = product()
         ours.append(time.perf_counter() - began)
     theirs = []
-    with psycopg.connect(DB_URL) as conn:
+    # The session as serve's (controlplane/settings.py): without JIT compilation.
+    session = connection.get_connection_params()["options"]
+    with psycopg.connect(DB_URL, options=session) as conn:
         raw(conn)
         for _ in range(samples):
             began = time.perf_counter()
             raw_rows = raw(conn)
             theirs.append(time.perf_counter() - began)
     assert len(rows) == min(len(raw_rows), 100), (len(rows), len(raw_rows))
-    with psycopg.connect(DB_URL) as conn:
+    with psycopg.connect(DB_URL, options=session) as conn:
         plan = "\n\n".join(
             "\n".join(row[0] for row in conn.execute("EXPLAIN (ANALYZE, BUFFERS) " + sql).fetchall())
             for sql in sqls

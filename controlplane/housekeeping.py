@@ -60,9 +60,10 @@ def flow_windows_sum_step() -> int:
     """The hourly and ten-minute sums rollups read, for every ten-minute block over a few minutes ago
     (flows.services)."""
     from controlplane import clock
-    from flows.services import flow_sums_due, flow_windows_sum
+    from flows.buckets import sums_due
+    from flows.services import flow_windows_sum
 
-    summed = flow_windows_sum(before=flow_sums_due(now=clock.now()))
+    summed = flow_windows_sum(before=sums_due(now=clock.now()))
     if summed:
         log.info("added %d flow windows to their hourly and ten-minute sums", summed)
     return summed

@@ -11,6 +11,18 @@ BLOCK = timedelta(minutes=10)
 ORIGIN = datetime(2000, 1, 1, tzinfo=UTC)
 
 
+# A block's windows are summed this long after it ends: by then the windows that started in it (a
+# minute long by default, sent as they close) have arrived, so its rows are written once and its
+# hour's rows once a block. A window arriving later is summed on a later round, adding to the rows.
+SUMMED_AFTER = timedelta(minutes=3)
+
+
+def sums_due(*, now: datetime) -> datetime:
+    """Windows that start before this are summed by serve's housekeeping (flows.services
+    flow_windows_sum): those of every block over by SUMMED_AFTER."""
+    return span_start(now - SUMMED_AFTER, BLOCK)
+
+
 def span_start(instant: datetime, span: timedelta) -> datetime:
     """The start of the span that holds `instant`."""
     return instant - (instant - ORIGIN) % span

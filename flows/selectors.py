@@ -7,12 +7,13 @@ from datetime import UTC, datetime, timedelta
 
 from django.db.models import Exists, Max, Min, OuterRef, Prefetch, Q, Subquery, Sum
 
+from controlplane import clock
 from controlplane.pagination import OrderKey, Page, list_fingerprint, paginate
 from controlplane.problems import Finding, ValidationFailed
 from controlplane.validation import is_digits, parse_instant
 from fleet.models import Workload
 from fleet.selectors import workload_get, workload_queryset
-from flows.buckets import BLOCK, HOUR, whole_spans
+from flows.buckets import BLOCK, HOUR, sums_due, whole_spans
 from flows.choices import Decision
 from flows.models import EvidenceGap, FlowBlock, FlowGroup, FlowHour, FlowWindow, UnsummedWindow
 from policy.grammar import Selector
@@ -308,28 +309,32 @@ def _summed_by_spans(selected, columns: list[str], start: datetime, end: datetim
     """Every group of the range summed by `columns`, in key order, for a range that holds a whole
     ten-minute block: its whole hours from the hourly sums, the whole blocks left at either side from
     the ten-minute sums, the groups of windows in those not summed yet, and the minute rows only at the
-    two edges (under ten minutes each). One statement: summing moves windows from the groups read to
-    the sums, and two statements could see a window in both or in neither. `filters` narrow every part
-    by key columns."""
+    two edges (under ten minutes each, and the blocks too recent to be summed). One statement: summing
+    moves windows from the groups read to the sums, and two statements could see a window in both or in
+    neither. `filters` narrow every part by key columns."""
     first_block, last_block = whole_spans(start, end, BLOCK)
-    hours = whole_spans(start, end, HOUR)
-    first_hour, last_hour = hours or (last_block, last_block)  # no whole hour: the blocks take it all
+    # The blocks from here on are not summed yet, bar a round of housekeeping that ran late: read as
+    # minute rows at the edge, not window by window from the unsummed list. Exact wherever it falls:
+    # the sums are read only before it, and the minute rows only from it on.
+    split = min(last_block, max(first_block, sums_due(now=clock.now())))
+    hours = whole_spans(first_block, split, HOUR)
+    first_hour, last_hour = hours or (split, split)  # no whole hour: the blocks take it all
     groups = _groups_in_range(selected, start, end).filter(**filters)
     sums = [
         FlowHour.objects.filter(hour__gte=first_hour, hour__lt=last_hour, **filters),
         # Two plain ranges, not one OR: each reads only its own partitions and index range.
         FlowBlock.objects.filter(block__gte=first_block, block__lt=first_hour, **filters),
-        FlowBlock.objects.filter(block__gte=last_hour, block__lt=last_block, **filters),
+        FlowBlock.objects.filter(block__gte=last_hour, block__lt=split, **filters),
     ]
     if selected is not None:
         sums = [part.filter(workload__in=selected) for part in sums]
     if "ruleset_id" in columns:
         groups = groups.annotate(ruleset_id=_ruleset_of_rule())
         sums = [part.annotate(ruleset_id=_ruleset_of_rule()) for part in sums]
-    unsummed = UnsummedWindow.objects.filter(start__gte=first_block, start__lt=last_block)
-    edges = [groups.filter(start__lt=first_block), groups.filter(start__gte=last_block)]
+    unsummed = UnsummedWindow.objects.filter(start__gte=first_block, start__lt=split)
+    edges = [groups.filter(start__lt=first_block), groups.filter(start__gte=split)]
     within = groups.filter(
-        start__gte=first_block, start__lt=last_block, window_id__in=unsummed.values("window_id")
+        start__gte=first_block, start__lt=split, window_id__in=unsummed.values("window_id")
     )
     parts = [_sums(part, columns) for part in (*sums[1:], *edges, within)]
     return _merged(_sums(sums[0], columns).union(*parts, all=True), columns=columns)

@@ -189,17 +189,7 @@ def _upsert_clause(sums: _Sums, least: str, greatest: str) -> str:
     return f"ON CONFLICT ({conflict}) DO UPDATE SET {', '.join(updates)}"
 
 
-# A block's windows are summed this long after it ends: by then the windows that started in it (a
-# minute long by default, sent as they close) have arrived, so its rows are written once and its
-# hour's rows once a block. A window arriving later is summed on a later round, adding to the rows.
-SUMMED_AFTER = timedelta(minutes=3)
 WINDOWS_PER_SUM = 5000  # a transaction of about 250,000 group rows at 50 keys a window
-
-
-def flow_sums_due(*, now: datetime) -> datetime:
-    """Windows that start before this are summed (serve's housekeeping): those of every block over
-    by SUMMED_AFTER."""
-    return span_start(now - SUMMED_AFTER, BLOCK)
 
 
 def flow_windows_sum(*, before: datetime, most: int = WINDOWS_PER_SUM) -> int:
