@@ -3,10 +3,10 @@
 
     .venv/bin/python bench/bench_flows.py [--workloads 10000] [--reports 2000] [--keys 50] [--threads 16]
         [--agents 1000] [--clients 4] [--rollup-workloads 1000] [--rollup-hours 24] [--rollup-keys 5]
-        [--samples 30]
+        [--samples 30] [--keep-database]
 
 Needs PostgreSQL (DATABASE_URL names the server; a throwaway database `palisade_bench_flows` is made
-and dropped). Measured in one run:
+and dropped, unless --keep-database). Measured in one run:
 
 1. Ingestion: a fleet of --workloads workloads; --reports reports, each one window of --keys keys
    from a random workload, go through what the gateway does after the signature check: the JSON body
@@ -14,18 +14,19 @@ and dropped). Measured in one run:
    partitions, agent_silent, skew, the workload's fields). Rows/s (windows + groups) as a ratio against
    psycopg's COPY of the same number of rows into the same tables (target >= 0.5), and whether that
    keeps up with 10,000 workloads x 50 keys a minute (8,333 group rows/s) in one process. Then the
-   same windows summed into their hours (serve's housekeeping does it once an hour is over), and the
-   ratio again with that time added.
+   same windows summed into their hours and ten-minute blocks (serve's housekeeping does it a few
+   minutes after each block), and the ratio again with that time added.
 2. The same through the real serve: --agents workloads with real keys and signed credentials (rows
    as enrolment leaves them), the reports signed as the agent signs them and POSTed over TLS to the
    gateway listener by --clients client processes (4 keep-alive connections each); rows/s against the
    same COPY, serve's CPU per report, and whether serve keeps up with the fleet; then with the
-   windows summed into their hours, as in 1.
+   windows summed, as in 1.
 3. Rollup: --rollup-workloads workloads (one label selects them) with a window a minute for
-   --rollup-hours hours of --rollup-keys keys each, loaded with COPY; `flows.selectors.flow_rollup`
-   grouped by peer and service over the whole range, p95 of --samples runs (target under 300 ms), as a
-   ratio against the same SQL (captured from the selector) run through psycopg alone; its plan is kept
-   in the results.
+   --rollup-hours hours of --rollup-keys keys each, loaded with COPY and summed a block at a time by
+   the real `flow_windows_sum`; what GET /flows/rollup computes (`flows.selectors.flow_rollup` grouped
+   by peer and service over the whole range, and the range's coverage), p95 of --samples runs (target
+   under 300 ms), as a ratio against the same SQL (captured from the selectors) run through psycopg
+   alone in the same session settings; its plan is kept in the results.
 4. Storage: bytes per group row and per window row (tables and indexes, every partition).
 Results: bench/results/flows.json.
 """
@@ -452,7 +453,7 @@ def bench_rollup(hours: int, samples: int) -> dict:
 
     with CaptureQueriesContext(connection) as captured:
         product()
-    # Every query the endpoint's functions ran; the sums' rows (hourly sums and the two edges of
+    # Every query the endpoint's functions ran; the sums' rows (the sums and the edges of
     # minute rows) added up here.
     sqls = [q["sql"] for q in captured.captured_queries]
 
@@ -554,7 +555,7 @@ def main() -> int:
         ids = workloads_insert(args.workloads, {"group": "fleet"}, rng)
         ingestion = bench_ingestion(ids, args.reports, args.keys, args.threads, rng)
         log(f"ingestion: {ingestion['ingest_rows_per_second']} rows/s, COPY {ingestion['copy_rows_per_second']} "
-            f"rows/s, ratio {ingestion['ratio_ingest_over_copy']} (target >= {RATIO_TARGET}); with the hourly sums "
+            f"rows/s, ratio {ingestion['ratio_ingest_over_copy']} (target >= {RATIO_TARGET}); with summing "
             f"({ingestion['hours_sum_seconds']} s) {ingestion['ratio_with_hourly_sums_over_copy']}")  # fmt: skip
         gateway = bench_gateway(args.reports, args.keys, args.agents, args.clients, args.connections, rng)
         copy_rate = ingestion["copy_rows_per_second"]
@@ -564,7 +565,7 @@ def main() -> int:
         )
         log(f"through serve's gateway: {gateway['rows_per_second']} rows/s ({gateway['reports_per_second']} "
             f"reports/s, serve {gateway['serve_cpu_ms_per_report']} ms CPU each), ratio over COPY {gateway['ratio_over_copy']} (target >= {RATIO_TARGET}); "
-            f"with the hourly sums ({gateway['hours_sum_seconds']} s, PostgreSQL {gateway['hours_sum_postgres_cpu_ms_per_report']} ms CPU "
+            f"with summing ({gateway['hours_sum_seconds']} s, PostgreSQL {gateway['hours_sum_postgres_cpu_ms_per_report']} ms CPU "
             f"per report) {gateway['ratio_with_hourly_sums_over_copy']}; keeps up with the fleet: {gateway['one_process_keeps_up']}")  # fmt: skip
         log(f"CPU per report: serve {gateway['serve_cpu_ms_per_report']} ms, clients {gateway['clients_cpu_ms_per_report']} ms, "
             f"PostgreSQL {gateway['postgres_cpu_ms_per_report']} ms on {os.cpu_count()} cores; one core of serve's: "
