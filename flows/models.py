@@ -64,24 +64,32 @@ class FlowGroup(FlowCounters):
         ]
 
 
-class FlowHour(FlowCounters):
-    """The groups of one workload's windows that start in one hour, summed per key: what a rollup
-    reads for the whole hours of its range (ten-minute sums and minute rows only at its edges, and the
-    minute rows of windows not summed yet). Written by serve's housekeeping a few minutes after each
-    ten-minute block is over (flows.services.flow_windows_sum), not by ingestion: each row is then
-    written six times an hour instead of once a minute per workload."""
+class FlowSums(FlowCounters):
+    """The groups of one workload's windows that start in one span, summed per key. Written by
+    serve's housekeeping a few minutes after each ten-minute block is over
+    (flows.services.flow_windows_sum), not by ingestion."""
 
     id = models.BigAutoField(primary_key=True)
-    hour = models.DateTimeField()
     rule_number = models.PositiveIntegerField()  # 0: no rule decided (a key column, so never null)
-    # A window arriving after its hour was summed updates the hour's rows in place. No index of their
-    # own on these two: the key's unique index leads with the workload, and nothing looks rows up by
-    # peer workload; an update that touches no indexed column can stay on its page (a HOT update,
-    # flows/partitions.py).
+    # Summing updates rows in place (an hour's once a block, any row for a window that arrived late).
+    # No index of their own on these two: the key's unique index leads with the workload, and nothing
+    # looks rows up by peer workload; an update that touches no indexed column can stay on its page (a
+    # HOT update, flows/partitions.py).
     workload = models.ForeignKey(Workload, on_delete=models.CASCADE, related_name="+", db_index=False)
     peer_workload = models.ForeignKey(
         Workload, on_delete=models.SET_NULL, null=True, related_name="+", db_index=False
     )
+
+    class Meta:
+        abstract = True
+
+
+class FlowHour(FlowSums):
+    """Sums over an hour: what a rollup reads for the whole hours of its range (ten-minute sums and
+    minute rows only at its edges, and the minute rows of windows not summed yet). Each row is written
+    six times an hour instead of once a minute per workload."""
+
+    hour = models.DateTimeField()
 
     class Meta:
         constraints = [
@@ -95,19 +103,13 @@ class FlowHour(FlowCounters):
         indexes = [models.Index(fields=["hour"], name="flow_hour_start")]
 
 
-class FlowBlock(FlowCounters):
-    """The same sums over ten-minute blocks: what a rollup reads for the whole blocks in the part-hours
-    at its range's edges, so that it reads at most ten minutes of minute rows on each side (a day's
-    range ending now is otherwise up to an hour of every selected workload's minute rows). Written with
-    the hourly sums, from the same windows, in the same transaction."""
+class FlowBlock(FlowSums):
+    """Sums over ten-minute blocks: what a rollup reads for the whole blocks in the part-hours at its
+    range's edges, so that it reads at most ten minutes of minute rows on each side (a day's range
+    ending now is otherwise up to an hour of every selected workload's minute rows). Written with the
+    hourly sums, from the same windows, in the same transaction."""
 
-    id = models.BigAutoField(primary_key=True)
     block = models.DateTimeField()  # its start: a multiple of ten minutes
-    rule_number = models.PositiveIntegerField()  # 0: no rule decided, as in the hourly sums
-    workload = models.ForeignKey(Workload, on_delete=models.CASCADE, related_name="+", db_index=False)
-    peer_workload = models.ForeignKey(
-        Workload, on_delete=models.SET_NULL, null=True, related_name="+", db_index=False
-    )
 
     class Meta:
         constraints = [
