@@ -399,8 +399,8 @@ def unused_rules(selected, start: datetime, end: datetime) -> list[Rule]:
 
 def _would_block(selected, start: datetime, end: datetime) -> list[dict]:
     """The would-block groups of the range by workload, peer and service, most connections first. A
-    range of whole hours reads the sums: a day of a thousand workloads is millions of minute rows but
-    a hundred thousand hour rows."""
+    range holding a whole ten-minute block reads the sums, as the rollup does: a day of a thousand
+    workloads is millions of minute rows but a hundred thousand hour rows."""
     columns = ["workload_id", "peer", "protocol", "port"]
     if whole_spans(start, end, BLOCK) is None:
         groups = _groups_in_range(selected, start, end).filter(decision=Decision.WOULD_BLOCK)
