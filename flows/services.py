@@ -20,7 +20,7 @@ from controlplane import clock
 from controlplane.problems import Problem
 from fleet.models import Workload
 from fleet.selectors import workload_get
-from flows.buckets import BLOCK, HOUR, span_start
+from flows.buckets import BLOCK, HOUR, ORIGIN, span_start
 from flows.choices import GapKind
 from flows.group_commit import GroupCommit
 from flows.models import EvidenceGap, FlowBlock, FlowGroup, FlowHour, FlowWindow, UnsummedWindow
@@ -156,12 +156,16 @@ def _binary_copy_type(field) -> str:
 
 @dataclass(frozen=True)
 class _Sums:
-    """A table of sums: its model, the column holding its span's start, and that start in SQL."""
+    """A table of sums: its model, the column holding its span's start, and the span."""
 
     model: type
     bucket: str
     span: timedelta
-    in_postgresql: str  # of a group's `start`, as flows.buckets.span_start finds it
+
+    def in_postgresql(self) -> str:
+        """The span's start of a group's `start` in SQL, as flows.buckets.span_start finds it."""
+        origin = ORIGIN.isoformat(sep=" ")
+        return f"date_bin('{int(self.span.total_seconds())} seconds', start, TIMESTAMPTZ '{origin}')"
 
     def key(self) -> tuple[str, ...]:
         return ("workload_id", self.bucket, "peer", "protocol", "port", "decision", "rule_number")
@@ -171,10 +175,7 @@ class _Sums:
 
 
 SUMMED = ("connection_count", "bytes_in", "bytes_out")
-SUMS = (
-    _Sums(FlowHour, "hour", HOUR, "date_trunc('hour', start, 'UTC')"),
-    _Sums(FlowBlock, "block", BLOCK, "date_bin('10 minutes', start, TIMESTAMPTZ '2000-01-01 00:00:00+00')"),
-)
+SUMS = (_Sums(FlowHour, "hour", HOUR), _Sums(FlowBlock, "block", BLOCK))
 SUM_ROWS_PER_STATEMENT = 2000  # 13 parameters each: under SQLite's 32,766
 
 
@@ -276,7 +277,7 @@ def _sums_add_in_postgresql(sums: _Sums, windows: list[tuple[uuid.UUID, uuid.UUI
     quoted = ", ".join(f'"{name}"' for name in sums.columns())
     sql = (
         f'INSERT INTO "{sums.model._meta.db_table}" ({quoted}) '  # noqa: S608 - our names
-        f"SELECT workload_id, {sums.in_postgresql}, peer, protocol, port, decision,"
+        f"SELECT workload_id, {sums.in_postgresql()}, peer, protocol, port, decision,"
         " coalesce(rule_number, 0), (array_agg(peer_workload_id))[1], sum(connection_count), sum(bytes_in),"
         f' sum(bytes_out), min(first_seen), max(last_seen) FROM "{FlowGroup._meta.db_table}"'
         " WHERE workload_id = ANY(%s) AND start >= %s AND start <= %s AND window_id = ANY(%s)"

@@ -14,30 +14,36 @@ HOUR_OF = {
     "postgresql": ("date_trunc('hour', start)", "(array_agg(peer_workload_id))[1]"),
     "sqlite": ("strftime('%Y-%m-%d %H:00:00', start)", "max(peer_workload_id)"),
 }
+# The sums of stored groups into a table of sums (migration 0008 fills its ten-minute sums with it too).
 BACKFILL = """
-INSERT INTO flows_flowhour (workload_id, hour, peer, peer_workload_id, protocol, port, decision, rule_number,
-                            connection_count, bytes_in, bytes_out, first_seen, last_seen)
-SELECT workload_id, {hour}, peer, {peer_workload}, protocol, port, decision, coalesce(rule_number, 0),
+INSERT INTO {table} (workload_id, {column}, peer, peer_workload_id, protocol, port, decision, rule_number,
+                     connection_count, bytes_in, bytes_out, first_seen, last_seen)
+SELECT workload_id, {bucket}, peer, {peer_workload}, protocol, port, decision, coalesce(rule_number, 0),
        sum(connection_count), sum(bytes_in), sum(bytes_out), min(first_seen), max(last_seen)
-FROM flows_flowgroup
-GROUP BY workload_id, {hour}, peer, protocol, port, decision, coalesce(rule_number, 0)
+FROM flows_flowgroup {where}
+GROUP BY workload_id, {bucket}, peer, protocol, port, decision, coalesce(rule_number, 0)
 """
+
+
+def partition_sums(cursor, table: str, key: str) -> None:
+    """Partition a table of sums by day (PostgreSQL), with the days the stored groups fall on, so that
+    their sums have somewhere to go. Migration 0008 partitions its ten-minute sums with it too."""
+    partitioned = importlib.import_module("flows.migrations.0002_partition_by_day")
+    partitioned._partition_table(cursor, table, key)
+    cursor.execute("SELECT DISTINCT (start AT TIME ZONE 'UTC')::date FROM flows_flowgroup")
+    for (day,) in cursor.fetchall():
+        cursor.execute(
+            f'CREATE TABLE IF NOT EXISTS "{table}_p{day:%Y%m%d}" PARTITION OF "{table}" '
+            f"FOR VALUES FROM ('{day.isoformat()}T00:00:00+00:00') "
+            f"TO ('{day.isoformat()}T00:00:00+00:00'::timestamptz + interval '1 day')"
+        )
 
 
 def partition(apps, schema_editor):
     if schema_editor.connection.vendor != "postgresql":
         return
-    partitioned = importlib.import_module("flows.migrations.0002_partition_by_day")
     with schema_editor.connection.cursor() as cursor:
-        partitioned._partition_table(cursor, "flows_flowhour", "hour")
-        # The days the groups already stored fall on, so that their sums have somewhere to go.
-        cursor.execute("SELECT DISTINCT (start AT TIME ZONE 'UTC')::date FROM flows_flowgroup")
-        for (day,) in cursor.fetchall():
-            cursor.execute(
-                f'CREATE TABLE IF NOT EXISTS "flows_flowhour_p{day:%Y%m%d}" PARTITION OF "flows_flowhour" '
-                f"FOR VALUES FROM ('{day.isoformat()}T00:00:00+00:00') "
-                f"TO ('{day.isoformat()}T00:00:00+00:00'::timestamptz + interval '1 day')"
-            )
+        partition_sums(cursor, "flows_flowhour", "hour")
 
 
 def backfill(apps, schema_editor):
@@ -45,7 +51,11 @@ def backfill(apps, schema_editor):
     vendor = schema_editor.connection.vendor
     with schema_editor.connection.cursor() as cursor:
         hour, peer_workload = HOUR_OF.get(vendor, HOUR_OF["postgresql"])
-        cursor.execute(BACKFILL.format(hour=hour, peer_workload=peer_workload))
+        cursor.execute(
+            BACKFILL.format(
+                table="flows_flowhour", column="hour", bucket=hour, peer_workload=peer_workload, where=""
+            )
+        )
 
 
 class Migration(migrations.Migration):

@@ -22,38 +22,30 @@ BLOCK_OF = {
         "max(peer_workload_id)",
     ),
 }
-BACKFILL = """
-INSERT INTO flows_flowblock (workload_id, block, peer, peer_workload_id, protocol, port, decision, rule_number,
-                             connection_count, bytes_in, bytes_out, first_seen, last_seen)
-SELECT workload_id, {block}, peer, {peer_workload}, protocol, port, decision, coalesce(rule_number, 0),
-       sum(connection_count), sum(bytes_in), sum(bytes_out), min(first_seen), max(last_seen)
-FROM flows_flowgroup
-WHERE window_id NOT IN (SELECT window_id FROM flows_unsummedwindow)
-GROUP BY workload_id, {block}, peer, protocol, port, decision, coalesce(rule_number, 0)
-"""
+# Migration 0004 partitions and fills the hourly sums the same way.
+HOURS = importlib.import_module("flows.migrations.0004_flow_hours")
 
 
 def partition(apps, schema_editor):
     if schema_editor.connection.vendor != "postgresql":
         return
-    partitioned = importlib.import_module("flows.migrations.0002_partition_by_day")
     with schema_editor.connection.cursor() as cursor:
-        partitioned._partition_table(cursor, "flows_flowblock", "block")
-        # The days the groups already stored fall on, so that their sums have somewhere to go.
-        cursor.execute("SELECT DISTINCT (start AT TIME ZONE 'UTC')::date FROM flows_flowgroup")
-        for (day,) in cursor.fetchall():
-            cursor.execute(
-                f'CREATE TABLE IF NOT EXISTS "flows_flowblock_p{day:%Y%m%d}" PARTITION OF "flows_flowblock" '
-                f"FOR VALUES FROM ('{day.isoformat()}T00:00:00+00:00') "
-                f"TO ('{day.isoformat()}T00:00:00+00:00'::timestamptz + interval '1 day')"
-            )
+        HOURS.partition_sums(cursor, "flows_flowblock", "block")
 
 
 def backfill(apps, schema_editor):
     vendor = schema_editor.connection.vendor
     with schema_editor.connection.cursor() as cursor:
         block, peer_workload = BLOCK_OF.get(vendor, BLOCK_OF["postgresql"])
-        cursor.execute(BACKFILL.format(block=block, peer_workload=peer_workload))
+        cursor.execute(
+            HOURS.BACKFILL.format(
+                table="flows_flowblock",
+                column="block",
+                bucket=block,
+                peer_workload=peer_workload,
+                where="WHERE window_id NOT IN (SELECT window_id FROM flows_unsummedwindow)",
+            )
+        )
 
 
 class Migration(migrations.Migration):
