@@ -75,6 +75,8 @@ class Workload(models.Model):
     # The longest window it ever reported (seconds): how long before a range one of its windows that
     # reaches into the range can start, so reads look back that far and not the hour windows may last.
     flow_window_seconds_longest = models.PositiveIntegerField(default=0)
+    # The window of its latest report: telemetry is live while a report arrived within two of them.
+    flow_window_seconds = models.PositiveIntegerField(default=0)
     rank = models.PositiveSmallIntegerField(default=RANK_OFFLINE)
 
     public_key = models.CharField(max_length=64)  # Ed25519, base64

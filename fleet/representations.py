@@ -15,7 +15,9 @@ from fleet.models import ModeChange, RenderedPolicy, Workload
 
 
 def telemetry_live(workload: Workload, now) -> bool:
-    window = timedelta(seconds=settings.PALISADE_FLOW_WINDOW_SECONDS)
+    """A report arrived within two of the workload's own flow windows (its agent's setting, as its
+    latest report states it); the fleet's default for workloads that reported before that was kept."""
+    window = timedelta(seconds=workload.flow_window_seconds or settings.PALISADE_FLOW_WINDOW_SECONDS)
     return workload.last_flow_report_at is not None and now - workload.last_flow_report_at <= 2 * window
 
 

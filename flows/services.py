@@ -298,6 +298,7 @@ def _sums_add_in_postgresql(sums: _Sums, windows: list[tuple[uuid.UUID, uuid.UUI
 
 WORKLOAD_FLOW_FIELDS = (
     "flow_window_seconds_longest",
+    "flow_window_seconds",
     "flow_process_start_id",
     "flow_process_alive_at",
     "last_flow_report_at",
@@ -433,6 +434,7 @@ def _reports_write(items: list[SubmittedReport], *, skip_locked: bool) -> list[d
                 "flow_window_seconds_longest": max(
                     workload.flow_window_seconds_longest, item.report.envelope.window_seconds
                 ),
+                "flow_window_seconds": item.report.envelope.window_seconds,
                 "flow_process_start_id": item.report.envelope.process_start_id,
                 "flow_process_alive_at": now,
                 "last_flow_report_at": now,

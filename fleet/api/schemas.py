@@ -31,7 +31,9 @@ class CredentialSerializer(serializers.Serializer):
 
 
 class HealthSerializer(serializers.Serializer):
-    telemetry_live = serializers.BooleanField(help_text="A flow report arrived within two flow windows.")
+    telemetry_live = serializers.BooleanField(
+        help_text="A flow report arrived within two of the workload's flow windows (as its latest report states)."
+    )
     clock_skew = inline_serializer(
         "ClockSkew",
         {

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.support.lab import TCP_SERVER, AgentProcess, NamespacedServe, probe
+from tests.support.lab import CUTTING_RELAY, TCP_SERVER, AgentProcess, NamespacedServe, probe
 from tests.support.netns import Lab, require_namespace_lab
 
 pytestmark = [pytest.mark.e2e, pytest.mark.root, pytest.mark.timeout(600)]
@@ -548,5 +548,80 @@ def test_connection_events_switched_off_are_a_conntrack_source_restart_and_the_d
     finally:
         _sysctl_events(lab, 2)
         web.kill()
+        serve.stop()
+    assert "Traceback" not in web.log(), web.log()
+
+
+def test_a_stream_cut_while_reports_arrive_is_reconnecting_and_no_window_is_lost(lab, tmp_path):
+    """A middlebox between the agent and the gateway that ends every connection older than 3 s: the
+    sync stream cannot stay up, each flow report (one short connection) still gets through. The API
+    shows the spec's Reconnecting (`sync.state` offline, `telemetry_live` true), the review counts the
+    workload offline, the connections made meanwhile are counted exactly, and no gap is recorded. An
+    agent killed afterwards is offline without telemetry within two of its windows."""
+    from datetime import UTC, datetime, timedelta
+
+    serve = NamespacedServe(
+        lab,
+        "cp",
+        tmp_path / "cp",
+        ["--gateway-advertise", f"{CP}:8443"],  # the relay's address, given to the agent
+        operator_listen=f"{CP}:8080",
+        gateway_listen=f"{CP}:8444",
+    ).start()
+    relay = lab.popen_python("cp", CUTTING_RELAY, f"{CP}:8443", f"{CP}:8444")
+    assert relay.stdout.readline().strip() == "ready"
+    web = AgentProcess(lab, "web", tmp_path / "web")
+
+    def relay_told(command: str) -> None:
+        relay.stdin.write(command + "\n")
+        relay.stdin.flush()
+        assert relay.stdout.readline().strip() == "ok"
+
+    try:
+        api, web_id = _enrolled(serve, web)
+        web.start("--flow-window-seconds", "2")
+        api.wait_converged(web_id)
+        began = datetime.now(UTC) - timedelta(seconds=2)
+        for _ in range(2):
+            assert probe(lab, "client", WEB, 8080) == "open"
+        api.wait_for("2 connections counted", lambda: _tcp_count(api, web_id, began, 8080) == 2, timeout=30)
+
+        relay_told("cut 3")
+
+        def reconnecting():
+            workload = api.workload(web_id)
+            return (
+                workload["sync"]["state"] == "offline" and workload["health"]["telemetry_live"] and workload
+            )
+
+        api.wait_for("Reconnecting: the stream down, telemetry live", reconnecting, timeout=30)
+        for _ in range(3):
+            assert probe(lab, "client", WEB, 8080) == "open"
+        api.wait_for("5 connections counted", lambda: _tcp_count(api, web_id, began, 8080) == 5, timeout=30)
+
+        def offline_in_review():
+            review = api.get("/flows/review", params={"workload": web_id, **_span(began)})
+            return review["offline_count"] == 1 and review
+
+        review = api.wait_for("the review to count the workload offline", offline_in_review, timeout=30)
+        assert review["verdict"] == "fail" and "1 workload is offline" in review["reasons"], review
+        assert [w["workload_id"] for w in review["offline"]] == [web_id]
+
+        relay_told("pass")
+        api.wait_converged(web_id)
+        assert _tcp_count(api, web_id, began, 8080) == 5
+        assert api.get("/flows/gaps", params={"workload": web_id, **_span(began)})["items"] == []
+
+        web.kill(signal.SIGKILL)
+
+        def offline_without_telemetry():
+            workload = api.workload(web_id)
+            return workload["sync"]["state"] == "offline" and not workload["health"]["telemetry_live"]
+
+        api.wait_for("offline, telemetry no longer live", offline_without_telemetry, timeout=20)
+    finally:
+        web.kill()
+        relay.kill()
+        relay.wait(10)
         serve.stop()
     assert "Traceback" not in web.log(), web.log()

@@ -231,6 +231,16 @@ def test_telemetry_live_is_two_flow_windows(api, db, clock_at, settings):
     assert api.get(f"/api/v1/workloads/{workload.id}").json()["health"]["telemetry_live"] is False
 
 
+def test_telemetry_live_is_two_of_the_windows_the_workload_reports(api, db, clock_at):
+    """An agent on 5-second windows has gone quiet after 10 seconds, not after two of the default's."""
+    workload = make_workload()
+    Workload.objects.filter(id=workload.id).update(last_flow_report_at=clock.now(), flow_window_seconds=5)
+    clock_at(timedelta(seconds=9))
+    assert api.get(f"/api/v1/workloads/{workload.id}").json()["health"]["telemetry_live"] is True
+    clock_at(timedelta(seconds=2))
+    assert api.get(f"/api/v1/workloads/{workload.id}").json()["health"]["telemetry_live"] is False
+
+
 def test_streams_silent_for_long_are_recorded_as_ended(db, clock_at):
     alive = connect(make_workload(hostname="alive"))
     orphan = connect(make_workload(hostname="orphan"))

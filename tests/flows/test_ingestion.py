@@ -115,6 +115,8 @@ def test_clock_skew_marks_the_workload_and_a_later_report_clears_it(api, db):
     health = api.get(f"/api/v1/workloads/{workload.id}").json()["health"]
     assert health["clock_skew"] is None and health["evidence_gap"]["kind"] == "source_overrun"
     assert health["telemetry_live"] is True
+    workload.refresh_from_db()
+    assert workload.flow_window_seconds == data["window_seconds"]  # telemetry_live counts two of these
 
 
 @pytest.mark.postgres

@@ -187,6 +187,61 @@ print("ready", flush=True)
 sys.stdin.read()
 """
 
+# A TCP relay (listen address, target address) that stands for a middlebox between agents and the
+# gateway: told "cut SECONDS" on stdin, it ends every connection older than that, as a firewall with a
+# short lifetime for connections would; "pass" lets them live again. It answers each command "ok".
+CUTTING_RELAY = """
+import socket, sys, threading, time
+def address(text):
+    host, _, port = text.rpartition(":")
+    return host, int(port)
+lifetime, links, lock = [None], [], threading.Lock()
+def pipe(a, b):
+    try:
+        while data := a.recv(65536):
+            b.sendall(data)
+    except OSError:
+        pass
+    for s in (a, b):
+        try:
+            s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+def accept(listener, target):
+    while True:
+        a, _ = listener.accept()
+        try:
+            b = socket.create_connection(target)
+        except OSError:
+            a.close()
+            continue
+        with lock:
+            links.append((time.monotonic(), a, b))
+        threading.Thread(target=pipe, args=(a, b), daemon=True).start()
+        threading.Thread(target=pipe, args=(b, a), daemon=True).start()
+def cut():
+    while True:
+        time.sleep(0.1)
+        with lock:
+            for link in list(links):
+                born, a, b = link
+                if lifetime[0] is not None and time.monotonic() - born > lifetime[0]:
+                    links.remove(link)
+                    for s in (a, b):
+                        try:
+                            s.shutdown(socket.SHUT_RDWR)
+                        except OSError:
+                            pass
+listener = socket.create_server(address(sys.argv[1]))
+threading.Thread(target=accept, args=(listener, address(sys.argv[2])), daemon=True).start()
+threading.Thread(target=cut, daemon=True).start()
+print("ready", flush=True)
+for line in sys.stdin:
+    word, *rest = line.split()
+    lifetime[0] = float(rest[0]) if word == "cut" else None
+    print("ok", flush=True)
+"""
+
 TCP_PROBE = """
 import socket, sys
 try:
