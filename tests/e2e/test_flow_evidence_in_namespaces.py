@@ -552,6 +552,28 @@ def test_connection_events_switched_off_are_a_conntrack_source_restart_and_the_d
     assert "Traceback" not in web.log(), web.log()
 
 
+def _serve_behind_relay(lab, tmp_path):
+    """serve with its gateway behind a CUTTING_RELAY in the same namespace: agents are given the relay's
+    address. Returns serve, the relay process and a function that gives the relay a command."""
+    serve = NamespacedServe(
+        lab,
+        "cp",
+        tmp_path / "cp",
+        ["--gateway-advertise", f"{CP}:8443"],
+        operator_listen=f"{CP}:8080",
+        gateway_listen=f"{CP}:8444",
+    ).start()
+    relay = lab.popen_python("cp", CUTTING_RELAY, f"{CP}:8443", f"{CP}:8444")
+    assert relay.stdout.readline().strip() == "ready"
+
+    def relay_told(command: str) -> None:
+        relay.stdin.write(command + "\n")
+        relay.stdin.flush()
+        assert relay.stdout.readline().strip() == "ok"
+
+    return serve, relay, relay_told
+
+
 def test_a_stream_cut_while_reports_arrive_is_reconnecting_and_no_window_is_lost(lab, tmp_path):
     """A middlebox between the agent and the gateway that ends every connection older than 3 s: the
     sync stream cannot stay up, each flow report (one short connection) still gets through. The API
@@ -560,23 +582,8 @@ def test_a_stream_cut_while_reports_arrive_is_reconnecting_and_no_window_is_lost
     agent killed afterwards is offline without telemetry within two of its windows."""
     from datetime import UTC, datetime, timedelta
 
-    serve = NamespacedServe(
-        lab,
-        "cp",
-        tmp_path / "cp",
-        ["--gateway-advertise", f"{CP}:8443"],  # the relay's address, given to the agent
-        operator_listen=f"{CP}:8080",
-        gateway_listen=f"{CP}:8444",
-    ).start()
-    relay = lab.popen_python("cp", CUTTING_RELAY, f"{CP}:8443", f"{CP}:8444")
-    assert relay.stdout.readline().strip() == "ready"
+    serve, relay, relay_told = _serve_behind_relay(lab, tmp_path)
     web = AgentProcess(lab, "web", tmp_path / "web")
-
-    def relay_told(command: str) -> None:
-        relay.stdin.write(command + "\n")
-        relay.stdin.flush()
-        assert relay.stdout.readline().strip() == "ok"
-
     try:
         api, web_id = _enrolled(serve, web)
         web.start("--flow-window-seconds", "2")
@@ -619,6 +626,46 @@ def test_a_stream_cut_while_reports_arrive_is_reconnecting_and_no_window_is_lost
             return workload["sync"]["state"] == "offline" and not workload["health"]["telemetry_live"]
 
         api.wait_for("offline, telemetry no longer live", offline_without_telemetry, timeout=20)
+    finally:
+        web.kill()
+        relay.kill()
+        relay.wait(10)
+        serve.stop()
+    assert "Traceback" not in web.log(), web.log()
+
+
+def test_the_gateway_unreachable_for_several_windows_is_ridden_out_with_the_windows_buffered(lab, tmp_path):
+    """Nothing reaches the gateway for longer than two windows while connections are made: the agent
+    keeps its windows and sends them late. One process ran throughout, so nothing was silent (rule 2):
+    no gap, and the counts are exact."""
+    from datetime import UTC, datetime, timedelta
+
+    serve, relay, relay_told = _serve_behind_relay(lab, tmp_path)
+    web = AgentProcess(lab, "web", tmp_path / "web")
+    try:
+        api, web_id = _enrolled(serve, web)
+        web.start("--flow-window-seconds", "2")
+        api.wait_converged(web_id)
+        began = datetime.now(UTC) - timedelta(seconds=2)
+        assert probe(lab, "client", WEB, 8080) == "open"
+        api.wait_for("1 connection counted", lambda: _tcp_count(api, web_id, began, 8080) == 1, timeout=30)
+
+        relay_told("cut 0")
+        api.wait_for(
+            "the workload offline, its telemetry no longer live",
+            lambda: not api.workload(web_id)["health"]["telemetry_live"],
+            timeout=20,
+        )
+        for _ in range(4):  # over about three windows
+            assert probe(lab, "client", WEB, 8080) == "open"
+            time.sleep(1)
+        assert _tcp_count(api, web_id, began, 8080) == 1  # nothing got through
+
+        relay_told("pass")
+        api.wait_for("5 connections counted", lambda: _tcp_count(api, web_id, began, 8080) == 5, timeout=60)
+        api.wait_converged(web_id)
+        assert api.get("/flows/gaps", params={"workload": web_id, **_span(began)})["items"] == []
+        assert api.workload(web_id)["health"]["evidence_gap"] is None
     finally:
         web.kill()
         relay.kill()

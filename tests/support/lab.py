@@ -189,7 +189,8 @@ sys.stdin.read()
 
 # A TCP relay (listen address, target address) that stands for a middlebox between agents and the
 # gateway: told "cut SECONDS" on stdin, it ends every connection older than that, as a firewall with a
-# short lifetime for connections would; "pass" lets them live again. It answers each command "ok".
+# short lifetime for connections would ("cut 0": the gateway unreachable, every connection refused);
+# "pass" lets them live again. It answers each command "ok".
 CUTTING_RELAY = """
 import socket, sys, threading, time
 def address(text):
@@ -210,6 +211,9 @@ def pipe(a, b):
 def accept(listener, target):
     while True:
         a, _ = listener.accept()
+        if lifetime[0] == 0:
+            a.close()
+            continue
         try:
             b = socket.create_connection(target)
         except OSError:
