@@ -2,22 +2,18 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
-
-from django.conf import settings
-
 from controlplane import clock
 from controlplane.clock import rfc3339
 from controlplane.conditional import version_text
 from fleet.choices import SyncState
 from fleet.credentials import credential_renewal_due_at, credential_state
 from fleet.models import ModeChange, RenderedPolicy, Workload
+from fleet.selectors import workload_flow_window
 
 
 def telemetry_live(workload: Workload, now) -> bool:
-    """A report arrived within two of the workload's own flow windows (its agent's setting, as its
-    latest report states it); the fleet's default for workloads that reported before that was kept."""
-    window = timedelta(seconds=workload.flow_window_seconds or settings.PALISADE_FLOW_WINDOW_SECONDS)
+    """A report arrived within two of the workload's own flow windows."""
+    window = workload_flow_window(seconds=workload.flow_window_seconds)
     return workload.last_flow_report_at is not None and now - workload.last_flow_report_at <= 2 * window
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
+from django.conf import settings
 from django.db import connection
 from django.db.models import Count, Q, QuerySet
 from django.db.models.fields.json import KeyTextTransform
@@ -16,6 +19,12 @@ from policy.grammar import GrammarError, Selector, parse_selector
 
 # Degraded and enforcement-removed first, then offline, pending, synced; by host name within each.
 FLEET_ORDER = (OrderKey("rank"), OrderKey("hostname"), OrderKey("id", read=lambda w: str(w.id)))
+
+
+def workload_flow_window(*, seconds: int) -> timedelta:
+    """A workload's flow window: its agent's, as its latest report states it; the fleet's default for a
+    workload that has not said."""
+    return timedelta(seconds=seconds or settings.PALISADE_FLOW_WINDOW_SECONDS)
 
 
 def label_filters_parse(texts: list[str]) -> list[Selector]:

@@ -79,7 +79,14 @@ def rollup_row_data(row: dict[str, Any], rule_ids: dict[int, str]) -> dict[str, 
 
 
 def coverage_data(coverage: dict[str, Any]) -> dict[str, Any]:
-    return {**coverage, "gaps": [evidence_gap_data(gap) for gap in coverage["gaps"]]}
+    return {
+        **coverage,
+        "gaps": [evidence_gap_data(gap) for gap in coverage["gaps"]],
+        "silent_workloads": [
+            {"workload_id": str(w["workload_id"]), "hostname": w["hostname"], "since": rfc3339(w["since"])}
+            for w in coverage["silent_workloads"]
+        ],
+    }
 
 
 def rule_data_brief(rule) -> dict[str, Any]:

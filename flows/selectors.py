@@ -12,7 +12,7 @@ from controlplane.pagination import OrderKey, Page, list_fingerprint, paginate
 from controlplane.problems import Finding, ValidationFailed
 from controlplane.validation import is_digits, parse_instant
 from fleet.models import Workload
-from fleet.selectors import workload_get, workload_queryset
+from fleet.selectors import workload_flow_window, workload_get, workload_queryset
 from flows.buckets import BLOCK, HOUR, sums_due, whole_spans
 from flows.choices import Decision
 from flows.models import EvidenceGap, FlowBlock, FlowGroup, FlowHour, FlowWindow, UnsummedWindow
@@ -228,8 +228,8 @@ def _workloads_of(selected):
 
 
 def coverage(selected, start: datetime, end: datetime) -> dict:
-    """What makes a total incomplete: the gaps intersecting the range and the selected workloads that
-    sent no window in it."""
+    """What makes a total incomplete: the gaps intersecting the range, the selected workloads that
+    sent no window in it, and those silent in it still (`_silent_workloads`)."""
     gaps = EvidenceGap.objects.filter(start__lt=end, end__gt=start)
     workloads = _workloads_of(selected)
     if selected is not None:
@@ -239,15 +239,40 @@ def coverage(selected, start: datetime, end: datetime) -> dict:
     reporting = FlowWindow.objects.filter(
         workload_id=OuterRef("id"), **_windows_in(start, end, _lookback(selected))
     )
-    silent = workloads.filter(~Exists(reporting)).order_by("hostname", "id")
-    gap_count, silent_count = gaps.count(), silent.count()
+    without_reports = workloads.filter(~Exists(reporting)).order_by("hostname", "id")
+    gap_count, without_reports_count = gaps.count(), without_reports.count()
+    silent = _silent_workloads(workloads, end)
     return {
-        "complete": gap_count == 0 and silent_count == 0,
+        "complete": gap_count == 0 and without_reports_count == 0 and not silent,
         "gap_count": gap_count,
         "gaps": list(gaps.order_by("start", "id")[:COVERAGE_LIST]),
-        "workloads_without_reports_count": silent_count,
-        "workloads_without_reports": [str(w) for w in silent.values_list("id", flat=True)[:COVERAGE_LIST]],
+        "workloads_without_reports_count": without_reports_count,
+        "workloads_without_reports": [
+            str(w) for w in without_reports.values_list("id", flat=True)[:COVERAGE_LIST]
+        ],
+        "silent_workloads_count": len(silent),
+        "silent_workloads": silent[:COVERAGE_LIST],
     }
+
+
+def _silent_workloads(workloads, end: datetime) -> list[dict]:
+    """The workloads whose agent has gone silent before the range's end (or now) and not come back:
+    offline, with no flow report and no heartbeat for more than two of its windows. The control plane
+    records that silence as an agent_silent gap only when the agent reports again (spec rule 2), so
+    until then nothing else says that the range from its last sign of life holds no evidence. A
+    workload that never sent a report is not here: it is among those without reports."""
+    from fleet.choices import SyncState
+
+    until = min(end, clock.now())
+    offline = workloads.filter(sync_state=SyncState.OFFLINE, last_flow_report_at__isnull=False).values_list(
+        "id", "hostname", "flow_window_seconds", "last_flow_report_at", "flow_process_alive_at", "last_heard_from"
+    )  # fmt: skip
+    silent = []
+    for workload_id, hostname, seconds, *signs in offline:
+        since = max(sign for sign in signs if sign is not None)
+        if since + 2 * workload_flow_window(seconds=seconds) < until:
+            silent.append({"workload_id": workload_id, "hostname": hostname, "since": since})
+    return sorted(silent, key=lambda w: (w["hostname"], w["workload_id"]))
 
 
 def _ruleset_of_rule():

@@ -71,9 +71,15 @@ class RollupRowSerializer(serializers.Serializer):
     last_seen = serializers.DateTimeField(help_text="Grouped by rule: the rule's last hit in the range.")
 
 
+class SilentWorkloadSerializer(serializers.Serializer):
+    workload_id = serializers.UUIDField()
+    hostname = serializers.CharField()
+    since = serializers.DateTimeField(help_text="Its last flow report or heartbeat.")
+
+
 class CoverageSerializer(serializers.Serializer):
     complete = serializers.BooleanField(
-        help_text="No gap and no silent workload: the totals are the whole truth."
+        help_text="No gap, no workload without reports, no silent workload: the totals are the whole truth."
     )
     gap_count = serializers.IntegerField()
     gaps = EvidenceGapSerializer(many=True, help_text="The first 100.")
@@ -81,6 +87,14 @@ class CoverageSerializer(serializers.Serializer):
     workloads_without_reports = serializers.ListField(
         child=serializers.UUIDField(), help_text="The first 100."
     )
+    silent_workloads_count = serializers.IntegerField(
+        help_text=(
+            "Workloads whose agent went silent before the range's end (or now) and has not reported since: "
+            "offline, with no flow report and no heartbeat for more than two of its windows. The agent_silent "
+            "gap is recorded only when it reports again; until then the range after `since` has no evidence."
+        )
+    )
+    silent_workloads = SilentWorkloadSerializer(many=True, help_text="The first 100.")
 
 
 class UnusedRuleSerializer(serializers.Serializer):

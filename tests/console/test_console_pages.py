@@ -203,3 +203,19 @@ def test_the_review_page_says_when_a_list_shows_only_the_first_of_many(browser, 
     make_workload(hostname="never-2")
     page = text(browser.get("/review?range=1h"))
     assert "2 workloads are offline" in page and "Showing the first 1 of 2." in page
+
+
+def test_the_flows_page_names_a_workload_gone_silent(browser):
+    """A dead agent's silence has no gap until it reports again: the coverage line says who and since."""
+    from datetime import timedelta
+
+    from controlplane import clock
+    from fleet.models import Workload
+
+    workload = make_workload(hostname="gone-quiet")
+    Workload.objects.filter(id=workload.id).update(
+        last_flow_report_at=clock.now() - timedelta(minutes=10), flow_window_seconds=60
+    )
+    page = text(browser.get("/flows?range=1h"))
+    assert "Incomplete:" in page and "1 silent since before its end (" in page, page
+    assert f'<a href="/workloads/{workload.id}">gone-quiet</a> since' in page

@@ -477,6 +477,16 @@ def test_an_agent_killed_for_longer_than_two_windows_is_one_agent_silent_gap_of_
         killed_at = datetime.now(UTC)
         web.kill(signal.SIGKILL)
         time.sleep(8)  # four windows
+
+        def coverage():
+            params = {"workload": web_id, "group_by": "workload", **_span(began)}
+            return api.get("/flows/rollup", params=params)["coverage"]
+
+        # Dead, not quiet: no gap is written until it reports again, and the coverage says so meanwhile.
+        silent = coverage()
+        assert silent["complete"] is False and [w["workload_id"] for w in silent["silent_workloads"]] == [
+            web_id
+        ], silent
         restarted_at = datetime.now(UTC)
         web.start(*flags)
         api.wait_converged(web_id)
@@ -493,6 +503,7 @@ def test_an_agent_killed_for_longer_than_two_windows_is_one_agent_silent_gap_of_
         assert killed_at - timedelta(seconds=3) <= silent_from <= killed_at, (killed_at, gap)
         # Up to the new process's start, less what its first window covers (windows align to the clock).
         assert restarted_at - timedelta(seconds=2) <= silent_to <= restarted_at + timedelta(seconds=5), gap
+        assert coverage()["silent_workloads"] == []
     finally:
         web.kill()
         serve.stop()

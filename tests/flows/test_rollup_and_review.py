@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from controlplane import clock
 from flows.services import flow_report_ingest
@@ -282,3 +282,43 @@ def test_a_review_of_no_workload_fails_rather_than_pass_vacuously(api, db):
     review = api.get("/api/v1/flows/review", {**_range(), "label": "app=nothing-has-this"}).json()
     assert review["verdict"] == "fail" and review["workload_count"] == 0
     assert review["reasons"] == ["the selection matches no workload"]
+
+
+def test_a_workload_gone_silent_is_named_in_the_coverage_until_it_reports_again(api, db, clock_at):
+    """Its agent_silent gap is written only when it reports again (rule 2). Until then the coverage
+    names it, with its last sign of life, so a total over the silence does not read as complete."""
+    from fleet.choices import SyncState
+    from fleet.models import Workload
+
+    web, _, _ = enrolled("web", "10.50.0.1")
+    quiet, _, _ = enrolled("quiet", "10.50.0.2")
+    reconnecting, _, _ = enrolled("reconnecting", "10.50.0.3")
+    for workload in (web, quiet, reconnecting):
+        _ingest(workload, _windows(workload, [{"connection_count": 1}]))
+    last_report = clock.now()
+    clock_at(timedelta(minutes=5))  # over two one-minute windows
+    # A quiet workload: its stream up, nothing to report. Reconnecting: its stream down, reports arriving.
+    Workload.objects.filter(id=quiet.id).update(sync_state=SyncState.SYNCED)
+    _ingest(reconnecting, _windows(reconnecting, [{"connection_count": 1}]))
+
+    def coverage(**span):
+        return api.get("/api/v1/flows/rollup", {**_range(), **span, "group_by": "workload"}).json()[
+            "coverage"
+        ]
+
+    covered = coverage()
+    assert covered["complete"] is False and covered["silent_workloads_count"] == 1, covered
+    (silent,) = covered["silent_workloads"]
+    assert silent["workload_id"] == str(web.id) and silent["hostname"] == "web"
+    assert abs(datetime.fromisoformat(silent["since"]) - last_report) < timedelta(seconds=1)
+    # A range that ends before two windows of silence passed holds no part of it.
+    text = lambda t: t.strftime("%Y-%m-%dT%H:%M:%SZ")  # noqa: E731
+    early = coverage(to=text(last_report + timedelta(seconds=90)))
+    assert early["silent_workloads_count"] == 0 and early["complete"] is True, early
+
+    # The agent back, from a new process: the silence becomes a recorded gap and leaves the list.
+    restarted = _report("p2", 30, _windows(web, [{"connection_count": 1}]))
+    flow_report_ingest(workload_id=str(web.id), data=restarted)
+    covered = coverage()
+    assert covered["silent_workloads_count"] == 0 and covered["silent_workloads"] == []
+    assert [g["kind"] for g in covered["gaps"]] == ["agent_silent"], covered

@@ -169,7 +169,8 @@ class Command(PalisadeCommand):
         flat = [_flat(row) for row in data]
         incomplete = (
             f"incomplete: {covered['gap_count']} gaps, "
-            f"{covered['workloads_without_reports_count']} workloads sent no report in the range"
+            f"{covered['workloads_without_reports_count']} workloads sent no report in the range, "
+            f"{covered['silent_workloads_count']} silent since before its end"
         )
         if o["csv"]:
             self.stdout.write(_csv(_rollup_columns(group_by), flat))
