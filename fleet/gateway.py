@@ -12,6 +12,7 @@ import logging
 import os
 import time
 import uuid
+from datetime import datetime
 
 from channels.consumer import get_handler_name
 from channels.generic.websocket import AsyncWebsocketConsumer
@@ -94,6 +95,7 @@ class SyncStreamConsumer(AsyncWebsocketConsumer):
         self.grant: streams.StreamGrant | None = None
         self.sent_version: str | None = None
         self.heard_at = 0.0
+        self.last_heartbeat: tuple[str, datetime] | None = None  # its process, when it arrived
         self.table_state: str | None = None
         await self.accept()
         await self.send_message(
@@ -205,6 +207,7 @@ class SyncStreamConsumer(AsyncWebsocketConsumer):
 
     async def on_heartbeat(self, message: protocol.Heartbeat) -> None:
         state = message.owned_table if message.owned_table in REPORTED_TABLE_STATES else None
+        self.last_heartbeat = (message.process_start_id, clock.now())
         now = time.monotonic()
         if state != self.table_state or now - self.heard_at >= HEARD_FROM_EVERY_SECONDS:
             self.heard_at, self.table_state = now, state
@@ -286,6 +289,8 @@ class SyncStreamConsumer(AsyncWebsocketConsumer):
         await self.channel_layer.group_discard(stream_group(self.grant.workload_id), self.channel_name)
         if held_streams.open_streams.pop(self.channel_name, None):
             await held_streams.db(sync.workload_stream_ended)(
-                workload_id=self.grant.workload_id, stream_id=self.stream_id
+                workload_id=self.grant.workload_id,
+                stream_id=self.stream_id,
+                last_heartbeat=self.last_heartbeat,
             )
             log.info("stream of %s ended (%s)", self.grant.hostname, code)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import uuid
 from collections import defaultdict
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from django.db import connection, transaction
 from django.db.models import Case, Value, When
@@ -151,8 +151,14 @@ def workload_apply_failed(*, workload_id, stream_id: str, version: str, error: s
     return workload
 
 
-def workload_stream_ended(*, workload_id, stream_id: str) -> Workload | None:
-    """The control plane recorded the end of the stream: any connected state -> offline."""
+def workload_stream_ended(
+    *, workload_id, stream_id: str, last_heartbeat: tuple[str, datetime] | None = None
+) -> Workload | None:
+    """The control plane recorded the end of the stream: any connected state -> offline.
+
+    `last_heartbeat` is the stream's last heartbeat (its process and when it arrived). Heartbeats are
+    written at most once a minute, so without it an agent killed in a quiet spell would look silent
+    from up to a minute before it died (the agent_silent gap would start that much too early)."""
     with transaction.atomic():
         workload = Workload.objects.select_for_update().filter(id=workload_id).first()
         if workload is None or not _current_stream(workload, stream_id):
@@ -160,7 +166,14 @@ def workload_stream_ended(*, workload_id, stream_id: str) -> Workload | None:
         workload.stream_id = ""
         workload.sync_state = SyncState.OFFLINE
         workload.last_heard_from = clock.now()
-        _save(workload, "stream_id", "sync_state", "last_heard_from")
+        fields = ["stream_id", "sync_state", "last_heard_from"]
+        if last_heartbeat is not None:
+            process, at = last_heartbeat
+            alive_at = workload.flow_process_alive_at
+            if process == workload.flow_process_start_id and (alive_at is None or at > alive_at):
+                workload.flow_process_alive_at = at
+                fields.append("flow_process_alive_at")
+        _save(workload, *fields)
     return workload
 
 

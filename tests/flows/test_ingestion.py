@@ -329,6 +329,31 @@ def test_heartbeats_of_the_old_process_and_late_windows_shorten_the_silence(db, 
     assert abs(end - (clock.now() - timedelta(seconds=10))) < timedelta(seconds=1)
 
 
+def test_a_stream_ending_records_its_last_heartbeat_so_the_silence_starts_there(db, clock_at):
+    """Heartbeats are written at most once a minute; the stream's end carries the last one it got."""
+    from fleet import sync
+
+    workload, _, _ = enrolled()
+    sync.workload_stream_opened(workload_id=workload.id, stream_id="s1")
+    flow_report_ingest(workload_id=str(workload.id), data=_report("p1", 100))
+    clock_at(timedelta(seconds=50))
+    last_heartbeat = clock.now()  # not written: under a minute since the last write
+    clock_at(timedelta(seconds=5))
+    sync.workload_stream_ended(workload_id=workload.id, stream_id="s1", last_heartbeat=("p1", last_heartbeat))
+    clock_at(timedelta(minutes=10))
+    flow_report_ingest(workload_id=str(workload.id), data=_report("p2", 30))
+    ((start, end),) = _silent()
+    assert start == last_heartbeat
+    # Another process's heartbeat says nothing of the one that reported (p2).
+    workload.refresh_from_db()
+    reported_at = workload.flow_process_alive_at
+    sync.workload_stream_opened(workload_id=workload.id, stream_id="s2")
+    clock_at(timedelta(minutes=1))
+    sync.workload_stream_ended(workload_id=workload.id, stream_id="s2", last_heartbeat=("p9", clock.now()))
+    workload.refresh_from_db()
+    assert workload.flow_process_alive_at == reported_at
+
+
 def test_odd_ids_and_peers_are_refused_per_window(db):
     workload, _, _ = enrolled()
     data = at_agent_clock(golden(), clock.now())
