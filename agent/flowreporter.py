@@ -194,6 +194,10 @@ class FlowReporter:
         self.attempt = 0
         self.next_send = 0.0
         self.last_acknowledged: str | None = None
+        # A new process reports once at start, even with nothing to say: that report is what lets the
+        # control plane record the silence before it (agent_silent), which a quiet workload would
+        # otherwise leave unrecorded until its first connection.
+        self.announced = False
         self.on_status = on_status
         self.status_at = 0.0
         self.status_sources: tuple[tuple[bool, int], ...] = ()
@@ -241,9 +245,10 @@ class FlowReporter:
     # --- reporting ---
 
     def send_pending(self) -> bool | None:
-        """Report what waits (one batch); True when acknowledged, False on failure, None if nothing waits."""
+        """Report what waits (one batch), and a new process's first report even when nothing does; True
+        when acknowledged, False on failure, None if nothing was sent."""
         windows, gaps = self.buffer.pending()
-        if not windows and not gaps:
+        if not windows and not gaps and self.announced:
             return None
         windows, gaps = _batch(windows[:MAX_WINDOWS_PER_REPORT]), gaps[:MAX_GAPS_PER_REPORT]
         enrolment = self.state.load_enrolment()  # the credential changes at each renewal
@@ -289,6 +294,7 @@ class FlowReporter:
                 window = by_id[result["id"]]
                 rejected.append(Gap("window_rejected", None, window["start"], window["end"], {"windows": 1}))
                 self.log("flow window refused", window=result["id"], reason=result.get("reason"))
+        self.announced = True
         self.buffer.acknowledge(done)
         if rejected:
             self.buffer.add([], rejected)
