@@ -43,10 +43,10 @@ def documents_prune_step() -> int:
 
 def flows_prune_step() -> int:
     """Stored flow evidence past its retention (`--flow-retention-days`, default 30)."""
-    from controlplane import runtime
+    from flows.retention import flow_retention
     from flows.services import flow_evidence_prune
 
-    pruned = flow_evidence_prune(older_than=timedelta(days=runtime.facts.retention_days))
+    pruned = flow_evidence_prune(older_than=flow_retention())
     if pruned.rows or pruned.partitions:
         log.info(
             "flow evidence past its retention: dropped %d day partitions, deleted %d windows and gaps",

@@ -8,6 +8,7 @@ from datetime import UTC, datetime, timedelta
 from django.db.models import Exists, Max, Min, OuterRef, Prefetch, Q, Subquery, Sum
 
 from controlplane import clock
+from controlplane.clock import rfc3339
 from controlplane.pagination import OrderKey, Page, list_fingerprint, paginate
 from controlplane.problems import Finding, ValidationFailed
 from controlplane.validation import is_digits, parse_instant
@@ -16,6 +17,7 @@ from fleet.selectors import workload_flow_window, workload_get, workload_queryse
 from flows.buckets import BLOCK, HOUR, sums_due, whole_spans
 from flows.choices import Decision
 from flows.models import EvidenceGap, FlowBlock, FlowGroup, FlowHour, FlowWindow, UnsummedWindow
+from flows.retention import flow_retention
 from policy.grammar import Selector
 from policy.models import Rule
 
@@ -229,7 +231,8 @@ def _workloads_of(selected):
 
 def coverage(selected, start: datetime, end: datetime) -> dict:
     """What makes a total incomplete: the gaps intersecting the range, the selected workloads that
-    sent no window in it, and those silent in it still (`_silent_workloads`)."""
+    sent no window in it, those silent in it still (`_silent_workloads`), and a start before the
+    retention's."""
     gaps = EvidenceGap.objects.filter(start__lt=end, end__gt=start)
     workloads = _workloads_of(selected)
     if selected is not None:
@@ -242,8 +245,12 @@ def coverage(selected, start: datetime, end: datetime) -> dict:
     without_reports = workloads.filter(~Exists(reporting)).order_by("hostname", "id")
     gap_count, without_reports_count = gaps.count(), without_reports.count()
     silent = _silent_workloads(workloads, end)
+    # Retention removes what ended before this; a range that begins earlier has lost that part.
+    retained_from = clock.now() - flow_retention()
     return {
-        "complete": gap_count == 0 and without_reports_count == 0 and not silent,
+        "complete": gap_count == 0 and without_reports_count == 0 and not silent and start >= retained_from,
+        "retained_from": retained_from,
+        "begins_before_retention": start < retained_from,
         "gap_count": gap_count,
         "gaps": list(gaps.order_by("start", "id")[:COVERAGE_LIST]),
         "workloads_without_reports_count": without_reports_count,
@@ -474,6 +481,10 @@ def simulation_review(*, selected, start: datetime, end: datetime) -> dict:
     # A selection of nothing would pass vacuously; the mode change it gates refuses it anyway.
     reasons = ["the selection matches no workload"] if selected_count == 0 else []
     reasons += [f"{count} {one if count == 1 else many}" for count, one, many in counts if count]
+    if covered["begins_before_retention"]:
+        reasons.append(
+            f"the range begins before the retention: evidence before {rfc3339(covered['retained_from'])} is removed"
+        )
     return {
         "verdict": "fail" if reasons else "pass",
         "reasons": reasons,

@@ -79,7 +79,17 @@ class SilentWorkloadSerializer(serializers.Serializer):
 
 class CoverageSerializer(serializers.Serializer):
     complete = serializers.BooleanField(
-        help_text="No gap, no workload without reports, no silent workload: the totals are the whole truth."
+        help_text=(
+            "No gap, no workload without reports, no silent workload, a range within the retention: "
+            "the totals are the whole truth."
+        )
+    )
+    retained_from = serializers.DateTimeField(
+        help_text="Evidence that ended before this is removed (the retention, serve's --flow-retention-days): "
+        "a range that begins earlier is not complete."
+    )
+    begins_before_retention = serializers.BooleanField(
+        help_text="The range begins before `retained_from`: its first part has been removed."
     )
     gap_count = serializers.IntegerField()
     gaps = EvidenceGapSerializer(many=True, help_text="The first 100.")

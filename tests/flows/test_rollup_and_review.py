@@ -171,6 +171,7 @@ def test_the_flows_command_rolls_up_and_reviews(db):
         "peer,rule_number,rule_id," + "connection_count,bytes_in,bytes_out,first_seen,last_seen",
     )
     assert "incomplete: 0 gaps, 1 workloads sent no report in the range" in err
+    assert "evidence before " in err and " removed" in err  # January lies before the retention
     code, out, _ = run_command("flows", "rollup", "--group-by", "peer", *empty)
     assert out.splitlines()[0] == "no flows in the range" and out.splitlines()[1].startswith("incomplete:")
     code, out, _ = run_command("flows", "review", *window, "--json")
@@ -322,3 +323,27 @@ def test_a_workload_gone_silent_is_named_in_the_coverage_until_it_reports_again(
     covered = coverage()
     assert covered["silent_workloads_count"] == 0 and covered["silent_workloads"] == []
     assert [g["kind"] for g in covered["gaps"]] == ["agent_silent"], covered
+
+
+def test_a_range_that_begins_before_the_retention_is_not_complete(api, db):
+    """Retention removed what ended before `retained_from`: a total that begins earlier lacks it."""
+    from controlplane import runtime
+
+    web, _, _ = enrolled("web", "10.50.0.1")
+    _ingest(web, _windows(web, [{"connection_count": 1}]))
+    runtime.facts_set(flow_retention_days=2)
+    text = lambda t: t.strftime("%Y-%m-%dT%H:%M:%SZ")  # noqa: E731
+    now = clock.now()
+    within = {"from": text(now - timedelta(days=1)), "to": text(now + timedelta(hours=1))}
+    covered = api.get("/api/v1/flows/rollup", {**within, "group_by": "peer"}).json()["coverage"]
+    assert covered["complete"] is True and covered["begins_before_retention"] is False
+    before = {**within, "from": text(now - timedelta(days=3))}
+    covered = api.get("/api/v1/flows/rollup", {**before, "group_by": "peer"}).json()["coverage"]
+    assert covered["complete"] is False and covered["begins_before_retention"] is True
+    assert abs(
+        datetime.fromisoformat(covered["retained_from"]) - (now - timedelta(days=2, hours=1))
+    ) < timedelta(seconds=5)
+    review = api.get("/api/v1/flows/review", {**before, "workload": str(web.id)}).json()
+    assert any(
+        r.startswith("the range begins before the retention: evidence before ") for r in review["reasons"]
+    )

@@ -171,6 +171,11 @@ class Command(PalisadeCommand):
             f"incomplete: {covered['gap_count']} gaps, "
             f"{covered['workloads_without_reports_count']} workloads sent no report in the range, "
             f"{covered['silent_workloads_count']} silent since before its end"
+            + (
+                f", evidence before {covered['retained_from']} removed"
+                if covered["begins_before_retention"]
+                else ""
+            )
         )
         if o["csv"]:
             self.stdout.write(_csv(_rollup_columns(group_by), flat))
