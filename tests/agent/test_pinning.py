@@ -23,11 +23,13 @@ from tests.support.agent_helpers import assert_one_line_error, run_cli
 TOKEN = "pal_pt_" + "s" * 32
 
 
-def throwaway_certificate(tmp_path, name: str) -> tuple[str, str, str]:
-    """(cert path, key path, fingerprint) of a fresh self-signed certificate."""
+def throwaway_certificate(
+    tmp_path, name: str, *, now: datetime.datetime | None = None
+) -> tuple[str, str, str]:
+    """(cert path, key path, fingerprint) of a fresh self-signed certificate, valid around `now`."""
     key = ec.generate_private_key(ec.SECP256R1())
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
-    now = datetime.datetime.now(datetime.UTC)
+    now = now or datetime.datetime.now(datetime.UTC)
     cert = (
         x509.CertificateBuilder()
         .subject_name(subject)
@@ -141,6 +143,28 @@ def test_pinned_context_accepts_the_pinned_certificate(server, tmp_path):
             tls.sendall(b"hello")
     server.close()
     assert bytes(server.received) == b"hello"
+
+
+@pytest.mark.parametrize("days", [2, -30], ids=["host clock behind", "host clock ahead"])
+def test_the_pin_decides_whatever_this_hosts_clock_says(tmp_path, days):
+    """A certificate not yet valid, or expired, by this host's clock: a host whose clock is off
+    still connects (and the control plane shows its skew); another certificate is still refused."""
+    cert, key, fingerprint = throwaway_certificate(
+        tmp_path, "gateway", now=datetime.datetime.now(datetime.UTC) + datetime.timedelta(days=days)
+    )
+    tiny = TinyTLSServer(cert, key)
+    try:
+        pem = pin_gateway(tiny.gateway, fingerprint)
+        with socket.create_connection(("127.0.0.1", tiny.port), timeout=5) as sock:
+            with pinned_context(pem).wrap_socket(sock, server_hostname=None) as tls:
+                tls.sendall(b"ok")
+        other, _, _ = throwaway_certificate(tmp_path, "other")
+        with socket.create_connection(("127.0.0.1", tiny.port), timeout=5) as sock:
+            with pytest.raises(ssl.SSLCertVerificationError):
+                pinned_context(open(other).read()).wrap_socket(sock, server_hostname=None)
+    finally:
+        tiny.close()
+    assert bytes(tiny.received) == b"ok"
 
 
 def test_pinned_context_accepts_a_certificate_made_by_the_control_plane(tmp_path):
