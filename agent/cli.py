@@ -166,6 +166,7 @@ def _flow_reporter(args: argparse.Namespace, state, log):
                 "nflog": lambda windows: nflog.NflogSource(windows, buffer_bytes=settings.netlink_buffer),
             },
             accounting=conntrack.accounting_enabled(),
+            control_plane_clock=lambda: agent.server_now().timestamp(),
             on_status=agent.status.flows,
         )
 

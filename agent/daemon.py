@@ -22,7 +22,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from websockets.asyncio.client import ClientConnection, connect
@@ -111,6 +111,10 @@ class Agent:
         self.force_apply = True  # the first snapshot of a process, and the one after a resend, always apply
         self.owned_table = UNKNOWN
         self.renewal_due_at: datetime | None = None
+        # The control plane's clock minus this host's, from the last Hello: credential times are the
+        # control plane's, and a host clock days ahead would otherwise renew in a loop (due, renewed,
+        # still due by its clock) and hold its flow reports back as if the credential had expired.
+        self.server_offset = timedelta(0)
         self._context = context  # simulated agents share one
         self._identity_stamp: int | None = None
         self.identity: Identity | None = None
@@ -134,6 +138,10 @@ class Agent:
         self.flows = flows(self) if flows is not None else None
 
     # --- identity and credential ---
+
+    def server_now(self) -> datetime:
+        """Now by the control plane's clock, as the last Hello gave it."""
+        return datetime.now(UTC) + self.server_offset
 
     def _load(self) -> None:
         """Read the enrolment; again before a reconnect after a re-enrolment."""
@@ -368,6 +376,9 @@ class Agent:
 
     async def _authenticate(self, ws: ClientConnection) -> float:
         hello = await self._expect(ws, p.Hello)
+        server_time = _instant(hello.server_time)
+        if server_time is not None:
+            self.server_offset = server_time - datetime.now(UTC)
         try:
             nonce = p.b64decode(hello.nonce, what="hello nonce", length=32)
         except p.ProtocolError as error:
@@ -518,7 +529,7 @@ class Agent:
     async def _renewals(self, ws: ClientConnection) -> None:
         while True:
             due = self.renewal_due_at
-            wait = (due - datetime.now(UTC)).total_seconds() if due else 3600.0
+            wait = (due - self.server_now()).total_seconds() if due else 3600.0
             if wait > 0:
                 self._renewed.clear()
                 try:  # wake early when a credential arrives unasked and moves the due time

@@ -178,11 +178,15 @@ class FlowReporter:
         sources: dict[str, Callable[[Windows], Source]],
         accounting: bool,
         clock: Callable[[], float] = time.time,
+        control_plane_clock: Callable[[], float] | None = None,
         on_status: Callable[[dict[str, Any]], None] | None = None,
     ):
+        """`clock` times the evidence (this host's clock; the control plane measures its skew);
+        `control_plane_clock` judges the credential's expiry, a time the control plane set."""
         self.state, self.settings = state, settings
         self.context, self.policy_version, self.table_absent = context, policy_version, table_absent
         self.process_start_id, self.log, self.clock = process_start_id, log, clock
+        self.control_plane_clock = control_plane_clock or clock
         self.started = time.monotonic()
         self.windows = LockedWindows(
             length=float(settings.window_seconds), max_keys=settings.window_keys, accounting=accounting
@@ -252,7 +256,7 @@ class FlowReporter:
             return None
         windows, gaps = _batch(windows[:MAX_WINDOWS_PER_REPORT]), gaps[:MAX_GAPS_PER_REPORT]
         enrolment = self.state.load_enrolment()  # the credential changes at each renewal
-        if _expired(enrolment.expires_at, self.clock()):
+        if _expired(enrolment.expires_at, self.control_plane_clock()):
             # An expired credential only renews, on the stream; reports wait in the buffer until then.
             self.log("flow report waits for the credential's renewal")
             return False

@@ -244,6 +244,64 @@ def test_renewal_when_due(tmp_path):
     scenario(tmp_path, body, prepare=prepare)
 
 
+def test_a_host_clock_days_ahead_renews_by_the_control_planes_clock_not_its_own(tmp_path):
+    """Due in an hour by the gateway's clock, two weeks ago by this host's: no renewal, and no loop of
+    them (each new credential would be due in the past again by the host's clock)."""
+    from datetime import timedelta
+
+    async def prepare(w: World) -> None:
+        w.gateway.clock_offset = -timedelta(days=15)
+        w.gateway.welcome_renewal_due_seconds = 3600
+
+    async def body(w: World) -> None:
+        w.start()
+        await w.message("heartbeat")
+        await w.message("heartbeat", w.mark())
+        assert w.gateway.messages("renew") == []
+        offset = w.agent.server_offset + timedelta(days=15)
+        assert abs(offset) < timedelta(seconds=5), w.agent.server_offset
+
+    scenario(tmp_path, body, heartbeat=0.2, prepare=prepare)
+
+
+def test_flow_reports_judge_the_credential_by_the_control_planes_clock(tmp_path):
+    """A host clock past the credential's expiry: reports are held back only if the control plane's
+    clock agrees (else they go, to a stand-in gateway that has no flow endpoint)."""
+    import http.client
+    import time
+
+    from agent.flowreporter import FlowReporter, FlowSettings
+
+    ahead = 400 * 86400  # beyond any credential the stand-in gateway issues
+
+    def reporter(w: World, control_plane_clock) -> FlowReporter:
+        return FlowReporter(
+            w.agent.state,
+            settings=FlowSettings(),
+            context=lambda: w.agent._context,
+            policy_version=lambda: "v1",
+            table_absent=lambda: False,
+            process_start_id="p1",
+            log=w.agent.log,
+            sources={},
+            accounting=False,
+            clock=lambda: time.time() + ahead,
+            control_plane_clock=control_plane_clock,
+        )
+
+    async def body(w: World) -> None:
+        w.start()
+        await w.message("heartbeat")  # connected: the control plane's clock is known
+        loop = asyncio.get_running_loop()
+        assert await loop.run_in_executor(None, reporter(w, None).send_pending) is False
+        assert "flow report waits for the credential's renewal" in w.logs.getvalue()
+        by_server = reporter(w, lambda: w.agent.server_now().timestamp())
+        with pytest.raises(http.client.HTTPException):  # it went: the stand-in hangs up on it
+            await loop.run_in_executor(None, by_server.send_pending)
+
+    scenario(tmp_path, body, heartbeat=0.2)
+
+
 def test_a_renewed_credential_that_does_not_verify_is_reported_and_not_stored(tmp_path):
     async def prepare(w: World) -> None:
         w.gateway.welcome_renewal_due_seconds = -1

@@ -66,6 +66,7 @@ class FakeGateway:
         self.credential_seconds = 3600.0
         self.renewal_due_seconds = 2400.0  # negative: due at once
         self.welcome_renewal_due_seconds: float | None = None  # only what `welcome` says, if set
+        self.clock_offset = timedelta(0)  # this gateway's clock minus the host's: Hello and that due time
         self.forge_renewals = False  # sign renewed credentials with a stranger's key
         self.events: list[dict[str, Any]] = []
         self.front_connections = 0
@@ -276,7 +277,9 @@ class FakeGateway:
     async def _authenticate(self, ws: ServerConnection) -> str | None:
         nonce = secrets.token_bytes(32)
         await ws.send(
-            p.Hello(nonce=p.b64encode(nonce), server_time=format_instant(datetime.now(UTC))).encode()
+            p.Hello(
+                nonce=p.b64encode(nonce), server_time=format_instant(datetime.now(UTC) + self.clock_offset)
+            ).encode()
         )
         auth = p.decode(await ws.recv(), sender="agent")
         if not isinstance(auth, p.Auth) or auth.workload_id not in self.workloads:
@@ -304,7 +307,7 @@ class FakeGateway:
         issued = self.issue(workload)  # only for its instants: the stored credential stays as it is
         renewal_due_at = issued.renewal_due_at
         if self.welcome_renewal_due_seconds is not None:
-            due = datetime.now(UTC) + timedelta(seconds=self.welcome_renewal_due_seconds)
+            due = datetime.now(UTC) + self.clock_offset + timedelta(seconds=self.welcome_renewal_due_seconds)
             renewal_due_at = format_instant(due)
         await ws.send(
             p.Welcome(
