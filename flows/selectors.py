@@ -264,15 +264,17 @@ def coverage(selected, start: datetime, end: datetime) -> dict:
 
 def _silent_workloads(workloads, end: datetime) -> list[dict]:
     """The workloads whose agent has gone silent before the range's end (or now) and not come back:
-    offline, with no flow report and no heartbeat for more than two of its windows. The control plane
-    records that silence as an agent_silent gap only when the agent reports again (spec rule 2), so
-    until then nothing else says that the range from its last sign of life holds no evidence. A
-    workload that never sent a report is not here: it is among those without reports."""
+    offline, with no flow report and no heartbeat of the process that reported for more than two of its
+    windows (not when its stream's end was recorded: a crashed serve's streams are recorded ended
+    minutes later, by the next one's housekeeping). The control plane records that silence as an
+    agent_silent gap only when the agent reports again (spec rule 2), so until then nothing else says
+    that the range from its last sign of life holds no evidence. A workload that never sent a report is
+    not here: it is among those without reports."""
     from fleet.choices import SyncState
 
     until = min(end, clock.now())
     offline = workloads.filter(sync_state=SyncState.OFFLINE, last_flow_report_at__isnull=False).values_list(
-        "id", "hostname", "flow_window_seconds", "last_flow_report_at", "flow_process_alive_at", "last_heard_from"
+        "id", "hostname", "flow_window_seconds", "last_flow_report_at", "flow_process_alive_at"
     )  # fmt: skip
     silent = []
     for workload_id, hostname, seconds, *signs in offline:
