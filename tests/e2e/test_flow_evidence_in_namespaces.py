@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import signal
 import time
+from contextlib import contextmanager
 
 import pytest
 
@@ -566,9 +567,11 @@ def test_connection_events_switched_off_are_a_conntrack_source_restart_and_the_d
     assert "Traceback" not in web.log(), web.log()
 
 
-def _serve_behind_relay(lab, tmp_path):
-    """serve with its gateway behind a CUTTING_RELAY in the same namespace: agents are given the relay's
-    address. Returns serve, the relay process and a function that gives the relay a command."""
+@contextmanager
+def _web_behind_relay(lab, tmp_path):
+    """serve with its gateway behind a CUTTING_RELAY in the same namespace (agents are given the
+    relay's address), and the web agent enrolled, on 2-second windows and converged. Yields the
+    operator API, web's id and a function that gives the relay a command."""
     serve = NamespacedServe(
         lab,
         "cp",
@@ -585,7 +588,18 @@ def _serve_behind_relay(lab, tmp_path):
         relay.stdin.flush()
         assert relay.stdout.readline().strip() == "ok"
 
-    return serve, relay, relay_told
+    web = AgentProcess(lab, "web", tmp_path / "web")
+    try:
+        api, web_id = _enrolled(serve, web)
+        web.start("--flow-window-seconds", "2")
+        api.wait_converged(web_id)
+        yield api, web_id, web, relay_told
+    finally:
+        web.kill()
+        relay.kill()
+        relay.wait(10)
+        serve.stop()
+    assert "Traceback" not in web.log(), web.log()
 
 
 def test_a_stream_cut_while_reports_arrive_is_reconnecting_and_no_window_is_lost(lab, tmp_path):
@@ -596,12 +610,7 @@ def test_a_stream_cut_while_reports_arrive_is_reconnecting_and_no_window_is_lost
     agent killed afterwards is offline without telemetry within two of its windows."""
     from datetime import UTC, datetime, timedelta
 
-    serve, relay, relay_told = _serve_behind_relay(lab, tmp_path)
-    web = AgentProcess(lab, "web", tmp_path / "web")
-    try:
-        api, web_id = _enrolled(serve, web)
-        web.start("--flow-window-seconds", "2")
-        api.wait_converged(web_id)
+    with _web_behind_relay(lab, tmp_path) as (api, web_id, web, relay_told):
         began = datetime.now(UTC) - timedelta(seconds=2)
         for _ in range(2):
             assert probe(lab, "client", WEB, 8080) == "open"
@@ -645,12 +654,6 @@ def test_a_stream_cut_while_reports_arrive_is_reconnecting_and_no_window_is_lost
             return workload["sync"]["state"] == "offline" and not workload["health"]["telemetry_live"]
 
         api.wait_for("offline, telemetry no longer live", offline_without_telemetry, timeout=20)
-    finally:
-        web.kill()
-        relay.kill()
-        relay.wait(10)
-        serve.stop()
-    assert "Traceback" not in web.log(), web.log()
 
 
 def test_the_gateway_unreachable_for_several_windows_is_ridden_out_with_the_windows_buffered(lab, tmp_path):
@@ -659,12 +662,7 @@ def test_the_gateway_unreachable_for_several_windows_is_ridden_out_with_the_wind
     no gap, and the counts are exact."""
     from datetime import UTC, datetime, timedelta
 
-    serve, relay, relay_told = _serve_behind_relay(lab, tmp_path)
-    web = AgentProcess(lab, "web", tmp_path / "web")
-    try:
-        api, web_id = _enrolled(serve, web)
-        web.start("--flow-window-seconds", "2")
-        api.wait_converged(web_id)
+    with _web_behind_relay(lab, tmp_path) as (api, web_id, web, relay_told):
         began = datetime.now(UTC) - timedelta(seconds=2)
         assert probe(lab, "client", WEB, 8080) == "open"
         api.wait_for("1 connection counted", lambda: _tcp_count(api, web_id, began, 8080) == 1, timeout=30)
@@ -685,9 +683,3 @@ def test_the_gateway_unreachable_for_several_windows_is_ridden_out_with_the_wind
         api.wait_converged(web_id)
         assert api.get("/flows/gaps", params={"workload": web_id, **_span(began)})["items"] == []
         assert api.workload(web_id)["health"]["evidence_gap"] is None
-    finally:
-        web.kill()
-        relay.kill()
-        relay.wait(10)
-        serve.stop()
-    assert "Traceback" not in web.log(), web.log()
