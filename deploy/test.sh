@@ -5,7 +5,7 @@
 # Extra arguments go to pytest.
 source "$(dirname "${BASH_SOURCE[0]}")/bootstrap.sh"
 # chromium: the console tests drive Debian's browser (Playwright launches it by path).
-apt_install nftables python3-nftables conntrack iproute2 iputils-ping openssl chromium
+apt_install nftables python3-nftables conntrack iproute2 iputils-ping openssl chromium faketime
 ensure_venv test
 link_debian_nftables
 cd "$ROOT"

@@ -683,3 +683,49 @@ def test_the_gateway_unreachable_for_several_windows_is_ridden_out_with_the_wind
         api.wait_converged(web_id)
         assert api.get("/flows/gaps", params={"workload": web_id, **_span(began)})["items"] == []
         assert api.workload(web_id)["health"]["evidence_gap"] is None
+
+
+FAKETIME = "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1"
+
+
+def test_an_agent_clock_a_day_behind_still_connects_is_marked_skewed_and_then_cleared(lab, tmp_path):
+    """The agent's clock set a day back (libfaketime; its monotonic clock untouched): the gateway's
+    certificate, made an hour ago by the control plane's clock, is not valid yet by the agent's, and
+    the pin still lets it connect. Its windows carry its own clock's times, its reports mark the
+    workload with the measured offset, and a report from a correct clock clears it."""
+    from datetime import UTC, datetime, timedelta
+    from pathlib import Path
+
+    from tests.support.requirements import require
+
+    require(Path(FAKETIME).exists(), f"needs libfaketime ({FAKETIME}): apt install faketime")
+    day_behind = {"LD_PRELOAD": FAKETIME, "FAKETIME": "-1d", "FAKETIME_DONT_FAKE_MONOTONIC": "1"}
+    serve = _serve(lab, tmp_path).start()
+    web = AgentProcess(lab, "web", tmp_path / "web")
+    try:
+        api, web_id = _enrolled(serve, web)
+        web.start("--flow-window-seconds", "2", env=day_behind)
+        api.wait_converged(web_id)
+        assert probe(lab, "client", WEB, 8080) == "open"
+
+        def skew():
+            return api.workload(web_id)["health"]["clock_skew"]
+
+        found = api.wait_for("the clock skew measured", skew, timeout=30)
+        assert -86400 - 60 < found["offset_seconds"] < -86400 + 60, found
+        since = datetime.now(UTC) - timedelta(days=1, minutes=5)  # the windows carry the agent's times
+        api.wait_for("the connection counted", lambda: _tcp_count(api, web_id, since, 8080) == 1, timeout=30)
+        today = datetime.now(UTC) - timedelta(hours=1)
+        assert _tcp_count(api, web_id, today, 8080) == 0
+
+        web.kill(signal.SIGTERM)
+        # The first connection gone from the table, so the new process's dump does not count it again.
+        assert lab.run("web", ["conntrack", "-F"]).returncode == 0
+        web.start("--flow-window-seconds", "2")
+        assert probe(lab, "client", WEB, 8080) == "open"
+        api.wait_for("the skew cleared", lambda: skew() is None, timeout=30)
+        api.wait_for("today's connection", lambda: _tcp_count(api, web_id, today, 8080) == 1, timeout=30)
+    finally:
+        web.kill()
+        serve.stop()
+    assert "Traceback" not in web.log(), web.log()

@@ -136,8 +136,8 @@ class AgentProcess:
         assert done.returncode == 0, done.stderr
         return json.loads((self.state_dir / "identity.json").read_text())["workload_id"]
 
-    def start(self, *extra_args: str) -> AgentProcess:
-        env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+    def start(self, *extra_args: str, env: dict[str, str] | None = None) -> AgentProcess:
+        env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1", **(env or {}))
         self.process = subprocess.Popen(
             [
                 "ip",
