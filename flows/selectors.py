@@ -5,7 +5,7 @@ from __future__ import annotations
 import ipaddress
 from datetime import UTC, datetime, timedelta
 
-from django.db.models import Exists, Max, Min, OuterRef, Prefetch, Q, Subquery, Sum
+from django.db.models import Max, Min, OuterRef, Prefetch, Q, Subquery, Sum
 
 from controlplane import clock
 from controlplane.clock import rfc3339
@@ -237,12 +237,17 @@ def coverage(selected, start: datetime, end: datetime) -> dict:
     workloads = _workloads_of(selected)
     if selected is not None:
         gaps = gaps.filter(workload__in=selected)
-    # One probe of the (workload, start) index per workload: a day of a thousand workloads' windows
-    # is over a million rows, which NOT IN (their workload ids) read whole.
+    # One probe of the (workload, start) index per workload, for its first window in the range: a day
+    # of a thousand workloads' windows is over a million rows. A scalar subquery with LIMIT 1 stays a
+    # probe that stops at the first row whatever the statistics; NOT EXISTS PostgreSQL may turn into an
+    # anti-join, and with some statistics it hashed every window of the range (1.2 s, not 20 ms).
     reporting = FlowWindow.objects.filter(
         workload_id=OuterRef("id"), **_windows_in(start, end, _lookback(selected))
     )
-    without_reports = workloads.filter(~Exists(reporting)).order_by("hostname", "id")
+    first_report = Subquery(reporting.order_by("start").values("id")[:1])
+    without_reports = (
+        workloads.annotate(first_report=first_report).filter(first_report=None).order_by("hostname", "id")
+    )
     gap_count, without_reports_count = gaps.count(), without_reports.count()
     silent = _silent_workloads(workloads, end)
     # Retention removes what ended before this; a range that begins earlier has lost that part.
