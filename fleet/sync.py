@@ -168,13 +168,21 @@ def workload_stream_ended(
         workload.last_heard_from = clock.now()
         fields = ["stream_id", "sync_state", "last_heard_from"]
         if last_heartbeat is not None:
-            process, at = last_heartbeat
-            alive_at = workload.flow_process_alive_at
-            if process == workload.flow_process_start_id and (alive_at is None or at > alive_at):
-                workload.flow_process_alive_at = at
-                fields.append("flow_process_alive_at")
+            fields += _flow_process_seen(workload, *last_heartbeat)
         _save(workload, *fields)
     return workload
+
+
+def _flow_process_seen(workload: Workload, process_start_id: str | None, at: datetime) -> list[str]:
+    """A sign of life of an agent process at `at`: if it is the process that sent the last flow report,
+    that process ran until then (a quiet workload, not a silent one). Returns the fields it changed."""
+    alive_at = workload.flow_process_alive_at
+    if not process_start_id or process_start_id != workload.flow_process_start_id:
+        return []
+    if alive_at is not None and at <= alive_at:
+        return []
+    workload.flow_process_alive_at = at
+    return ["flow_process_alive_at"]
 
 
 def workload_heard_from(
@@ -188,10 +196,10 @@ def workload_heard_from(
         if not _current_stream(workload, stream_id):
             return
         workload.last_heard_from = clock.now()
-        fields = ["last_heard_from"]
-        if process_start_id and process_start_id == workload.flow_process_start_id:
-            workload.flow_process_alive_at = workload.last_heard_from
-            fields.append("flow_process_alive_at")
+        fields = [
+            "last_heard_from",
+            *_flow_process_seen(workload, process_start_id, workload.last_heard_from),
+        ]
         if owned_table_state in (OwnedTableState.ABSENT, OwnedTableState.PRESENT):
             workload.owned_table_state = owned_table_state
             fields.append("owned_table_state")

@@ -12,6 +12,7 @@ from controlplane.clock import rfc3339
 from controlplane.pagination import OrderKey, Page, list_fingerprint, paginate
 from controlplane.problems import Finding, ValidationFailed
 from controlplane.validation import is_digits, parse_instant
+from fleet.choices import Mode, SyncState
 from fleet.models import Workload
 from fleet.selectors import workload_flow_window, workload_get, workload_queryset
 from flows.buckets import BLOCK, HOUR, sums_due, whole_spans
@@ -275,8 +276,6 @@ def _silent_workloads(workloads, end: datetime) -> list[dict]:
     agent_silent gap only when the agent reports again (spec rule 2), so until then nothing else says
     that the range from its last sign of life holds no evidence. A workload that never sent a report is
     not here: it is among those without reports."""
-    from fleet.choices import SyncState
-
     until = min(end, clock.now())
     offline = workloads.filter(sync_state=SyncState.OFFLINE, last_flow_report_at__isnull=False).values_list(
         "id", "hostname", "flow_window_seconds", "last_flow_report_at", "flow_process_alive_at"
@@ -468,8 +467,6 @@ def _would_block(selected, start: datetime, end: datetime) -> list[dict]:
 def simulation_review(*, selected, start: datetime, end: datetime) -> dict:
     """The review before enforcing: would-block groups, gaps, offline workloads and workloads not in
     simulation; any one fails it (a gap alone does: rule 5)."""
-    from fleet.choices import Mode, SyncState
-
     workloads = _workloads_of(selected)
     would_block = _would_block(selected, start, end)
     covered = coverage(selected, start, end)
