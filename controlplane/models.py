@@ -5,10 +5,12 @@ from django.db import models
 
 
 class GatewayIdentity(models.Model):
-    """One row, written by `serve` at every start."""
+    """One row, written by `serve` at every start: the gateway agents are given, and the flow retention
+    serve prunes by (so that `manage.py flows` states the same coverage as the API)."""
 
     address = models.CharField(max_length=300)
     fingerprint = models.CharField(max_length=200)
+    flow_retention_days = models.PositiveIntegerField(null=True)  # null: recorded before it was
     updated_at = models.DateTimeField()
 
 

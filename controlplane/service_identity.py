@@ -1,6 +1,7 @@
 """What the service says about itself: the gateway address agents are given and the fingerprint of
 the certificate the gateway serves. One function, `gateway_identity()`, answers both for every caller
-(`/me`, provisioning bundles, the stream's proofs)."""
+(`/me`, provisioning bundles, the stream's proofs). serve also records the flow retention it prunes by,
+for commands run beside it."""
 
 from __future__ import annotations
 
@@ -53,5 +54,16 @@ def gateway_identity(*, certificate_if_unrecorded: bool = False) -> Identity:
 
 def gateway_identity_record(*, fingerprint: str) -> None:
     GatewayIdentity.objects.update_or_create(
-        id=1, defaults={"address": gateway_address(), "fingerprint": fingerprint, "updated_at": clock.now()}
+        id=1,
+        defaults={
+            "address": gateway_address(),
+            "fingerprint": fingerprint,
+            "flow_retention_days": runtime.facts.retention_days,
+            "updated_at": clock.now(),
+        },
     )
+
+
+def recorded_flow_retention_days() -> int | None:
+    """The retention the last started serve prunes by; None before any start."""
+    return GatewayIdentity.objects.filter(id=1).values_list("flow_retention_days", flat=True).first()

@@ -127,6 +127,20 @@ def test_the_gateway_address_is_derived_from_the_gateway_listener(site):
     assert me["gateway_address"] == f"127.0.0.1:{serve.address('gateway')[1]}"
 
 
+def test_the_flows_command_beside_serve_states_serve_s_retention(site):
+    """serve prunes by its `--flow-retention-days`; `manage.py flows`, run beside it with another
+    environment, states the same `retained_from` as the API."""
+    serve = site.serve(["--flow-retention-days", "3"])
+    now = datetime.datetime.now(datetime.UTC)
+    text = lambda t: t.strftime("%Y-%m-%dT%H:%M:%SZ")  # noqa: E731
+    four_days = ("--from", text(now - datetime.timedelta(days=4)), "--to", text(now))
+    out = serve.manage("flows", "rollup", "--group-by", "peer", *four_days, "--json").stdout
+    covered = json.loads(out)["coverage"]
+    assert covered["begins_before_retention"] is True and covered["complete"] is False
+    retained_from = datetime.datetime.fromisoformat(covered["retained_from"])
+    assert abs(retained_from - (now - datetime.timedelta(days=3, hours=1))) < datetime.timedelta(minutes=1)
+
+
 def test_a_session_survives_a_restart(site):
     first = site.serve()
     first.set_operator_password(PASSWORD)

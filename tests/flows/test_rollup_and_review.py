@@ -359,3 +359,32 @@ def test_a_range_that_begins_before_the_retention_is_not_complete(api, db):
     assert any(
         r.startswith("the range begins before the retention: evidence before ") for r in review["reasons"]
     )
+
+
+def test_the_flows_command_states_the_retention_serve_prunes_by_not_its_own_environment(db, settings):
+    """`manage.py flows` runs beside serve: with serve started on `--flow-retention-days 2` and the
+    command's environment saying 30, a range of three days back is still not whole."""
+    import json
+
+    from controlplane.models import GatewayIdentity
+    from tests.support.helpers import run_command
+
+    settings.PALISADE_FLOW_RETENTION_DAYS = 30
+    text = lambda t: t.strftime("%Y-%m-%dT%H:%M:%SZ")  # noqa: E731
+    now = clock.now()
+    three_days = ("--from", text(now - timedelta(days=3)), "--to", text(now))
+
+    def coverage() -> dict:
+        code, out, _ = run_command("flows", "rollup", "--group-by", "peer", *three_days, "--json")
+        assert code == 0, out
+        return json.loads(out)["coverage"]
+
+    assert coverage()["begins_before_retention"] is False  # nothing recorded: the environment's 30 days
+    GatewayIdentity.objects.create(
+        id=1, address="cp:8443", fingerprint="ab" * 32, flow_retention_days=2, updated_at=now
+    )
+    covered = coverage()
+    assert covered["complete"] is False and covered["begins_before_retention"] is True
+    assert abs(
+        datetime.fromisoformat(covered["retained_from"]) - (now - timedelta(days=2, hours=1))
+    ) < timedelta(seconds=5)

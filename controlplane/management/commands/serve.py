@@ -305,7 +305,8 @@ class Command(PalisadeCommand):
             gateway_port=gateway.port,
             gateway_advertise=(options["gateway_advertise"] or "").strip() or None,
             site_label=options["site_label"],
-            flow_retention_days=options["flow_retention_days"],
+            # Resolved here, so the retention serve records for the commands beside it is its own.
+            flow_retention_days=options["flow_retention_days"] or settings.PALISADE_FLOW_RETENTION_DAYS,
         )
 
     def _prepare_database(self, *, migrate: bool) -> None:
