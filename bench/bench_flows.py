@@ -508,7 +508,13 @@ def storage() -> dict:
     out = {}
     with connection.cursor() as cursor:
         # The sums are storage a window costs too: reported per row of their own here.
-        for table in ("flows_flowgroup", "flows_flowwindow", "flows_flowhour", "flows_flowblock"):
+        for table in (
+            "flows_flowgroup",
+            "flows_flowwindow",
+            "flows_flowquarter",
+            "flows_flowhour",
+            "flows_flowblock",
+        ):
             cursor.execute(
                 "SELECT coalesce(sum(pg_total_relation_size(relid)), 0) FROM pg_partition_tree(%s)", [table]
             )

@@ -1,11 +1,13 @@
-"""The spans flow sums are kept over: hours, and ten-minute blocks for the part-hours at a range's
-edges. Both start at multiples of their span from one origin, in UTC, as PostgreSQL's date_bin counts
-them (flows/services.py sums there, flows/selectors.py reads here)."""
+"""The spans flow sums are kept over: quarter days (six hours), hours for the part-quarters at a range's
+edges, and ten-minute blocks for the part-hours. All start at multiples of their span from one origin,
+in UTC, as PostgreSQL's date_bin counts them (flows/services.py sums there, flows/selectors.py reads
+here)."""
 
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
+QUARTER = timedelta(hours=6)
 HOUR = timedelta(hours=1)
 BLOCK = timedelta(minutes=10)
 ORIGIN = datetime(2000, 1, 1, tzinfo=UTC)

@@ -15,9 +15,17 @@ from controlplane.validation import is_digits, parse_instant
 from fleet.choices import Mode, SyncState
 from fleet.models import Workload
 from fleet.selectors import workload_flow_window, workload_get, workload_queryset
-from flows.buckets import BLOCK, HOUR, sums_due, whole_spans
+from flows.buckets import BLOCK, HOUR, QUARTER, sums_due, whole_spans
 from flows.choices import Decision
-from flows.models import EvidenceGap, FlowBlock, FlowGroup, FlowHour, FlowWindow, UnsummedWindow
+from flows.models import (
+    EvidenceGap,
+    FlowBlock,
+    FlowGroup,
+    FlowHour,
+    FlowQuarter,
+    FlowWindow,
+    UnsummedWindow,
+)
 from flows.retention import flow_retention
 from policy.grammar import Selector
 from policy.models import Rule
@@ -250,6 +258,8 @@ def coverage(selected, start: datetime, end: datetime) -> dict:
         workloads.annotate(first_report=first_report).filter(first_report=None).order_by("hostname", "id")
     )
     gap_count, without_reports_count = gaps.count(), without_reports.count()
+    # Listed only when there is something to list: each list is its count's query again (for the
+    # workloads, a probe per workload), and a complete range, the common answer, has neither.
     silent = _silent_workloads(workloads, end)
     # Retention removes what ended before this; a range that begins earlier has lost that part.
     retained_from = clock.now() - flow_retention()
@@ -258,11 +268,13 @@ def coverage(selected, start: datetime, end: datetime) -> dict:
         "retained_from": retained_from,
         "begins_before_retention": start < retained_from,
         "gap_count": gap_count,
-        "gaps": list(gaps.order_by("start", "id")[:COVERAGE_LIST]),
+        "gaps": list(gaps.order_by("start", "id")[:COVERAGE_LIST]) if gap_count else [],
         "workloads_without_reports_count": without_reports_count,
         "workloads_without_reports": [
             str(w) for w in without_reports.values_list("id", flat=True)[:COVERAGE_LIST]
-        ],
+        ]
+        if without_reports_count
+        else [],
         "silent_workloads_count": len(silent),
         "silent_workloads": silent[:COVERAGE_LIST],
     }
@@ -343,27 +355,40 @@ def _after_key(columns: list[str], last: list) -> Q:
     return condition
 
 
+# The sums, longest span first: a range's whole blocks are read from the longest spans that fit, the
+# parts beside them from the next.
+SUM_SPANS = ((FlowQuarter, "quarter", QUARTER), (FlowHour, "hour", HOUR), (FlowBlock, "block", BLOCK))
+
+
+def _sum_reads(low: datetime, high: datetime, spans=SUM_SPANS) -> list:
+    """The rows of sums that hold [low, high) (whole blocks): its whole quarters, the whole hours left
+    beside them, the blocks left beside those. Each a plain range of its span's start, which reads only
+    its own partitions and index range (a day's range: about three quarters and six hours a key)."""
+    model, column, span = spans[0]
+    whole = whole_spans(low, high, span) if len(spans) > 1 else (low, high)
+    if whole is None:
+        return _sum_reads(low, high, spans[1:])
+    first, last = whole
+    reads = [model.objects.filter(**{f"{column}__gte": first, f"{column}__lt": last})] if first < last else []
+    for side_low, side_high in ((low, first), (last, high)):
+        if side_low < side_high:
+            reads += _sum_reads(side_low, side_high, spans[1:])
+    return reads
+
+
 def _summed_by_spans(selected, columns: list[str], start: datetime, end: datetime, **filters) -> list[dict]:
     """Every group of the range summed by `columns`, in key order, for a range that holds a whole
-    ten-minute block: its whole hours from the hourly sums, the whole blocks left at either side from
-    the ten-minute sums, the groups of windows in those not summed yet, and the minute rows only at the
-    two edges (under ten minutes each, and the blocks too recent to be summed). One statement: summing
-    moves windows from the groups read to the sums, and two statements could see a window in both or in
-    neither. `filters` narrow every part by key columns."""
+    ten-minute block: its whole blocks from the sums (`_sum_reads`), the groups of windows in those not
+    summed yet, and the minute rows only at the two edges (under ten minutes each, and the blocks too
+    recent to be summed). One statement: summing moves windows from the groups read to the sums, and two
+    statements could see a window in both or in neither. `filters` narrow every part by key columns."""
     first_block, last_block = whole_spans(start, end, BLOCK)
     # The blocks from here on are not summed yet, bar a round of housekeeping that ran late: read as
     # minute rows at the edge, not window by window from the unsummed list. Exact wherever it falls:
     # the sums are read only before it, and the minute rows only from it on.
     split = min(last_block, max(first_block, sums_due(now=clock.now())))
-    hours = whole_spans(first_block, split, HOUR)
-    first_hour, last_hour = hours or (split, split)  # no whole hour: the blocks take it all
     groups = _groups_in_range(selected, start, end).filter(**filters)
-    sums = [
-        FlowHour.objects.filter(hour__gte=first_hour, hour__lt=last_hour, **filters),
-        # Two plain ranges, not one OR: each reads only its own partitions and index range.
-        FlowBlock.objects.filter(block__gte=first_block, block__lt=first_hour, **filters),
-        FlowBlock.objects.filter(block__gte=last_hour, block__lt=split, **filters),
-    ]
+    sums = [part.filter(**filters) for part in _sum_reads(first_block, split)]
     if selected is not None:
         sums = [part.filter(workload__in=selected) for part in sums]
     if "ruleset_id" in columns:
@@ -374,16 +399,17 @@ def _summed_by_spans(selected, columns: list[str], start: datetime, end: datetim
     within = groups.filter(
         start__gte=first_block, start__lt=split, window_id__in=unsummed.values("window_id")
     )
-    parts = [_sums(part, columns) for part in (*sums[1:], *edges, within)]
-    return _merged(_sums(sums[0], columns).union(*parts, all=True), columns=columns)
+    first, *rest = [_sums(part, columns) for part in (*edges, within, *sums)]
+    return _merged(first.union(*rest, all=True), columns=columns)
 
 
 def flow_rollup(
     *, selected, group_by: list[str], start: datetime, end: datetime, cursor: str | None, limit: int
 ) -> tuple[list[dict], str | None]:
     """Sums of the selected workloads' groups in the range, grouped by `group_by`, in the order of
-    their keys (nulls last); whole hours come from the hourly sums. Paged by key: the cursor holds the
-    last key of the page, so groups that appear while a client pages never shift the pages."""
+    their keys (nulls last); whole blocks come from the sums (`_summed_by_spans`). Paged by key: the
+    cursor holds the last key of the page, so groups that appear while a client pages never shift the
+    pages."""
     import uuid
 
     from django.db.models import F

@@ -20,10 +20,18 @@ from controlplane import clock
 from controlplane.problems import Problem
 from fleet.models import Workload
 from fleet.selectors import workload_get
-from flows.buckets import BLOCK, HOUR, ORIGIN, span_start
+from flows.buckets import BLOCK, HOUR, ORIGIN, QUARTER, span_start
 from flows.choices import GapKind
 from flows.group_commit import GroupCommit
-from flows.models import EvidenceGap, FlowBlock, FlowGroup, FlowHour, FlowWindow, UnsummedWindow
+from flows.models import (
+    EvidenceGap,
+    FlowBlock,
+    FlowGroup,
+    FlowHour,
+    FlowQuarter,
+    FlowWindow,
+    UnsummedWindow,
+)
 from flows.partitions import flow_partitions_drop, flow_partitions_ensure
 from flows.reports import ACCEPTED, REFUSED, ParsedReport, ParsedWindow, Report, item_answer, report_parse
 
@@ -175,7 +183,11 @@ class _Sums:
 
 
 SUMMED = ("connection_count", "bytes_in", "bytes_out")
-SUMS = (_Sums(FlowHour, "hour", HOUR), _Sums(FlowBlock, "block", BLOCK))
+SUMS = (
+    _Sums(FlowQuarter, "quarter", QUARTER),
+    _Sums(FlowHour, "hour", HOUR),
+    _Sums(FlowBlock, "block", BLOCK),
+)
 SUM_ROWS_PER_STATEMENT = 2000  # 13 parameters each: under SQLite's 32,766
 
 
@@ -195,10 +207,10 @@ WINDOWS_PER_SUM = 5000  # a transaction of about 250,000 group rows at 50 keys a
 
 def flow_windows_sum(*, before: datetime, most: int = WINDOWS_PER_SUM) -> int:
     """Add the groups of the stored windows that started before `before` and are not summed yet to
-    their hours' and blocks' sums; returns how many windows. Each batch of `most` windows is one
-    transaction that removes the windows from UnsummedWindow and adds their groups, so a window is
-    summed exactly once, into both, even with two serve processes at it (each skips the rows the other
-    holds)."""
+    their quarters', hours' and blocks' sums; returns how many windows. Each batch of `most` windows
+    is one transaction that removes the windows from UnsummedWindow and adds their groups, so a window
+    is summed exactly once, into each, even with two serve processes at it (each skips the rows the
+    other holds)."""
     summed = 0
     while True:
         with transaction.atomic():
@@ -216,8 +228,8 @@ def flow_windows_sum(*, before: datetime, most: int = WINDOWS_PER_SUM) -> int:
 
 
 def _sums_add(windows: list[tuple[uuid.UUID, uuid.UUID, datetime]]) -> None:
-    """Add the groups of `windows` (id, workload id, start) to their hours' and blocks' sums, one
-    upsert per workload, span and key. On PostgreSQL the database sums the groups where they lie;
+    """Add the groups of `windows` (id, workload id, start) to their quarters', hours' and blocks'
+    sums, one upsert per workload, span and key. On PostgreSQL the database sums the groups where they lie;
     elsewhere Python does."""
     if connection.vendor == "postgresql":
         for sums in SUMS:
@@ -362,8 +374,8 @@ def flow_report_ingest(*, workload_id: str, data: Any) -> dict:
 
 def flow_reports_write(items: list[SubmittedReport]) -> list[dict | Exception]:
     """Store the reports of distinct workloads in one transaction: one lock statement for their rows,
-    one id lookup per table, one COPY per table, one update of the workloads. Their hours and blocks
-    are summed later (`flow_windows_sum`). Returns each report's answer, or the problem that refused it.
+    one id lookup per table, one COPY per table, one update of the workloads. Their quarters, hours and
+    blocks are summed later (`flow_windows_sum`). Returns each report's answer, or the problem that refused it.
 
     The batch never waits for a workload's row: one that another transaction holds (a re-render, a
     mode change, another serve process's write) is skipped, and its report written alone afterwards,
@@ -556,7 +568,8 @@ def flow_evidence_prune(*, older_than: timedelta) -> Pruned:
     cutoff = clock.now() - older_than
     partitions = flow_partitions_drop(before=cutoff)
     FlowGroup.objects.filter(end__lt=cutoff).delete()
-    # An hour's windows start in it and end within the next: its sums go once both are past.
+    # A span's windows start in it and end within the hour after it: its sums go once both are past.
+    FlowQuarter.objects.filter(quarter__lt=cutoff - QUARTER - HOUR).delete()
     FlowHour.objects.filter(hour__lt=cutoff - timedelta(hours=2)).delete()
     FlowBlock.objects.filter(block__lt=cutoff - timedelta(hours=2)).delete()
     UnsummedWindow.objects.filter(start__lt=cutoff - timedelta(hours=2)).delete()

@@ -172,7 +172,7 @@ def test_retention_removes_old_evidence(db, clock_at):
     workload, _, _ = enrolled()
     import uuid
 
-    from flows.models import FlowBlock, FlowHour
+    from flows.models import FlowBlock, FlowHour, FlowQuarter
     from flows.services import flow_windows_sum
 
     flow_report_ingest(workload_id=str(workload.id), data=at_agent_clock(golden(), clock.now()))
@@ -181,12 +181,13 @@ def test_retention_removes_old_evidence(db, clock_at):
     another = at_agent_clock(golden(), clock.now())
     another["windows"] = [{**another["windows"][0], "id": str(uuid.uuid4())}]
     flow_report_ingest(workload_id=str(workload.id), data=another)  # not summed yet
-    assert FlowHour.objects.exists() and FlowBlock.objects.exists() and UnsummedWindow.objects.exists()
+    sums = (FlowQuarter, FlowHour, FlowBlock)
+    assert all(model.objects.exists() for model in sums) and UnsummedWindow.objects.exists()
     clock_at(timedelta(days=400))  # the golden window is from 2027-01-15
     runtime.facts_set(flow_retention_days=30)
     assert flows_prune_step() > 0  # on PostgreSQL whole day partitions, on SQLite rows
     assert FlowWindow.objects.count() == FlowGroup.objects.count() == EvidenceGap.objects.count() == 0
-    assert not FlowHour.objects.exists() and not FlowBlock.objects.exists()
+    assert not any(model.objects.exists() for model in sums)
     assert not UnsummedWindow.objects.exists()  # nor is a dropped window summed later
 
 

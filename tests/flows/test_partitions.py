@@ -59,7 +59,7 @@ def test_a_report_lands_in_its_days_partitions_made_on_demand():
     assert FlowWindow.objects.count() == 1 and EvidenceGap.objects.count() == 1  # still idempotent
 
 
-def test_an_hours_sums_are_updated_in_place_on_pages_with_room_for_it():
+def test_the_sums_of_hours_and_quarters_are_updated_in_place_on_pages_with_room_for_it():
     from tests.flows.test_ingestion import _report, _window_between
 
     workload, _, _ = enrolled()
@@ -68,16 +68,19 @@ def test_an_hours_sums_are_updated_in_place_on_pages_with_room_for_it():
     for window in (first, second):  # the second arrives after the first was summed
         flow_report_ingest(workload_id=str(workload.id), data=_report("p", 100, [window]))
         assert flow_windows_sum(before=hour + timedelta(hours=1)) == 1
-    name = f"flows_flowhour_p{hour.astimezone(UTC):%Y%m%d}"
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT reloptions FROM pg_class WHERE relname = %s", [name])
-        assert cursor.fetchone()[0] == ["fillfactor=70"]
-        cursor.execute(
-            "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_xact_user_tables WHERE relname = %s", [name]
-        )
-        assert cursor.fetchone() == (1, 1)  # the second window added to the row: no index touched
-        cursor.execute("SELECT indexdef FROM pg_indexes WHERE tablename = 'flows_flowhour'")
-        assert len(cursor.fetchall()) == 3  # the primary key, the key's unique index and the hour's
+    for table in ("flows_flowhour", "flows_flowquarter"):
+        name = f"{table}_p{hour.astimezone(UTC):%Y%m%d}"
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT reloptions FROM pg_class WHERE relname = %s", [name])
+            assert cursor.fetchone()[0] == ["fillfactor=70"], table
+            cursor.execute(
+                "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_xact_user_tables WHERE relname = %s", [name]
+            )
+            assert cursor.fetchone() == (1, 1), table  # the second window added to the row: no index touched
+            cursor.execute("SELECT indexdef FROM pg_indexes WHERE tablename = %s", [table])
+            assert len(cursor.fetchall()) == 3, (
+                table
+            )  # the primary key, the key's unique index and the start's
 
 
 def test_housekeeping_makes_partitions_ahead_and_retention_drops_them_whole(clock_at):

@@ -1,6 +1,6 @@
-"""Rollups (and the review's would-block groups) read whole hours from the hourly sums and the minute
-rows at the edges: for any range and grouping the answer equals summing the minute rows themselves
-(SQLite and PostgreSQL)."""
+"""Rollups (and the review's would-block groups) read whole quarter days, hours and ten-minute blocks
+from their sums and the minute rows at the edges: for any range and grouping the answer equals summing
+the minute rows themselves (SQLite and PostgreSQL)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 from django.db.models import Sum
 
 from controlplane import clock
-from flows.buckets import BLOCK, HOUR, span_start
-from flows.models import FlowBlock, FlowGroup, FlowHour, UnsummedWindow
+from flows.buckets import BLOCK, HOUR, QUARTER, span_start
+from flows.models import FlowBlock, FlowGroup, FlowHour, FlowQuarter, UnsummedWindow
 from flows.selectors import _groups_in_range, _ruleset_of_rule, _sums, flow_rollup, simulation_review
 from flows.services import flow_report_ingest, flow_windows_sum
 from tests.flows.test_ingestion import _report, enrolled
@@ -31,9 +31,9 @@ def _instant(at) -> str:
     return at.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
-def _random_windows(rng: random.Random, begin, count: int) -> list[dict]:
+def _random_windows(rng: random.Random, begin, count: int, minutes: int = 240) -> list[dict]:
     windows = []
-    for minute in sorted(rng.sample(range(0, 240), count)):
+    for minute in sorted(rng.sample(range(0, minutes), count)):
         start = begin + timedelta(minutes=minute)
         groups = {}
         for _ in range(rng.randrange(1, 5)):
@@ -65,13 +65,14 @@ def _key(row):
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
-def test_hourly_sums_and_edges_add_up_to_the_minute_rows(db, seed):
+def test_sums_and_edges_add_up_to_the_minute_rows(db, seed):
     rng = random.Random(seed)
     web, _, _ = enrolled("web", "10.50.0.1")
     enrolled("db", "10.50.0.2")
-    begin = (clock.now() - timedelta(hours=5)).replace(minute=0, second=0, microsecond=0)
-    windows = _random_windows(rng, begin, 60)
-    halfway = begin + timedelta(minutes=130)  # a block, not an hour: an hour summed in part
+    # Fifteen hours: at least two whole quarter days, wherever the clock stands.
+    begin = (clock.now() - timedelta(hours=15)).replace(minute=0, second=0, microsecond=0)
+    windows = _random_windows(rng, begin, 90, minutes=840)
+    halfway = begin + timedelta(minutes=430)  # a block, not an hour: an hour and a quarter summed in part
     for chunk in (windows[:25], windows[25:]):  # two reports: hours summed across reports
         answer = flow_report_ingest(workload_id=str(web.id), data=_report("p1", 100, chunk))
         assert all(r["result"] == "accepted" for r in answer["windows"])
@@ -79,21 +80,24 @@ def test_hourly_sums_and_edges_add_up_to_the_minute_rows(db, seed):
     # it was summed) and all summed.
     _rollups_equal_the_minute_rows(rng, begin)
     assert flow_windows_sum(before=halfway, most=7) == sum(w["start"] < _instant(halfway) for w in windows)
-    late = _random_windows(rng, begin, 10)
+    late = _random_windows(rng, begin, 10, minutes=840)
     flow_report_ingest(workload_id=str(web.id), data=_report("p1", 100, late))
     _rollups_equal_the_minute_rows(rng, begin)
-    assert flow_windows_sum(before=clock.now()) == 60 + 10 - sum(
+    assert flow_windows_sum(before=clock.now()) == 90 + 10 - sum(
         w["start"] < _instant(halfway) for w in windows
     )
-    assert FlowHour.objects.count() < FlowBlock.objects.count() < FlowGroup.objects.count()
+    counts = [model.objects.count() for model in (FlowQuarter, FlowHour, FlowBlock, FlowGroup)]
+    assert 0 < counts[0] < counts[1] < counts[2] < counts[3], counts
     assert not UnsummedWindow.objects.exists()
     _rollups_equal_the_minute_rows(rng, begin)
 
 
 def _rollups_equal_the_minute_rows(rng: random.Random, begin) -> None:
+    ranges = [(begin - timedelta(minutes=3), begin + timedelta(hours=15))]  # every kind of sum
     for _ in range(12):
-        start = begin + timedelta(minutes=rng.randrange(-30, 200), seconds=rng.choice([0, 17]))
-        end = start + timedelta(minutes=rng.choice([20, 61, 90, 150, 300]))
+        start = begin + timedelta(minutes=rng.randrange(-30, 800), seconds=rng.choice([0, 17]))
+        ranges.append((start, start + timedelta(minutes=rng.choice([20, 61, 150, 300, 420, 720]))))
+    for start, end in ranges:
         for group_by in GROUPINGS:
             rows, _ = flow_rollup(
                 selected=None, group_by=group_by, start=start, end=end, cursor=None, limit=500
@@ -126,11 +130,12 @@ def test_housekeeping_sums_a_block_once_it_is_a_few_minutes_over_into_its_hour_a
     assert flow_windows_sum_step() == len(earlier) == 10
     assert {b.block for b in FlowBlock.objects.all()} == {block}
     assert {h.hour for h in FlowHour.objects.all()} == {span_start(block, HOUR)}
+    assert {q.quarter for q in FlowQuarter.objects.all()} == {span_start(block, QUARTER)}
     clock_at(BLOCK)
     assert flow_windows_sum_step() == len(later) and not UnsummedWindow.objects.exists()
     assert {b.block for b in FlowBlock.objects.all()} == {block, block + BLOCK}
-    # Both blocks' windows are in their hours' sums, once each.
-    for model in (FlowHour, FlowBlock):
+    # Both blocks' windows are in their hours' and quarters' sums, once each.
+    for model in (FlowQuarter, FlowHour, FlowBlock):
         assert model.objects.aggregate(total=Sum("connection_count"))["total"] == 20
 
 
@@ -158,6 +163,6 @@ def test_serve_processes_summing_at_once_sum_each_window_once(transactional_db):
                 n=Sum("connection_count")
             )
         }
-        for model in (FlowHour, FlowBlock, FlowGroup)
+        for model in (FlowQuarter, FlowHour, FlowBlock, FlowGroup)
     }
-    assert sums[FlowHour] == sums[FlowBlock] == sums[FlowGroup]
+    assert sums[FlowQuarter] == sums[FlowHour] == sums[FlowBlock] == sums[FlowGroup]
