@@ -4,6 +4,7 @@ same parsed JSON through the same domain parser, so both print the same findings
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
 from typing import Any
@@ -153,14 +154,19 @@ def take_int(
     return value
 
 
+# RFC 3339's date-time, ASCII digits only: Python's fromisoformat alone also takes ISO 8601's other
+# forms (basic format, week dates, hours without minutes, a comma before the fraction, +hhmm).
+_RFC3339 = re.compile(
+    r"[0-9]{4}-[0-9]{2}-[0-9]{2}[Tt][0-9]{2}:[0-9]{2}:[0-9]{2}(\.[0-9]+)?([Zz]|[+-][0-9]{2}:[0-9]{2})"
+)
+
+
 def parse_instant(value: str) -> datetime | None:
     """An RFC 3339 instant with an explicit offset (`Z` or `+hh:mm`), as UTC; None if malformed."""
-    if not isinstance(value, str) or len(value) < 20:
+    if not isinstance(value, str) or not _RFC3339.fullmatch(value):
         return None
     try:
         parsed = datetime.fromisoformat(value.replace("z", "Z").replace("Z", "+00:00"))
-        if parsed.tzinfo is None or "T" not in value.upper():
-            return None
         # 9999-12-31T23:59:59-14:00 is past the last instant a datetime holds in UTC.
         return parsed.astimezone(UTC)
     except (ValueError, OverflowError):

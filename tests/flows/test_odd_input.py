@@ -133,3 +133,23 @@ def test_ranges_at_the_ends_of_the_calendar_are_refused_not_an_overflow(api, db)
             response = api.get(path, params)
             assert response.status_code == 422, (path, start, end, response.status_code)
             assert {e["path"] for e in response.json()["errors"]} & {"?from", "?to"}
+
+
+def test_instants_in_iso_8601_forms_that_are_not_rfc_3339_are_refused_not_guessed(api, db):
+    """Python's fromisoformat reads ISO 8601's other forms too; the contract says RFC 3339, so a
+    script that sends one of them learns it instead of getting a range it did not mean."""
+    workload, _, _ = enrolled("odd", "10.50.0.9")
+    end = "2026-11-27T02:00:00Z"
+    not_rfc_3339 = ["20261127T010000+0000", "2026-W48-5T01:00:00+00:00", "2026-11-27T01+00:00",
+                    "2026-11-27T01:00+00:00", "2026-11-27T01:00:00.Z", "2026-11-27T01:00:00 Z",
+                    "2026-11-27T01:00:00,5Z", "2026-11-27T01:00:00+0000", "2026-11-27T01:00:00Z\x00",
+                    "2026-11-27 01:00:00Z", "２026-11-27T01:00:00Z"]  # fmt: skip
+    for path in ENDPOINTS:
+        for start in not_rfc_3339:
+            params = {"from": start, "to": end, "workload": str(workload.id), "group_by": "peer"}
+            response = api.get(path, params)
+            assert response.status_code == 422, (path, start, response.status_code)
+            assert [(e["path"], e["rule"]) for e in response.json()["errors"]] == [("?from", "instant")]
+        for start in ("2026-11-27T01:00:00Z", "2026-11-27t01:00:00.25z", "2026-11-27T02:00:00.5+01:00"):
+            params = {"from": start, "to": end, "workload": str(workload.id), "group_by": "peer"}
+            assert api.get(path, params).status_code == 200, (path, start)
