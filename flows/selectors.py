@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import uuid
 from datetime import UTC, datetime, timedelta
 
 from django.db.models import Max, Min, OuterRef, Prefetch, Q, Subquery, Sum
@@ -317,10 +318,14 @@ def _sums(queryset, columns: list[str]):
 def _merged(*parts, columns: list[str]) -> list[dict]:
     """Rows of the same key from several sums, added up, in the order SQL would give (nulls last)."""
     merged: dict[tuple, dict] = {}
+    uuids = UUID_COLUMNS.intersection(columns)
     for part in parts:
         for row in part:
-            if row.get("rule_number") == 0:  # the hourly sums' "no rule"
+            if row.get("rule_number") == 0:  # the sums' "no rule"
                 row["rule_number"] = None
+            for column in uuids:  # SQLite answers a union's subquery column as its stored text
+                if isinstance(row[column], str):
+                    row[column] = uuid.UUID(row[column])
             key = tuple(row[column] for column in columns)
             seen = merged.get(key)
             if seen is None:
@@ -410,8 +415,6 @@ def flow_rollup(
     their keys (nulls last); whole blocks come from the sums (`_summed_by_spans`). Paged by key: the
     cursor holds the last key of the page, so groups that appear while a client pages never shift the
     pages."""
-    import uuid
-
     from django.db.models import F
 
     from controlplane.pagination import cursor_encode, decode_cursor

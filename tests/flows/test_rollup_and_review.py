@@ -109,6 +109,38 @@ def test_rule_hits_and_unused_rules_only_when_the_range_is_covered(api, db):
     assert page["coverage"]["complete"] is False and page["unused_rules"] is None
 
 
+def test_grouped_by_ruleset_the_rollup_pages_and_names_rulesets_by_their_ids(api, db):
+    """A range of whole blocks reads the sums (a UNION of subqueries): each ruleset id as /rulesets
+    gives it, and the second page reached by the cursor."""
+    web, _, _ = enrolled("web", "10.50.0.1")
+    rulesets = [
+        api.post(
+            "/api/v1/rulesets",
+            {"name": name, "scope": "", "rules": [{"sources": [{"any": True}], "services": [{"protocol": "tcp", "port": port}]}]},
+            format="json",
+        ).json()
+        for name, port in (("web", 443), ("admin", 22))
+    ]  # fmt: skip
+    _ingest(web, _windows(web, [
+        {"port": 443, "decision": "allowed", "rule": rulesets[0]["rules"][0]["number"], "connection_count": 4},
+        {"port": 22, "decision": "allowed", "rule": rulesets[1]["rules"][0]["number"], "connection_count": 2},
+        {"port": 9, "decision": "would_block", "connection_count": 1},
+    ]))  # fmt: skip
+    span = _range()  # two hours: whole blocks
+    pages, cursor = [], None
+    while True:
+        params = {**span, "group_by": "ruleset", "limit": 1, **({"cursor": cursor} if cursor else {})}
+        response = api.get("/api/v1/flows/rollup", params)
+        assert response.status_code == 200, response.content
+        pages.append(response.json()["items"])
+        cursor = response.json()["next_cursor"]
+        if cursor is None:
+            break
+    counts = {row["ruleset_id"]: row["connection_count"] for page in pages for row in page}
+    assert counts == {rulesets[0]["id"]: 4, rulesets[1]["id"]: 2, None: 1}
+    assert len(pages) == 3
+
+
 def test_the_review_passes_only_with_nothing_to_fear(api, db, clock_at):
     web, _, _ = enrolled("web", "10.50.0.1")
     api.post(
