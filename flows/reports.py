@@ -116,9 +116,16 @@ def _instant(raw: Any, name: str) -> datetime:
     return parsed
 
 
-def _count(raw: Any, name: str) -> int:
-    if isinstance(raw, bool) or not isinstance(raw, int) or not 0 <= raw < 1 << 62:
-        raise Refused(f"{name} is not a whole number from 0")
+# What one window may count: far beyond any host (four billion connections, 281 TB a minute), and low
+# enough that a quarter day of one key's windows (360 a minute long) sums within a 64-bit column. A
+# flood of windows that still overflows one is left out of the sums alone (flows.services).
+MAX_CONNECTIONS = (1 << 32) - 1
+MAX_BYTES = (1 << 48) - 1
+
+
+def _count(raw: Any, name: str, most: int) -> int:
+    if isinstance(raw, bool) or not isinstance(raw, int) or not 0 <= raw <= most:
+        raise Refused(f"{name} is a whole number from 0 to {most}")
     return raw
 
 
@@ -183,7 +190,8 @@ def _group(raw: Any, *, start: datetime, end: datetime, accounting: bool) -> dic
     )
     if not start <= first_seen <= last_seen <= end:
         raise Refused("first_seen and last_seen lie in the window, in that order")
-    bytes_in, bytes_out = _count(raw.get("bytes_in"), "bytes_in"), _count(raw.get("bytes_out"), "bytes_out")
+    bytes_in = _count(raw.get("bytes_in"), "bytes_in", MAX_BYTES)
+    bytes_out = _count(raw.get("bytes_out"), "bytes_out", MAX_BYTES)
     if not accounting and (bytes_in or bytes_out):
         raise Refused("bytes are counted only with accounting")
     return {
@@ -192,7 +200,7 @@ def _group(raw: Any, *, start: datetime, end: datetime, accounting: bool) -> dic
         "port": port,
         "decision": decision,
         "rule_number": rule,
-        "connection_count": _count(raw.get("connection_count"), "connection_count"),
+        "connection_count": _count(raw.get("connection_count"), "connection_count", MAX_CONNECTIONS),
         "first_seen": first_seen,
         "last_seen": last_seen,
         "bytes_in": bytes_in,

@@ -9,12 +9,13 @@ one serve process or several.
 
 from __future__ import annotations
 
+import logging
 import uuid
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.db import connection, transaction
+from django.db import DataError, connection, transaction
 
 from controlplane import clock
 from controlplane.problems import Problem
@@ -35,6 +36,7 @@ from flows.models import (
 from flows.partitions import flow_partitions_drop, flow_partitions_ensure
 from flows.reports import ACCEPTED, REFUSED, ParsedReport, ParsedWindow, Report, item_answer, report_parse
 
+log = logging.getLogger("palisade.flows")
 _peer_map: tuple[tuple, dict[str, uuid.UUID]] = ((), {})
 
 
@@ -210,21 +212,63 @@ def flow_windows_sum(*, before: datetime, most: int = WINDOWS_PER_SUM) -> int:
     their quarters', hours' and blocks' sums; returns how many windows. Each batch of `most` windows
     is one transaction that removes the windows from UnsummedWindow and adds their groups, so a window
     is summed exactly once, into each, even with two serve processes at it (each skips the rows the
-    other holds)."""
-    summed = 0
+    other holds).
+
+    A batch whose sums would leave their columns' range (a workload's flood of windows, or counts an
+    older version accepted) is summed in halves, down to the windows that cannot be added: those stay
+    unsummed, read from their minute rows by every rollup, and are tried again on the next round. One
+    workload's counts never stop the fleet's sums."""
+    summed, left_out = 0, set()
     while True:
-        with transaction.atomic():
-            taken = list(
-                UnsummedWindow.objects.filter(start__lt=before)
-                .order_by("workload_id", "start")
-                .select_for_update(skip_locked=True)
-                .values_list("window_id", "workload_id", "start")[:most]
-            )
+        taken: list[tuple[uuid.UUID, uuid.UUID, datetime]] = []
+        try:
+            with transaction.atomic():
+                taken = list(
+                    UnsummedWindow.objects.filter(start__lt=before)
+                    .exclude(window_id__in=left_out)
+                    .order_by("workload_id", "start")
+                    .select_for_update(skip_locked=True)
+                    .values_list("window_id", "workload_id", "start")[:most]
+                )
+                if not taken:
+                    return summed
+                UnsummedWindow.objects.filter(window_id__in=[window_id for window_id, _, _ in taken]).delete()
+                _sums_add(taken)
+            summed += len(taken)
+        except OUT_OF_RANGE:
             if not taken:
-                return summed
-            UnsummedWindow.objects.filter(window_id__in=[window_id for window_id, _, _ in taken]).delete()
-            _sums_add(taken)
-        summed += len(taken)
+                raise
+            for half in (taken[: len(taken) // 2], taken[len(taken) // 2 :]):
+                done, out = _windows_sum_or_halves(half)
+                summed, left_out = summed + done, left_out | out
+
+
+# PostgreSQL's "bigint out of range"; on SQLite, a Python int beyond its 64-bit integers.
+OUT_OF_RANGE = (DataError, OverflowError)
+
+
+def _windows_sum_or_halves(taken: list[tuple[uuid.UUID, uuid.UUID, datetime]]) -> tuple[int, set[uuid.UUID]]:
+    """Sum `taken` in one transaction, else each half so; returns how many windows were summed and the
+    ids of those that cannot be. Each is locked again: another summer may have had it since."""
+    try:
+        with transaction.atomic():
+            locked = set(
+                UnsummedWindow.objects.filter(window_id__in=[window_id for window_id, _, _ in taken])
+                .select_for_update(skip_locked=True)
+                .values_list("window_id", flat=True)
+            )
+            mine = [window for window in taken if window[0] in locked]
+            if mine:
+                UnsummedWindow.objects.filter(window_id__in=locked).delete()
+                _sums_add(mine)
+            return len(mine), set()
+    except OUT_OF_RANGE as error:
+        if len(taken) == 1:
+            log.warning("cannot sum flow window %s (%s): rollups read its minute rows", taken[0][0], error)
+            return 0, {taken[0][0]}
+    first = _windows_sum_or_halves(taken[: len(taken) // 2])
+    second = _windows_sum_or_halves(taken[len(taken) // 2 :])
+    return first[0] + second[0], first[1] | second[1]
 
 
 def _sums_add(windows: list[tuple[uuid.UUID, uuid.UUID, datetime]]) -> None:

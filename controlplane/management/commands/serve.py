@@ -135,6 +135,8 @@ def _scheduled(step):
             step.run()
         except DatabaseError as error:
             log.warning("cannot %s: %s", step.name, _first_line(error))
+        except Exception:  # a fault of ours: its traceback, and the step still runs next period
+            log.exception("%s failed; it runs again in %d s", step.name, step.every_seconds)
         finally:
             connections.close_all()
 
