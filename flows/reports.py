@@ -116,11 +116,12 @@ def _instant(raw: Any, name: str) -> datetime:
     return parsed
 
 
-# What one window may count: far beyond any host (four billion connections, 281 TB a minute), and low
-# enough that a quarter day of one key's windows (360 a minute long) sums within a 64-bit column. A
-# flood of windows that still overflows one is left out of the sums alone (flows.services).
+# What one window may count: far beyond any host (four billion connections; 18 PB, and a connection's
+# bytes all come in the window it ends: over two weeks at 100 Gb/s), and low enough that a quarter day
+# of one key's minute windows sums within a 64-bit column. A flood of windows that still overflows one
+# is left out of the sums alone (flows.services).
 MAX_CONNECTIONS = (1 << 32) - 1
-MAX_BYTES = (1 << 48) - 1
+MAX_BYTES = (1 << 54) - 1
 
 
 def _count(raw: Any, name: str, most: int) -> int:

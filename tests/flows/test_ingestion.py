@@ -374,7 +374,7 @@ def test_odd_ids_and_peers_are_refused_per_window(db):
 
 
 def test_counts_beyond_any_host_are_refused_per_window_and_those_at_the_bound_land(db):
-    """Four billion connections or 281 TB in one window: beyond any host, and what keeps a quarter
+    """Four billion connections or 18 PB in one window: beyond any host, and what keeps a quarter
     day's sums of a key inside their 64-bit columns."""
     workload, _, _ = enrolled()
     data = at_agent_clock(golden(), clock.now())
@@ -386,15 +386,15 @@ def test_counts_beyond_any_host_are_refused_per_window_and_those_at_the_bound_la
 
     windows = [
         with_counts(connection_count=2**32),
-        with_counts(bytes_in=2**48),
+        with_counts(bytes_in=2**54),
         with_counts(bytes_out=2**62),
-        with_counts(connection_count=2**32 - 1, bytes_in=2**48 - 1, bytes_out=2**48 - 1),
+        with_counts(connection_count=2**32 - 1, bytes_in=2**54 - 1, bytes_out=2**54 - 1),
     ]
     answer = flow_report_ingest(workload_id=str(workload.id), data={**data, "windows": windows, "gaps": []})
     assert [(r["result"], r["reason"]) for r in answer["windows"]] == [
         ("refused", "connection_count is a whole number from 0 to 4294967295"),
-        ("refused", "bytes_in is a whole number from 0 to 281474976710655"),
-        ("refused", "bytes_out is a whole number from 0 to 281474976710655"),
+        ("refused", "bytes_in is a whole number from 0 to 18014398509481983"),
+        ("refused", "bytes_out is a whole number from 0 to 18014398509481983"),
         ("accepted", None),
     ]
     assert FlowGroup.objects.get().connection_count == 2**32 - 1
