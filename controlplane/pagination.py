@@ -18,6 +18,7 @@ from django.db.models import F, Q, QuerySet
 from django.db.models.fields.tuple_lookups import Tuple, TupleGreaterThan, TupleLessThan
 
 from controlplane.problems import Finding, ValidationFailed
+from controlplane.validation import is_digits
 
 DEFAULT_LIMIT = 100
 MAX_LIMIT = 500
@@ -46,10 +47,9 @@ class OrderKey:
 def parse_limit(raw: str | None) -> int:
     if raw in (None, ""):
         return DEFAULT_LIMIT
-    try:
-        limit = int(raw)
-    except ValueError:
-        raise ValidationFailed([Finding("?limit", "type", "limit must be an integer.")]) from None
+    if not is_digits(raw):  # int() also reads "+5", " 5", "5_0" and other scripts' digits
+        raise ValidationFailed([Finding("?limit", "type", "limit must be an integer.")])
+    limit = int(raw)
     if not 1 <= limit <= MAX_LIMIT:
         raise ValidationFailed(
             [Finding("?limit", "out-of-range", f"limit must be between 1 and {MAX_LIMIT}.")]

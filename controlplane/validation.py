@@ -5,7 +5,7 @@ same parsed JSON through the same domain parser, so both print the same findings
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -187,3 +187,18 @@ def take_instant(
             path, "instant", f"{key} must be an RFC 3339 instant with an offset, e.g. 2026-01-31T12:00:00Z."
         )
     return parsed
+
+
+def parsed_together(*parsers: Callable[[], Any]) -> list[Any]:
+    """Each parser's result, in order; if any refuse, one validation problem with every finding of
+    every parser, so that a request with several bad parameters is fixed in one round."""
+    results, findings = [], []
+    for parse in parsers:
+        try:
+            results.append(parse())
+        except ValidationFailed as failed:
+            findings.extend(failed.findings)
+            results.append(None)
+    if findings:
+        raise ValidationFailed(findings)
+    return results

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ipaddress
 import uuid
 from datetime import UTC, datetime, timedelta
 
@@ -27,6 +26,7 @@ from flows.models import (
     FlowWindow,
     UnsummedWindow,
 )
+from flows.reports import Refused, peer_address
 from flows.retention import flow_retention
 from policy.grammar import Selector
 from policy.models import Rule
@@ -77,17 +77,18 @@ def group_filters_parse(
         filters["decision"] = decision
     if peer:
         try:
-            filters["peer"] = ipaddress.ip_address(peer).compressed
-        except ValueError:
-            findings.append(Finding("?peer", "address", "peer is an IPv4 or IPv6 address."))
+            filters["peer"] = peer_address(peer[:64])
+        except Refused as refused:
+            findings.append(Finding("?peer", "address-zone" if "%" in peer else "address", f"{refused}."))
     if service:
-        protocol, _, port = service.partition("/")
-        if protocol not in ("tcp", "udp", "icmp", "icmpv6") or (
-            port and not (is_digits(port) and int(port) <= 65535)
-        ):
-            findings.append(Finding("?service", "service", "service is tcp/PORT, udp/PORT, icmp or icmpv6."))
+        protocol, slash, port = service.partition("/")
+        with_port = protocol in ("tcp", "udp") and bool(slash) and _port_number(port)
+        if not (with_port or (protocol in ("icmp", "icmpv6") and not slash)):
+            findings.append(
+                Finding("?service", "service", "service is tcp/PORT, udp/PORT (1 to 65535), icmp or icmpv6.")
+            )
         filters["protocol"] = protocol
-        if is_digits(port):
+        if with_port:
             filters["port"] = int(port)
     if rule:
         if not is_digits(rule):
@@ -97,6 +98,19 @@ def group_filters_parse(
     if findings:
         raise ValidationFailed(findings)
     return filters
+
+
+def workload_required(workload_id: str) -> str:
+    if not workload_id:
+        raise ValidationFailed(
+            [Finding("?workload", "required", "workload is required: the id of one workload.")]
+        )
+    return workload_id
+
+
+def _port_number(text: str) -> bool:
+    """1 to 65535 as written: ASCII digits, no leading zero."""
+    return is_digits(text) and text[0] != "0" and int(text) <= 65535
 
 
 def flow_windows_list(
@@ -110,10 +124,7 @@ def flow_windows_list(
 ) -> Page:
     """One workload's stored windows that intersect [start, end), in time order, with their groups
     (only those matching `groups`, and only windows with one, when filters are given)."""
-    if not workload_id:
-        raise ValidationFailed(
-            [Finding("?workload", "required", "workload is required: the id of one workload.")]
-        )
+    workload_required(workload_id)
     workload = workload_get(workload_id=workload_id, missing=f"No workload {workload_id}.")
     groups = groups or {}
     matching = FlowGroup.objects.filter(**groups)

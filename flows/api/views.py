@@ -7,6 +7,7 @@ from rest_framework.views import APIView
 
 from controlplane.api.responses import page_params, page_response
 from controlplane.api.schema import COMMON_ERRORS, PAGE_PARAMETERS, page_of, problem
+from controlplane.validation import parsed_together
 from fleet.selectors import label_filters_parse
 from flows import selectors
 from flows.api.schemas import EvidenceGapSerializer, FlowWindowSerializer, ReviewSerializer, RollupSerializer
@@ -73,14 +74,17 @@ class FlowWindowListView(APIView):
         },
     )
     def get(self, request):
-        start, end = _range(request)
-        cursor, limit = page_params(request)
         params = request.query_params
-        groups = selectors.group_filters_parse(
-            decision=params.get("decision"),
-            peer=params.get("peer"),
-            service=params.get("service"),
-            rule=params.get("rule"),
+        (start, end), (cursor, limit), groups, _ = parsed_together(
+            lambda: _range(request),
+            lambda: page_params(request),
+            lambda: selectors.group_filters_parse(
+                decision=params.get("decision"),
+                peer=params.get("peer"),
+                service=params.get("service"),
+                rule=params.get("rule"),
+            ),
+            lambda: selectors.workload_required(params.get("workload", "")),
         )
         page = selectors.flow_windows_list(
             workload_id=params.get("workload", ""),
@@ -114,11 +118,14 @@ class EvidenceGapListView(APIView):
         },
     )
     def get(self, request):
-        start, end = _range(request)
-        cursor, limit = page_params(request)
+        (start, end), (cursor, limit), labels = parsed_together(
+            lambda: _range(request),
+            lambda: page_params(request),
+            lambda: label_filters_parse(request.query_params.getlist("label")),
+        )
         page = selectors.evidence_gaps_list(
             workload_ids=request.query_params.getlist("workload"),
-            labels=label_filters_parse(request.query_params.getlist("label")),
+            labels=labels,
             start=start,
             end=end,
             cursor=cursor,
@@ -135,11 +142,8 @@ SELECTION = [
 ]
 
 
-def _selected(request):
-    return selectors.workloads_selected(
-        workload_ids=request.query_params.getlist("workload"),
-        labels=label_filters_parse(request.query_params.getlist("label")),
-    )
+def _selected(request, labels):
+    return selectors.workloads_selected(workload_ids=request.query_params.getlist("workload"), labels=labels)
 
 
 class FlowRollupView(APIView):
@@ -157,10 +161,13 @@ class FlowRollupView(APIView):
         responses={200: RollupSerializer, **INVALID, **NOT_FOUND, **COMMON_ERRORS},
     )  # fmt: skip
     def get(self, request):
-        start, end = _range(request)
-        cursor, limit = page_params(request)
-        group_by = selectors.group_by_parse(request.query_params.getlist("group_by"))
-        selected = _selected(request)
+        (start, end), (cursor, limit), group_by, labels = parsed_together(
+            lambda: _range(request),
+            lambda: page_params(request),
+            lambda: selectors.group_by_parse(request.query_params.getlist("group_by")),
+            lambda: label_filters_parse(request.query_params.getlist("label")),
+        )
+        selected = _selected(request, labels)
         rows, next_cursor = selectors.flow_rollup(
             selected=selected, group_by=group_by, start=start, end=end, cursor=cursor, limit=limit
         )
@@ -186,6 +193,8 @@ class SimulationReviewView(APIView):
         responses={200: ReviewSerializer, **INVALID, **NOT_FOUND, **COMMON_ERRORS},
     )
     def get(self, request):
-        start, end = _range(request)
-        review = selectors.simulation_review(selected=_selected(request), start=start, end=end)
+        (start, end), labels = parsed_together(
+            lambda: _range(request), lambda: label_filters_parse(request.query_params.getlist("label"))
+        )
+        review = selectors.simulation_review(selected=_selected(request, labels), start=start, end=end)
         return Response(review_data(review))

@@ -150,6 +150,7 @@ def test_flows_filters_and_refusals(api, db):
     assert peers(decision="would_block") == ["2001:db8::9"]
     assert peers(service="tcp/443") == ["10.50.0.2"] and peers(service="udp/80") == []
     assert peers(peer="2001:db8:0::9") == ["2001:db8::9"]
+    assert peers(peer="::ffff:10.50.0.2") == ["10.50.0.2"]  # as ingestion stores an IPv4-mapped peer
     assert peers(rule="7") == ["10.50.0.2"]
     for bad in (
         {"decision": "maybe"},
@@ -157,8 +158,21 @@ def test_flows_filters_and_refusals(api, db):
         {"peer": "host"},
         {"rule": "x"},
         {"workload": ""},
+        *({"service": service} for service in ("tcp", "tcp/", "icmp/5", "tcp/0", "tcp/0443", "udp/65536")),
+        *({"limit": limit} for limit in ("+5", " 5", "5_0", "\u0665", "0")),
     ):
         assert_problem(api.get("/api/v1/flows", {**base, **bad}), 422, "validation")
+    # Every bad parameter at once, each with its own finding: fixed in one round.
+    every = {"workload": "", "from": "yesterday", "to": base["to"], "limit": "x", "peer": "fe80::1%eth0",
+             "service": "tcp"}  # fmt: skip
+    found = assert_problem(api.get("/api/v1/flows", every), 422, "validation")["errors"]
+    assert {(e["path"], e["rule"]) for e in found} == {
+        ("?from", "instant"), ("?limit", "type"), ("?peer", "address-zone"), ("?service", "service"),
+        ("?workload", "required"),
+    }  # fmt: skip
+    every = {"from": "yesterday", "to": base["to"], "limit": "0", "group_by": "colour", "label": "=x"}
+    found = assert_problem(api.get("/api/v1/flows/rollup", every), 422, "validation")["errors"]
+    assert {e["path"] for e in found} == {"?from", "?limit", "?group_by[0]", "?label[0]"}
     assert_problem(
         api.get("/api/v1/flows", {**base, "workload": "00000000-0000-0000-0000-000000000000"}),
         404,
