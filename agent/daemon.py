@@ -512,6 +512,7 @@ class Agent:
                     uptime_seconds=round(time.monotonic() - self.started, 3),
                     clock=_now(),
                     owned_table=self.owned_table,
+                    flow_backlog_since=self.flows.backlog_since() if self.flows is not None else None,
                 ),
             )
 

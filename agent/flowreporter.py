@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 from agent import protocol
 from agent.flowbuffer import FlowBuffer
-from agent.flowreport import report_body
+from agent.flowreport import instant, report_body
 from agent.flowwindow import Gap, Windows
 from agent.state import StateDir
 
@@ -337,6 +337,14 @@ class FlowReporter:
                     pass
         finally:
             await loop.run_in_executor(None, self.close)
+
+    def backlog_since(self) -> str | None:
+        """The start of the oldest window or gap not acknowledged yet, None when there is none: the
+        control plane cannot vouch for a range from then on until it is delivered (sent on heartbeats,
+        which reach it while flow reports cannot)."""
+        windows, gaps = self.buffer.pending()
+        starts = [record["start"] for record in (*windows, *gaps)]
+        return instant(min(starts)) if starts else None
 
     def status(self) -> dict[str, Any]:
         windows, gaps = self.buffer.pending()

@@ -239,6 +239,9 @@ class Heartbeat(Message):
     uptime_seconds: float
     clock: str  # the agent's clock, RFC 3339, for skew detection
     owned_table: str  # present | absent | unknown
+    # The start (agent clock, RFC 3339) of the oldest flow window or gap the agent holds that the
+    # control plane has not acknowledged; None when it holds none. Evidence from then on is not there yet.
+    flow_backlog_since: str | None = None
 
 
 @message("table", "agent")

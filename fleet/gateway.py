@@ -23,7 +23,7 @@ from rest_framework.views import APIView
 from agent import protocol
 from controlplane import clock
 from controlplane.problems import Finding, ValidationFailed
-from controlplane.validation import require_object
+from controlplane.validation import parse_instant, require_object
 from fleet import credentials, held_streams, streams, sync
 from fleet.choices import OwnedTableState
 from fleet.credentials import signing_public_key
@@ -97,6 +97,7 @@ class SyncStreamConsumer(AsyncWebsocketConsumer):
         self.heard_at = 0.0
         self.last_heartbeat: tuple[str, datetime] | None = None  # its process, when it arrived
         self.table_state: str | None = None
+        self.flow_backlog_since: datetime | None = None
         await self.accept()
         await self.send_message(
             protocol.Hello(nonce=protocol.b64encode(self.nonce), server_time=clock.rfc3339(clock.now()))
@@ -208,9 +209,18 @@ class SyncStreamConsumer(AsyncWebsocketConsumer):
     async def on_heartbeat(self, message: protocol.Heartbeat) -> None:
         state = message.owned_table if message.owned_table in REPORTED_TABLE_STATES else None
         self.last_heartbeat = (message.process_start_id, clock.now())
+        backlog = None
+        if message.flow_backlog_since is not None:
+            backlog = parse_instant(message.flow_backlog_since)
+            if backlog is None:
+                raise protocol.ProtocolError(
+                    protocol.CLOSE_MALFORMED, "flow_backlog_since must be an RFC 3339 instant or null"
+                )
         now = time.monotonic()
-        if state != self.table_state or now - self.heard_at >= HEARD_FROM_EVERY_SECONDS:
-            self.heard_at, self.table_state = now, state
+        # A backlog that appears or clears is written at once: coverage reads it.
+        changed = state != self.table_state or backlog != self.flow_backlog_since
+        if changed or now - self.heard_at >= HEARD_FROM_EVERY_SECONDS:
+            self.heard_at, self.table_state, self.flow_backlog_since = now, state, backlog
             # Group memberships expire after a day; a stream may live for months.
             await self.channel_layer.group_add(stream_group(self.grant.workload_id), self.channel_name)
             await held_streams.db(sync.workload_heard_from)(
@@ -218,6 +228,7 @@ class SyncStreamConsumer(AsyncWebsocketConsumer):
                 stream_id=self.stream_id,
                 owned_table_state=state,
                 process_start_id=message.process_start_id,
+                flow_backlog_since=backlog,
             )
 
     async def on_table(self, message: protocol.TableState) -> None:

@@ -77,6 +77,9 @@ class Workload(models.Model):
     flow_window_seconds_longest = models.PositiveIntegerField(default=0)
     # The window of its latest report: telemetry is live while a report arrived within two of them.
     flow_window_seconds = models.PositiveIntegerField(default=0)
+    # From the stream's heartbeats: the start (agent clock) of the oldest flow window or gap the agent
+    # holds unacknowledged (reports held back while the stream is up); null when none, or no stream.
+    flow_backlog_since = models.DateTimeField(null=True)
     rank = models.PositiveSmallIntegerField(default=RANK_OFFLINE)
 
     public_key = models.CharField(max_length=64)  # Ed25519, base64

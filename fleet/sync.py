@@ -166,7 +166,9 @@ def workload_stream_ended(
         workload.stream_id = ""
         workload.sync_state = SyncState.OFFLINE
         workload.last_heard_from = clock.now()
-        fields = ["stream_id", "sync_state", "last_heard_from"]
+        # Known only from a live stream's heartbeats; offline, silence and reports decide coverage.
+        workload.flow_backlog_since = None
+        fields = ["stream_id", "sync_state", "last_heard_from", "flow_backlog_since"]
         if last_heartbeat is not None:
             fields += _flow_process_seen(workload, *last_heartbeat)
         _save(workload, *fields)
@@ -185,12 +187,20 @@ def _flow_process_seen(workload: Workload, process_start_id: str | None, at: dat
     return ["flow_process_alive_at"]
 
 
+KEEP = object()  # a heartbeat field left as it was (a table report carries no flow backlog)
+
+
 def workload_heard_from(
-    *, workload_id, stream_id: str, owned_table_state: str | None = None, process_start_id: str | None = None
+    *,
+    workload_id,
+    stream_id: str,
+    owned_table_state: str | None = None,
+    process_start_id: str | None = None,
+    flow_backlog_since: datetime | None | object = KEEP,
 ) -> None:
-    """A heartbeat: the agent is alive; it may report whether its owned table is in the kernel. A
-    heartbeat of the process that sent the last flow report shows that process still running (a
-    quiet workload, not a silent one)."""
+    """A heartbeat: the agent is alive; it may report whether its owned table is in the kernel, and
+    since when it holds flow evidence not delivered yet. A heartbeat of the process that sent the last
+    flow report shows that process still running (a quiet workload, not a silent one)."""
     with transaction.atomic():
         workload = _locked(workload_id)
         if not _current_stream(workload, stream_id):
@@ -200,6 +210,9 @@ def workload_heard_from(
             "last_heard_from",
             *_flow_process_seen(workload, process_start_id, workload.last_heard_from),
         ]
+        if flow_backlog_since is not KEEP:
+            workload.flow_backlog_since = flow_backlog_since
+            fields.append("flow_backlog_since")
         if owned_table_state in (OwnedTableState.ABSENT, OwnedTableState.PRESENT):
             workload.owned_table_state = owned_table_state
             fields.append("owned_table_state")

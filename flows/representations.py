@@ -83,10 +83,17 @@ def coverage_data(coverage: dict[str, Any]) -> dict[str, Any]:
         **coverage,
         "gaps": [evidence_gap_data(gap) for gap in coverage["gaps"]],
         "retained_from": rfc3339(coverage["retained_from"]),
-        "silent_workloads": [
-            {"workload_id": str(w["workload_id"]), "hostname": w["hostname"], "since": rfc3339(w["since"])}
-            for w in coverage["silent_workloads"]
-        ],
+        **{
+            listed: [
+                {
+                    "workload_id": str(w["workload_id"]),
+                    "hostname": w["hostname"],
+                    "since": rfc3339(w["since"]),
+                }
+                for w in coverage[listed]
+            ]
+            for listed in ("silent_workloads", "pending_workloads")
+        },
     }
 
 

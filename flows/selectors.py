@@ -273,10 +273,12 @@ def coverage(selected, start: datetime, end: datetime) -> dict:
     # Listed only when there is something to list: each list is its count's query again (for the
     # workloads, a probe per workload), and a complete range, the common answer, has neither.
     silent = _silent_workloads(workloads, end)
+    pending = _pending_workloads(workloads, end)
     # Retention removes what ended before this; a range that begins earlier has lost that part.
     retained_from = clock.now() - flow_retention()
+    complete = not (gap_count or without_reports_count or silent or pending) and start >= retained_from
     return {
-        "complete": gap_count == 0 and without_reports_count == 0 and not silent and start >= retained_from,
+        "complete": complete,
         "retained_from": retained_from,
         "begins_before_retention": start < retained_from,
         "gap_count": gap_count,
@@ -289,7 +291,21 @@ def coverage(selected, start: datetime, end: datetime) -> dict:
         else [],
         "silent_workloads_count": len(silent),
         "silent_workloads": silent[:COVERAGE_LIST],
+        "pending_workloads_count": len(pending),
+        "pending_workloads": pending[:COVERAGE_LIST],
     }
+
+
+def _pending_workloads(workloads, end: datetime) -> list[dict]:
+    """The workloads whose agent, by its stream's heartbeats, holds flow windows or gaps from before the
+    range's end that the control plane has not received: its flow reports are held back (a proxy or a
+    firewall that lets the stream through but not new connections) while it stays connected and
+    synced. No gap is due (they may yet arrive), but until they do the range's totals lack them."""
+    held = workloads.filter(flow_backlog_since__lt=end).order_by("hostname", "id")
+    return [
+        {"workload_id": workload_id, "hostname": hostname, "since": since}
+        for workload_id, hostname, since in held.values_list("id", "hostname", "flow_backlog_since")
+    ]
 
 
 def _silent_workloads(workloads, end: datetime) -> list[dict]:
@@ -523,8 +539,10 @@ def simulation_review(*, selected, start: datetime, end: datetime) -> dict:
     counts = (
         (would_block_count, "would-block group: enforcing would block it", "would-block groups: enforcing would block them"),
         (covered["gap_count"], "evidence gap intersects the range", "evidence gaps intersect the range"),
-        (covered["workloads_without_reports_count"], "workload sent no flow report in the range",
-         "workloads sent no flow report in the range"),
+        (covered["workloads_without_reports_count"], "workload sent no flow window in the range",
+         "workloads sent no flow window in the range"),
+        (covered["pending_workloads_count"], "workload holds flow evidence of the range not delivered yet",
+         "workloads hold flow evidence of the range not delivered yet"),
         (offline_count, "workload is offline", "workloads are offline"),
         (elsewhere_count, "workload was not in simulation for the whole range",
          "workloads were not in simulation for the whole range"),

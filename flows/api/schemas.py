@@ -80,7 +80,8 @@ class SilentWorkloadSerializer(serializers.Serializer):
 class CoverageSerializer(serializers.Serializer):
     complete = serializers.BooleanField(
         help_text=(
-            "No gap, no workload without reports, no silent workload, a range within the retention: "
+            "No gap, no workload without reports, no silent workload, none holding evidence not delivered, "
+            "a range within the retention: "
             "the totals are the whole truth."
         )
     )
@@ -105,6 +106,16 @@ class CoverageSerializer(serializers.Serializer):
         )
     )
     silent_workloads = SilentWorkloadSerializer(many=True, help_text="The first 100.")
+    pending_workloads_count = serializers.IntegerField(
+        help_text=(
+            "Workloads whose agent, connected, says on its heartbeats that it holds flow windows or gaps "
+            "from before the range's end that have not been delivered (its flow reports are held back). "
+            "They may yet arrive; until then the totals lack them."
+        )
+    )
+    pending_workloads = SilentWorkloadSerializer(
+        many=True, help_text="The first 100; `since`: the start of the oldest evidence it holds."
+    )
 
 
 class UnusedRuleSerializer(serializers.Serializer):

@@ -685,6 +685,48 @@ def test_the_gateway_unreachable_for_several_windows_is_ridden_out_with_the_wind
         assert api.workload(web_id)["health"]["evidence_gap"] is None
 
 
+def test_flow_reports_held_back_while_the_stream_stays_up_leave_the_range_incomplete(lab, tmp_path):
+    """A middlebox that keeps the sync stream but refuses new connections, which every flow report
+    needs: the workload stays synced, its windows wait in the agent's buffer, and its heartbeats say
+    since when. Until they arrive the range is not complete and the review fails on it (it would
+    otherwise pass with the would-be evidence missing); once they do, the counts are exact, no gap."""
+    from datetime import UTC, datetime, timedelta
+
+    with _web_behind_relay(lab, tmp_path) as (api, web_id, web, relay_told):
+        began = datetime.now(UTC) - timedelta(seconds=2)
+        assert probe(lab, "client", WEB, 8080) == "open"
+        api.wait_for("1 connection counted", lambda: _tcp_count(api, web_id, began, 8080) == 1, timeout=30)
+
+        relay_told("hold")
+        held_at = datetime.now(UTC)
+        for _ in range(3):
+            assert probe(lab, "client", WEB, 8080) == "open"
+
+        def pending():
+            page = api.get("/flows/rollup", params={"workload": web_id, "group_by": "peer", **_span(began)})
+            return page["coverage"]["pending_workloads_count"] == 1 and page["coverage"]
+
+        covered = api.wait_for("the workload named as holding evidence", pending, timeout=30)
+        assert covered["complete"] is False
+        (held,) = covered["pending_workloads"]
+        assert held_at - timedelta(seconds=3) <= datetime.fromisoformat(held["since"]) <= datetime.now(UTC)
+        workload = api.workload(web_id)
+        assert workload["sync"]["state"] == "synced", workload
+        review = api.get("/flows/review", params={"workload": web_id, **_span(began)})
+        assert "1 workload holds flow evidence of the range not delivered yet" in review["reasons"], review
+        assert _tcp_count(api, web_id, began, 8080) == 1
+
+        relay_told("pass")
+        api.wait_for("4 connections counted", lambda: _tcp_count(api, web_id, began, 8080) == 4, timeout=60)
+
+        def delivered():
+            page = api.get("/flows/rollup", params={"workload": web_id, "group_by": "peer", **_span(began)})
+            return page["coverage"]["pending_workloads_count"] == 0 and page["coverage"]
+
+        assert api.wait_for("its backlog delivered", delivered, timeout=30)["complete"] is True
+        assert api.get("/flows/gaps", params={"workload": web_id, **_span(began)})["items"] == []
+
+
 FAKETIME = "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1"
 
 

@@ -3,7 +3,7 @@ drive it over TLS): authentication, the sync events, malformed frames, resend an
 
 import asyncio
 import json
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -117,6 +117,51 @@ def test_stream_opens_sends_a_snapshot_and_acknowledgement_synchronises():
         assert (await _state(agent))[0] == "synced"
         await communicator.disconnect()
         assert (await _state(agent))[0] == "offline"
+
+    async_to_sync(scenario)()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_heartbeat_s_flow_backlog_is_recorded_as_it_appears_and_clears_and_dropped_with_the_stream():
+    """Heartbeats are written at most once a minute, but a backlog that appears or clears at once:
+    coverage reads it. A stream's end forgets it (only a live stream says)."""
+    agent = Agent()
+
+    def heartbeat(backlog):
+        return protocol.Heartbeat(
+            process_start_id="p1",
+            uptime_seconds=2,
+            clock="x",
+            owned_table="present",
+            flow_backlog_since=backlog,
+        ).encode()
+
+    async def backlog():
+        return (await database_sync_to_async(workload)(agent)).flow_backlog_since
+
+    async def scenario():
+        communicator = await open_stream(agent)
+        await receive(communicator)
+        await receive(communicator)
+        await communicator.send_to(text_data=heartbeat(None))
+        await communicator.receive_nothing(timeout=0.3)
+        assert await backlog() is None
+        await communicator.send_to(text_data=heartbeat("2026-11-27T10:00:00.250000Z"))
+        await communicator.receive_nothing(timeout=0.3)
+        assert await backlog() == datetime(2026, 11, 27, 10, 0, 0, 250000, tzinfo=UTC)
+        await communicator.send_to(text_data=heartbeat(None))  # within the minute, yet written
+        await communicator.receive_nothing(timeout=0.3)
+        assert await backlog() is None
+        await communicator.send_to(text_data=heartbeat("2026-11-27T10:01:00Z"))
+        await communicator.receive_nothing(timeout=0.3)
+        await communicator.disconnect()
+        assert await backlog() is None
+        malformed = await open_stream(agent)
+        await receive(malformed)
+        await receive(malformed)
+        await malformed.send_to(text_data=heartbeat("10 o'clock"))
+        closed = await malformed.receive_output(timeout=5)
+        assert closed == {"type": "websocket.close", "code": protocol.CLOSE_MALFORMED}
 
     async_to_sync(scenario)()
 

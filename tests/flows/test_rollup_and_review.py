@@ -316,7 +316,7 @@ def test_the_review_counts_exactly_beyond_the_lists_it_shows(api, db, monkeypatc
     assert review["coverage"]["workloads_without_reports_count"] == 2
     assert review["reasons"] == [
         "2 would-block groups: enforcing would block them",
-        "2 workloads sent no flow report in the range",
+        "2 workloads sent no flow window in the range",
         "3 workloads are offline",
         "3 workloads were not in simulation for the whole range",
     ]
@@ -327,6 +327,37 @@ def test_a_review_of_no_workload_fails_rather_than_pass_vacuously(api, db):
     review = api.get("/api/v1/flows/review", {**_range(), "label": "app=nothing-has-this"}).json()
     assert review["verdict"] == "fail" and review["workload_count"] == 0
     assert review["reasons"] == ["the selection matches no workload"]
+
+
+def test_a_workload_holding_evidence_not_delivered_leaves_the_range_incomplete_and_fails_the_review(api, db):
+    """Its stream up and synced, its flow reports held back: its heartbeats say since when it holds
+    windows. A range reaching past that is incomplete, and the review fails on it; one that ends
+    before it, or once the backlog clears, is not."""
+    from fleet.models import Workload
+
+    web, _, _ = enrolled("web", "10.50.0.1")
+    Workload.objects.filter(id=web.id).update(
+        sync_state="synced", mode="simulation", mode_since=clock.now() - timedelta(days=1)
+    )
+    _ingest(web, _windows(web, [{"port": 443, "decision": "allowed", "connection_count": 1}]))
+    span = {**_range(), "workload": str(web.id)}
+    assert api.get("/api/v1/flows/review", span).json()["verdict"] == "pass"
+    held_since = clock.now() - timedelta(minutes=3)
+    Workload.objects.filter(id=web.id).update(flow_backlog_since=held_since)
+    review = api.get("/api/v1/flows/review", span).json()
+    assert review["verdict"] == "fail"
+    assert review["reasons"] == ["1 workload holds flow evidence of the range not delivered yet"]
+    covered = review["coverage"]
+    assert covered["complete"] is False and covered["pending_workloads_count"] == 1
+    (pending,) = covered["pending_workloads"]
+    assert pending["workload_id"] == str(web.id) and pending["hostname"] == "web"
+    assert datetime.fromisoformat(pending["since"]) == held_since
+    rollup = api.get("/api/v1/flows/rollup", {**span, "group_by": "peer"}).json()
+    assert rollup["coverage"]["complete"] is False and rollup["coverage"]["pending_workloads_count"] == 1
+    before = {**span, "to": (held_since - timedelta(seconds=1)).strftime("%Y-%m-%dT%H:%M:%SZ")}
+    assert api.get("/api/v1/flows/review", before).json()["coverage"]["pending_workloads_count"] == 0
+    Workload.objects.filter(id=web.id).update(flow_backlog_since=None)
+    assert api.get("/api/v1/flows/review", span).json()["verdict"] == "pass"
 
 
 def test_a_workload_gone_silent_is_named_in_the_coverage_until_it_reports_again(api, db, clock_at):

@@ -190,13 +190,14 @@ sys.stdin.read()
 # A TCP relay (listen address, target address) that stands for a middlebox between agents and the
 # gateway: told "cut SECONDS" on stdin, it ends every connection older than that, as a firewall with a
 # short lifetime for connections would ("cut 0": the gateway unreachable, every connection refused);
-# "pass" lets them live again. It answers each command "ok".
+# "hold" refuses new connections and keeps those made (a stream stays up, a flow report cannot get
+# through); "pass" lets them live again. It answers each command "ok".
 CUTTING_RELAY = """
 import socket, sys, threading, time
 def address(text):
     host, _, port = text.rpartition(":")
     return host, int(port)
-lifetime, links, lock = [None], [], threading.Lock()
+lifetime, holding, links, lock = [None], [False], [], threading.Lock()
 def pipe(a, b):
     try:
         while data := a.recv(65536):
@@ -211,7 +212,7 @@ def pipe(a, b):
 def accept(listener, target):
     while True:
         a, _ = listener.accept()
-        if lifetime[0] == 0:
+        if lifetime[0] == 0 or holding[0]:
             a.close()
             continue
         try:
@@ -243,6 +244,7 @@ print("ready", flush=True)
 for line in sys.stdin:
     word, *rest = line.split()
     lifetime[0] = float(rest[0]) if word == "cut" else None
+    holding[0] = word == "hold"
     print("ok", flush=True)
 """
 

@@ -170,7 +170,8 @@ class Command(PalisadeCommand):
         incomplete = (
             f"incomplete: {covered['gap_count']} gaps, "
             f"{covered['workloads_without_reports_count']} workloads sent no report in the range, "
-            f"{covered['silent_workloads_count']} silent since before its end"
+            f"{covered['silent_workloads_count']} silent since before its end, "
+            f"{covered['pending_workloads_count']} holding evidence not delivered yet"
             + (
                 f", evidence before {covered['retained_from']} removed"
                 if covered["begins_before_retention"]
