@@ -127,6 +127,14 @@ def review_data(review: dict[str, Any]) -> dict[str, Any]:
             {"workload_id": str(w.id), "hostname": w.hostname, "last_heard_from": rfc3339(w.last_heard_from)}
             for w in review["offline"]
         ],
+        "decided_outside_simulation": [
+            {
+                "workload_id": str(row["workload_id"]),
+                "decision": row["decision"],
+                "connection_count": row["connection_count"],
+            }
+            for row in review["decided_outside_simulation"]
+        ],
         "not_in_simulation_count": review["not_in_simulation_count"],
         "not_in_simulation": [
             {

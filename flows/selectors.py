@@ -498,16 +498,20 @@ def unused_rules(selected, start: datetime, end: datetime) -> list[Rule]:
     )
 
 
-def _would_block(selected, start: datetime, end: datetime) -> list[dict]:
-    """The would-block groups of the range by workload, peer and service, most connections first. A
-    range holding a whole ten-minute block reads the sums, as the rollup does: a day of a thousand
-    workloads is millions of minute rows but a hundred thousand hour rows."""
-    columns = ["workload_id", "peer", "protocol", "port"]
+def _decided(
+    selected, start: datetime, end: datetime, columns: list[str], decisions: list[str]
+) -> list[dict]:
+    """The range's groups with one of `decisions`, summed by `columns`. A range holding a whole
+    ten-minute block reads the sums, as the rollup does: a day of a thousand workloads is millions of
+    minute rows but a hundred thousand hour rows."""
     if whole_spans(start, end, BLOCK) is None:
-        groups = _groups_in_range(selected, start, end).filter(decision=Decision.WOULD_BLOCK)
-        rows = list(_sums(groups, columns))
-    else:
-        rows = _summed_by_spans(selected, columns, start, end, decision=Decision.WOULD_BLOCK)
+        return list(_sums(_groups_in_range(selected, start, end).filter(decision__in=decisions), columns))
+    return _summed_by_spans(selected, columns, start, end, decision__in=decisions)
+
+
+def _would_block(selected, start: datetime, end: datetime) -> list[dict]:
+    """The would-block groups of the range by workload, peer and service, most connections first."""
+    rows = _decided(selected, start, end, ["workload_id", "peer", "protocol", "port"], [Decision.WOULD_BLOCK])
     return sorted(
         rows,
         key=lambda row: (
@@ -525,6 +529,13 @@ def simulation_review(*, selected, start: datetime, end: datetime) -> dict:
     simulation; any one fails it (a gap alone does: rule 5)."""
     workloads = _workloads_of(selected)
     would_block = _would_block(selected, start, end)
+    # Connections a table not in simulation decided (observed: visibility, blocked: enforced), although
+    # the workload's mode says simulation: its agent had not applied the change yet (it applies it
+    # seconds later, or not at all while degraded). What simulation would have said of them is unknown.
+    elsewhere_decided = sorted(
+        _decided(selected, start, end, ["workload_id", "decision"], [Decision.OBSERVED, Decision.BLOCKED]),
+        key=lambda row: (str(row["workload_id"]), row["decision"]),
+    )
     covered = coverage(selected, start, end)
     offline = workloads.filter(sync_state=SyncState.OFFLINE).order_by("hostname", "id")
     # In simulation for the whole range: in it now, and since before the range began.
@@ -546,6 +557,8 @@ def simulation_review(*, selected, start: datetime, end: datetime) -> dict:
         (offline_count, "workload is offline", "workloads are offline"),
         (elsewhere_count, "workload was not in simulation for the whole range",
          "workloads were not in simulation for the whole range"),
+        (len({row["workload_id"] for row in elsewhere_decided}), "workload's table decided connections in the range outside simulation (observed or blocked)",
+         "workloads' tables decided connections in the range outside simulation (observed or blocked)"),
     )  # fmt: skip
     # A selection of nothing would pass vacuously; the mode change it gates refuses it anyway.
     reasons = ["the selection matches no workload"] if selected_count == 0 else []
@@ -565,4 +578,5 @@ def simulation_review(*, selected, start: datetime, end: datetime) -> dict:
         "offline": list(offline[:COVERAGE_LIST]),
         "not_in_simulation_count": elsewhere_count,
         "not_in_simulation": list(elsewhere[:COVERAGE_LIST]),
+        "decided_outside_simulation": elsewhere_decided[:COVERAGE_LIST],
     }

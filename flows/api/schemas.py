@@ -151,6 +151,12 @@ class ReviewWorkloadSerializer(serializers.Serializer):
     mode_since = serializers.DateTimeField(required=False)
 
 
+class DecidedOutsideSimulationSerializer(serializers.Serializer):
+    workload_id = serializers.UUIDField()
+    decision = serializers.CharField(help_text="`observed` or `blocked`.")
+    connection_count = serializers.IntegerField()
+
+
 class ReviewSerializer(serializers.Serializer):
     verdict = serializers.ChoiceField(choices=["pass", "fail"])
     reasons = serializers.ListField(child=serializers.CharField())
@@ -166,3 +172,12 @@ class ReviewSerializer(serializers.Serializer):
         help_text="Workloads not in simulation for the whole range; the list shows the first 100."
     )
     not_in_simulation = ReviewWorkloadSerializer(many=True)
+    decided_outside_simulation = DecidedOutsideSimulationSerializer(
+        many=True,
+        help_text=(
+            "Connections in the range that a selected workload's table decided outside simulation (`observed`: "
+            "visibility, `blocked`: enforced), per workload and decision: its agent had not applied the mode "
+            "change yet, or could not. What enforcing would do to them is unknown; any fails the review. "
+            "The first 100."
+        ),
+    )

@@ -727,6 +727,43 @@ def test_flow_reports_held_back_while_the_stream_stays_up_leave_the_range_incomp
         assert api.get("/flows/gaps", params={"workload": web_id, **_span(began)})["items"] == []
 
 
+def test_a_mode_change_the_agent_has_not_applied_fails_the_review_on_what_its_table_decided(lab, tmp_path):
+    """The workload put in simulation while its agent cannot reach the gateway: its mode says
+    simulation from that instant, but its table still observes (visibility) until the agent applies
+    the change. The review over the range from the change fails on the connections that table
+    decided: what simulation would have said of them is unknown."""
+    from datetime import UTC, datetime
+
+    with _web_behind_relay(lab, tmp_path) as (api, web_id, web, relay_told):
+        relay_told("cut 0")
+        api.wait_for(
+            "the workload offline", lambda: api.workload(web_id)["sync"]["state"] == "offline", timeout=20
+        )
+        changed = api.post("/mode-changes", {"selection": {"workload_ids": [web_id]}, "mode": "simulation"})
+        assert changed.status_code in (200, 201, 202), changed.text
+        since = datetime.fromisoformat(api.workload(web_id)["mode_since"])
+        for _ in range(3):
+            assert probe(lab, "client", WEB, 8080) == "open"
+        relay_told("pass")
+        api.wait_converged(web_id)
+        assert probe(lab, "client", WEB, 8080) == "open"  # judged by the simulation table
+        span = {**_span(since), "from": since.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")}
+
+        def decided():
+            review = api.get("/flows/review", params={"workload": web_id, **span})
+            return sum(r["connection_count"] for r in review["decided_outside_simulation"]) == 3 and review
+
+        review = api.wait_for("the visibility table's 3 connections in the review", decided, timeout=60)
+        assert review["verdict"] == "fail" and review["not_in_simulation_count"] == 0, review
+        assert review["decided_outside_simulation"] == [
+            {"workload_id": web_id, "decision": "observed", "connection_count": 3}
+        ]
+        assert (
+            "1 workload's table decided connections in the range outside simulation (observed or blocked)"
+            in review["reasons"]
+        )
+
+
 FAKETIME = "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1"
 
 

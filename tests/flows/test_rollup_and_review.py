@@ -360,6 +360,32 @@ def test_a_workload_holding_evidence_not_delivered_leaves_the_range_incomplete_a
     assert api.get("/api/v1/flows/review", span).json()["verdict"] == "pass"
 
 
+def test_connections_a_table_decided_outside_simulation_fail_the_review(api, db):
+    """The workload's mode says simulation since before the range, but its agent had not applied the
+    change (it was away, or its apply failed): its table still observed (visibility) or blocked
+    (enforced). What simulation would have said of those connections is unknown."""
+    from fleet.models import Workload
+
+    web, _, _ = enrolled("web", "10.50.0.1")
+    Workload.objects.filter(id=web.id).update(
+        sync_state="synced", mode="simulation", mode_since=clock.now() - timedelta(days=1)
+    )
+    _ingest(web, _windows(web, [
+        {"port": 443, "decision": "allowed", "connection_count": 1},
+        {"port": 9090, "decision": "observed", "connection_count": 3},
+        {"port": 22, "decision": "blocked", "connection_count": 2},
+    ]))  # fmt: skip
+    review = api.get("/api/v1/flows/review", {**_range(), "workload": str(web.id)}).json()
+    assert review["verdict"] == "fail"
+    assert review["reasons"] == [
+        "1 workload's table decided connections in the range outside simulation (observed or blocked)"
+    ]
+    assert review["decided_outside_simulation"] == [
+        {"workload_id": str(web.id), "decision": "blocked", "connection_count": 2},
+        {"workload_id": str(web.id), "decision": "observed", "connection_count": 3},
+    ]
+
+
 def test_a_workload_gone_silent_is_named_in_the_coverage_until_it_reports_again(api, db, clock_at):
     """Its agent_silent gap is written only when it reports again (rule 2). Until then the coverage
     names it, with its last sign of life, so a total over the silence does not read as complete."""
