@@ -483,6 +483,15 @@ def flow_rollup(
     return rows, next_cursor
 
 
+def rollup_unused_rules(selected, group_by: list[str], start: datetime, end: datetime, covered: dict):
+    """What a rollup grouped by `rule` alone says of the rules without hits: the list when the range is
+    fully covered, None when it is not (a rule without hits may only have gone unseen) or when grouped
+    otherwise."""
+    if group_by != ["rule"] or not covered["complete"]:
+        return None
+    return unused_rules(selected, start, end)
+
+
 def unused_rules(selected, start: datetime, end: datetime) -> list[Rule]:
     """Rules that admitted nothing in the range (the caller says so only when coverage is complete).
     The rules hit are read as the rollup by rule reads them: from the sums where the range holds a

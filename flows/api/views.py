@@ -173,15 +173,13 @@ class FlowRollupView(APIView):
         )
         rule_ids = selectors.rule_ids_by_number({row.get("rule_number") for row in rows})
         covered = selectors.coverage(selected, start, end)
-        unused = None
-        if group_by == ["rule"] and covered["complete"]:
-            unused = [rule_data_brief(rule) for rule in selectors.unused_rules(selected, start, end)]
+        unused = selectors.rollup_unused_rules(selected, group_by, start, end, covered)
         return Response(
             {
                 "items": [rollup_row_data(row, rule_ids) for row in rows],
                 "next_cursor": next_cursor,
                 "coverage": coverage_data(covered),
-                "unused_rules": unused,
+                "unused_rules": None if unused is None else [rule_data_brief(rule) for rule in unused],
             }
         )
 

@@ -253,6 +253,11 @@ def test_the_flows_command_lists_windows_and_gaps_as_table_json_and_csv(db):
     ]
     code, out, _ = run_command("flows", "gaps", *window, "--json")
     assert code == 0 and [g["kind"] for g in json.loads(out)["items"]] == ["source_overrun"]
+    assert json.loads(out)["next_cursor"] is None  # the API's document: every page, no cursor left
+    lost = json.loads(out)["items"][0]["lost"]
+    code, out, _ = run_command("flows", "gaps", *window, "--csv")
+    (row,) = csv.DictReader(io.StringIO(out))
+    assert json.loads(row["lost"]) == lost  # JSON in its cell, as the API gives it
     code, out, _ = run_command(
         "flows", "list", "--workload", str(workload.id), *window, "--decision", "blocked"
     )

@@ -88,6 +88,18 @@ def test_rule_hits_and_unused_rules_only_when_the_range_is_covered(api, db):
     page = api.get("/api/v1/flows/rollup", {**_range(), "group_by": "rule", "workload": str(web.id)}).json()
     assert [(r["rule_id"], r["connection_count"]) for r in page["items"]] == [(used["id"], 4)]
     assert [r["rule_id"] for r in page["unused_rules"]] == [unused["id"]]
+    # The command's --json is the same document.
+    import json
+
+    from tests.support.helpers import run_command
+
+    window = ("--from", _range()["from"], "--to", _range()["to"])
+    code, out, _ = run_command(
+        "flows", "rollup", "--group-by", "rule", "--workload", str(web.id), *window, "--json"
+    )
+    document = json.loads(out)
+    assert code == 0 and document["unused_rules"] == page["unused_rules"] and document["next_cursor"] is None
+    assert document["items"] == page["items"]
     # A range under a ten-minute block reads the minute rows, not the sums: the same answer.
     window_start = datetime.fromisoformat(
         _window_between(clock.now() - timedelta(minutes=10), 1)[0]["start"].replace("Z", "+00:00")
@@ -219,9 +231,11 @@ def test_the_flows_command_rolls_up_and_reviews(db):
     code, out, _ = run_command("flows", "rollup", "--group-by", "peer", *empty)
     assert out.splitlines()[0] == "no flows in the range" and out.splitlines()[1].startswith("incomplete:")
     code, out, _ = run_command("flows", "review", *window, "--json")
-    assert code == 0 and json.loads(out)["verdict"] == "fail"
+    assert code == 3 and json.loads(out)["verdict"] == "fail"  # a pipeline gates on the status
     code, out, _ = run_command("flows", "review", *window)
-    assert out.startswith("FAIL") and "would-block" in out
+    assert code == 3 and out.startswith("FAIL") and "would-block" in out
+    code, _, err = run_command("flows", "rollup", "--group-by", "peer", *window, "--csv", "--json")
+    assert code == 1 and err.strip() == "error: --csv and --json each choose the output: give one"
 
 
 def test_rollup_pages_by_key_so_groups_arriving_while_paging_shift_nothing(api, db):

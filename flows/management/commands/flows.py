@@ -4,7 +4,10 @@ JSON (`--json`) or CSV (`--csv`, for spreadsheets)."""
 import csv
 import io
 import json
+import sys
 from datetime import UTC, datetime
+
+from django.core.management.base import CommandError
 
 from controlplane.management.base import PalisadeCommand
 from controlplane.pagination import MAX_LIMIT
@@ -17,11 +20,13 @@ from flows.representations import (
     flow_window_data,
     review_data,
     rollup_row_data,
+    rule_data_brief,
 )
 
 GROUP_COLUMNS = ("window_start", "window_end", "peer", "peer_workload_id", "protocol", "port", "decision",
                  "rule_number", "rule_id", "connection_count", "first_seen", "last_seen", "bytes_in", "bytes_out")  # fmt: skip
 GAP_COLUMNS = ("workload_id", "kind", "source", "start", "end", "lost")
+EXIT_REVIEW_FAILED = 3  # apart from a refused command's 1 and 2
 
 
 def _flat(row: dict) -> dict:
@@ -51,10 +56,17 @@ def _pages(fetch):
 
 
 def _csv(columns, rows) -> str:
+    """One row per item; a value that is an object (a gap's `lost`) as the API's JSON in its cell."""
     out = io.StringIO()
     writer = csv.DictWriter(out, fieldnames=columns, extrasaction="ignore", lineterminator="\n")
     writer.writeheader()
-    writer.writerows(rows)
+    writer.writerows(
+        {
+            key: json.dumps(value, sort_keys=True) if isinstance(value, dict) else value
+            for key, value in row.items()
+        }
+        for row in rows
+    )
     return out.getvalue().rstrip("\n")
 
 
@@ -73,7 +85,9 @@ class Command(PalisadeCommand):
         gaps = actions.add_parser("gaps", help="evidence gaps intersecting a range")
         rollup = actions.add_parser("rollup", help="sums grouped by keys, with the range's coverage")
         rollup.add_argument("--group-by", action="append", required=True, choices=list(selectors.GROUP_KEYS))
-        review = actions.add_parser("review", help="the simulation review: pass or fail, and why")
+        review = actions.add_parser(
+            "review", help="the simulation review: pass or fail, and why; exits 3 when it fails"
+        )
         for sub in (gaps, rollup, review):
             sub.add_argument("--workload", action="append", default=[], help="repeatable")
             sub.add_argument(
@@ -86,6 +100,8 @@ class Command(PalisadeCommand):
             sub.add_argument("--csv", action="store_true", help="print CSV")
 
     def handle(self, *args, **options):
+        if options.get("csv") and self.as_json:
+            raise CommandError("--csv and --json each choose the output: give one")
         getattr(self, "do_" + options["action"])(options)
 
     def do_list(self, o):
@@ -118,7 +134,7 @@ class Command(PalisadeCommand):
                 f"{row['window_start'][:19]:20}  {row['peer']:39}  {service:10}  {row['decision']:11}  "
                 f"{row['rule_number'] or '-':>6}  {row['connection_count']:>7}  {row['bytes_in']}/{row['bytes_out']}"
             )
-        self.emit({"items": data}, "\n".join(lines))
+        self.emit({"items": data, "next_cursor": None}, "\n".join(lines))
 
     def do_gaps(self, o):
         start, end = selectors.flow_range_parse(start=o["start"], end=o["end"])
@@ -144,7 +160,7 @@ class Command(PalisadeCommand):
                 f"{gap['workload_id']:36}  {gap['kind']:16}  {gap['source'] or '-':9}  {gap['start'][:19]:20}  "
                 f"{gap['end'][:19]:20}  {lost}"
             )
-        self.emit({"items": data}, "\n".join(lines))
+        self.emit({"items": data, "next_cursor": None}, "\n".join(lines))
 
     def _selected(self, o):
         return selectors.workloads_selected(
@@ -183,13 +199,24 @@ class Command(PalisadeCommand):
             if not covered["complete"]:  # beside the data, where a spreadsheet would not take it for a row
                 self.stderr.write(incomplete + " (--json lists them)")
             return
+        unused = selectors.rollup_unused_rules(selected, group_by, start, end, covered)
         lines = [json.dumps(row, sort_keys=True) for row in flat] or ["no flows in the range"]
         if not covered["complete"]:
             lines.append(incomplete)
-        self.emit({"items": data, "coverage": covered}, "\n".join(lines))
+        if unused:
+            lines.append(
+                "unused in the range: "
+                + ", ".join(f"rule {rule.number} ({rule.ruleset.name})" for rule in unused)
+            )
+        # As GET /flows/rollup answers (every page here: no cursor left).
+        document = {"items": data, "next_cursor": None, "coverage": covered,
+                    "unused_rules": None if unused is None else [rule_data_brief(rule) for rule in unused]}  # fmt: skip
+        self.emit(document, "\n".join(lines))
 
     def do_review(self, o):
         start, end = selectors.flow_range_parse(start=o["start"], end=o["end"])
         data = review_data(selectors.simulation_review(selected=self._selected(o), start=start, end=end))
         text = data["verdict"].upper() + "".join(f"\n  - {reason}" for reason in data["reasons"])
         self.emit(data, text)
+        if data["verdict"] == "fail":  # a pipeline gates on the exit status alone
+            sys.exit(EXIT_REVIEW_FAILED)
