@@ -270,8 +270,6 @@ def coverage(selected, start: datetime, end: datetime) -> dict:
         workloads.annotate(first_report=first_report).filter(first_report=None).order_by("hostname", "id")
     )
     gap_count, without_reports_count = gaps.count(), without_reports.count()
-    # Listed only when there is something to list: each list is its count's query again (for the
-    # workloads, a probe per workload), and a complete range, the common answer, has neither.
     silent = _silent_workloads(workloads, end)
     pending = _pending_workloads(workloads, end)
     # Retention removes what ended before this; a range that begins earlier has lost that part.
@@ -282,6 +280,8 @@ def coverage(selected, start: datetime, end: datetime) -> dict:
         "retained_from": retained_from,
         "begins_before_retention": start < retained_from,
         "gap_count": gap_count,
+        # Listed only when there is something to list: each list is its count's query again (for the
+        # workloads, a probe per workload), and a complete range, the common answer, has neither.
         "gaps": list(gaps.order_by("start", "id")[:COVERAGE_LIST]) if gap_count else [],
         "workloads_without_reports_count": without_reports_count,
         "workloads_without_reports": [
@@ -395,7 +395,7 @@ SUM_SPANS = ((FlowQuarter, "quarter", QUARTER), (FlowHour, "hour", HOUR), (FlowB
 def _sum_reads(low: datetime, high: datetime, spans=SUM_SPANS) -> list:
     """The rows of sums that hold [low, high) (whole blocks): its whole quarters, the whole hours left
     beside them, the blocks left beside those. Each a plain range of its span's start, which reads only
-    its own partitions and index range (a day's range: about three quarters and six hours a key)."""
+    its own partitions and index range (a day's range: three or four quarters and a few hours a key)."""
     model, column, span = spans[0]
     whole = whole_spans(low, high, span) if len(spans) > 1 else (low, high)
     if whole is None:
@@ -538,13 +538,6 @@ def simulation_review(*, selected, start: datetime, end: datetime) -> dict:
     simulation; any one fails it (a gap alone does: rule 5)."""
     workloads = _workloads_of(selected)
     would_block = _would_block(selected, start, end)
-    # Connections a table not in simulation decided (observed: visibility, blocked: enforced), although
-    # the workload's mode says simulation: its agent had not applied the change yet (it applies it
-    # seconds later, or not at all while degraded). What simulation would have said of them is unknown.
-    elsewhere_decided = sorted(
-        _decided(selected, start, end, ["workload_id", "decision"], [Decision.OBSERVED, Decision.BLOCKED]),
-        key=lambda row: (str(row["workload_id"]), row["decision"]),
-    )
     covered = coverage(selected, start, end)
     offline = workloads.filter(sync_state=SyncState.OFFLINE).order_by("hostname", "id")
     # In simulation for the whole range: in it now, and since before the range began.
@@ -552,6 +545,17 @@ def simulation_review(*, selected, start: datetime, end: datetime) -> dict:
         Q(mode_since__lte=start) | Q(mode_since=None, enrolled_at__lte=start)
     )
     elsewhere = workloads.exclude(simulating_throughout).order_by("hostname", "id")
+    # Connections that the table of a workload in simulation throughout decided as another mode's does
+    # (observed: visibility, blocked: enforced): its agent had not applied the change yet (it applies
+    # it seconds later, or not at all while away or degraded). What simulation would have said of them
+    # is unknown.
+    elsewhere_decided = sorted(
+        _decided(
+            workloads.filter(simulating_throughout).values("id"), start, end, ["workload_id", "decision"],
+            [Decision.OBSERVED, Decision.BLOCKED],
+        ),
+        key=lambda row: (str(row["workload_id"]), row["decision"]),
+    )  # fmt: skip
     # The lists are capped; the counts, and so the reasons, are exact: a script gating enforcement
     # reads them.
     would_block_count, offline_count = len(would_block), offline.count()

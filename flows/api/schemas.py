@@ -175,8 +175,9 @@ class ReviewSerializer(serializers.Serializer):
     decided_outside_simulation = DecidedOutsideSimulationSerializer(
         many=True,
         help_text=(
-            "Connections in the range that a selected workload's table decided outside simulation (`observed`: "
-            "visibility, `blocked`: enforced), per workload and decision: its agent had not applied the mode "
+            "Connections in the range that the table of a workload in simulation for the whole range decided "
+            "as another mode's does (`observed`: visibility, `blocked`: enforced), per workload and decision: "
+            "its agent had not applied the mode "
             "change yet, or could not. What enforcing would do to them is unknown; any fails the review. "
             "The first 100."
         ),
