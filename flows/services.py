@@ -273,8 +273,8 @@ def _windows_sum_or_halves(taken: list[tuple[uuid.UUID, uuid.UUID, datetime]]) -
 
 def _sums_add(windows: list[tuple[uuid.UUID, uuid.UUID, datetime]]) -> None:
     """Add the groups of `windows` (id, workload id, start) to their quarters', hours' and blocks'
-    sums, one upsert per workload, span and key. On PostgreSQL the database sums the groups where they lie;
-    elsewhere Python does."""
+    sums, one upsert per workload, span and key. On PostgreSQL the database sums the groups where they
+    lie; elsewhere Python does."""
     if connection.vendor == "postgresql":
         for sums in SUMS:
             _sums_add_in_postgresql(sums, windows)
@@ -419,7 +419,8 @@ def flow_report_ingest(*, workload_id: str, data: Any) -> dict:
 def flow_reports_write(items: list[SubmittedReport]) -> list[dict | Exception]:
     """Store the reports of distinct workloads in one transaction: one lock statement for their rows,
     one id lookup per table, one COPY per table, one update of the workloads. Their quarters, hours and
-    blocks are summed later (`flow_windows_sum`). Returns each report's answer, or the problem that refused it.
+    blocks are summed later (`flow_windows_sum`). Returns each report's answer, or the problem that
+    refused it.
 
     The batch never waits for a workload's row: one that another transaction holds (a re-render, a
     mode change, another serve process's write) is skipped, and its report written alone afterwards,

@@ -185,7 +185,7 @@ class Command(PalisadeCommand):
         flat = [_flat(row) for row in data]
         incomplete = (
             f"incomplete: {covered['gap_count']} gaps, "
-            f"{covered['workloads_without_reports_count']} workloads sent no report in the range, "
+            f"{covered['workloads_without_reports_count']} workloads sent no window in the range, "
             f"{covered['silent_workloads_count']} silent since before its end, "
             f"{covered['pending_workloads_count']} holding evidence not delivered yet"
             + (
