@@ -40,6 +40,11 @@ def test_golden_messages_decode_and_encode_byte_for_byte(path):
     assert message.encode() == text
 
 
+def test_a_heartbeat_of_an_agent_before_flow_backlog_since_still_decodes():
+    text = '{"clock":"c","owned_table":"absent","process_start_id":"p","type":"heartbeat","uptime_seconds":1.0,"v":1}'
+    assert protocol.decode(text, sender="agent").flow_backlog_since is None
+
+
 class Agent:
     def __init__(self, db_token_labels=None):
         self.key = Ed25519PrivateKey.generate()
