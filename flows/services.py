@@ -98,7 +98,12 @@ def _agent_silent(
     process (a restart), the time between the old process last known alive (its last report or
     heartbeat) and the new process's start is silent where no stored window covers it (windows the
     agent buffered through the outage cover the time they were held back), if that part is longer than
-    two windows."""
+    two windows.
+
+    The silence is taken from the start of the window the old process had open when last known alive:
+    that window was in its memory, not yet in its buffer, so a process that died (killed, crashed) lost
+    what it had counted in it. A process that stopped cleanly closed it and its successor sends it,
+    which then covers that part."""
     previous, alive_at = workload.flow_process_start_id, workload.flow_process_alive_at
     if not previous or previous == report.process_start_id or alive_at is None:
         return []
@@ -106,8 +111,9 @@ def _agent_silent(
     threshold = timedelta(seconds=2 * report.window_seconds)
     if started - alive_at <= threshold:
         return []
+    since = _window_open_at(alive_at, workload.flow_window_seconds or report.window_seconds)
     covered = arriving + list(
-        FlowWindow.objects.filter(workload=workload, end__gt=alive_at, start__lt=started).values_list(
+        FlowWindow.objects.filter(workload=workload, end__gt=since, start__lt=started).values_list(
             "start", "end"
         )
     )
@@ -122,9 +128,15 @@ def _agent_silent(
             lost={},
             received_at=now,
         )  # fmt: skip
-        for low, high in _uncovered(alive_at, started, covered)
+        for low, high in _uncovered(since, started, covered)
         if high - low > threshold
     ]
+
+
+def _window_open_at(instant: datetime, seconds: int) -> datetime:
+    """The start of the agent's window that holds `instant`: windows are aligned to the wall clock,
+    [k * length, (k + 1) * length) from the epoch (agent/flowwindow.py)."""
+    return instant - timedelta(seconds=instant.timestamp() % seconds)
 
 
 def _rows_insert(model, rows: list[dict]) -> None:

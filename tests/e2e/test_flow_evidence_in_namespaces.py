@@ -459,8 +459,9 @@ def test_a_table_larger_than_the_dump_bound_is_one_dump_truncated_gap(lab, tmp_p
 
 def test_an_agent_killed_for_longer_than_two_windows_is_one_agent_silent_gap_of_the_silence(lab, tmp_path):
     """SIGKILL: no window is closed, nothing is said. The control plane finds the silence when the next
-    process reports: from the old process's last sign of life (a report or a heartbeat) to the new
-    one's start."""
+    process reports: from the start of the window the old process had open at its last sign of life (a
+    report or a heartbeat; what it had counted in that window died with it) to the new one's start. A
+    connection made just before the kill is counted or lies in the gap: never lost without one."""
     from datetime import UTC, datetime, timedelta
 
     serve = _serve(lab, tmp_path).start()
@@ -475,6 +476,12 @@ def test_an_agent_killed_for_longer_than_two_windows_is_one_agent_silent_gap_of_
         api.wait_for("a first report", lambda: api.workload(web_id)["health"]["telemetry_live"], timeout=30)
         time.sleep(5)  # quiet: only heartbeats of the reporting process (serve writes one a minute)
 
+        # A connection early in a window (they align to the clock), then the kill 1.3 s on, after at
+        # least one more heartbeat: the window is still open, and what it counted dies with it.
+        time.sleep(2 - time.time() % 2 + 0.05)
+        last_connection_at = datetime.now(UTC)
+        assert probe(lab, "client", WEB, 8080) == "open"
+        time.sleep(1.2)
         killed_at = datetime.now(UTC)
         web.kill(signal.SIGKILL)
         time.sleep(8)  # four windows
@@ -503,8 +510,12 @@ def test_an_agent_killed_for_longer_than_two_windows_is_one_agent_silent_gap_of_
         assert [(g["kind"], g["source"]) for g in found] == [("agent_silent", None)], found
         (gap,) = found
         silent_from, silent_to = datetime.fromisoformat(gap["start"]), datetime.fromisoformat(gap["end"])
-        # From its last heartbeat (one a second), which the stream's end recorded.
-        assert killed_at - timedelta(seconds=2.5) <= silent_from <= killed_at, (killed_at, gap)
+        # From the start of the 2-second window open at its last heartbeat (one a second), which the
+        # stream's end recorded.
+        assert killed_at - timedelta(seconds=3.5) <= silent_from <= killed_at, (killed_at, gap)
+        # The connection in the window that died: not counted, and inside the gap.
+        assert _tcp_count(api, web_id, began, 8080) == 1
+        assert silent_from <= last_connection_at, (last_connection_at, gap)
         # Up to the new process's start, less what its first window covers (windows align to the clock).
         assert restarted_at - timedelta(seconds=2) <= silent_to <= restarted_at + timedelta(seconds=5), gap
         assert coverage()["silent_workloads"] == []

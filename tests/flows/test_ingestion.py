@@ -319,7 +319,8 @@ def test_a_restart_after_a_silence_records_agent_silent_up_to_the_new_process(db
     clock_at(timedelta(minutes=10))
     flow_report_ingest(workload_id=str(workload.id), data=_report("p2", 30))
     (gap,) = EvidenceGap.objects.filter(kind="agent_silent")
-    assert abs(gap.start - last_report) < timedelta(seconds=1)
+    # From the start of the window p1 had open then: killed, it lost what it had counted in it.
+    assert gap.start == last_report.replace(second=0, microsecond=0)
     assert abs(gap.end - (clock.now() - timedelta(seconds=30))) < timedelta(seconds=1)
     assert gap.source is None
 
@@ -355,6 +356,9 @@ def test_a_stream_ending_records_its_last_heartbeat_so_the_silence_starts_there(
 
     workload, _, _ = enrolled()
     sync.workload_stream_opened(workload_id=workload.id, stream_id="s1")
+    clock_at(
+        timedelta(seconds=(30 - clock.now().second) % 60)
+    )  # the report at :30, the heartbeat in the next minute
     flow_report_ingest(workload_id=str(workload.id), data=_report("p1", 100))
     clock_at(timedelta(seconds=50))
     last_heartbeat = clock.now()  # not written: under a minute since the last write
@@ -363,7 +367,7 @@ def test_a_stream_ending_records_its_last_heartbeat_so_the_silence_starts_there(
     clock_at(timedelta(minutes=10))
     flow_report_ingest(workload_id=str(workload.id), data=_report("p2", 30))
     ((start, end),) = _silent()
-    assert start == last_heartbeat
+    assert start == last_heartbeat.replace(second=0, microsecond=0)  # the window open at the heartbeat
     # Another process's heartbeat says nothing of the one that reported (p2).
     workload.refresh_from_db()
     reported_at = workload.flow_process_alive_at
