@@ -518,26 +518,36 @@ def _decided(
     return _summed_by_spans(selected, columns, start, end, decision__in=decisions)
 
 
-def _would_block(selected, start: datetime, end: datetime) -> list[dict]:
-    """The would-block groups of the range by workload, peer and service, most connections first."""
-    rows = _decided(selected, start, end, ["workload_id", "peer", "protocol", "port"], [Decision.WOULD_BLOCK])
-    return sorted(
-        rows,
-        key=lambda row: (
-            -row["connection_count"],
-            str(row["workload_id"]),
-            row["peer"],
-            row["protocol"],
-            row["port"],
-        ),
-    )
+def _review_decisions(selected, start: datetime, end: datetime, elsewhere_ids: set) -> tuple[list, list]:
+    """In one read of the range: its would-block groups by workload, peer and service, most connections
+    first; and per workload and decision, the connections that the table of a workload in simulation
+    throughout (not in `elsewhere_ids`) decided as another mode's does (observed: visibility, blocked:
+    enforced). Its agent had not applied the change yet (it applies it seconds later, or not at all
+    while away or degraded), so what simulation would have said of them is unknown."""
+    rows = _decided(
+        selected, start, end, ["workload_id", "peer", "protocol", "port", "decision"],
+        [Decision.WOULD_BLOCK, Decision.OBSERVED, Decision.BLOCKED],
+    )  # fmt: skip
+    would_block = [
+        {key: value for key, value in row.items() if key != "decision"}
+        for row in rows
+        if row["decision"] == Decision.WOULD_BLOCK
+    ]
+    decided: dict[tuple, int] = {}
+    for row in rows:
+        if row["decision"] != Decision.WOULD_BLOCK and row["workload_id"] not in elsewhere_ids:
+            key = (row["workload_id"], row["decision"])
+            decided[key] = decided.get(key, 0) + row["connection_count"]
+    return (
+        sorted(would_block, key=lambda r: (-r["connection_count"], str(r["workload_id"]), r["peer"], r["protocol"], r["port"])),
+        [{"workload_id": w, "decision": d, "connection_count": n} for (w, d), n in sorted(decided.items(), key=lambda i: (str(i[0][0]), i[0][1]))],
+    )  # fmt: skip
 
 
 def simulation_review(*, selected, start: datetime, end: datetime) -> dict:
     """The review before enforcing: would-block groups, gaps, offline workloads and workloads not in
     simulation; any one fails it (a gap alone does: rule 5)."""
     workloads = _workloads_of(selected)
-    would_block = _would_block(selected, start, end)
     covered = coverage(selected, start, end)
     offline = workloads.filter(sync_state=SyncState.OFFLINE).order_by("hostname", "id")
     # In simulation for the whole range: in it now, and since before the range began.
@@ -545,17 +555,9 @@ def simulation_review(*, selected, start: datetime, end: datetime) -> dict:
         Q(mode_since__lte=start) | Q(mode_since=None, enrolled_at__lte=start)
     )
     elsewhere = workloads.exclude(simulating_throughout).order_by("hostname", "id")
-    # Connections that the table of a workload in simulation throughout decided as another mode's does
-    # (observed: visibility, blocked: enforced): its agent had not applied the change yet (it applies
-    # it seconds later, or not at all while away or degraded). What simulation would have said of them
-    # is unknown.
-    elsewhere_decided = sorted(
-        _decided(
-            workloads.filter(simulating_throughout).values("id"), start, end, ["workload_id", "decision"],
-            [Decision.OBSERVED, Decision.BLOCKED],
-        ),
-        key=lambda row: (str(row["workload_id"]), row["decision"]),
-    )  # fmt: skip
+    would_block, elsewhere_decided = _review_decisions(
+        selected, start, end, set(elsewhere.values_list("id", flat=True))
+    )
     # The lists are capped; the counts, and so the reasons, are exact: a script gating enforcement
     # reads them.
     would_block_count, offline_count = len(would_block), offline.count()
