@@ -31,8 +31,9 @@ PARTITIONED = {
 DAYS_AHEAD = 3
 # A quarter's and an hour's sums are updated in place once for each of their ten-minute blocks, and a
 # block's when a window arrives after it was summed (buffered through an outage;
-# flows.services.flow_windows_sum): space left free on each page lets PostgreSQL write the new row version beside the old one without touching the
-# indexes (a HOT update). The other tables are only ever appended to.
+# flows.services.flow_windows_sum): space left free on each page lets PostgreSQL write the new row
+# version beside the old one without touching the indexes (a HOT update). The other tables are only
+# ever appended to.
 STORAGE = {"flows_flowhour": " WITH (fillfactor = 70)", "flows_flowquarter": " WITH (fillfactor = 70)"}
 _NAME = re.compile(r"_p(\d{8})$")
 _known: set[str] = set()  # partitions this process has seen exist: ingestion checks nothing twice

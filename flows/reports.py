@@ -134,15 +134,11 @@ def _peer(raw: Any) -> str:
     return peer_address(raw) if isinstance(raw, str) and len(raw) <= 64 else peer_address("")
 
 
+@functools.lru_cache(maxsize=65536)  # a fleet's peers recur in every report
 def peer_address(raw: str) -> str:
     """A peer as stored: the compressed address, an IPv4-mapped IPv6 address as its IPv4 one (conntrack
     reports a dual-stack socket's IPv4 peers so); refused with the reason otherwise. Filters read
     peers through it too, so that they match what was stored."""
-    return _peer_cached(raw)
-
-
-@functools.lru_cache(maxsize=65536)  # a fleet's peers recur in every report
-def _peer_cached(raw: str) -> str:
     try:
         address = ipaddress.ip_address(raw)
     except ValueError:
