@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 from datetime import UTC, datetime, timedelta
 
-from django.db.models import Max, Min, OuterRef, Prefetch, Q, Subquery, Sum
+from django.db.models import Max, Min, OuterRef, Prefetch, Q, Subquery, Sum, UUIDField
 
 from controlplane import clock
 from controlplane.clock import rfc3339
@@ -329,7 +329,10 @@ def _silent_workloads(workloads, end: datetime) -> list[dict]:
 
 
 def _ruleset_of_rule():
-    return Subquery(Rule.objects.filter(number=OuterRef("rule_number")).values("ruleset_id")[:1])
+    # Typed, so that SQLite's stored text comes back as a UUID (and the API gives the id as /rulesets).
+    return Subquery(
+        Rule.objects.filter(number=OuterRef("rule_number")).values("ruleset_id")[:1], output_field=UUIDField()
+    )
 
 
 def _sums(queryset, columns: list[str]):
@@ -345,14 +348,10 @@ def _sums(queryset, columns: list[str]):
 def _merged(*parts, columns: list[str]) -> list[dict]:
     """Rows of the same key from several sums, added up, in the order SQL would give (nulls last)."""
     merged: dict[tuple, dict] = {}
-    uuids = UUID_COLUMNS.intersection(columns)
     for part in parts:
         for row in part:
             if row.get("rule_number") == 0:  # the sums' "no rule"
                 row["rule_number"] = None
-            for column in uuids:  # SQLite answers a union's subquery column as its stored text
-                if isinstance(row[column], str):
-                    row[column] = uuid.UUID(row[column])
             key = tuple(row[column] for column in columns)
             seen = merged.get(key)
             if seen is None:

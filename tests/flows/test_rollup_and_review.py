@@ -151,6 +151,17 @@ def test_grouped_by_ruleset_the_rollup_pages_and_names_rulesets_by_their_ids(api
     counts = {row["ruleset_id"]: row["connection_count"] for page in pages for row in page}
     assert counts == {rulesets[0]["id"]: 4, rulesets[1]["id"]: 2, None: 1}
     assert len(pages) == 3
+    # A range under a block reads the minute rows: the same ids.
+    window_start = datetime.fromisoformat(
+        _window_between(clock.now() - timedelta(minutes=10), 1)[0]["start"].replace("Z", "+00:00")
+    )
+    text = lambda t: t.strftime("%Y-%m-%dT%H:%M:%SZ")  # noqa: E731
+    short = {
+        "from": text(window_start - timedelta(minutes=1)),
+        "to": text(window_start + timedelta(minutes=4)),
+    }
+    rows = api.get("/api/v1/flows/rollup", {**short, "group_by": "ruleset"}).json()["items"]
+    assert {row["ruleset_id"]: row["connection_count"] for row in rows} == counts
 
 
 def test_the_review_passes_only_with_nothing_to_fear(api, db, clock_at):
