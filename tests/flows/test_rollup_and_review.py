@@ -16,6 +16,19 @@ def _range():
     return {"from": text(now - timedelta(hours=1)), "to": text(now + timedelta(hours=1))}
 
 
+def _short_range():
+    """Five minutes around the window `_windows` makes: under a ten-minute block, so a rollup reads
+    the minute rows, not the sums."""
+    window_start = datetime.fromisoformat(
+        _window_between(clock.now() - timedelta(minutes=10), 1)[0]["start"].replace("Z", "+00:00")
+    )
+    text = lambda t: t.strftime("%Y-%m-%dT%H:%M:%SZ")  # noqa: E731
+    return {
+        "from": text(window_start - timedelta(minutes=1)),
+        "to": text(window_start + timedelta(minutes=4)),
+    }
+
+
 def _ingest(workload, windows, gaps=()):
     report = _report("p1", 100, windows)
     report["gaps"] = list(gaps)
@@ -101,14 +114,7 @@ def test_rule_hits_and_unused_rules_only_when_the_range_is_covered(api, db):
     assert code == 0 and document["unused_rules"] == page["unused_rules"] and document["next_cursor"] is None
     assert document["items"] == page["items"]
     # A range under a ten-minute block reads the minute rows, not the sums: the same answer.
-    window_start = datetime.fromisoformat(
-        _window_between(clock.now() - timedelta(minutes=10), 1)[0]["start"].replace("Z", "+00:00")
-    )
-    text = lambda t: t.strftime("%Y-%m-%dT%H:%M:%SZ")  # noqa: E731
-    short = {
-        "from": text(window_start - timedelta(minutes=1)),
-        "to": text(window_start + timedelta(minutes=4)),
-    }
+    short = _short_range()
     page = api.get("/api/v1/flows/rollup", {**short, "group_by": "rule", "workload": str(web.id)}).json()
     assert page["coverage"]["complete"] is True
     assert [r["rule_id"] for r in page["unused_rules"]] == [unused["id"]]
@@ -152,14 +158,7 @@ def test_grouped_by_ruleset_the_rollup_pages_and_names_rulesets_by_their_ids(api
     assert counts == {rulesets[0]["id"]: 4, rulesets[1]["id"]: 2, None: 1}
     assert len(pages) == 3
     # A range under a block reads the minute rows: the same ids.
-    window_start = datetime.fromisoformat(
-        _window_between(clock.now() - timedelta(minutes=10), 1)[0]["start"].replace("Z", "+00:00")
-    )
-    text = lambda t: t.strftime("%Y-%m-%dT%H:%M:%SZ")  # noqa: E731
-    short = {
-        "from": text(window_start - timedelta(minutes=1)),
-        "to": text(window_start + timedelta(minutes=4)),
-    }
+    short = _short_range()
     rows = api.get("/api/v1/flows/rollup", {**short, "group_by": "ruleset"}).json()["items"]
     assert {row["ruleset_id"]: row["connection_count"] for row in rows} == counts
 
