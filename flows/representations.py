@@ -146,3 +146,21 @@ def review_data(review: dict[str, Any]) -> dict[str, Any]:
             for w in review["not_in_simulation"]
         ],
     }
+
+
+def rollup_data(
+    rows: list[dict[str, Any]],
+    *,
+    rule_ids: dict[int, str],
+    next_cursor: str | None,
+    coverage: dict[str, Any],
+    unused_rules,
+) -> dict[str, Any]:
+    """GET /flows/rollup's document (and `manage.py flows rollup --json`'s): `coverage` as
+    `coverage_data` gives it, `unused_rules` a list of rules or None."""
+    return {
+        "items": [rollup_row_data(row, rule_ids) for row in rows],
+        "next_cursor": next_cursor,
+        "coverage": coverage,
+        "unused_rules": None if unused_rules is None else [rule_data_brief(rule) for rule in unused_rules],
+    }

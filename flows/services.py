@@ -250,9 +250,8 @@ def flow_windows_sum(*, before: datetime, most: int = WINDOWS_PER_SUM) -> int:
         except OUT_OF_RANGE:
             if not taken:
                 raise
-            for half in (taken[: len(taken) // 2], taken[len(taken) // 2 :]):
-                done, out = _windows_sum_or_halves(half)
-                summed, left_out = summed + done, left_out | out
+            done, out = _windows_sum_in_halves(taken)
+            summed, left_out = summed + done, left_out | out
 
 
 # PostgreSQL's "bigint out of range"; on SQLite, a Python int beyond its 64-bit integers.
@@ -278,6 +277,10 @@ def _windows_sum_or_halves(taken: list[tuple[uuid.UUID, uuid.UUID, datetime]]) -
         if len(taken) == 1:
             log.warning("cannot sum flow window %s (%s): rollups read its minute rows", taken[0][0], error)
             return 0, {taken[0][0]}
+    return _windows_sum_in_halves(taken)
+
+
+def _windows_sum_in_halves(taken: list[tuple[uuid.UUID, uuid.UUID, datetime]]) -> tuple[int, set[uuid.UUID]]:
     first = _windows_sum_or_halves(taken[: len(taken) // 2])
     second = _windows_sum_or_halves(taken[len(taken) // 2 :])
     return first[0] + second[0], first[1] | second[1]

@@ -17,8 +17,7 @@ from flows.representations import (
     evidence_gap_data,
     flow_window_data,
     review_data,
-    rollup_row_data,
-    rule_data_brief,
+    rollup_data,
 )
 
 RANGE = [
@@ -171,16 +170,15 @@ class FlowRollupView(APIView):
         rows, next_cursor = selectors.flow_rollup(
             selected=selected, group_by=group_by, start=start, end=end, cursor=cursor, limit=limit
         )
-        rule_ids = selectors.rule_ids_by_number({row.get("rule_number") for row in rows})
         covered = selectors.coverage(selected, start, end)
-        unused = selectors.rollup_unused_rules(selected, group_by, start, end, covered)
         return Response(
-            {
-                "items": [rollup_row_data(row, rule_ids) for row in rows],
-                "next_cursor": next_cursor,
-                "coverage": coverage_data(covered),
-                "unused_rules": None if unused is None else [rule_data_brief(rule) for rule in unused],
-            }
+            rollup_data(
+                rows,
+                rule_ids=selectors.rule_ids_by_number({row.get("rule_number") for row in rows}),
+                next_cursor=next_cursor,
+                coverage=coverage_data(covered),
+                unused_rules=selectors.rollup_unused_rules(selected, group_by, start, end, covered),
+            )
         )
 
 

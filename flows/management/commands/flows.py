@@ -19,8 +19,8 @@ from flows.representations import (
     evidence_gap_data,
     flow_window_data,
     review_data,
+    rollup_data,
     rollup_row_data,
-    rule_data_brief,
 )
 
 GROUP_COLUMNS = ("window_start", "window_end", "peer", "peer_workload_id", "protocol", "port", "decision",
@@ -179,10 +179,17 @@ class Command(PalisadeCommand):
             rows.extend(page)
             if not cursor:
                 break
-        rule_ids = selectors.rule_ids_by_number({row.get("rule_number") for row in rows})
-        data = [rollup_row_data(row, rule_ids) for row in rows]
         covered = coverage_data(selectors.coverage(selected, start, end))
-        flat = [_flat(row) for row in data]
+        unused = selectors.rollup_unused_rules(selected, group_by, start, end, covered)
+        # As GET /flows/rollup answers (every page here: no cursor left).
+        document = rollup_data(
+            rows,
+            rule_ids=selectors.rule_ids_by_number({row.get("rule_number") for row in rows}),
+            next_cursor=None,
+            coverage=covered,
+            unused_rules=unused,
+        )
+        flat = [_flat(row) for row in document["items"]]
         incomplete = (
             f"incomplete: {covered['gap_count']} gaps, "
             f"{covered['workloads_without_reports_count']} workloads sent no window in the range, "
@@ -199,7 +206,6 @@ class Command(PalisadeCommand):
             if not covered["complete"]:  # beside the data, where a spreadsheet would not take it for a row
                 self.stderr.write(incomplete + " (--json lists them)")
             return
-        unused = selectors.rollup_unused_rules(selected, group_by, start, end, covered)
         lines = [json.dumps(row, sort_keys=True) for row in flat] or ["no flows in the range"]
         if not covered["complete"]:
             lines.append(incomplete)
@@ -208,9 +214,6 @@ class Command(PalisadeCommand):
                 "unused in the range: "
                 + ", ".join(f"rule {rule.number} ({rule.ruleset.name})" for rule in unused)
             )
-        # As GET /flows/rollup answers (every page here: no cursor left).
-        document = {"items": data, "next_cursor": None, "coverage": covered,
-                    "unused_rules": None if unused is None else [rule_data_brief(rule) for rule in unused]}  # fmt: skip
         self.emit(document, "\n".join(lines))
 
     def do_review(self, o):
