@@ -23,6 +23,7 @@ from rest_framework.views import APIView
 from agent import protocol
 from controlplane import clock
 from controlplane.problems import Finding, ValidationFailed
+from controlplane.text import visible
 from controlplane.validation import parse_instant, require_object
 from fleet import credentials, held_streams, streams, sync
 from fleet.choices import OwnedTableState
@@ -175,7 +176,7 @@ class SyncStreamConsumer(AsyncWebsocketConsumer):
             await held_streams.db(sync.workload_table_reported)(
                 workload_id=grant.workload_id, stream_id=self.stream_id, state=self.table_state
             )
-        log.info("stream of %s opened (agent %s)", grant.hostname, auth.agent_version)
+        log.info("stream of %s opened (agent %s)", grant.hostname, visible(auth.agent_version))
         await self.send_snapshot()
 
     async def send_snapshot(self, *, unless_version: str | None = None) -> None:

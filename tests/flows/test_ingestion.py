@@ -124,7 +124,9 @@ def _signed_delivery(workload, key, credential, body: bytes) -> dict:
     signature = report_headers(
         body, key=key, workload_id=str(workload.id), credential=credential, gateway_fingerprint=FINGERPRINT
     )["Palisade-Signature"]
-    sender = report_authenticate(workload_id=str(workload.id), credential=credential, signature=signature, body=body)
+    sender = report_authenticate(
+        workload_id=str(workload.id), credential=credential, signature=signature, body=body
+    )
     return flow_report_ingest(workload_id=str(sender), data=json.loads(body))
 
 
