@@ -272,11 +272,19 @@ def test_a_report_needs_the_workloads_key_and_a_live_credential(db, clock_at):
                               (str(other.id), credential), (str(workload.id), other_credential)]:  # fmt: skip
         with pytest.raises(Problem, match="enrolled workload"):
             report_authenticate(workload_id=sender, credential=presented, signature=signature, body=body)
-    clock_at(timedelta(days=400))  # past expiry, within or beyond the grace alike
-    with pytest.raises(Problem, match="renew"):
+    # Past expiry within the grace, the agent renews on the stream; beyond it, it cannot: re-enrol.
+    clock_at(workload.credential_expires_at - clock.now() + timedelta(seconds=1))
+    with pytest.raises(Problem, match="renew it on the sync stream") as refused:
         report_authenticate(
             workload_id=str(workload.id), credential=credential, signature=signature, body=body
         )
+    assert refused.value.name == "unauthenticated"
+    clock_at(timedelta(days=400))
+    with pytest.raises(Problem, match="beyond its renewal grace and cannot be renewed: re-enrol") as refused:
+        report_authenticate(
+            workload_id=str(workload.id), credential=credential, signature=signature, body=body
+        )
+    assert refused.value.name == "unauthenticated" and "renew it" not in refused.value.detail
 
 
 def test_the_flows_command_lists_windows_and_gaps_as_table_json_and_csv(db):
