@@ -198,7 +198,10 @@ class SyncStreamConsumer(AsyncWebsocketConsumer):
 
     async def on_failed(self, message: protocol.Failed) -> None:
         log.warning(
-            "%s failed to apply %s: %s", self.grant.hostname, message.version, message.error.splitlines()[0:1]
+            "%s failed to apply %s: %s",
+            self.grant.hostname,
+            visible(message.version),
+            message.error.splitlines()[0:1],
         )
         await held_streams.db(sync.workload_apply_failed)(
             workload_id=self.grant.workload_id,
