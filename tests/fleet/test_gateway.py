@@ -498,3 +498,9 @@ def test_an_agents_control_characters_are_stored_escaped_and_shown_harmlessly():
             agent_version="1.0\x1b]0;pwned\x07",
         )
     assert [(f.path, f.rule) for f in refused.value.findings] == [("/agent_version", "control-characters")]
+    for hostname in ("web\x1b[2J", "web\u202e", "web\r", "web\x00"):  # a DNS-style name already
+        with pytest.raises(ValidationFailed) as refused:
+            enrolment_input(public_key=public_key_encode(agent.key.public_key()), hostname=hostname,
+                            addresses=["10.0.0.7"], agent_version="1.0")  # fmt: skip
+        assert [f.rule for f in refused.value.findings] == ["hostname"]
+        assert not unsafe_in(refused.value.findings[0].message)  # the refusal quotes it escaped
