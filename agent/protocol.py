@@ -177,7 +177,7 @@ class Hello(Message):
 @message("welcome", "gateway")
 class Welcome(Message):
     """The proof was accepted. When `renew_only`, the credential has expired within its grace: the
-    only message the gateway accepts is `renew`."""
+    only message the gateway accepts is `renew`; any other closes the stream with CLOSE_UNEXPECTED."""
 
     workload_id: str
     credential_state: str  # renews | renewal-failed | expired

@@ -34,6 +34,7 @@ from agent.credential import CredentialError, credential_payload, credential_sig
 from agent.credential import credential_verify as _verify_with
 from controlplane import clock
 from controlplane.problems import Problem
+from controlplane.text import visible
 from fleet.models import Workload
 from fleet.selectors import workload_get
 
@@ -263,7 +264,8 @@ def credential_renewal_failed(*, workload_id: str, error: str) -> Workload:
     with transaction.atomic():
         workload = workload_get(workload_id=workload_id, for_update=True)
         workload.credential_renewal_failed = True
-        workload.credential_last_error = (error or "renewal failed")[:MAX_ERROR_LENGTH]
+        # Often the agent's own text (renewal_failed): escaped, as every agent's free text is stored.
+        workload.credential_last_error = visible(error or "renewal failed", keep="\n\t")[:MAX_ERROR_LENGTH]
         workload.save(update_fields=["credential_renewal_failed", "credential_last_error"])
     return workload
 

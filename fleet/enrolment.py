@@ -17,6 +17,7 @@ from django.db import transaction
 from agent.credential import CredentialError, public_key_decode, public_key_encode
 from controlplane import clock
 from controlplane.problems import pointer
+from controlplane.text import has_unsafe
 from controlplane.validation import Findings, quoted
 from fleet.choices import Mode, SyncState
 from fleet.credentials import CREDENTIAL_FIELDS, SignedCredential, credential_issue, credential_start
@@ -125,6 +126,12 @@ def enrolment_input(*, public_key: Any, hostname: Any, addresses: Any, agent_ver
     elif len(agent_version) > MAX_AGENT_VERSION:
         findings.add(
             "/agent_version", "too-long", f"agent_version must have at most {MAX_AGENT_VERSION} characters."
+        )
+    elif has_unsafe(agent_version):
+        findings.add(
+            "/agent_version",
+            "control-characters",
+            "agent_version must not contain control or format characters (ESC, CR, bidi overrides, ...).",
         )
     findings.raise_if_any()
     return EnrolmentInput(

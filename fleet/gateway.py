@@ -23,6 +23,7 @@ from rest_framework.views import APIView
 from agent import protocol
 from controlplane import clock
 from controlplane.problems import Finding, ValidationFailed
+from controlplane.text import visible
 from controlplane.validation import parse_instant, require_object
 from fleet import credentials, held_streams, streams, sync
 from fleet.choices import OwnedTableState
@@ -175,7 +176,7 @@ class SyncStreamConsumer(AsyncWebsocketConsumer):
             await held_streams.db(sync.workload_table_reported)(
                 workload_id=grant.workload_id, stream_id=self.stream_id, state=self.table_state
             )
-        log.info("stream of %s opened (agent %s)", grant.hostname, auth.agent_version)
+        log.info("stream of %s opened (agent %s)", grant.hostname, visible(auth.agent_version))
         await self.send_snapshot()
 
     async def send_snapshot(self, *, unless_version: str | None = None) -> None:
@@ -197,7 +198,10 @@ class SyncStreamConsumer(AsyncWebsocketConsumer):
 
     async def on_failed(self, message: protocol.Failed) -> None:
         log.warning(
-            "%s failed to apply %s: %s", self.grant.hostname, message.version, message.error.splitlines()[0:1]
+            "%s failed to apply %s: %s",
+            self.grant.hostname,
+            visible(message.version),
+            message.error.splitlines()[0:1],
         )
         await held_streams.db(sync.workload_apply_failed)(
             workload_id=self.grant.workload_id,

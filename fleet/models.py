@@ -72,6 +72,11 @@ class Workload(models.Model):
     # or a heartbeat of that process): a report from another process after a silence yields agent_silent.
     flow_process_start_id = models.CharField(max_length=64, blank=True)
     flow_process_alive_at = models.DateTimeField(null=True)
+    # The uptime in that process's latest report, and the processes that reported before it (newest
+    # first, one a line): a report no newer than these (a replay, a late one of an older process) is
+    # stored but moves neither liveness nor the clock skew.
+    flow_process_uptime_seconds = models.FloatField(null=True)
+    flow_processes_before = models.TextField(blank=True)
     # The longest window it ever reported (seconds): how long before a range one of its windows that
     # reaches into the range can start, so reads look back that far and not the hour windows may last.
     flow_window_seconds_longest = models.PositiveIntegerField(default=0)

@@ -17,6 +17,7 @@ from controlplane.problems import Problem
 from controlplane.service_identity import gateway_identity
 from fleet.credentials import (
     credential_beyond_grace,
+    credential_grace,
     credential_renewal_due_at,
     credential_state,
     credential_verify,
@@ -187,8 +188,8 @@ def streams_state(*, streams: dict[str, str]) -> dict[str, StreamDue]:
 
 def report_authenticate(*, workload_id: str, credential: str, signature: str, body: bytes) -> uuid.UUID:
     """A flow report's sender (its workload's id): the workload's current credential, and the body signed
-    with its key. An expired credential (within its grace or beyond) reports nothing: it renews on the
-    stream first."""
+    with its key. An expired credential reports nothing: within its grace it renews on the stream
+    first; beyond it the workload must re-enrol (a renewal would be refused)."""
     workload_key = _workload_key(workload_id)
     sender = _report_sender(workload_key, now=clock.now()) if workload_key else None
     if (
@@ -210,9 +211,16 @@ def report_authenticate(*, workload_id: str, credential: str, signature: str, bo
         raise Problem(
             "unauthenticated", "Not a report signed by an enrolled workload with its current credential."
         )
+    if sender.beyond_grace:
+        raise Problem(
+            "unauthenticated",
+            "The credential expired beyond its renewal grace and cannot be renewed: re-enrol this host "
+            "(palisade-agent enrol --reenrol with a new provisioning token), then report.",
+        )
     if sender.expired:
         raise Problem(
-            "unauthenticated", "The credential has expired: renew it on the sync stream, then report."
+            "unauthenticated",
+            "The credential has expired (within its renewal grace): renew it on the sync stream, then report.",
         )
     return workload_key
 
@@ -221,6 +229,7 @@ class _ReportSender(NamedTuple):
     public_key: str
     credential_serial: int
     expired: bool  # the credential's expiry is past (credential_state's "expired")
+    beyond_grace: bool  # and its renewal grace too: only a new enrolment helps
 
 
 def _report_sender(workload_key: uuid.UUID, *, now: datetime) -> _ReportSender | None:
@@ -230,12 +239,13 @@ def _report_sender(workload_key: uuid.UUID, *, now: datetime) -> _ReportSender |
     table = Workload._meta.db_table
     with connection.cursor() as cursor:
         cursor.execute(
-            f'SELECT "public_key", "credential_serial", "credential_expires_at" <= %s FROM "{table}" '  # noqa: S608
-            'WHERE "id" = %s',
+            f'SELECT "public_key", "credential_serial", "credential_expires_at" <= %s, '  # noqa: S608
+            f'"credential_expires_at" <= %s FROM "{table}" WHERE "id" = %s',
             [
                 connection.ops.adapt_datetimefield_value(now),
+                connection.ops.adapt_datetimefield_value(now - credential_grace()),
                 Workload._meta.pk.get_db_prep_value(workload_key, connection),
             ],
         )
         row = cursor.fetchone()
-    return None if row is None else _ReportSender(row[0], row[1], bool(row[2]))
+    return None if row is None else _ReportSender(row[0], row[1], bool(row[2]), bool(row[3]))

@@ -27,6 +27,7 @@ from django.db.models import Case, Value, When
 
 from controlplane import clock
 from controlplane.problems import Problem
+from controlplane.text import visible
 from fleet.choices import OwnedTableState, SyncState
 from fleet.models import Workload, workload_column_value
 from fleet.push import notify_streams
@@ -101,7 +102,7 @@ def workload_stream_opened(*, workload_id, stream_id: str, agent_version: str = 
         workload.sync_error = ""
         workload.last_heard_from = clock.now()
         if agent_version:
-            workload.agent_version = agent_version[:64]
+            workload.agent_version = visible(agent_version)[:64]  # the agent's free text, escaped
         _save(workload, "stream_id", "sync_state", "sync_error", "last_heard_from", "agent_version")
     return workload
 
@@ -114,6 +115,9 @@ def workload_applied(*, workload_id, stream_id: str, version: str) -> None:
     Python time in the 2,000-agent benchmark."""
     if not stream_id:
         return
+    # The agent's text, escaped: it is shown beside the latest, and PostgreSQL refuses a NUL even to
+    # compare. A version we rendered (hex) is unchanged by it.
+    version = visible(version)[:80]
     table = Workload._meta.db_table
     becomes_synced = "sync_state = %s AND latest_policy_id = %s"
     with connection.cursor() as cursor:
@@ -123,7 +127,7 @@ def workload_applied(*, workload_id, stream_id: str, version: str) -> None:
             f"rank = CASE WHEN {becomes_synced} AND owned_table_state <> %s THEN %s ELSE rank END "
             "WHERE id = %s AND stream_id = %s",
             [
-                version[:80],
+                version,
                 workload_column_value("last_heard_from", clock.now()),
                 SyncState.PENDING, version, SyncState.SYNCED,
                 SyncState.PENDING, version, OwnedTableState.ABSENT, Workload.RANK_SYNCED,
@@ -146,7 +150,9 @@ def workload_apply_failed(*, workload_id, stream_id: str, version: str, error: s
             and version == workload.latest_policy_id
         ):
             workload.sync_state = SyncState.DEGRADED
-            workload.sync_error = error[:4000] or "the agent reported a failure without an error text"
+            workload.sync_error = (
+                visible(error, keep="\n\t")[:4000] or "the agent reported a failure without an error text"
+            )
         _save(workload, "last_heard_from", "sync_state", "sync_error")
     return workload
 

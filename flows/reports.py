@@ -16,6 +16,7 @@ from django.conf import settings
 
 from controlplane import runtime
 from controlplane.problems import Finding, ValidationFailed
+from controlplane.text import has_unsafe, visible
 from controlplane.validation import is_digits, parse_instant
 from flows.choices import AGENT_GAP_KINDS, MAX_WINDOW_SECONDS, Decision, GapSource
 
@@ -57,6 +58,14 @@ def report_envelope(data: Any) -> Report:
     if not isinstance(process, str) or not 0 < len(process) <= 64:
         findings.append(
             Finding("/process_start_id", "type", "process_start_id is a string of 1-64 characters.")
+        )
+    elif has_unsafe(process):
+        findings.append(
+            Finding(
+                "/process_start_id",
+                "control-characters",
+                "process_start_id has control or format characters.",
+            )
         )
     uptime = data.get("uptime_seconds")
     if isinstance(uptime, bool) or not isinstance(uptime, int | float) or not 0 <= uptime <= MAX_UPTIME:
@@ -166,7 +175,7 @@ def _window(raw: Any, *, window_seconds: int) -> tuple[uuid.UUID, datetime, date
     most = settings.PALISADE_FLOW_WINDOW_MAX_KEYS
     if not isinstance(groups, list) or not groups or len(groups) > most:
         raise Refused(f"groups is a list of 1 to {most} keys")
-    return window_id, start, end, raw
+    return window_id, start, end, {**raw, "policy_version": visible(raw.get("policy_version", ""))[:80]}
 
 
 def _group(raw: Any, *, start: datetime, end: datetime, accounting: bool) -> dict:
@@ -238,7 +247,9 @@ def _gap(raw: Any) -> tuple[uuid.UUID, dict]:
         "source": raw.get("source"),
         "start": start,
         "end": end,
-        "lost": lost,
+        # Names are the agent's free text, escaped (controlplane/text.py) so that no read shows them raw;
+        # refusing the gap for a name would lose the evidence that something was lost.
+        "lost": {visible(name): count for name, count in lost.items()},
     }
 
 

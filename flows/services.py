@@ -63,6 +63,35 @@ def _skew_fields(report: Report, now: datetime) -> dict:
     return {"clock_skew_seconds": None, "clock_skew_seen_at": None}
 
 
+EARLIER_PROCESSES_KEPT = 8
+
+
+def _newer_fields(workload: Workload, report: Report, now: datetime) -> dict | None:
+    """The workload's liveness, process and clock skew from a report newer than its latest, or None
+    for one that is not: from the process of the latest report with no greater uptime (a verbatim
+    replay, a re-send), or from a process that reported before it. Such a report is stored all the
+    same (its ids make that idempotent), but its instant says nothing of the agent now: taken as
+    news, a replay minutes later would revive `telemetry_live` and set a false clock skew."""
+    current, earlier = workload.flow_process_start_id, workload.flow_processes_before.split("\n")
+    if report.process_start_id == current:
+        seen = workload.flow_process_uptime_seconds
+        if seen is not None and report.uptime_seconds <= seen:
+            return None
+    elif report.process_start_id in earlier:
+        return None
+    else:  # another process: a restart, its predecessor joins the earlier ones
+        earlier = [current, *earlier][:EARLIER_PROCESSES_KEPT] if current else earlier
+    return {
+        "flow_window_seconds": report.window_seconds,
+        "flow_process_start_id": report.process_start_id,
+        "flow_process_uptime_seconds": report.uptime_seconds,
+        "flow_processes_before": "\n".join(process for process in earlier if process),
+        "flow_process_alive_at": now,
+        "last_flow_report_at": now,
+        **_skew_fields(report, now),
+    }
+
+
 def _latest_gap_fields(workload: Workload, gaps: list[EvidenceGap]) -> dict:
     if not gaps:
         return {}
@@ -371,6 +400,8 @@ WORKLOAD_FLOW_FIELDS = (
     "flow_window_seconds_longest",
     "flow_window_seconds",
     "flow_process_start_id",
+    "flow_process_uptime_seconds",
+    "flow_processes_before",
     "flow_process_alive_at",
     "last_flow_report_at",
     "clock_skew_seconds",
@@ -494,11 +525,13 @@ def _reports_write(items: list[SubmittedReport], *, skip_locked: bool) -> list[d
                     new_gaps.append(
                         EvidenceGap(id=gap_id, workload_id=workload.id, received_at=now, **fields)
                     )
-            new_gaps.extend(
-                _agent_silent(
-                    workload, item.report.envelope, now, arriving=[(w.start, w.end) for w in new_windows]
+            newer = _newer_fields(workload, item.report.envelope, now)
+            if newer is not None:
+                new_gaps.extend(
+                    _agent_silent(
+                        workload, item.report.envelope, now, arriving=[(w.start, w.end) for w in new_windows]
+                    )
                 )
-            )
             windows.extend(_window_row(window, workload=workload, now=now) for window in new_windows)
             groups.extend(_group_rows(new_windows, workload=workload, peers=peers))
             gaps.extend(new_gaps)
@@ -506,11 +539,7 @@ def _reports_write(items: list[SubmittedReport], *, skip_locked: bool) -> list[d
                 "flow_window_seconds_longest": max(
                     workload.flow_window_seconds_longest, item.report.envelope.window_seconds
                 ),
-                "flow_window_seconds": item.report.envelope.window_seconds,
-                "flow_process_start_id": item.report.envelope.process_start_id,
-                "flow_process_alive_at": now,
-                "last_flow_report_at": now,
-                **_skew_fields(item.report.envelope, now),
+                **(newer or {}),
                 **_latest_gap_fields(workload, new_gaps),
             }
             for name, value in changes.items():

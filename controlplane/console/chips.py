@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from controlplane import clock
+from controlplane.text import visible
 
 # Tones map to the chip's colour: "bad" needs action, "warn" needs attention, "info" is a fact.
 BAD, WARN, INFO, GOOD = "bad", "warn", "info", "good"
@@ -80,7 +81,8 @@ def _sync_chips(sync: dict, health: dict, now: datetime) -> list[Chip]:
         text = "never connected" if heard is None else f"last contact {_ago(heard, now)}"
         return [Chip(f"offline: {text}", BAD)]
     if state == "degraded":
-        return [Chip(f"degraded: {sync.get('error') or 'applying the latest version failed'}", BAD)]
+        error = visible(sync.get("error") or "applying the latest version failed", keep="\n\t")  # the agent's
+        return [Chip(f"degraded: {error}", BAD)]
     if state == "pending":
         return [Chip(f"pending: {short_version(sync.get('pending_version'))} not yet applied", INFO)]
     return [Chip("synced", GOOD)]
@@ -92,7 +94,9 @@ def _credential_chips(credential: dict, now: datetime) -> list[Chip]:
     if state == "expired":
         chips.append(Chip("Credential expired", BAD, f"expired at {credential['expires_at']}"))
     elif state == "renewal-failed":
-        chips.append(Chip("renewal failed, retrying", WARN, credential.get("last_error") or ""))
+        chips.append(
+            Chip("renewal failed, retrying", WARN, visible(credential.get("last_error") or "", keep="\n\t"))
+        )
     else:
         due = parse_instant(credential.get("renewal_due_at"))
         if due is not None and due <= now:
@@ -110,7 +114,7 @@ def _credential_chips(credential: dict, now: datetime) -> list[Chip]:
 def short_version(version: str | None) -> str:
     if not version:
         return "none"
-    return version.split(":", 1)[-1][:12]
+    return visible(version.split(":", 1)[-1][:12])  # an applied version is the agent's text
 
 
 def short_instant(text: str | None) -> str:

@@ -1,5 +1,7 @@
 """The base of every Palisade host command: domain problems become one-line errors and a non-zero exit,
-and `--json` gives scripts the same documents the API returns."""
+and `--json` gives scripts the same documents the API returns. Whatever a command prints reaches the
+terminal with its control and format characters escaped (controlplane/text.py): agents' text may
+carry ESC sequences or bidi overrides, and an operator's terminal must not obey them."""
 
 from __future__ import annotations
 
@@ -8,11 +10,12 @@ import json
 import sys
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import BaseCommand, CommandError, OutputWrapper
 
 from controlplane.auth.actor import Actor, cli_actor
 from controlplane.problems import Problem, ValidationFailed
 from controlplane.strict_json import json_loads_strict
+from controlplane.text import visible
 
 EXIT_PROBLEM = 1
 EXIT_VALIDATION = 2
@@ -32,10 +35,43 @@ def _ensure_schema() -> None:
         _schema_checked = True
 
 
+class EscapingOutput(OutputWrapper):
+    """A command's standard output or error, escaping every control and format character but the line
+    breaks and tabs of its own layout. A command escapes those too in each value it lays out
+    (`visible`), so that no value can add a line; JSON output has none raw (json.dumps escapes them,
+    ensure_ascii being left on)."""
+
+    def write(self, msg="", style_func=None, ending=None):
+        super().write(visible(msg, keep="\n\t"), style_func, ending)  # styled after: its own colours stay
+
+
+def _escaping(out) -> EscapingOutput:
+    if isinstance(out, EscapingOutput):
+        return out
+    return EscapingOutput(out._out if isinstance(out, OutputWrapper) else out)
+
+
 class PalisadeCommand(BaseCommand):
     json_output = True  # commands that print data offer --json
     migrates_itself = False  # serve applies migrations at start, or not with --no-migrate
     _argv: list[str] | None = None
+
+    # BaseCommand sets both in __init__ and again in execute (call_command's stdout=); each is wrapped.
+    @property
+    def stdout(self) -> EscapingOutput:
+        return self._stdout
+
+    @stdout.setter
+    def stdout(self, out) -> None:
+        self._stdout = _escaping(out)
+
+    @property
+    def stderr(self) -> EscapingOutput:
+        return self._stderr
+
+    @stderr.setter
+    def stderr(self, out) -> None:
+        self._stderr = _escaping(out)
 
     def run_from_argv(self, argv):
         self._argv = list(argv)

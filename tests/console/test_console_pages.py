@@ -219,3 +219,38 @@ def test_the_flows_page_names_a_workload_gone_silent(browser):
     page = text(browser.get("/flows?range=1h"))
     assert "Incomplete:" in page and "1 silent since before its end (" in page, page
     assert f'<a href="/workloads/{workload.id}">gone-quiet</a> since' in page
+
+
+def test_an_agents_control_characters_and_bidi_overrides_are_shown_escaped(browser):
+    """HTML escaping leaves ESC and U+202E alone: text stored raw (before ingestion escaped it) of a
+    workload's version, apply error, renewal error and gaps is shown with them escaped."""
+    import uuid
+    from datetime import timedelta
+
+    from controlplane import clock
+    from fleet.models import Workload
+    from flows.models import EvidenceGap
+    from flows.partitions import flow_partitions_ensure
+    from tests.support.hostile_text import HOSTILE, assert_shown_harmlessly
+
+    storable = [text for text in HOSTILE if "\x00" not in text and "\ud800" not in text]  # PostgreSQL's
+    workload = connect(make_workload(hostname="odd-1"))
+    Workload.objects.filter(id=workload.id).update(
+        agent_version="".join(storable)[:64],
+        applied_version=storable[5],
+        sync_state="degraded",
+        sync_error="".join(storable),
+        credential_renewal_failed=True,
+        credential_last_error="".join(storable),
+    )
+    now = clock.now()
+    flow_partitions_ensure(days={now.date()})
+    EvidenceGap.objects.create(
+        id=uuid.uuid4(), workload_id=workload.id, kind="window_overflow", start=now - timedelta(minutes=5),
+        end=now - timedelta(minutes=4), lost=dict.fromkeys(storable, 1), received_at=now,
+    )  # fmt: skip
+    for path in (f"/workloads/{workload.id}", "/", "/flows?range=1h", "/review?range=1h"):
+        response = browser.get(path)
+        assert response.status_code == 200, path
+        assert_shown_harmlessly(response.content.decode(), layout="\n\t")
+    assert "\\u202eevil" in text(browser.get(f"/workloads/{workload.id}"))

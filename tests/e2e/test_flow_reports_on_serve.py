@@ -187,3 +187,22 @@ def test_a_window_with_many_keys_is_larger_than_the_api_limit_and_still_lands(la
     answer = _post(serve, agent, body)
     assert answer.status_code == 200, answer.text[:500]
     assert [r["result"] for r in answer.json()["windows"]] == ["accepted"]
+
+
+def test_a_signed_report_replayed_verbatim_moves_neither_liveness_nor_the_clock_skew(lab):
+    """Windows of one second, so that a replay three seconds on is past telemetry_live's two windows
+    and would read as a clock three seconds behind (over two windows) if it were taken as news."""
+    import time
+
+    serve, operator, _, client_id, root = lab
+    client = StateDir(root / "client").load_enrolment()
+    body = report_body(
+        [], [], now=time.time(), process_start_id="replayed", uptime_seconds=50.0, window_seconds=1
+    )
+    assert _post(serve, client, body).status_code == 200
+    health = operator.get(f"/api/v1/workloads/{client_id}").json()["health"]
+    assert health["clock_skew"] is None
+    time.sleep(3)
+    assert _post(serve, client, body).status_code == 200  # stored once, answered as before
+    health = operator.get(f"/api/v1/workloads/{client_id}").json()["health"]
+    assert health["telemetry_live"] is False and health["clock_skew"] is None

@@ -16,6 +16,7 @@ from agent import protocol
 from agent.credential import public_key_encode
 from controlplane import clock
 from controlplane.auth.actor import CLI_ACTOR
+from controlplane.problems import ValidationFailed
 from controlplane.urls_gateway import websocket_application
 from fleet.enrolment import workload_enrol
 from fleet.models import Workload
@@ -448,3 +449,58 @@ def test_credential_beyond_grace_is_refused():
         }
 
     async_to_sync(scenario)()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_agents_control_characters_are_stored_escaped_and_shown_harmlessly():
+    """A compromised agent's version, apply error, applied version and renewal error carry ESC
+    sequences, BEL, CR, NUL, C1 and bidi overrides: each is stored escaped, and no command shows any
+    raw. At enrolment such a version is refused."""
+    from fleet.enrolment import enrolment_input
+    from tests.support.helpers import run_command
+    from tests.support.hostile_text import HOSTILE_TEXT, assert_shown_harmlessly, unsafe_in
+
+    agent = Agent()
+
+    async def scenario():
+        communicator = await open_stream(agent, agent_version=HOSTILE_TEXT[:60])
+        await receive(communicator)
+        snapshot = await receive(communicator)
+        for message in (
+            protocol.Failed(version=snapshot.version, error=HOSTILE_TEXT),
+            protocol.Applied(version=HOSTILE_TEXT[:60]),
+            protocol.RenewalFailed(error=HOSTILE_TEXT),
+        ):
+            await communicator.send_to(text_data=message.encode())
+        await communicator.receive_nothing(timeout=0.3)
+        await communicator.disconnect()
+
+    async_to_sync(scenario)()
+    w = workload(agent)
+    assert w.sync_error.startswith("\\x1b[2J\\x1b[H\\x1b]0;pwned\\x07ok\\x0dforged")
+    assert "two\nlines\tx" in w.sync_error  # an error's own lines stay lines
+    for text in (w.agent_version, w.applied_version, w.sync_error, w.credential_last_error):
+        assert not unsafe_in(text, layout="\n\t"), text
+    for args in (
+        ["list"],
+        ["show", agent.workload_id],
+        ["list", "--json"],
+        ["show", agent.workload_id, "--json"],
+    ):
+        code, out, err = run_command("workload", *args)
+        assert code == 0, err
+        assert_shown_harmlessly(out + err)
+    with pytest.raises(ValidationFailed) as refused:
+        enrolment_input(
+            public_key=public_key_encode(agent.key.public_key()),
+            hostname="agent-1",
+            addresses=["10.0.0.7"],
+            agent_version="1.0\x1b]0;pwned\x07",
+        )
+    assert [(f.path, f.rule) for f in refused.value.findings] == [("/agent_version", "control-characters")]
+    for hostname in ("web\x1b[2J", "web\u202e", "web\r", "web\x00"):  # a DNS-style name already
+        with pytest.raises(ValidationFailed) as refused:
+            enrolment_input(public_key=public_key_encode(agent.key.public_key()), hostname=hostname,
+                            addresses=["10.0.0.7"], agent_version="1.0")  # fmt: skip
+        assert [f.rule for f in refused.value.findings] == ["hostname"]
+        assert not unsafe_in(refused.value.findings[0].message)  # the refusal quotes it escaped

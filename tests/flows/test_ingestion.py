@@ -109,9 +109,8 @@ def test_clock_skew_marks_the_workload_and_a_later_report_clears_it(api, db):
     health = api.get(f"/api/v1/workloads/{workload.id}").json()["health"]
     assert 295 <= health["clock_skew"]["offset_seconds"] <= 305
     assert health["evidence_gap"]["kind"] == "source_overrun"
-    flow_report_ingest(
-        workload_id=str(workload.id), data=at_agent_clock({**data, "windows": [], "gaps": []}, clock.now())
-    )
+    later = {**data, "uptime_seconds": data["uptime_seconds"] + 1, "windows": [], "gaps": []}
+    flow_report_ingest(workload_id=str(workload.id), data=at_agent_clock(later, clock.now()))
     health = api.get(f"/api/v1/workloads/{workload.id}").json()["health"]
     assert health["clock_skew"] is None and health["evidence_gap"]["kind"] == "source_overrun"
     assert health["telemetry_live"] is True
@@ -120,6 +119,51 @@ def test_clock_skew_marks_the_workload_and_a_later_report_clears_it(api, db):
 
 
 @pytest.mark.postgres
+def _signed_delivery(workload, key, credential, body: bytes) -> dict:
+    """What the gateway does with a report (flows/gateway.py): check its signature, then store it."""
+    signature = report_headers(
+        body, key=key, workload_id=str(workload.id), credential=credential, gateway_fingerprint=FINGERPRINT
+    )["Palisade-Signature"]
+    sender = report_authenticate(
+        workload_id=str(workload.id), credential=credential, signature=signature, body=body
+    )
+    return flow_report_ingest(workload_id=str(sender), data=json.loads(body))
+
+
+def test_a_signed_report_replayed_later_moves_neither_liveness_nor_the_clock_skew(api, db, clock_at):
+    runtime.facts_set(gateway_fingerprint=FINGERPRINT)
+    workload, key, credential = enrolled()
+    health = lambda: api.get(f"/api/v1/workloads/{workload.id}").json()["health"]  # noqa: E731
+    captured = json.dumps(_report("p1", 100.0, _window_between(clock.now(), 1))).encode()
+    _signed_delivery(workload, key, credential, captured)
+    assert health()["telemetry_live"] is True and health()["clock_skew"] is None
+    workload.refresh_from_db()
+    reported_at = workload.last_flow_report_at
+
+    clock_at(timedelta(minutes=5))
+    assert health()["telemetry_live"] is False
+    answer = _signed_delivery(workload, key, credential, captured)  # the same bytes, signature and all
+    assert [r["result"] for r in answer["windows"]] == ["accepted"] and FlowWindow.objects.count() == 1
+    assert health()["telemetry_live"] is False and health()["clock_skew"] is None  # not -300 s
+    workload.refresh_from_db()
+    assert workload.last_flow_report_at == reported_at and workload.flow_process_alive_at == reported_at
+
+    # The agent's own next report (its process older by now) is news; so is a restarted process's.
+    _signed_delivery(workload, key, credential, json.dumps(_report("p1", 400.0)).encode())
+    assert health()["telemetry_live"] is True
+    clock_at(timedelta(minutes=5))
+    _signed_delivery(workload, key, credential, json.dumps(_report("p2", 10.0)).encode())
+    clock_at(timedelta(minutes=5))
+    silences = _silent()  # p1 silent from its last report to p2's start
+    # A report of the process before it, however late and whatever its uptime, is not.
+    _signed_delivery(workload, key, credential, captured)
+    _signed_delivery(workload, key, credential, json.dumps(_report("p1", 9000.0)).encode())
+    workload.refresh_from_db()
+    assert workload.flow_process_start_id == "p2" and workload.clock_skew_seconds is None
+    assert health()["telemetry_live"] is False
+    assert _silent() == silences  # nor is it a restart after a silence
+
+
 def test_concurrent_resends_store_a_window_once(transactional_db):
     from django.db import connection
 
@@ -228,11 +272,19 @@ def test_a_report_needs_the_workloads_key_and_a_live_credential(db, clock_at):
                               (str(other.id), credential), (str(workload.id), other_credential)]:  # fmt: skip
         with pytest.raises(Problem, match="enrolled workload"):
             report_authenticate(workload_id=sender, credential=presented, signature=signature, body=body)
-    clock_at(timedelta(days=400))  # past expiry, within or beyond the grace alike
-    with pytest.raises(Problem, match="renew"):
+    # Past expiry within the grace, the agent renews on the stream; beyond it, it cannot: re-enrol.
+    clock_at(workload.credential_expires_at - clock.now() + timedelta(seconds=1))
+    with pytest.raises(Problem, match="renew it on the sync stream") as refused:
         report_authenticate(
             workload_id=str(workload.id), credential=credential, signature=signature, body=body
         )
+    assert refused.value.name == "unauthenticated"
+    clock_at(timedelta(days=400))
+    with pytest.raises(Problem, match="beyond its renewal grace and cannot be renewed: re-enrol") as refused:
+        report_authenticate(
+            workload_id=str(workload.id), credential=credential, signature=signature, body=body
+        )
+    assert refused.value.name == "unauthenticated" and "renew it" not in refused.value.detail
 
 
 def test_the_flows_command_lists_windows_and_gaps_as_table_json_and_csv(db):

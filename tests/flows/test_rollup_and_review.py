@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from datetime import datetime, timedelta
 
 from controlplane import clock
@@ -29,8 +30,11 @@ def _short_range():
     }
 
 
+_uptimes = itertools.count(100)  # each report later than the one before: a repeat moves no liveness
+
+
 def _ingest(workload, windows, gaps=()):
-    report = _report("p1", 100, windows)
+    report = _report("p1", next(_uptimes), windows)
     report["gaps"] = list(gaps)
     answer = flow_report_ingest(workload_id=str(workload.id), data=report)
     assert all(r["result"] == "accepted" for r in answer["windows"] + answer["gaps"]), answer

@@ -3,12 +3,20 @@
 from django import template
 
 from controlplane.console.chips import duration_text, short_instant, short_version
+from controlplane.text import visible
 
 register = template.Library()
 
 register.filter("short_version", short_version)
 register.filter("short_instant", short_instant)
 register.filter("duration", duration_text)
+
+
+# An agent's free text (its version, a gap's `lost` names) with control and format characters escaped:
+# HTML escaping leaves a bidi override (U+202E) free to reorder what the page shows.
+@register.filter("visible")
+def visible_text(text: str | None) -> str:
+    return visible(text or "")
 
 
 @register.filter

@@ -5,6 +5,7 @@ import json
 from controlplane.conditional import if_match_from_header
 from controlplane.management.base import PalisadeCommand
 from controlplane.pagination import MAX_LIMIT
+from controlplane.text import visible
 from fleet import selectors, services
 from fleet.choices import SyncState
 from fleet.representations import labels_data, rendered_policy_data, workload_data
@@ -47,9 +48,9 @@ class Command(PalisadeCommand):
                 break
         lines = [f"{'ID':36}  {'HOSTNAME':24}  {'MODE':10}  {'SYNC':8}  {'TABLE':7}  LABELS"]
         for w in items:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(w["labels"].items()))
+            labels = visible(",".join(f"{k}={v}" for k, v in sorted(w["labels"].items())))
             lines.append(
-                f"{w['id']:36}  {w['hostname'][:24]:24}  {w['mode']:10}  {w['sync']['state']:8}  "
+                f"{w['id']:36}  {visible(w['hostname'])[:24]:24}  {w['mode']:10}  {w['sync']['state']:8}  "
                 f"{w['health']['owned_table']['state']:7}  {labels}"
             )
         self.emit(items, "\n".join(lines))

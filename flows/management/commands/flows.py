@@ -11,6 +11,7 @@ from django.core.management.base import CommandError
 
 from controlplane.management.base import PalisadeCommand
 from controlplane.pagination import MAX_LIMIT
+from controlplane.text import visible
 from fleet.selectors import label_filters_parse
 from flows import selectors
 from flows.choices import Decision
@@ -62,7 +63,11 @@ def _csv(columns, rows) -> str:
     writer.writeheader()
     writer.writerows(
         {
-            key: json.dumps(value, sort_keys=True) if isinstance(value, dict) else value
+            key: json.dumps(value, sort_keys=True)
+            if isinstance(value, dict)
+            else visible(value)
+            if isinstance(value, str)
+            else value
             for key, value in row.items()
         }
         for row in rows
@@ -155,7 +160,7 @@ class Command(PalisadeCommand):
             return
         lines = [f"{'WORKLOAD':36}  {'KIND':16}  {'SOURCE':9}  {'START':20}  {'END':20}  LOST"]
         for gap in data:
-            lost = ",".join(f"{k}={v}" for k, v in gap["lost"].items()) or "-"
+            lost = ",".join(f"{visible(k)}={v}" for k, v in gap["lost"].items()) or "-"  # the agent's names
             lines.append(
                 f"{gap['workload_id']:36}  {gap['kind']:16}  {gap['source'] or '-':9}  {gap['start'][:19]:20}  "
                 f"{gap['end'][:19]:20}  {lost}"
