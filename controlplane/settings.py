@@ -169,6 +169,10 @@ PALISADE_SESSION_COOKIE = "palisade_session"
 PALISADE_SESSION_LIFETIME_SECONDS = 7 * 24 * 3600
 PALISADE_LOGIN_FREE_FAILURES = int(os.environ.get("PALISADE_LOGIN_FREE_FAILURES", 5))
 PALISADE_LOGIN_LOCKOUT_SECONDS = int(os.environ.get("PALISADE_LOGIN_LOCKOUT_SECONDS", 30))
+# Failed logins from all addresses together: past this many in one window, every login waits for the
+# window's end (or `manage.py operator-login-throttle reset`). Many addresses are cheap to come by.
+PALISADE_LOGIN_GLOBAL_FAILURES = int(os.environ.get("PALISADE_LOGIN_GLOBAL_FAILURES", 50))
+PALISADE_LOGIN_GLOBAL_WINDOW_SECONDS = int(os.environ.get("PALISADE_LOGIN_GLOBAL_WINDOW_SECONDS", 900))
 PALISADE_TOKEN_LAST_USED_RESOLUTION_SECONDS = 60
 
 # Agent credentials: lifetime, and how long after expiry a renewal is still admitted.
