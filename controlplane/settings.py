@@ -12,6 +12,8 @@ from pathlib import Path
 
 import dj_database_url
 
+from controlplane.data_dir import data_dir_create, sqlite_file_create
+
 BASE_DIR = Path(__file__).resolve().parent.parent
 
 
@@ -24,7 +26,7 @@ def _default_data_dir() -> Path:
 
 
 DATA_DIR = Path(os.environ.get("PALISADE_DATA_DIR") or _default_data_dir()).expanduser().resolve()
-DATA_DIR.mkdir(parents=True, exist_ok=True, mode=0o700)
+data_dir_create(DATA_DIR)
 
 
 def _secret_key() -> str:
@@ -80,6 +82,7 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
+    "controlplane.response_headers.NoStoreMiddleware",
     "controlplane.middleware.AccessLogMiddleware",
     "controlplane.middleware.ListenerRoutingMiddleware",
     "controlplane.middleware.BodySizeLimitMiddleware",
@@ -121,6 +124,7 @@ if os.environ.get("DATABASE_URL"):
         # compiling took 440 ms, four fifths of that query's time. Every query here is short.
         DATABASES["default"].setdefault("OPTIONS", {}).setdefault("options", "-c jit=off")
 else:
+    sqlite_file_create(DATA_DIR / "palisade.sqlite3")  # private: it holds the password hash
     DATABASES = {
         "default": {
             "ENGINE": "django.db.backends.sqlite3",

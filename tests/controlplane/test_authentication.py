@@ -298,3 +298,12 @@ def test_revoking_an_unknown_token_is_404(api):
     response = api.delete("/api/v1/operator-tokens/00000000-0000-0000-0000-000000000000")
     assert response.status_code == 404
     assert response.json()["type"] == "urn:service:problem:not-found"
+
+
+def test_answers_carrying_a_secret_are_never_stored(api, anon, operator_password):
+    """(Strict-Transport-Security is added where serve sends the answer: tests/e2e/test_trust_on_serve.py.)"""
+    assert api.post("/api/v1/operator-tokens", {"name": "ci"}, format="json")["Cache-Control"] == "no-store"
+    minted = api.post("/api/v1/provisioning-tokens", {"description": "ci"}, format="json")
+    assert minted.status_code == 201 and minted["Cache-Control"] == "no-store"
+    assert login(anon)["Cache-Control"] == "no-store"
+    assert anon.get("/static/console/console.js").get("Cache-Control") != "no-store"
