@@ -119,13 +119,10 @@ def _attempt_take(client: str, now: datetime) -> None:
         wait = _seconds_until(row.locked_until, now)
         if wait:
             raise _refused(wait, f"Too many failed logins from {client}; retry in {wait} s.")
-        window_over = shared.locked_until is None or shared.locked_until <= now
-        if window_over:
-            # A window opens with the first failure after the last one closed.
-            shared.failures, shared.locked_until = (
-                0,
-                now + timedelta(seconds=settings.PALISADE_LOGIN_GLOBAL_WINDOW_SECONDS),
-            )
+        if shared.locked_until is None or shared.locked_until <= now:
+            # A window opens with the first attempt after the last one closed.
+            shared.failures = 0
+            shared.locked_until = now + timedelta(seconds=settings.PALISADE_LOGIN_GLOBAL_WINDOW_SECONDS)
         if shared.failures >= settings.PALISADE_LOGIN_GLOBAL_FAILURES:
             wait = _seconds_until(shared.locked_until, now)
             raise _refused(
