@@ -20,16 +20,21 @@ from twisted.web import http
 
 from controlplane.api.errors import PROBLEM_CONTENT_TYPE
 from controlplane.problems import Problem
+from controlplane.response_headers import STRICT_TRANSPORT_SECURITY
 
 
 def _problem_bytes(problem: Problem) -> bytes:
     body = json.dumps(problem.document()).encode()
     reason = http.RESPONSES.get(problem.status, b"Error")
-    head = b"HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % (
-        problem.status,
-        reason,
-        PROBLEM_CONTENT_TYPE.encode(),
-        len(body),
+    head = (
+        b"HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %d\r\n%s: %s\r\nConnection: close\r\n\r\n"
+        % (
+            problem.status,
+            reason,
+            PROBLEM_CONTENT_TYPE.encode(),
+            len(body),
+            *(part.encode() for part in STRICT_TRANSPORT_SECURITY),
+        )
     )
     return head + body
 

@@ -20,6 +20,7 @@ from django.core.handlers.wsgi import WSGIHandler
 from agent.protocol import FLOWS_PATH
 from controlplane.listeners import body_limit
 from controlplane.problems import Problem
+from controlplane.response_headers import with_transport_security
 
 POOL_THREADS = int(os.environ.get("PALISADE_HTTP_THREADS", 4))
 # Requests whose work grows with the body and the fleet (a 400 KB render dry-run takes seconds of CPU)
@@ -136,7 +137,8 @@ class ThreadPoolHttp:
                 "type": "http.response.start",
                 "status": status,
                 "headers": [
-                    (name.lower().encode("latin1"), value.encode("latin1")) for name, value in headers
+                    (name.lower().encode("latin1"), value.encode("latin1"))
+                    for name, value in with_transport_security(headers)
                 ],
             }
         )

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import dj_database_url
 
+from controlplane.data_dir import data_dir_create, sqlite_file_create
+
 BASE_DIR = Path(__file__).resolve().parent.parent
 
 
@@ -24,7 +26,7 @@ def _default_data_dir() -> Path:
 
 
 DATA_DIR = Path(os.environ.get("PALISADE_DATA_DIR") or _default_data_dir()).expanduser().resolve()
-DATA_DIR.mkdir(parents=True, exist_ok=True, mode=0o700)
+data_dir_create(DATA_DIR)
 
 
 def _secret_key() -> str:
@@ -80,6 +82,7 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
+    "controlplane.response_headers.NoStoreMiddleware",
     "controlplane.middleware.AccessLogMiddleware",
     "controlplane.middleware.ListenerRoutingMiddleware",
     "controlplane.middleware.BodySizeLimitMiddleware",
@@ -121,6 +124,7 @@ if os.environ.get("DATABASE_URL"):
         # compiling took 440 ms, four fifths of that query's time. Every query here is short.
         DATABASES["default"].setdefault("OPTIONS", {}).setdefault("options", "-c jit=off")
 else:
+    sqlite_file_create(DATA_DIR / "palisade.sqlite3")  # private: it holds the password hash
     DATABASES = {
         "default": {
             "ENGINE": "django.db.backends.sqlite3",
@@ -169,6 +173,10 @@ PALISADE_SESSION_COOKIE = "palisade_session"
 PALISADE_SESSION_LIFETIME_SECONDS = 7 * 24 * 3600
 PALISADE_LOGIN_FREE_FAILURES = int(os.environ.get("PALISADE_LOGIN_FREE_FAILURES", 5))
 PALISADE_LOGIN_LOCKOUT_SECONDS = int(os.environ.get("PALISADE_LOGIN_LOCKOUT_SECONDS", 30))
+# Failed logins from all addresses together: past this many in one window, every login waits for the
+# window's end (or `manage.py operator-login-throttle reset`). Many addresses are cheap to come by.
+PALISADE_LOGIN_GLOBAL_FAILURES = int(os.environ.get("PALISADE_LOGIN_GLOBAL_FAILURES", 50))
+PALISADE_LOGIN_GLOBAL_WINDOW_SECONDS = int(os.environ.get("PALISADE_LOGIN_GLOBAL_WINDOW_SECONDS", 900))
 PALISADE_TOKEN_LAST_USED_RESOLUTION_SECONDS = 60
 
 # Agent credentials: lifetime, and how long after expiry a renewal is still admitted.

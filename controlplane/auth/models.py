@@ -34,7 +34,8 @@ class OperatorToken(models.Model):
 
 
 class LoginThrottle(models.Model):
-    """Consecutive failed logins of one client address, and until when it must wait."""
+    """Counted login attempts of one client address, and until when it must wait. The row of client
+    "*" is the budget of all addresses together: its count in the window that ends at `locked_until`."""
 
     client = models.CharField(max_length=64, primary_key=True)
     failures = models.PositiveIntegerField(default=0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import uuid
 from collections.abc import Mapping
@@ -13,6 +14,7 @@ from argon2 import PasswordHasher
 from argon2.exceptions import InvalidHashError, VerificationError
 from django.conf import settings
 from django.db import connection, transaction
+from django.db.models import F
 
 from controlplane import clock
 from controlplane.audit import audit_record
@@ -31,13 +33,15 @@ from controlplane.validation import Findings, reject_unknown, require_object, ta
 
 PASSWORD_MIN_LENGTH = 12
 PASSWORD_MAX_LENGTH = 1024
+log = logging.getLogger("palisade.auth")
 _hasher = PasswordHasher()
 # Verifying against this when no operator exists keeps a wrong password as slow as a right one.
 _DUMMY_HASH = _hasher.hash("palisade-no-operator-yet")
 
 
 def operator_set_password(*, actor: Actor, password: str) -> None:
-    """Set or reset the one operator's password; every open session ends (tokens stay valid)."""
+    """Set or reset the one operator's password; every open session ends (tokens stay valid) and every
+    login wait is lifted."""
     if len(password) < PASSWORD_MIN_LENGTH:
         raise ValidationFailed(
             [
@@ -62,12 +66,14 @@ def operator_set_password(*, actor: Actor, password: str) -> None:
             id=1, defaults={"password_hash": hashed, "password_changed_at": clock.now()}
         )
         OperatorSession.objects.all().delete()
+        # Guesses were against the old password; the host that set the new one is let back in.
+        LoginThrottle.objects.all().delete()
         audit_record(
             actor=actor,
             action="operator.set_password",
             object_type="operator",
             object_id=1,
-            detail={"sessions_ended": True},
+            detail={"sessions_ended": True, "login_throttle_reset": True},
         )
 
 
@@ -77,27 +83,97 @@ class OpenedSession:
     expires_at: datetime
 
 
-def _throttle_wait(client: str, now: datetime) -> int:
-    row = LoginThrottle.objects.filter(client=client).first()
-    if row is None or row.locked_until is None or row.locked_until <= now:
+# The row of the budget shared by every client address ("*" is no address).
+ALL_CLIENTS = "*"
+
+
+def _throttle_row(client: str) -> LoginThrottle:
+    """The client's row, locked until the transaction ends; created first if missing, without a race
+    (two first attempts from one address must not both see no row)."""
+    LoginThrottle.objects.bulk_create(
+        [LoginThrottle(client=client, failures=0, last_failure_at=clock.now())], ignore_conflicts=True
+    )
+    return LoginThrottle.objects.select_for_update().get(client=client)
+
+
+def _seconds_until(instant: datetime | None, now: datetime) -> int:
+    if instant is None or instant <= now:
         return 0
-    return max(1, math.ceil((row.locked_until - now).total_seconds()))
+    return max(1, math.ceil((instant - now).total_seconds()))
 
 
-def _record_failure(client: str, now: datetime) -> None:
+def _refused(wait: int, detail: str) -> Problem:
+    return Problem("rate-limited", detail, headers={"Retry-After": str(wait)}, retry_after=wait)
+
+
+def _attempt_take(client: str, now: datetime) -> None:
+    """Count a login attempt as a failure before its password is verified, or refuse it.
+
+    Counting first is what bounds the guesses: concurrent attempts from one address are taken one at
+    a time under the rows' locks, so exactly the free ones are verified and the rest refused, however
+    many arrive together. A successful login hands its attempt back (session_open)."""
     with transaction.atomic():
-        row, _ = LoginThrottle.objects.select_for_update().get_or_create(
-            client=client, defaults={"failures": 0, "last_failure_at": now}
-        )
+        # Always the shared row first, then the client's: one lock order, no deadlock.
+        shared = _throttle_row(ALL_CLIENTS)
+        row = _throttle_row(client)
+        wait = _seconds_until(row.locked_until, now)
+        if wait:
+            raise _refused(wait, f"Too many failed logins from {client}; retry in {wait} s.")
+        if shared.locked_until is None or shared.locked_until <= now:
+            # A window opens with the first attempt after the last one closed.
+            shared.failures = 0
+            shared.locked_until = now + timedelta(seconds=settings.PALISADE_LOGIN_GLOBAL_WINDOW_SECONDS)
+        if shared.failures >= settings.PALISADE_LOGIN_GLOBAL_FAILURES:
+            wait = _seconds_until(shared.locked_until, now)
+            raise _refused(
+                wait,
+                f"Too many failed logins from all addresses together; retry in {wait} s, or lift the wait "
+                "on the host with `manage.py operator-login-throttle reset`.",
+            )
+        shared.failures += 1
+        shared.last_failure_at = now
+        if shared.failures == settings.PALISADE_LOGIN_GLOBAL_FAILURES:
+            log.warning(
+                "%d login attempts from all addresses in this window: every login is refused until %s; "
+                "`manage.py operator-login-throttle reset` lifts this",
+                shared.failures,
+                clock.rfc3339(shared.locked_until),
+            )
+        shared.save()
         row.failures += 1
         row.last_failure_at = now
         beyond = row.failures - settings.PALISADE_LOGIN_FREE_FAILURES
         if beyond >= 0:
-            # Each failure past the free ones doubles the wait, up to fifteen minutes.
+            # The last free attempt closes the door behind it; each later one doubles the wait, up to
+            # fifteen minutes.
             seconds = min(settings.PALISADE_LOGIN_LOCKOUT_SECONDS * (2 ** min(beyond, 10)), 900)
             row.locked_until = now + timedelta(seconds=seconds)
         row.save()
-        LoginThrottle.objects.filter(last_failure_at__lt=now - timedelta(days=1)).delete()
+        LoginThrottle.objects.filter(last_failure_at__lt=now - timedelta(days=1)).exclude(
+            client=ALL_CLIENTS
+        ).delete()
+
+
+def _attempt_return(client: str) -> None:
+    """A successful login: the client's count starts again, and its attempt leaves the shared budget."""
+    LoginThrottle.objects.filter(client=client).delete()
+    LoginThrottle.objects.filter(client=ALL_CLIENTS, failures__gt=0).update(failures=F("failures") - 1)
+
+
+def login_throttle_reset(*, actor: Actor) -> int:
+    """Lift every login wait, of each address and of all together: the host's way back in when
+    guessing has spent the shared budget. Returns how many addresses were waiting or counted."""
+    with transaction.atomic():
+        counted = LoginThrottle.objects.exclude(client=ALL_CLIENTS).count()
+        LoginThrottle.objects.all().delete()
+        audit_record(
+            actor=actor,
+            action="operator.login_throttle_reset",
+            object_type="operator",
+            object_id=1,
+            detail={"addresses": counted},
+        )
+    return counted
 
 
 def session_input(data: Any) -> str:
@@ -110,16 +186,11 @@ def session_input(data: Any) -> str:
 
 
 def session_open(*, password: str, client: str) -> OpenedSession:
-    """Log in. Repeated failures from one client address must wait, whatever password they send."""
+    """Log in. Each attempt is counted before its password is verified: one client address gets
+    PALISADE_LOGIN_FREE_FAILURES, all addresses together PALISADE_LOGIN_GLOBAL_FAILURES per window;
+    beyond them every attempt waits, whatever password it sends."""
     now = clock.now()
-    wait = _throttle_wait(client, now)
-    if wait:
-        raise Problem(
-            "rate-limited",
-            f"Too many failed logins from {client}; retry in {wait} s.",
-            headers={"Retry-After": str(wait)},
-            retry_after=wait,
-        )
+    _attempt_take(client, now)
     operator = Operator.objects.filter(id=1).first()
     try:
         _hasher.verify(operator.password_hash if operator else _DUMMY_HASH, password)
@@ -127,7 +198,6 @@ def session_open(*, password: str, client: str) -> OpenedSession:
     except (VerificationError, InvalidHashError):
         verified = False
     if not verified:
-        _record_failure(client, now)
         detail = (
             "Wrong password."
             if operator
@@ -137,7 +207,7 @@ def session_open(*, password: str, client: str) -> OpenedSession:
     secret = new_secret(SESSION_PREFIX)
     expires_at = now + timedelta(seconds=settings.PALISADE_SESSION_LIFETIME_SECONDS)
     with transaction.atomic():
-        LoginThrottle.objects.filter(client=client).delete()
+        _attempt_return(client)
         OperatorSession.objects.create(
             key_digest=digest(secret), created_at=now, expires_at=expires_at, client=client
         )

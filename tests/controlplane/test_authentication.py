@@ -1,13 +1,19 @@
 """Operator authentication: sessions, tokens, the login throttle (spec "Authentication")."""
 
+import io
 from datetime import timedelta
 
 import pytest
 from django.core.management import call_command
+from django.db import connection
 from rest_framework.test import APIClient
 
 from controlplane.auth.models import OperatorSession, OperatorToken
+from controlplane.auth.services import session_open
+from controlplane.problems import Problem
 from tests.conftest import PASSWORD
+from tests.support.helpers import race
+from tests.support.requirements import require
 
 UNAUTH = "urn:service:problem:unauthenticated"
 
@@ -77,6 +83,80 @@ def test_throttle_is_per_client(operator_password, settings):
     assert login(APIClient(REMOTE_ADDR="192.0.2.10")).status_code == 200
 
 
+def spend_the_shared_budget(settings) -> None:
+    """Failed logins from as many addresses as it takes, each within its own free failures (a smaller
+    budget than serve's 50: each failure costs an argon2 verify)."""
+    settings.PALISADE_LOGIN_GLOBAL_FAILURES = 12
+    per_address = settings.PALISADE_LOGIN_FREE_FAILURES
+    for n in range(settings.PALISADE_LOGIN_GLOBAL_FAILURES):
+        assert (
+            login(APIClient(REMOTE_ADDR=f"198.51.100.{n // per_address}"), "guess guess").status_code == 401
+        )
+
+
+def test_failures_from_many_addresses_share_one_budget(operator_password, settings):
+    """40 addresses x 5 guesses: only the shared budget is verified, the rest wait."""
+    statuses = [
+        login(APIClient(REMOTE_ADDR=f"198.51.100.{address}"), "guess guess").status_code
+        for address in range(40)
+        for _ in range(settings.PALISADE_LOGIN_FREE_FAILURES)
+    ]
+    assert statuses.count(401) == settings.PALISADE_LOGIN_GLOBAL_FAILURES == 50
+    assert set(statuses[50:]) == {429}
+    refused = login(APIClient(REMOTE_ADDR="203.0.113.1"))  # a fresh address, the right password
+    assert refused.status_code == 429
+    assert int(refused["Retry-After"]) == refused.json()["retry_after"] > 0
+    assert "operator-login-throttle reset" in refused.json()["detail"]
+
+
+def test_the_shared_wait_ends_with_its_window(operator_password, settings, clock_at):
+    spend_the_shared_budget(settings)
+    wait = int(login(APIClient(REMOTE_ADDR="203.0.113.1"))["Retry-After"])
+    assert 0 < wait <= settings.PALISADE_LOGIN_GLOBAL_WINDOW_SECONDS
+    clock_at(timedelta(seconds=wait))
+    assert login(APIClient(REMOTE_ADDR="203.0.113.1")).status_code == 200
+
+
+def test_a_successful_login_does_not_spend_the_shared_budget(operator_password, settings):
+    settings.PALISADE_LOGIN_GLOBAL_FAILURES = 3
+    for _ in range(settings.PALISADE_LOGIN_GLOBAL_FAILURES + 5):
+        assert login(APIClient(REMOTE_ADDR="203.0.113.1")).status_code == 200
+    assert login(APIClient(REMOTE_ADDR="203.0.113.2"), "one guess").status_code == 401
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ("operator-login-throttle", "reset"),
+        ("operator-password", "--stdin"),
+    ],
+    ids=["throttle-reset", "password-reset"],
+)
+def test_a_host_command_lets_the_operator_back_in(operator_password, settings, command):
+    spend_the_shared_budget(settings)
+    attacker = APIClient(REMOTE_ADDR="198.51.100.0")
+    assert login(attacker).status_code == 429
+    given = {"input_stream": io.StringIO(PASSWORD + "\n")} if command[0] == "operator-password" else {}
+    call_command(*command, stdout=io.StringIO(), **given)
+    assert login(APIClient(REMOTE_ADDR="203.0.113.1")).status_code == 200
+    assert login(attacker).status_code == 200  # each address's own wait is lifted as well
+
+
+@pytest.mark.postgres
+def test_concurrent_guesses_from_one_address_get_exactly_the_free_failures(transactional_db, settings):
+    """The attempt is counted before the password is verified: 40 guesses at once, 5 verified."""
+    require(connection.vendor == "postgresql", "needs PostgreSQL: set DATABASE_URL=postgresql://...")
+    from controlplane.auth.actor import CLI_ACTOR
+    from controlplane.auth.services import operator_set_password
+
+    operator_set_password(actor=CLI_ACTOR, password=PASSWORD)
+    results = race(*[lambda: session_open(password="guess guess", client="192.0.2.7")] * 40)
+    names = [r.name if isinstance(r, Problem) else repr(r) for r in results]
+    assert names.count("unauthenticated") == settings.PALISADE_LOGIN_FREE_FAILURES, names
+    assert names.count("rate-limited") == 40 - settings.PALISADE_LOGIN_FREE_FAILURES, names
+    assert all(r.extensions["retry_after"] > 0 for r in results if getattr(r, "name", "") == "rate-limited")
+
+
 def test_login_without_password_set_explains_how_to_set_it(anon):
     response = login(anon)
     assert response.status_code == 401
@@ -106,9 +186,7 @@ def test_a_stale_cookie_does_not_block_login(anon, operator_password):
 
 def test_password_reset_ends_sessions(anon, operator_password):
     login(anon)
-    call_command(
-        "operator-password", "--stdin", input_stream=__import__("io").StringIO("another long password\n")
-    )
+    call_command("operator-password", "--stdin", input_stream=io.StringIO("another long password\n"))
     assert anon.get("/api/v1/me").status_code == 401
 
 
@@ -223,3 +301,12 @@ def test_revoking_an_unknown_token_is_404(api):
     response = api.delete("/api/v1/operator-tokens/00000000-0000-0000-0000-000000000000")
     assert response.status_code == 404
     assert response.json()["type"] == "urn:service:problem:not-found"
+
+
+def test_answers_carrying_a_secret_are_never_stored(api, anon, operator_password):
+    """(Strict-Transport-Security is added where serve sends the answer: tests/e2e/test_trust_on_serve.py.)"""
+    assert api.post("/api/v1/operator-tokens", {"name": "ci"}, format="json")["Cache-Control"] == "no-store"
+    minted = api.post("/api/v1/provisioning-tokens", {"description": "ci"}, format="json")
+    assert minted.status_code == 201 and minted["Cache-Control"] == "no-store"
+    assert login(anon)["Cache-Control"] == "no-store"
+    assert anon.get("/static/console/console.js").get("Cache-Control") != "no-store"

@@ -33,4 +33,6 @@ class Command(PalisadeCommand):
             if getpass.getpass("Repeat it: ") != password:
                 raise CommandError("the passwords differ; nothing changed")
         operator_set_password(actor=self.actor, password=password)
-        self.stdout.write("Operator password set. Open sessions have ended; operator tokens stay valid.")
+        self.stdout.write(
+            "Operator password set. Open sessions have ended and login waits are lifted; operator tokens stay valid."
+        )

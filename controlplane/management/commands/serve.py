@@ -29,6 +29,7 @@ from twisted.logger import (
 
 from agent.protocol import CLOSE_SHUTDOWN, MAX_MESSAGE_BYTES
 from controlplane import runtime, tls
+from controlplane.data_dir import data_dir_check
 from controlplane.database import database_migrate, pending_migrations
 from controlplane.http_limits import limited_channel_protocol
 from controlplane.listeners import (
@@ -208,6 +209,7 @@ class Command(PalisadeCommand):
         log.info("stopped")
 
     def _prepare(self, options) -> _Server:
+        data_dir_check(settings.DATA_DIR, settings.DATABASES, log)
         try:
             operator = parse_listen("--operator-listen", options["operator_listen"])
             gateway = parse_listen("--gateway-listen", options["gateway_listen"])
