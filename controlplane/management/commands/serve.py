@@ -42,6 +42,7 @@ from controlplane.listeners import (
     this_host_name,
 )
 from controlplane.management.base import PalisadeCommand
+from controlplane.outage import database_failed
 
 log = logging.getLogger("palisade.serve")
 
@@ -126,7 +127,8 @@ def _scheduled(step):
             try:
                 await step.run_async()
             except Exception as error:  # noqa: BLE001 - the database away: the next round tries again
-                log.warning("cannot %s: %s", step.name, _first_line(error))
+                if not database_failed(step.name, error, log):
+                    log.warning("cannot %s: %s", step.name, _first_line(error))
 
         return Deferred.fromFuture(asyncio.ensure_future(sweep()))
 
@@ -134,7 +136,8 @@ def _scheduled(step):
         try:
             step.run()
         except DatabaseError as error:
-            log.warning("cannot %s: %s", step.name, _first_line(error))
+            if not database_failed(step.name, error, log):
+                log.warning("cannot %s: %s", step.name, _first_line(error))
         except Exception:  # a fault of ours: its traceback, and the step still runs next period
             log.exception("%s failed; it runs again in %d s", step.name, step.every_seconds)
         finally:
