@@ -349,6 +349,9 @@ class Agent:
             self.status.error(f"the control plane failed on its side ({reason or code}); retrying")
         elif code == p.CLOSE_SHUTDOWN:
             self.status.error(f"the control plane is unavailable ({reason or code}); retrying")
+            wait = p.close_reason_retry_after(reason)
+            if wait is not None:  # its database is away: come back when told, not at once
+                return Outcome(retry_after=wait)
         elif code not in (1000, 1001):
             self.status.error(f"the stream closed with code {code} {reason}".strip())
         return Outcome(stable=self._was_stable(began))

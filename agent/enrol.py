@@ -12,7 +12,6 @@ import ipaddress
 import json
 import ssl
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -88,7 +87,6 @@ def post_enrolment(
     *,
     timeout: float = 30.0,
     retries: int = ENROL_RETRIES,
-    sleep: Callable[[float], None] = time.sleep,
 ) -> EnrolResponse:
     """POST the enrolment; a 503 or 429 with Retry-After (the gateway's database away, or too busy)
     is waited out and tried again, up to `retries` times, before it is the refusal."""
@@ -96,7 +94,7 @@ def post_enrolment(
         try:
             return _post_enrolment(gateway, context, request, timeout=timeout)
         except _TryAgain as again:
-            sleep(again.seconds)
+            time.sleep(again.seconds)
     try:
         return _post_enrolment(gateway, context, request, timeout=timeout)
     except _TryAgain as again:

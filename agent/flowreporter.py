@@ -328,11 +328,7 @@ class FlowReporter:
                         self.log("flow report failed", error=getattr(error, "strerror", None) or str(error))
                         sent = False
                     if sent is False:
-                        delay = random.uniform(0, min(60.0, 2.0**self.attempt))  # noqa: S311 - jitter
-                        if self.retry_after is not None:  # the gateway said when: not sooner, not much later
-                            delay, self.retry_after = self.retry_after, None
-                        self.attempt += 1
-                        self.next_send = time.monotonic() + delay
+                        self.next_send = time.monotonic() + self.delay_after_failure()
                     elif sent:
                         self.attempt = 0
                         continue  # more may wait: send the next batch at once
@@ -342,6 +338,14 @@ class FlowReporter:
                     pass
         finally:
             await loop.run_in_executor(None, self.close)
+
+    def delay_after_failure(self) -> float:
+        """Jittered backoff, or what the gateway's 503 or 429 said (its Retry-After): not sooner."""
+        delay = random.uniform(0, min(60.0, 2.0**self.attempt))  # noqa: S311 - jitter
+        if self.retry_after is not None:
+            delay, self.retry_after = self.retry_after, None
+        self.attempt += 1
+        return delay
 
     def backlog_since(self) -> str | None:
         """The start of the oldest window or gap not acknowledged yet, None when there is none: the

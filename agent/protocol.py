@@ -15,6 +15,7 @@ import base64
 import binascii
 import hashlib
 import json
+import re
 import time
 from collections.abc import Callable
 from dataclasses import MISSING, asdict, dataclass, field, fields
@@ -50,6 +51,15 @@ def retry_after(status: int, value: str | None, now: float | None = None) -> flo
         except (TypeError, ValueError, IndexError):
             return None
     return min(max(seconds, 0.0), MAX_RETRY_AFTER_SECONDS)
+
+
+def close_reason_retry_after(reason: str) -> float | None:
+    """The wait a 4503 close asks for in its reason (`database unavailable: retry after 9 s`)."""
+    match = _RETRY_AFTER_REASON.search(reason or "")
+    return min(float(match[1]), MAX_RETRY_AFTER_SECONDS) if match else None
+
+
+_RETRY_AFTER_REASON = re.compile(r"retry after ([0-9]{1,6}) s\b")
 
 
 # Websocket close codes (4000-4999 are the application's).

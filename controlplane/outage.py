@@ -13,9 +13,9 @@ import random
 import sqlite3
 import threading
 import time
+from collections.abc import Callable
 
-from django.db import Error as DjangoDatabaseError
-from django.db import InterfaceError, OperationalError
+from django.db import InterfaceError
 
 LOG_EVERY_SECONDS = 30.0
 # A failure this soon after the database came back is a connection broken by the outage being used
@@ -59,10 +59,6 @@ def _psycopg_operational(error: BaseException) -> bool:
     return isinstance(error, (psycopg.OperationalError, psycopg.InterfaceError))
 
 
-def is_database_error(error: BaseException) -> bool:
-    return isinstance(error, (DjangoDatabaseError, OperationalError))
-
-
 def retry_after_seconds() -> int:
     return random.randint(*RETRY_AFTER_SECONDS)  # noqa: S311 - spreading retries, not a secret
 
@@ -75,7 +71,7 @@ def _first_line(error: BaseException) -> str:
 class OutageLog:
     """One process's view of the database's availability, and the throttle of what it logs."""
 
-    def __init__(self, every: float = LOG_EVERY_SECONDS, clock=time.monotonic):
+    def __init__(self, every: float = LOG_EVERY_SECONDS, clock: Callable[[], float] = time.monotonic):
         self.every, self.clock = every, clock
         self._lock = threading.Lock()
         self.down_since: float | None = None

@@ -22,7 +22,7 @@ from rest_framework.views import APIView
 
 from agent import protocol
 from controlplane import clock
-from controlplane.outage import database_failed
+from controlplane.outage import database_failed, retry_after_seconds
 from controlplane.problems import Finding, ValidationFailed
 from controlplane.validation import parse_instant, require_object
 from fleet import credentials, held_streams, streams, sync
@@ -96,7 +96,10 @@ class SyncStreamConsumer(AsyncWebsocketConsumer):
             # Without the database the stream can neither authenticate nor record what the agent
             # says: it ends, and the agent comes back with its backoff (its table stays as it is).
             self.database_away = True
-            await self.close(code=protocol.CLOSE_SHUTDOWN, reason="database unavailable")
+            wait = retry_after_seconds()
+            await self.close(
+                code=protocol.CLOSE_SHUTDOWN, reason=f"database unavailable: retry after {wait} s"
+            )
 
     async def connect(self):
         self.nonce = os.urandom(32)

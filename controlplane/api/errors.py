@@ -151,7 +151,8 @@ def handler500(request):
         {"retry_after": problem.extensions.get("retry_after")},
         status=503,
     )
-    response.headers.update(problem.headers)
+    for name, value in problem.headers.items():
+        response[name] = value
     _said_by_the_outage_log(response)
     return response
 

@@ -3,6 +3,7 @@ drive it over TLS): authentication, the sync events, malformed frames, resend an
 
 import asyncio
 import json
+import re
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -448,3 +449,39 @@ def test_credential_beyond_grace_is_refused():
         }
 
     async_to_sync(scenario)()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_stream_without_its_database_closes_with_4503_not_an_exception(caplog):
+    from django.db import connection
+
+    from fleet import held_streams
+    from tests.support.serve_process import free_port
+
+    agent = Agent()
+    if connection.vendor == "postgresql":
+        held_streams.db_pool_close_connections()  # their next call connects, and fails
+    saved, kept = dict(connection.settings_dict), connection.connection
+    connection.connection = None
+    if connection.vendor == "postgresql":
+        connection.settings_dict.update(HOST="127.0.0.1", PORT=str(free_port()))
+    else:
+        connection.settings_dict["NAME"] = "/nonexistent-palisade-dir/palisade.sqlite3"
+
+    async def scenario():
+        communicator = await open_stream(agent)
+        output = await communicator.receive_output(timeout=10)
+        assert output["type"] == "websocket.close" and output["code"] == protocol.CLOSE_SHUTDOWN
+        assert re.fullmatch(r"database unavailable: retry after ([5-9]|1[0-5]) s", output["reason"])
+        await communicator.wait(timeout=5)  # the consumer ended without an exception
+
+    try:
+        async_to_sync(scenario)()
+    finally:
+        connection.settings_dict.clear()
+        connection.settings_dict.update(saved)
+        connection.connection = kept
+        if connection.vendor == "postgresql":
+            held_streams.db_pool_close_connections()
+    assert not any(r.exc_info for r in caplog.records)
+    assert any("database unavailable: cannot serve agent streams" in r.getMessage() for r in caplog.records)

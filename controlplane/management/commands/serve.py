@@ -106,6 +106,9 @@ class _Server(daphne.server.Server):
         def record():
             try:
                 ended = streams_end_all()
+            except DatabaseError as error:  # the database away: the reaper of silent streams ends them
+                log.warning("cannot record the agent streams as ended: %s", _first_line(error))
+                return
             finally:
                 connections.close_all()
             if ended:
