@@ -77,6 +77,7 @@ class OutageLog:
         self.down_since: float | None = None
         self.failures = 0
         self.recovered_at: float | None = None
+        self.outages = 0  # how many began: a connection older than the last one may be dead
         self._last_logged: dict[tuple[str, str], float] = {}
         self._suppressed: dict[tuple[str, str], int] = {}
 
@@ -90,6 +91,7 @@ class OutageLog:
                 if self.recovered_at is not None and now - self.recovered_at < SETTLE_SECONDS:
                     return
                 self.down_since, self.failures = now, 0
+                self.outages += 1
             self.failures += 1
             key = (logger.name, what)
             last = self._last_logged.get(key)
