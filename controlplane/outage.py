@@ -19,7 +19,7 @@ from django.db import InterfaceError
 
 LOG_EVERY_SECONDS = 30.0
 # A failure this soon after the database came back is a connection broken by the outage being used
-# once more (a request already running), not a new outage: it is counted, and says nothing.
+# once more (a request already running), not a new outage: it is answered 503 and logs nothing.
 SETTLE_SECONDS = 5.0
 # Retry-After of a 503: chosen per answer in this range, so that a fleet told to come back does not
 # come back all in the same second.
