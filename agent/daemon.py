@@ -84,6 +84,7 @@ class Outcome:
     immediate: bool = False  # reconnect at once, no backoff
     stable: bool = False  # the stream was up long enough to reset the backoff
     stopped: bool = False
+    retry_after: float | None = None  # the gateway refused the upgrade with 503 or 429: wait this long
 
 
 class Agent:
@@ -236,7 +237,7 @@ class Agent:
                     continue
                 if outcome.stable:
                     attempt = 0
-                delay = backoff_delay(attempt)
+                delay = backoff_delay(attempt) if outcome.retry_after is None else outcome.retry_after
                 attempt += 1
                 self.log("backoff", seconds=f"{delay:.2f}", attempt=attempt)
                 try:
@@ -309,7 +310,9 @@ class Agent:
                 f"the gateway no longer presents the pinned certificate ({error.verify_message})"
             )
         except InvalidStatus as error:
-            self._connect_failed(f"the gateway refused the stream with HTTP {error.response.status_code}")
+            status = error.response.status_code
+            self._connect_failed(f"the gateway refused the stream with HTTP {status}")
+            return Outcome(retry_after=p.retry_after(status, error.response.headers.get("Retry-After")))
         except (OSError, TimeoutError, WebSocketException) as error:
             self._connect_failed(getattr(error, "strerror", None) or str(error) or type(error).__name__)
         except Exception as error:  # noqa: BLE001 - a firewall agent logs, backs off and carries on
@@ -344,6 +347,11 @@ class Agent:
             self.status.error(f"the gateway refused this agent's proof or credential (4401 {reason})".strip())
         elif code == p.CLOSE_TRY_AGAIN:
             self.status.error(f"the control plane failed on its side ({reason or code}); retrying")
+        elif code == p.CLOSE_SHUTDOWN:
+            self.status.error(f"the control plane is unavailable ({reason or code}); retrying")
+            wait = p.close_reason_retry_after(reason)
+            if wait is not None:  # its database is away: come back when told, not at once
+                return Outcome(retry_after=wait)
         elif code not in (1000, 1001):
             self.status.error(f"the stream closed with code {code} {reason}".strip())
         return Outcome(stable=self._was_stable(began))

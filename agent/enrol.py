@@ -11,6 +11,7 @@ import http.client
 import ipaddress
 import json
 import ssl
+import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -21,12 +22,13 @@ from agent.bundle import BundleError, bundle_decode
 from agent.credential import CredentialError, credential_verify, format_instant, public_key_encode
 from agent.errors import AgentError
 from agent.hostinfo import host_addresses, host_name
-from agent.protocol import ENROL_PATH, EnrolRequest, EnrolResponse, ProtocolError
+from agent.protocol import ENROL_PATH, EnrolRequest, EnrolResponse, ProtocolError, retry_after
 from agent.state import Identity, StateDir
 from agent.tls import pin_gateway, pinned_context, split_gateway
 
 MAX_RESPONSE_BYTES = 1024 * 1024
 PROBLEM_PREFIX = "urn:service:problem:"
+ENROL_RETRIES = 5  # waits of 5 to 15 s each while the control plane's database is away
 
 
 @dataclass(frozen=True)
@@ -79,7 +81,33 @@ def _refusal(status: int, reason: str, content_type: str, body: bytes) -> str:
 
 
 def post_enrolment(
-    gateway: str, context: ssl.SSLContext, request: EnrolRequest, *, timeout: float = 30.0
+    gateway: str,
+    context: ssl.SSLContext,
+    request: EnrolRequest,
+    *,
+    timeout: float = 30.0,
+    retries: int = ENROL_RETRIES,
+) -> EnrolResponse:
+    """POST the enrolment; a 503 or 429 with Retry-After (the gateway's database away, or too busy)
+    is waited out and tried again, up to `retries` times, before it is the refusal."""
+    for _ in range(retries):
+        try:
+            return _post_enrolment(gateway, context, request, timeout=timeout)
+        except _TryAgain as again:
+            time.sleep(again.seconds)
+    try:
+        return _post_enrolment(gateway, context, request, timeout=timeout)
+    except _TryAgain as again:
+        raise AgentError(again.refusal) from None
+
+
+class _TryAgain(Exception):
+    def __init__(self, seconds: float, refusal: str):
+        self.seconds, self.refusal = seconds, refusal
+
+
+def _post_enrolment(
+    gateway: str, context: ssl.SSLContext, request: EnrolRequest, *, timeout: float
 ) -> EnrolResponse:
     host, port = split_gateway(gateway)
     connection = http.client.HTTPSConnection(host, port, context=context, timeout=timeout)
@@ -108,9 +136,11 @@ def post_enrolment(
     finally:
         connection.close()
     if response.status != 201:
-        raise AgentError(
-            _refusal(response.status, response.reason, response.getheader("Content-Type", ""), body)
-        )
+        refusal = _refusal(response.status, response.reason, response.getheader("Content-Type", ""), body)
+        wait = retry_after(response.status, response.getheader("Retry-After"))
+        if wait is not None:
+            raise _TryAgain(wait, refusal)
+        raise AgentError(refusal)
     try:
         return EnrolResponse.from_dict(json.loads(body))
     except ValueError as error:  # ProtocolError is a ValueError too

@@ -5,7 +5,8 @@ Sources read on their own threads (blocking netlink reads); a source that fails 
 gap until it has subscribed again. While the owned table is gone, every window period carries a
 `table_removed` gap. A window the control plane refuses as malformed is dropped without retry and
 becomes a `window_rejected` gap of its range. While the gateway is unreachable, reports back off with
-jitter (1 s doubling to 60 s); the buffer keeps what waits, across restarts too.
+jitter (1 s doubling to 60 s), or as long as a 503 or 429's Retry-After says; the buffer keeps what
+waits, across restarts too.
 """
 
 from __future__ import annotations
@@ -197,6 +198,7 @@ class FlowReporter:
         self.absent_since: float | None = None
         self.attempt = 0
         self.next_send = 0.0
+        self.retry_after: float | None = None  # what the gateway's last 503 or 429 asked for
         self.last_acknowledged: str | None = None
         # A new process reports once at start, even with nothing to say: that report is what lets the
         # control plane record the silence before it (agent_silent), which a quiet workload would
@@ -280,6 +282,7 @@ class FlowReporter:
         finally:
             connection.close()
         if response.status != 200:
+            self.retry_after = protocol.retry_after(response.status, response.getheader("Retry-After"))
             detail = ""
             try:
                 problem = json.loads(answer)
@@ -325,9 +328,7 @@ class FlowReporter:
                         self.log("flow report failed", error=getattr(error, "strerror", None) or str(error))
                         sent = False
                     if sent is False:
-                        delay = random.uniform(0, min(60.0, 2.0**self.attempt))  # noqa: S311 - jitter
-                        self.attempt += 1
-                        self.next_send = time.monotonic() + delay
+                        self.next_send = time.monotonic() + self.delay_after_failure()
                     elif sent:
                         self.attempt = 0
                         continue  # more may wait: send the next batch at once
@@ -337,6 +338,14 @@ class FlowReporter:
                     pass
         finally:
             await loop.run_in_executor(None, self.close)
+
+    def delay_after_failure(self) -> float:
+        """Jittered backoff, or what the gateway's 503 or 429 said (its Retry-After): not sooner."""
+        delay = random.uniform(0, min(60.0, 2.0**self.attempt))  # noqa: S311 - jitter
+        if self.retry_after is not None:
+            delay, self.retry_after = self.retry_after, None
+        self.attempt += 1
+        return delay
 
     def backlog_since(self) -> str | None:
         """The start of the oldest window or gap not acknowledged yet, None when there is none: the

@@ -15,8 +15,11 @@ import base64
 import binascii
 import hashlib
 import json
+import re
+import time
 from collections.abc import Callable
 from dataclasses import MISSING, asdict, dataclass, field, fields
+from email.utils import parsedate_to_datetime
 from typing import Any, ClassVar, TypeVar
 
 from cryptography.exceptions import InvalidSignature
@@ -28,6 +31,37 @@ STREAM_PATH = "/agent/v1/stream"
 ENROL_PATH = "/agent/v1/enrol"
 PROOF_CONTEXT = b"palisade-stream-proof-v1\n"
 
+# A gateway answering 503 (its database away) or 429 says in Retry-After when to come back; the agent
+# waits that long, up to this, before it reports, enrols or connects again.
+RETRY_AFTER_STATUSES = (429, 503)
+MAX_RETRY_AFTER_SECONDS = 600.0
+
+
+def retry_after(status: int, value: str | None, now: float | None = None) -> float | None:
+    """Seconds to wait from a 429 or 503's Retry-After (delta-seconds or an HTTP-date), None when
+    there is none to honour."""
+    if status not in RETRY_AFTER_STATUSES or not value:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        seconds = float(value)
+    else:
+        try:
+            seconds = parsedate_to_datetime(value).timestamp() - (time.time() if now is None else now)
+        except (TypeError, ValueError, IndexError):
+            return None
+    return min(max(seconds, 0.0), MAX_RETRY_AFTER_SECONDS)
+
+
+def close_reason_retry_after(reason: str) -> float | None:
+    """The wait a 4503 close asks for in its reason (`database unavailable: retry after 9 s`)."""
+    match = _RETRY_AFTER_REASON.search(reason or "")
+    return min(float(match[1]), MAX_RETRY_AFTER_SECONDS) if match else None
+
+
+_RETRY_AFTER_REASON = re.compile(r"retry after ([0-9]{1,6}) s\b")
+
+
 # Websocket close codes (4000-4999 are the application's).
 CLOSE_MALFORMED = 4000  # not JSON, a missing or mistyped field, an unknown field
 CLOSE_UNEXPECTED = 4001  # a message that is valid but not allowed now
@@ -38,7 +72,7 @@ CLOSE_NOT_FOUND = 4404  # no such stream path
 CLOSE_HANDSHAKE_TIMEOUT = 4408
 CLOSE_REPLACED = 4409  # a newer stream of the same workload took over
 CLOSE_RECONNECT = 4100  # the operator asked for a fresh snapshot: reconnect now
-CLOSE_SHUTDOWN = 4503  # the control plane is shutting down: reconnect with backoff
+CLOSE_SHUTDOWN = 4503  # the control plane is shutting down or its database is away: reconnect with backoff
 CLOSE_TRY_AGAIN = 4500  # the control plane failed on its side (e.g. during a renewal): reconnect with backoff
 
 

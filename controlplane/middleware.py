@@ -20,7 +20,8 @@ SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
 
 
 class AccessLogMiddleware:
-    """One line per request: method, path, status and duration."""
+    """One line per request: method, path, status and duration. Not for the 503s of a database
+    outage: those are counted, a line per interval, by the outage log (controlplane.outage)."""
 
     def __init__(self, get_response):
         self.get_response = get_response
@@ -28,6 +29,8 @@ class AccessLogMiddleware:
     def __call__(self, request):
         started = time.perf_counter()
         response = self.get_response(request)
+        if getattr(response, "database_unavailable", False):
+            return response
         elapsed_ms = (time.perf_counter() - started) * 1000
         access_log.info(
             "%s %s %s %.1fms %s %s",

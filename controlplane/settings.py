@@ -123,6 +123,9 @@ if os.environ.get("DATABASE_URL"):
         # No JIT compilation: it starts above a plan cost that a day's flow rollup passes, and then
         # compiling took 440 ms, four fifths of that query's time. Every query here is short.
         DATABASES["default"].setdefault("OPTIONS", {}).setdefault("options", "-c jit=off")
+        # A database host that drops packets would otherwise hold every request thread in connect()
+        # with no end; within this it is a 503 (controlplane.outage).
+        DATABASES["default"]["OPTIONS"].setdefault("connect_timeout", 5)
 else:
     sqlite_file_create(DATA_DIR / "palisade.sqlite3")  # private: it holds the password hash
     DATABASES = {

@@ -22,6 +22,7 @@ from rest_framework.views import APIView
 
 from agent import protocol
 from controlplane import clock
+from controlplane.outage import database_failed, retry_after_seconds
 from controlplane.problems import Finding, ValidationFailed
 from controlplane.text import visible
 from controlplane.validation import parse_instant, require_object
@@ -88,7 +89,18 @@ class SyncStreamConsumer(AsyncWebsocketConsumer):
         handler = getattr(self, get_handler_name(message), None)
         if handler is None:
             raise ValueError(f"No handler for message type {message['type']}")
-        await handler(message)
+        try:
+            await handler(message)
+        except Exception as error:
+            if not database_failed("serve agent streams", error, log):
+                raise
+            # Without the database the stream can neither authenticate nor record what the agent
+            # says: it ends, and the agent comes back with its backoff (its table stays as it is).
+            self.database_away = True
+            wait = retry_after_seconds()
+            await self.close(
+                code=protocol.CLOSE_SHUTDOWN, reason=f"database unavailable: retry after {wait} s"
+            )
 
     async def connect(self):
         self.nonce = os.urandom(32)
@@ -251,7 +263,8 @@ class SyncStreamConsumer(AsyncWebsocketConsumer):
             await self.record_renewal_failure(refused.detail)
             raise streams.StreamRefused(protocol.CLOSE_FORBIDDEN, "renewal refused: re-enrol") from None
         except Exception as error:  # noqa: BLE001 - the control plane's own failure: the agent retries
-            log.exception("renewing the credential of %s failed", self.grant.hostname)
+            if not database_failed("renew credentials", error, log):
+                log.exception("renewing the credential of %s failed", self.grant.hostname)
             await self.record_renewal_failure(f"the control plane failed to renew: {type(error).__name__}")
             raise streams.StreamRefused(protocol.CLOSE_TRY_AGAIN, "renewal failed: try again later") from None
         await self.send_message(
@@ -271,8 +284,9 @@ class SyncStreamConsumer(AsyncWebsocketConsumer):
             await held_streams.db(credentials.credential_renewal_failed)(
                 workload_id=self.grant.workload_id, error=error
             )
-        except Exception:  # noqa: BLE001 - the database may be what failed; the close must still happen
-            log.exception("recording the failed renewal of %s failed too", self.grant.hostname)
+        except Exception as error:  # noqa: BLE001 - the database may be what failed; the close must still happen
+            if not database_failed("record failed renewals", error, log):
+                log.exception("recording the failed renewal of %s failed too", self.grant.hostname)
 
     async def on_renewal_failed(self, message: protocol.RenewalFailed) -> None:
         await held_streams.db(credentials.credential_renewal_failed)(
@@ -303,9 +317,16 @@ class SyncStreamConsumer(AsyncWebsocketConsumer):
             return
         await self.channel_layer.group_discard(stream_group(self.grant.workload_id), self.channel_name)
         if held_streams.open_streams.pop(self.channel_name, None):
-            await held_streams.db(sync.workload_stream_ended)(
-                workload_id=self.grant.workload_id,
-                stream_id=self.stream_id,
-                last_heartbeat=self.last_heartbeat,
-            )
-            log.info("stream of %s ended (%s)", self.grant.hostname, code)
+            try:
+                await held_streams.db(sync.workload_stream_ended)(
+                    workload_id=self.grant.workload_id,
+                    stream_id=self.stream_id,
+                    last_heartbeat=self.last_heartbeat,
+                )
+            except Exception as error:
+                if not database_failed("record ended streams", error, log):
+                    raise
+                # Left recorded as open: the next stream of the workload, or the reaper of silent
+                # streams, ends it.
+            if not getattr(self, "database_away", False):  # a line per stream would flood an outage
+                log.info("stream of %s ended (%s)", self.grant.hostname, code)

@@ -16,6 +16,7 @@ from channels.db import database_sync_to_async
 from channels.layers import get_channel_layer
 from django.db import connection, connections
 
+from controlplane.outage import outage
 from fleet import streams, sync
 
 log = logging.getLogger("palisade.gateway")
@@ -28,6 +29,7 @@ log = logging.getLogger("palisade.gateway")
 # SQLite takes one writer at a time anyway, so there the calls stay on Channels' thread, serial.
 DB_THREADS = 8
 _db_pool = ThreadPoolExecutor(DB_THREADS, thread_name_prefix="gateway-db")
+_outages_seen = threading.local()
 
 
 def db(function):
@@ -37,6 +39,12 @@ def db(function):
     def in_thread(kwargs):
         if connection.errors_occurred:
             connection.close_if_unusable_or_obsolete()
+        elif getattr(_outages_seen, "count", 0) != outage.outages and connection.connection is not None:
+            # A thread idle through a database outage holds a connection the server dropped: its first
+            # call after the outage would fail (and look like a new outage). Checked once per outage.
+            if not connection.is_usable():
+                connection.close()
+        _outages_seen.count = outage.outages
         return function(**kwargs)
 
     async def call(**kwargs):

@@ -53,6 +53,15 @@ def runtime_facts_reset():
     runtime.facts_reset()
 
 
+@pytest.fixture(autouse=True)
+def outage_state_reset():
+    """The process's record of a database outage (controlplane.outage) made by a test stays in it."""
+    from controlplane.outage import outage
+
+    yield
+    outage.__init__()  # type: ignore[misc]
+
+
 UNCHECKED_PATHS = {"/api/v1/schema", "/api/v1/docs"}  # the document itself, and its HTML viewer
 
 

@@ -6,11 +6,15 @@ from __future__ import annotations
 import json
 import logging
 import math
+import sys
 
 from django.core.exceptions import RequestDataTooBig
 from django.http import Http404, HttpResponse
+from django.shortcuts import render
 from rest_framework import exceptions as drf
 
+from controlplane.listeners import GATEWAY, listener_of
+from controlplane.outage import database_failed, retry_after_seconds
 from controlplane.problems import Finding, Problem, ValidationFailed, pointer
 
 log = logging.getLogger("palisade.errors")
@@ -26,7 +30,26 @@ def problem_response(problem: Problem, *, instance: str | None = None) -> HttpRe
     )
     for name, value in problem.headers.items():
         response[name] = value
+    if problem.name == "service-unavailable":
+        _said_by_the_outage_log(response)
     return response
+
+
+def _said_by_the_outage_log(response: HttpResponse) -> None:
+    # The outage log has counted it (controlplane.outage): neither Django's request log nor the
+    # access log adds a line per refused request.
+    response._has_been_logged = True  # type: ignore[attr-defined]
+    response.database_unavailable = True  # type: ignore[attr-defined]
+
+
+def service_unavailable() -> Problem:
+    wait = retry_after_seconds()
+    return Problem(
+        "service-unavailable",
+        f"The control plane cannot reach its database; retry in {wait} seconds.",
+        headers={"Retry-After": str(wait)},
+        retry_after=wait,
+    )
 
 
 def _findings_from_drf(detail, path: tuple = ()) -> list[Finding]:
@@ -53,6 +76,8 @@ def problem_from_exception(exc: Exception) -> Problem | None:
     """The problem for an exception, or None when it is an unexpected failure (a 500)."""
     if isinstance(exc, Problem):
         return exc
+    if database_failed("answer requests", exc, log):
+        return service_unavailable()
     if isinstance(exc, Http404):
         return Problem("not-found", "No such resource.")
     if isinstance(exc, RequestDataTooBig):
@@ -106,9 +131,30 @@ def handler404(request, exception=None):
 
 
 def handler500(request):
-    return problem_response(
-        Problem("internal", "The service failed; see the host's log."), instance=request.path
+    """Django's answer to what escaped a view or a middleware (Django logs it after, unless told it
+    is logged): the database away is a 503, as a problem or, for a console page, a page saying so."""
+    error = sys.exc_info()[1]
+    unavailable = error is not None and (
+        (isinstance(error, Problem) and error.name == "service-unavailable")
+        or database_failed("answer requests", error, log)
     )
+    if not unavailable:
+        return problem_response(
+            Problem("internal", "The service failed; see the host's log."), instance=request.path
+        )
+    problem = error if isinstance(error, Problem) else service_unavailable()
+    if listener_of(request) == GATEWAY or request.path.startswith("/api/"):
+        return problem_response(problem, instance=request.path)
+    response = render(
+        request,
+        "console/unavailable.html",
+        {"retry_after": problem.extensions.get("retry_after")},
+        status=503,
+    )
+    for name, value in problem.headers.items():
+        response[name] = value
+    _said_by_the_outage_log(response)
+    return response
 
 
 def handler400(request, exception=None):

@@ -30,7 +30,9 @@ class ProblemSerializer(serializers.Serializer):
     instance = serializers.CharField(required=False)
     errors = FindingSerializer(many=True, required=False, help_text="`validation` only.")
     current_version = serializers.CharField(required=False, help_text="`precondition-failed` only.")
-    retry_after = serializers.IntegerField(required=False, help_text="`rate-limited` only.")
+    retry_after = serializers.IntegerField(
+        required=False, help_text="`rate-limited` and `service-unavailable` only."
+    )
     max_bytes = serializers.IntegerField(required=False, help_text="`payload-too-large` only.")
     referenced_by = serializers.ListField(
         child=serializers.DictField(), required=False, help_text="`in-use` only."
@@ -89,13 +91,18 @@ _ANY_REQUEST_ERROR = (
     "`malformed-request`: the body is not JSON, or a header (If-Match, Authorization) is malformed."
 )
 _INTERNAL_ERROR = "`internal`: the service failed; the error is in the host's log, never in the response."
+_UNAVAILABLE_ERROR = (
+    "`service-unavailable`: the service cannot reach its database; retry after `retry_after` seconds "
+    "(also the `Retry-After` header)."
+)
 _PAGING_ERROR = "`validation`: `?limit` out of range or a `?cursor` this service did not issue."
 
 
 def problems_as_problem_json(result, generator, request, public):
     """drf-spectacular post-processing hook: every error is `application/problem+json` (as the server
     sends it), and the errors any operation can meet are declared on every operation that can meet them:
-    400 and 500 on all (a malformed header; a failure), 422 on paged lists (a bad `limit` or `cursor`)."""
+    400, 500 and 503 on all (a malformed header; a failure; the database away), 422 on paged lists (a
+    bad `limit` or `cursor`)."""
     problem_ref = {"$ref": "#/components/schemas/Problem"}
     # Request bodies refuse members they do not name (`unknown-field`); say so.
     for name, component in result.get("components", {}).get("schemas", {}).items():
@@ -108,6 +115,7 @@ def problems_as_problem_json(result, generator, request, public):
             responses = operation["responses"]
             responses.setdefault("400", {"description": _ANY_REQUEST_ERROR})
             responses.setdefault("500", {"description": _INTERNAL_ERROR})
+            responses.setdefault("503", {"description": _UNAVAILABLE_ERROR})
             if any(parameter.get("name") == "cursor" for parameter in operation.get("parameters", [])):
                 responses.setdefault("422", {"description": _PAGING_ERROR})
             for status, response in responses.items():

@@ -17,6 +17,8 @@ from django.conf import settings
 from django.core.handlers.wsgi import WSGIRequest
 from django.urls import Resolver404, resolve
 
+from controlplane.problems import Problem
+
 API_PREFIX = "/api/v1"
 
 
@@ -99,6 +101,15 @@ class ApiClient:
         headers = {name: value for name, value in response.items()}
         if response.status_code == 401 and session_required:
             raise SessionEnded(data.get("detail", "") if isinstance(data, dict) else "")
+        if response.status_code == 503:
+            # Not a refusal a page can show beside its form: the whole page is "unavailable"
+            # (controlplane.api.errors.handler500 renders it).
+            raise Problem(
+                "service-unavailable",
+                data.get("detail", "") if isinstance(data, dict) else "",
+                headers={"Retry-After": response.get("Retry-After", "5")},
+                retry_after=data.get("retry_after") if isinstance(data, dict) else None,
+            )
         return ApiResult(response.status_code, data, headers, response.cookies)
 
     def _api_request(self, method, path, params, body, if_match) -> WSGIRequest:

@@ -366,6 +366,21 @@ def test_close_4500_after_a_failed_renewal_backs_off_and_tries_again(tmp_path):
     scenario(tmp_path, body, prepare=prepare)
 
 
+def test_close_4503_without_the_database_waits_as_long_as_its_reason_says(tmp_path):
+    async def prepare(w: World) -> None:
+        w.gateway.refuse[w.workload] = (4503, "database unavailable: retry after 1 s")
+
+    async def body(w: World) -> None:
+        w.start()
+        first = await w.event("auth")
+        await w.event("auth", w.gateway.events.index(first) + 1, timeout=20)
+        lines = w.log_lines()
+        assert 'stream closed code=4503 reason="database unavailable: retry after 1 s"' in lines
+        assert "backoff seconds=1.00 attempt=1" in lines
+
+    scenario(tmp_path, body, prepare=prepare)
+
+
 def test_close_4401_backs_off_and_tries_again(tmp_path):
     async def prepare(w: World) -> None:
         w.gateway.refuse[w.workload] = (4401, "bad proof")

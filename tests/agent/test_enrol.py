@@ -147,3 +147,25 @@ def test_credential_for_another_key_is_refused(gateway, tmp_path):
     )
     with pytest.raises(AgentError, match="signature does not verify"):
         _check_credential(forged, Ed25519PrivateKey.generate())
+
+
+def test_a_gateway_without_its_database_is_waited_out_as_its_retry_after_says(gateway, tmp_path, monkeypatch):
+    import agent.enrol
+
+    waits: list[float] = []
+    monkeypatch.setattr(agent.enrol.time, "sleep", waits.append)
+    gateway.gateway.enrolments_unavailable, gateway.gateway.retry_after = 2, "7"
+    identity = enrol(gateway.bundle(), str(tmp_path / "state"), hostname="h", addresses=["10.0.0.1"])
+    assert identity.workload_id and waits == [7.0, 7.0]
+
+
+def test_a_gateway_unavailable_for_longer_is_a_one_line_error(gateway, tmp_path, monkeypatch):
+    import agent.enrol
+
+    monkeypatch.setattr(agent.enrol.time, "sleep", lambda seconds: None)
+    gateway.gateway.enrolments_unavailable = 100
+    with pytest.raises(AgentError) as refused:
+        enrol(gateway.bundle(), str(tmp_path / "state"), hostname="h", addresses=["10.0.0.1"])
+    assert "cannot reach its database" in refused.value.message
+    assert "[HTTP 503 service-unavailable]" in refused.value.message
+    assert not StateDir(tmp_path / "state").is_enrolled()

@@ -3,6 +3,7 @@ drive it over TLS): authentication, the sync events, malformed frames, resend an
 
 import asyncio
 import json
+import re
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -504,3 +505,90 @@ def test_an_agents_control_characters_are_stored_escaped_and_shown_harmlessly():
                             addresses=["10.0.0.7"], agent_version="1.0")  # fmt: skip
         assert [f.rule for f in refused.value.findings] == ["hostname"]
         assert not unsafe_in(refused.value.findings[0].message)  # the refusal quotes it escaped
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_stream_without_its_database_closes_with_4503_not_an_exception(caplog):
+    from django.db import connection
+
+    from fleet import held_streams
+    from tests.support.serve_process import free_port
+
+    agent = Agent()
+    if connection.vendor == "postgresql":
+        held_streams.db_pool_close_connections()  # their next call connects, and fails
+    saved, kept = dict(connection.settings_dict), connection.connection
+    connection.connection = None
+    if connection.vendor == "postgresql":
+        connection.settings_dict.update(HOST="127.0.0.1", PORT=str(free_port()))
+    else:
+        connection.settings_dict["NAME"] = "/nonexistent-palisade-dir/palisade.sqlite3"
+
+    async def scenario():
+        communicator = await open_stream(agent)
+        output = await communicator.receive_output(timeout=10)
+        assert output["type"] == "websocket.close" and output["code"] == protocol.CLOSE_SHUTDOWN
+        assert re.fullmatch(r"database unavailable: retry after ([5-9]|1[0-5]) s", output["reason"])
+        await communicator.wait(timeout=5)  # the consumer ended without an exception
+
+    try:
+        async_to_sync(scenario)()
+    finally:
+        connection.settings_dict.clear()
+        connection.settings_dict.update(saved)
+        connection.connection = kept
+        if connection.vendor == "postgresql":
+            held_streams.db_pool_close_connections()
+    assert not any(r.exc_info for r in caplog.records)
+    assert any("database unavailable: cannot serve agent streams" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_gateway_thread_idle_through_an_outage_drops_its_dead_connection_before_using_it():
+    """Its connection was ended by the server (here: terminated, as a stopping server ends them all);
+    after an outage the next call checks it first instead of failing once more."""
+    import threading
+
+    from django.db import connection
+
+    from controlplane.outage import outage
+    from fleet import held_streams
+    from tests.support.requirements import require
+    from tests.support.serve_process import free_port
+
+    require(connection.vendor == "postgresql", "needs PostgreSQL: set DATABASE_URL=postgresql://...")
+    pids: set[int] = set()
+    everyone = threading.Barrier(held_streams.DB_THREADS)
+
+    def backend_pid():
+        connection.ensure_connection()
+        pids.add(connection.connection.info.backend_pid)
+        everyone.wait(10)  # one call per thread: every pool thread has a connection
+
+    async def on_every_thread():
+        await asyncio.gather(*(held_streams.db(backend_pid)() for _ in range(held_streams.DB_THREADS)))
+
+    async_to_sync(on_every_thread)()
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_terminate_backend(pid) FROM unnest(%s::int[]) AS pid", [sorted(pids)])
+    refused = psycopg_refused(free_port())
+    outage.failed("serve agent streams", refused)  # an outage began, elsewhere in the process
+    outage.available()
+
+    async def count():
+        return await held_streams.db(lambda: Workload.objects.count())()
+
+    try:
+        assert async_to_sync(count)() == 0
+    finally:
+        held_streams.db_pool_close_connections()
+
+
+def psycopg_refused(port):
+    import psycopg
+
+    try:
+        psycopg.connect(f"postgresql://postgres@127.0.0.1:{port}/x")
+    except psycopg.OperationalError as error:
+        return error
+    raise AssertionError("a closed port accepted a connection")

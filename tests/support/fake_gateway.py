@@ -68,6 +68,10 @@ class FakeGateway:
         self.welcome_renewal_due_seconds: float | None = None  # only what `welcome` says, if set
         self.clock_offset = timedelta(0)  # this gateway's clock minus the host's: Hello and that due time
         self.forge_renewals = False  # sign renewed credentials with a stranger's key
+        self.enrolments_unavailable = (
+            0  # answer this many enrolments 503 with Retry-After, as without a database
+        )
+        self.retry_after = "0"
         self.events: list[dict[str, Any]] = []
         self.front_connections = 0
         self.request_bytes_seen = 0
@@ -187,11 +191,20 @@ class FakeGateway:
             if name.strip().lower() == "content-length":
                 length = int(value.strip())
         body = await reader.readexactly(length)
-        status, content_type, answer = self.enrol(json.loads(body))
+        extra = ""
+        if self.enrolments_unavailable > 0:
+            self.enrolments_unavailable -= 1
+            self._record("enrolment unavailable", None)
+            status, content_type, answer = self._problem(
+                503, "service-unavailable", "The control plane cannot reach its database."
+            )
+            extra = f"Retry-After: {self.retry_after}\r\n"
+        else:
+            status, content_type, answer = self.enrol(json.loads(body))
         data = json.dumps(answer).encode()
         writer.write(
             f"HTTP/1.1 {status} X\r\nContent-Type: {content_type}\r\nContent-Length: {len(data)}\r\n"
-            f"Connection: close\r\n\r\n".encode()
+            f"{extra}Connection: close\r\n\r\n".encode()
             + data
         )
         await writer.drain()

@@ -43,6 +43,7 @@ from controlplane.listeners import (
     this_host_name,
 )
 from controlplane.management.base import PalisadeCommand
+from controlplane.outage import database_failed
 
 log = logging.getLogger("palisade.serve")
 
@@ -106,6 +107,9 @@ class _Server(daphne.server.Server):
         def record():
             try:
                 ended = streams_end_all()
+            except DatabaseError as error:  # the database away: the reaper of silent streams ends them
+                log.warning("cannot record the agent streams as ended: %s", _first_line(error))
+                return
             finally:
                 connections.close_all()
             if ended:
@@ -127,7 +131,8 @@ def _scheduled(step):
             try:
                 await step.run_async()
             except Exception as error:  # noqa: BLE001 - the database away: the next round tries again
-                log.warning("cannot %s: %s", step.name, _first_line(error))
+                if not database_failed(step.name, error, log):
+                    log.warning("cannot %s: %s", step.name, _first_line(error))
 
         return Deferred.fromFuture(asyncio.ensure_future(sweep()))
 
@@ -135,7 +140,8 @@ def _scheduled(step):
         try:
             step.run()
         except DatabaseError as error:
-            log.warning("cannot %s: %s", step.name, _first_line(error))
+            if not database_failed(step.name, error, log):
+                log.warning("cannot %s: %s", step.name, _first_line(error))
         except Exception:  # a fault of ours: its traceback, and the step still runs next period
             log.exception("%s failed; it runs again in %d s", step.name, step.every_seconds)
         finally:
