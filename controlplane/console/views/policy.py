@@ -8,7 +8,7 @@ from django.views.decorators.http import require_GET, require_http_methods, requ
 
 from controlplane.console import policy_forms as forms
 from controlplane.console.confirm import Confirmation, ask, confirmed, scope_reach
-from controlplane.console.pages import lines, operator_page, page
+from controlplane.console.pages import go, lines, operator_page, page
 from controlplane.console.views.fleet import not_found
 
 
@@ -186,7 +186,7 @@ def rule_edit(request, api, ruleset_id: str, rule_id: str | None = None):
             f"/rulesets/{ruleset_id}/rules/{rule_id}", body, if_match=request.POST.get("version", "")
         )
     if result.ok and request.POST.get("action") != "dryrun":
-        return redirect(f"/policy/rulesets/{ruleset_id}")
+        return go(request, f"/policy/rulesets/{ruleset_id}")
     if not result.ok:
         status = result.status
         context.update(problem=result.problem, errors=_rule_errors(result))
