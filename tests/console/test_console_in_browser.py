@@ -571,6 +571,21 @@ def test_deleting_a_service_and_an_address_group_asks_first(logged_in, lab):
         page.get_by_role("button", name="Delete the").click()
         page.wait_for_url(re.compile(r"/policy$"))
         assert lab.http.get(url).status_code == 404
+    # One a rule uses: confirmed, the API refuses it, and the refusal names the rule (no failed load).
+    used = lab.http.post(
+        "/api/v1/services", json={"name": "used-svc", "entries": [{"protocol": "tcp", "port": 9}]}
+    ).json()
+    user = lab.http.post("/api/v1/rulesets", json={"name": "user", "scope": "role=none", "rules": [
+        {"sources": [{"any": True}], "services": [{"service": used["id"]}]}]}).json()  # fmt: skip
+    page = logged_in.goto(f"/policy/services/{used['id']}/delete")
+    page.get_by_role("button", name="Delete the service").click()
+    refusal = page.locator('[data-problem="in-use"]')
+    refusal.wait_for()
+    assert "Still referenced" in refusal.inner_text() and "user" in refusal.inner_text()
+    assert lab.http.get(f"/api/v1/services/{used['id']}").status_code == 200
+    assert lab.http.delete(
+        f"/api/v1/rulesets/{user['id']}", headers={"If-Match": f'"{user["version"]}"'}
+    ).status_code in (200, 204)
     logged_in.check()
 
 
@@ -615,3 +630,29 @@ def test_logout_ends_the_session(logged_in, lab):
     logged_in.goto("/tokens")
     assert "/login" in page.url
     logged_in.check()
+
+
+def test_a_confirmation_works_with_scripting_off(browser, lab):
+    """The confirmation step is a page and two plain forms' worth of HTML: no script needed."""
+    secret = lab.http.post("/api/v1/operator-tokens", json={"name": "no-script"}).json()["token"]
+    bearer = {"Authorization": f"Bearer {secret}"}
+    context = browser.new_context(ignore_https_errors=True, java_script_enabled=False)
+    try:
+        page = Watched(context.new_page(), lab.serve.operator_url)
+        page.goto("/tokens")
+        page.page.get_by_label("Operator password").fill(PASSWORD)
+        page.page.get_by_role("button", name="Log in").click()
+        page.page.wait_for_url(re.compile(r"/tokens$"))
+        row = page.page.locator("tr", has_text="no-script")
+        row.get_by_role("link", name="Revoke").click()
+        asked(page.page, "Revoke operator token", "no-script")
+        page.page.get_by_role("link", name="Cancel").click()
+        page.page.wait_for_url(re.compile(r"/tokens$"))
+        assert lab.http.get("/api/v1/me", headers=bearer).status_code == 200
+        page.page.locator("tr", has_text="no-script").get_by_role("link", name="Revoke").click()
+        page.page.get_by_role("button", name="Revoke the token").click()
+        page.page.get_by_text("Revoked.").wait_for()
+        assert lab.http.get("/api/v1/me", headers=bearer).status_code == 401
+        page.check()
+    finally:
+        context.close()

@@ -3,7 +3,6 @@ dry-run. Every read and write is the operator API's."""
 
 from __future__ import annotations
 
-from django.shortcuts import redirect
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
 from controlplane.console import policy_forms as forms
@@ -50,7 +49,7 @@ def ruleset_new(request, api):
         body = {**_ruleset_form(request.POST), "rules": []}
         result = api.post("/rulesets", body)
         if result.ok:
-            return redirect(f"/policy/rulesets/{result.data['id']}")
+            return go(request, f"/policy/rulesets/{result.data['id']}")
         context.update(form=body, problem=result.problem, errors=result.findings_by_field())
     return page(request, "console/ruleset.html", context, status=422 if "problem" in context else 200)
 
@@ -119,7 +118,7 @@ def ruleset_delete(request, api, ruleset_id: str):
         )
     result = api.delete(f"/rulesets/{ruleset_id}", if_match=request.POST.get("version", ""))
     if result.ok:
-        return redirect("/policy")
+        return go(request, "/policy")
     return page(
         request,
         "console/refused.html",
@@ -247,7 +246,7 @@ def rule_delete(request, api, ruleset_id: str, rule_id: str):
         )
     result = api.delete(f"/rulesets/{ruleset_id}/rules/{rule_id}", if_match=request.POST.get("version", ""))
     if result.ok:
-        return redirect(f"/policy/rulesets/{ruleset_id}")
+        return go(request, f"/policy/rulesets/{ruleset_id}")
     return page(
         request,
         "console/refused.html",
@@ -291,7 +290,7 @@ def named_edit(request, api, kind: str, object_id: str | None = None):
     else:
         result = api.put(f"{spec['api']}/{object_id}", body, if_match=version)
     if result.ok:
-        return redirect("/policy")
+        return go(request, "/policy")
     errors = result.findings_by_field()
     context.update(problem=result.problem, errors={"text": errors.pop(spec["field"], []), **errors})
     return page(request, "console/named.html", context, status=result.status)
@@ -321,7 +320,7 @@ def named_delete(request, api, kind: str, object_id: str):
         )
     result = api.delete(f"{spec['api']}/{object_id}", if_match=request.POST.get("version", ""))
     if result.ok:
-        return redirect("/policy")
+        return go(request, "/policy")
     return page(
         request, "console/refused.html", {"problem": result.problem, "back": "/policy"}, status=result.status
     )
