@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from datetime import timedelta
 
 from django.conf import settings
@@ -13,10 +14,13 @@ from django.db.models.lookups import In
 from controlplane.lookups import get_or_not_found
 from controlplane.pagination import OrderKey, Page, list_fingerprint, paginate
 from controlplane.problems import Finding, ValidationFailed
+from controlplane.validation import quoted
 from fleet.choices import OwnedTableState, SyncState
 from fleet.models import Workload
 from policy.grammar import GrammarError, Selector, parse_selector
 
+# As many ids as a mode change's selection may name (fleet.services uses the same bound).
+MAX_ID_FILTERS = 10_000
 # Degraded and enforcement-removed first, then offline, pending, synced; by host name within each.
 FLEET_ORDER = (OrderKey("rank"), OrderKey("hostname"), OrderKey("id", read=lambda w: str(w.id)))
 
@@ -63,9 +67,15 @@ def _label_q(selector: Selector) -> Q:
 
 
 def workload_queryset(
-    *, labels: list[Selector] = (), sync_state: str | None = None, removed: bool | None = None
+    *,
+    labels: list[Selector] = (),
+    sync_state: str | None = None,
+    removed: bool | None = None,
+    ids: list[str] | None = None,
 ) -> QuerySet:
     queryset = Workload.objects.select_related(None)
+    if ids is not None:
+        queryset = queryset.filter(id__in=ids)
     for selector in labels:
         queryset = queryset.filter(_label_q(selector))
     if sync_state is not None:
@@ -79,9 +89,29 @@ def workload_queryset(
     return queryset
 
 
-def workload_filters_parse(*, labels: list[str], sync_state: str | None, removed: str | None) -> dict:
+def workload_ids_parse(texts: list[str]) -> list[str] | None:
+    """The repeatable `id` filter: None when not given; an id that is not a UUID is a finding (an id
+    that names no workload is simply not listed, as a selection's `workload_ids` resolve)."""
+    if not texts:
+        return None
+    findings, ids = [], []
+    if len(texts) > MAX_ID_FILTERS:
+        findings.append(Finding("?id", "type", f"Give at most {MAX_ID_FILTERS} ids."))
+    for index, text in enumerate(texts[:MAX_ID_FILTERS]):
+        try:
+            ids.append(str(uuid.UUID(text)))
+        except ValueError:
+            findings.append(Finding(f"?id[{index}]", "type", f"{quoted(text)} is not a workload id."))
+    if findings:
+        raise ValidationFailed(findings)
+    return sorted(set(ids))
+
+
+def workload_filters_parse(
+    *, labels: list[str], sync_state: str | None, removed: str | None, ids: list[str] = ()
+) -> dict:
     findings = []
-    parsed: dict = {"labels": label_filters_parse(labels)}
+    parsed: dict = {"labels": label_filters_parse(labels), "ids": workload_ids_parse(list(ids))}
     if sync_state not in (None, "") and sync_state not in SyncState.values:
         findings.append(
             Finding("?sync_state", "sync-state", f"sync_state must be one of {', '.join(SyncState.values)}.")
@@ -96,13 +126,14 @@ def workload_filters_parse(*, labels: list[str], sync_state: str | None, removed
 
 
 def workload_list(
-    *, labels: list[Selector] = (), sync_state=None, removed=None, cursor=None, limit=100
+    *, labels: list[Selector] = (), sync_state=None, removed=None, ids=None, cursor=None, limit=100
 ) -> Page:
     fingerprint = list_fingerprint(
-        "workloads", {"labels": [str(s) for s in labels], "sync_state": sync_state, "removed": removed}
+        "workloads",
+        {"labels": [str(s) for s in labels], "sync_state": sync_state, "removed": removed, "ids": ids},
     )
     return paginate(
-        workload_queryset(labels=labels, sync_state=sync_state, removed=removed),
+        workload_queryset(labels=labels, sync_state=sync_state, removed=removed, ids=ids),
         order=FLEET_ORDER,
         cursor=cursor,
         limit=limit,

@@ -18,11 +18,11 @@ from fleet.choices import Mode, SyncState
 from fleet.models import ModeChange, Workload
 from fleet.push import notify_streams
 from fleet.rendering import rerender_for_peer_change, workloads_rerender
-from fleet.selectors import workload_get
+from fleet.selectors import MAX_ID_FILTERS, workload_get
 from policy.grammar import GrammarError, parse_selector, validate_labels
 
 MAX_LABELS = 64
-MAX_SELECTION_IDS = 10_000
+MAX_SELECTION_IDS = MAX_ID_FILTERS
 
 
 def labels_input(data: Any) -> dict[str, str]:

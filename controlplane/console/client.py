@@ -20,6 +20,7 @@ from django.urls import Resolver404, resolve
 from controlplane.problems import Problem
 
 API_PREFIX = "/api/v1"
+PAGE_LIMIT = 500  # the API's largest page
 
 
 class SessionEnded(Exception):
@@ -67,6 +68,27 @@ class ApiClient:
 
     def get(self, path: str, *, params: dict | list | None = None) -> ApiResult:
         return self.call("GET", path, params=params)
+
+    def get_all(self, path: str, *, params: dict | None = None, cap: int | None = None) -> ApiResult:
+        """Every page of a list read, as one result: `items` holds them all and `next_cursor` is None.
+        With `cap`, reading stops once that many are in hand, and `next_cursor` is where the rest begins
+        (a page says so, plainly). The other fields (a rollup's coverage) are the first page's."""
+        first: ApiResult | None = None
+        items: list = []
+        cursor = None
+        while True:
+            page = self.get(
+                path, params={**(params or {}), "limit": PAGE_LIMIT, **({"cursor": cursor} if cursor else {})}
+            )
+            if not page.ok:
+                return page
+            first = first or page
+            items.extend(page.data["items"])
+            cursor = page.data["next_cursor"]
+            if not cursor or (cap is not None and len(items) >= cap):
+                return ApiResult(
+                    first.status, {**first.data, "items": items, "next_cursor": cursor}, first.headers
+                )
 
     def post(self, path: str, body: Any = None) -> ApiResult:
         return self.call("POST", path, body=body)

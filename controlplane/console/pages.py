@@ -49,10 +49,23 @@ def operator_page(view):
     return wrapper
 
 
+def go(request, target: str):
+    """After a form succeeds: a redirect, or for HTMX (which would follow a redirect and swap the next
+    page into the form's place) a full navigation there."""
+    if getattr(request, "htmx", False):
+        return HttpResponseClientRedirect(target)
+    return redirect(target)
+
+
 def page(request, template: str, context: dict, *, partial: str | None = None, status: int = 200):
-    """The whole page, or only `partial` when HTMX asks for it (same URL, same context)."""
-    chosen = partial if partial and getattr(request, "htmx", False) else template
-    return render(request, chosen, context, status=status)
+    """The whole page, or only `partial` when HTMX asks for it (same URL, same context).
+
+    A refusal carries the API's status to a browser without scripting; to HTMX it is a 200, since HTMX
+    swaps the refusal in words either way and a 4xx would only log "failed to load" in the browser's
+    console (the refusal's name is on the page, in `data-problem`)."""
+    htmx = getattr(request, "htmx", False)
+    chosen = partial if partial and htmx else template
+    return render(request, chosen, context, status=200 if htmx else status)
 
 
 def rfc3339(instant: datetime) -> str:

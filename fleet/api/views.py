@@ -28,6 +28,13 @@ LIST_FILTERS = [
         many=True,
         description="Label requirement in the selector grammar; repeatable, ANDed.",
     ),
+    OpenApiParameter(
+        "id",
+        OpenApiTypes.UUID,
+        many=True,
+        description="Workload id; repeatable: only these workloads (ANDed with the other filters). "
+        "An id that names no workload is not listed; one that is not an id is a `validation` problem.",
+    ),
     OpenApiParameter("sync_state", OpenApiTypes.STR, enum=SyncState.values),
     OpenApiParameter(
         "removed", OpenApiTypes.BOOL, description="Only workloads whose owned table is (not) absent."
@@ -46,6 +53,7 @@ class WorkloadListView(APIView):
             labels=request.query_params.getlist("label"),
             sync_state=request.query_params.get("sync_state"),
             removed=request.query_params.get("removed"),
+            ids=request.query_params.getlist("id"),
         )
         cursor, limit = page_params(request)
         page = selectors.workload_list(**filters, cursor=cursor, limit=limit)

@@ -118,7 +118,7 @@ def test_deleting_a_referenced_service_says_by_what(browser):
     policy = browser.get("/policy").content.decode()
     service_url = re.search(r'href="(/policy/services/[0-9a-f-]+)"', policy).group(1)
     version = re.search(r'name="version" value="([^"]+)"', browser.get(service_url).content.decode()).group(1)
-    refused = browser.post(f"{service_url}/delete", {"version": version})
+    refused = browser.post(f"{service_url}/delete", {"version": version, "confirm": "yes"})
     assert refused.status_code == 409 and "Still referenced" in text(refused) and "web" in text(refused)
 
 
@@ -130,7 +130,7 @@ def test_minting_shows_the_secret_once_and_revoking_works(browser):
     token_id = re.search(
         r"/tokens/operator/([0-9a-f-]+)/revoke", browser.get("/tokens").content.decode()
     ).group(1)
-    assert "Revoked" in text(browser.post(f"/tokens/operator/{token_id}/revoke"))
+    assert "Revoked" in text(browser.post(f"/tokens/operator/{token_id}/revoke", {"confirm": "yes"}))
 
 
 def test_a_cross_origin_post_from_a_browser_is_refused(browser):
@@ -172,7 +172,9 @@ def test_mode_change_preview_by_ids_names_them_however_large_the_fleet(browser):
     page = text(browser.get("/mode-changes", {"workloads": str(wanted.id), "mode": "simulation"}))
     assert "1 workload selected" in page and "zz-last" in page and "aa-0" not in page
     missing = text(browser.get("/mode-changes", {"workloads": "nope", "mode": "simulation"}))
-    assert "No workload nope" in missing
+    assert "&#x27;nope&#x27; is not a workload id" in missing or "'nope' is not a workload id" in missing, (
+        missing
+    )
 
 
 def test_a_provisioning_token_is_minted_with_its_bundle_shown_once(browser):
@@ -219,6 +221,201 @@ def test_the_flows_page_names_a_workload_gone_silent(browser):
     page = text(browser.get("/flows?range=1h"))
     assert "Incomplete:" in page and "1 silent since before its end (" in page, page
     assert f'<a href="/workloads/{workload.id}">gone-quiet</a> since' in page
+
+
+def _version(response) -> str:
+    return re.search(r'name="version" value="([^"]+)"', response.content.decode()).group(1)
+
+
+def test_deleting_a_ruleset_asks_first_naming_its_rules_and_the_workloads_it_protects(browser):
+    for index, mode in enumerate(("enforced", "enforced", "simulation")):
+        make_workload(hostname=f"web-{index}", labels={"app": "web"}, mode=mode)
+    make_workload(hostname="db-1", labels={"app": "db"}, mode="enforced")
+    url = browser.post("/policy/rulesets/new", {"name": "web", "scope": "app=web", "enabled": "on"})[
+        "Location"
+    ]
+    for port in ("tcp/443", "tcp/80"):
+        browser.post(f"{url}/rules/new", {"sources": "any", "services": port, "action": "save"})
+    ruleset_page = browser.get(url).content.decode()
+    assert "hx-confirm" not in ruleset_page and f'href="{url}/delete"' in ruleset_page
+    asked = browser.get(f"{url}/delete")
+    page = text(asked)
+    assert asked.status_code == 200
+    assert "Delete ruleset “web”: its 2 rules go, and it protects 3 workloads now." in page, page
+    assert "2 enforced workloads: connections that only these rules admit are blocked" in page
+    assert "1 workload in simulation" in page and f'href="{url}">Cancel</a>' in page
+    unconfirmed = browser.post(f"{url}/delete", {"version": _version(asked)})  # no confirm: asks again
+    assert unconfirmed.status_code == 200 and "its 2 rules go" in text(unconfirmed)
+    assert browser.get(url).status_code == 200
+    done = browser.post(f"{url}/delete", {"version": _version(asked), "confirm": "yes"})
+    assert done.status_code == 302 and browser.get(url).status_code == 404
+
+
+def test_deleting_a_rule_a_service_and_an_address_group_asks_first(browser):
+    make_workload(hostname="web-0", labels={"app": "web"}, mode="enforced")
+    browser.post("/policy/services/new", {"name": "https", "text": "tcp/443"})
+    browser.post("/policy/address-groups/new", {"name": "office", "text": "10.1.0.0/16"})
+    url = browser.post("/policy/rulesets/new", {"name": "web", "scope": "app=web", "enabled": "on"})[
+        "Location"
+    ]
+    browser.post(f"{url}/rules/new", {"description": "admin", "sources": "group:office", "services": "tcp/22",
+                                      "action": "save"})  # fmt: skip
+    rule_url = re.search(
+        r'href="(/policy/rulesets/[^"]+/rules/[0-9a-f-]+)/delete"', browser.get(url).content.decode()
+    )
+    asked = browser.get(f"{rule_url.group(1)}/delete")
+    page = text(asked)
+    assert "Delete rule 1 (admin) of ruleset “web”, which admits group:office to tcp/22" in page, page
+    assert "protects 1 workload now" in page and "1 enforced workload:" in page
+    assert "admin" in text(browser.get(url))  # asking changed nothing
+    assert (
+        browser.post(
+            f"{rule_url.group(1)}/delete", {"version": _version(asked), "confirm": "yes"}
+        ).status_code
+        == 302
+    )
+    assert "No rule yet" in text(browser.get(url))
+    policy = browser.get("/policy").content.decode()
+    for kind, name, listed in (("services", "https", "tcp/443"), ("address-groups", "office", "10.1.0.0/16")):
+        object_url = re.search(rf'href="(/policy/{kind}/[0-9a-f-]+)">{name}<', policy).group(1)
+        assert f'href="{object_url}/delete"' in browser.get(object_url).content.decode()
+        asked = browser.get(f"{object_url}/delete")
+        assert f"“{name}” ({listed})" in text(asked)
+        assert browser.get(object_url).status_code == 200
+        done = browser.post(f"{object_url}/delete", {"version": _version(asked), "confirm": "yes"})
+        assert done.status_code == 302 and browser.get(object_url).status_code == 404
+
+
+def test_revoking_a_token_asks_first_and_the_token_works_until_confirmed(browser, client):
+    secret = re.search(
+        r"(pal_op_[A-Za-z0-9_\-]+)", text(browser.post("/tokens", {"kind": "operator", "name": "ci"}))
+    ).group(1)
+    browser.post("/tokens", {"kind": "provisioning", "description": "rack 4", "max_uses": "3"})
+    listing = browser.get("/tokens").content.decode()
+    assert "hx-confirm" not in listing
+    for kind, named in (("operator", "“ci”"), ("provisioning", "“rack 4”, used 0 of 3 times")):
+        token_id = re.search(rf"/tokens/{kind}/([0-9a-f-]+)/revoke", listing).group(1)
+        asked = text(browser.get(f"/tokens/{kind}/{token_id}/revoke"))
+        assert f"Revoke {kind} token pal_" in asked and named in asked, asked
+        assert "Revoked" not in text(browser.post(f"/tokens/{kind}/{token_id}/revoke"))  # no confirm: asks
+    bearer = {"HTTP_AUTHORIZATION": f"Bearer {secret}"}
+    assert client.get("/api/v1/me", **bearer).status_code == 200
+    token_id = re.search(r"/tokens/operator/([0-9a-f-]+)/revoke", listing).group(1)
+    assert "Revoked" in text(browser.post(f"/tokens/operator/{token_id}/revoke", {"confirm": "yes"}))
+    assert client.get("/api/v1/me", **bearer).status_code == 401
+
+
+def test_mode_change_preview_and_convergence_cover_a_fleet_larger_than_a_page(browser):
+    from fleet.models import Workload
+
+    Workload.objects.bulk_create(
+        [Workload(hostname=f"aa-{index:04}", labels={"env": "lab"}, addresses=[], public_key="k" * 44,
+                  credential_issued_at=clock_now(), credential_expires_at=clock_now(), enrolled_at=clock_now())
+         for index in range(520)]
+    )  # fmt: skip
+    named = [make_workload(hostname=f"zz-{index}", labels={"env": "lab"}) for index in range(3)]
+    other = make_workload(hostname="zz-other", labels={"env": "dev"})
+    ids = "\n".join(str(w.id) for w in named + [other])
+    page = text(browser.get("/mode-changes", {"labels": "env=lab", "workloads": ids, "mode": "simulation"}))
+    assert "3 workloads selected" in page and all(f"zz-{i}<" in page for i in range(3)), page[-3000:]
+    assert (
+        f"Named but not selected (no such workload, or its labels do not meet the requirements): <code>{other.id}</code>"
+        in page
+    )
+    everything = text(browser.get("/mode-changes", {"labels": "env=lab", "mode": "simulation"}))
+    assert "523 workloads selected" in everything and "Showing the first 200 of 523." in everything
+    polled = text(browser.get("/mode-changes/convergence", {"labels": "env=lab", "workloads": ids}))
+    assert 'data-selected="3"' in polled and all(f"zz-{i}<" in polled for i in range(3))
+    polled = text(browser.get("/mode-changes/convergence", {"labels": "env=lab"}))
+    assert 'data-selected="523"' in polled and "Showing the first 200 of 523." in polled
+
+
+def clock_now():
+    from controlplane import clock
+
+    return clock.now()
+
+
+def _minute_windows(count: int):
+    """`count` one-minute windows ending before now, each with one observed connection from a peer
+    of its own."""
+    from datetime import timedelta
+
+    from tests.flows.test_ingestion import _window_between
+
+    windows = _window_between(clock_now() - timedelta(minutes=count + 2), count)
+    for index, window in enumerate(windows):
+        window["groups"][0]["peer"] = f"10.60.{index // 250}.{index % 250 + 1}"
+    return windows
+
+
+def test_the_plots_cover_a_range_of_more_windows_than_a_page(browser):
+    from flows.services import flow_report_ingest
+    from tests.flows.test_ingestion import _report, enrolled
+
+    web, _, _ = enrolled("web", "10.50.0.1")
+    answer = flow_report_ingest(workload_id=str(web.id), data=_report("p1", 100, _minute_windows(600)))
+    assert all(r["result"] == "accepted" for r in answer["windows"])
+    for url in (f"/workloads/{web.id}?range=24h", f"/flows?range=24h&workloads={web.id}"):
+        page = browser.get(url).content.decode()
+        assert '<span data-total="observed">600</span>' in page, url
+        assert page.count('class="bar bar-observed"') == 600 and "data-plot-cut" not in page
+
+
+def test_the_plot_says_where_it_stops_when_a_range_has_more_rows_than_it_reads(browser, monkeypatch):
+    from controlplane.console import client
+    from controlplane.console.views import evidence
+    from flows.services import flow_report_ingest
+    from tests.flows.test_ingestion import _report, enrolled
+
+    monkeypatch.setattr(evidence, "PLOT_ROWS", 10)
+    monkeypatch.setattr(client, "PAGE_LIMIT", 5)
+    web, _, _ = enrolled("web", "10.50.0.1")
+    flow_report_ingest(workload_id=str(web.id), data=_report("p1", 100, _minute_windows(30)))
+    page = text(browser.get(f"/flows?range=24h&workloads={web.id}"))
+    assert "the plot and its totals stop at the window of" in page
+
+
+def test_the_csv_exports_hold_every_row_in_the_shape_of_manage_py_flows(browser):
+    import csv
+    import io
+    import uuid
+    from datetime import timedelta
+
+    from controlplane import clock
+    from flows.models import EvidenceGap
+    from flows.services import flow_report_ingest
+    from tests.flows.test_ingestion import _report, enrolled
+    from tests.support.helpers import run_command
+
+    web, _, _ = enrolled("web", "10.50.0.1")
+    flow_report_ingest(workload_id=str(web.id), data=_report("p1", 100, _minute_windows(600)))
+    now = clock.now()
+    EvidenceGap.objects.bulk_create(
+        [EvidenceGap(id=uuid.uuid4(), workload=web, kind="buffer_overflow", source="agent",
+                     start=now - timedelta(minutes=700 - i), end=now - timedelta(minutes=699 - i),
+                     lost={"windows": 1}, received_at=now) for i in range(510)]
+    )  # fmt: skip
+    query = f"range=24h&workloads={web.id}&group_by=peer&group_by=decision"
+    page = text(browser.get(f"/flows?{query}"))
+    assert "Showing the first 500 gaps only; there are more: the CSV export has every one." in page
+    rollup = browser.get(f"/flows?{query}&export=rollup")
+    rows = list(csv.DictReader(io.StringIO(rollup.content.decode())))
+    assert len(rows) == 600 and sum(int(r["connection_count"]) for r in rows) == 600
+    gaps = browser.get(f"/flows?{query}&export=gaps").content.decode()
+    assert len(list(csv.DictReader(io.StringIO(gaps)))) == 510
+    start = (now - timedelta(hours=24)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    end = (now + timedelta(minutes=1)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    _, cli_gaps, _ = run_command(
+        "flows", "gaps", "--workload", str(web.id), "--from", start, "--to", end, "--csv"
+    )
+    assert (
+        cli_gaps.splitlines()[0] == gaps.splitlines()[0] and cli_gaps.splitlines()[1] == gaps.splitlines()[1]
+    )
+    assert '"{""windows"": 1}"' in gaps.splitlines()[1]
+    _, cli_rollup, _ = run_command("flows", "rollup", "--workload", str(web.id), "--group-by", "peer",
+                                   "--group-by", "decision", "--from", start, "--to", end, "--csv")  # fmt: skip
+    assert cli_rollup.splitlines() == rollup.content.decode().splitlines()
 
 
 def test_an_agents_control_characters_and_bidi_overrides_are_shown_escaped(browser):

@@ -70,6 +70,18 @@ def test_bad_filters_are_validation_problems(api, db):
     assert_problem(api.get("/api/v1/workloads?removed=maybe"), 422, "validation")
 
 
+def test_the_id_filter_lists_only_those_workloads_anded_with_the_others(api, db):
+    wanted = [make_workload(hostname=f"w-{index}", labels={"env": "prod"}) for index in range(3)]
+    other = make_workload(hostname="w-other", labels={"env": "dev"})
+    query = "".join(f"&id={w.id}" for w in wanted[:2] + [other])
+    assert walk(api, query) == ["w-0", "w-1", "w-other"]
+    assert walk(api, query + "&label=env=prod") == ["w-0", "w-1"]
+    absent = "00000000-0000-4000-8000-000000000000"
+    assert walk(api, f"&id={absent}&id={wanted[2].id}") == ["w-2"]  # no such workload: not listed
+    body = assert_problem(api.get(f"/api/v1/workloads?id={wanted[0].id}&id=nope"), 422, "validation")
+    assert body["errors"][0]["path"] == "?id[1]" and "not a workload id" in body["errors"][0]["message"]
+
+
 def test_cursor_from_other_filters_is_stale(api, db):
     for name in "abc":
         make_workload(hostname=name, labels={"env": "prod"})

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-import csv
-import io
-
 from django.http import HttpResponse
 from django.views.decorators.http import require_GET, require_http_methods
 
 from controlplane.console.chips import workload_chips
+from controlplane.console.client import PAGE_LIMIT
 from controlplane.console.pages import RANGES, chosen_range, lines, operator_page, page
 from controlplane.console.plots import connections_plot
+from flows.csv_rows import GAP_COLUMNS, csv_text, rollup_columns, rollup_row
 
+LISTED = 200  # workloads named on the page; the counts are over all of them
+PLOT_ROWS = 12_000  # window-by-decision rows a plot reads at most (a day of minute windows is 5,760)
 GROUPINGS = ("workload", "peer", "peer_workload", "service", "decision", "rule", "ruleset")
 MODES = ("visibility", "simulation", "enforced")
 
@@ -25,30 +26,18 @@ def selection_query(form: dict) -> dict:
     return {"label": lines(form["labels"]), "workload": lines(form["workloads"])}
 
 
-def selected_workloads(api, form: dict) -> tuple[list[dict], bool, dict | None]:
-    """The workloads a selection names now (first page of the fleet read), whether there are more,
-    and the problem if the API refused the selection."""
+def selected_workloads(api, form: dict) -> dict:
+    """The workloads a selection names now, all of them: the API resolves labels and ids together
+    (`GET /workloads?label=...&id=...`, every page), as the mode change itself will. `named_missing`:
+    ids typed that the selection does not hold (no such workload, or labels that do not match)."""
     query = selection_query(form)
-    if not query["workload"]:
-        result = api.get("/workloads", params={"label": query["label"], "limit": 100})
-        if not result.ok:
-            return [], False, result.problem
-        return result.data["items"], bool(result.data["next_cursor"]), None
-    # Ids narrow the labels (as in the mode change): read each named workload, then keep those the
-    # label requirements also select.
-    items = []
-    for workload_id in query["workload"][:100]:
-        found = api.get(f"/workloads/{workload_id}")
-        if not found.ok:
-            return [], False, {**found.problem, "detail": f"No workload {workload_id}."}
-        items.append(found.data)
-    if query["label"]:
-        matching = api.get("/workloads", params={"label": query["label"], "limit": 500})
-        if not matching.ok:
-            return [], False, matching.problem
-        selected = {w["id"] for w in matching.data["items"]}
-        items = [w for w in items if w["id"] in selected]
-    return items, len(query["workload"]) > 100, None
+    result = api.get_all("/workloads", params={"label": query["label"], "id": query["workload"]})
+    if not result.ok:
+        return {"workloads": [], "total": 0, "named_missing": [], "problem": result.problem}
+    items = result.data["items"]
+    found = {w["id"] for w in items}
+    missing = [w for w in dict.fromkeys(query["workload"]) if w.lower() not in found]
+    return {"workloads": items, "total": len(items), "named_missing": missing, "problem": None}
 
 
 def review_of(api, form: dict, span: dict):
@@ -63,9 +52,8 @@ def mode_changes(request, api):
     span = chosen_range(params)
     context: dict = {"form": form, "modes": MODES, "span": span, "ranges": list(RANGES)}
     if form["labels"] or form["workloads"]:
-        context["workloads"], context["more"], context["problem"] = selected_workloads(api, form)
-        for workload in context["workloads"]:
-            workload["chips"] = workload_chips(workload)
+        selected = selected_workloads(api, form)
+        context.update(selected, workloads=selected["workloads"][:LISTED])
     if form["mode"] == "enforced" and (form["labels"] or form["workloads"]):
         review = review_of(api, form, span)
         context["review"] = review.data if review.ok else None
@@ -92,20 +80,18 @@ def mode_changes(request, api):
 @require_GET
 @operator_page
 def convergence(request, api):
-    """The selection's workloads, applied vs latest; the mode-change page polls it after a change."""
-    form = selection_form(request.GET)
-    workloads, more, problem = selected_workloads(api, form)
-    for workload in workloads:
-        workload["chips"] = workload_chips(workload)
-    converged = sum(
-        1 for w in workloads if w["applied_version"] and w["applied_version"] == w["latest_version"]
-    )
+    """The selection's workloads, applied vs latest; the mode-change page polls it after a change.
+    Counted over the whole selection; the table lists those still behind first."""
+    selected = selected_workloads(api, selection_form(request.GET))
+    workloads = selected["workloads"]
+    converged = [w for w in workloads if w["applied_version"] and w["applied_version"] == w["latest_version"]]
+    behind = [w for w in workloads if w not in converged]
+    listed = [{**w, "chips": workload_chips(w)} for w in (behind + converged)[:LISTED]]
     return page(
         request,
         "console/partials/convergence.html",
-        {"workloads": workloads, "more": more, "problem": problem, "converged": converged,
-         "query": request.GET.urlencode()},
-    )  # fmt: skip
+        {**selected, "workloads": listed, "converged": len(converged), "query": request.GET.urlencode()},
+    )
 
 
 @require_GET
@@ -124,44 +110,27 @@ def review(request, api):
     return page(request, "console/review.html", context)
 
 
-def _rollup_csv(items: list[dict], group_by: list[str]) -> HttpResponse:
-    keys = [k for k in ("workload_id", "window_start", "peer", "peer_workload_id", "decision",
-                        "rule_number", "rule_id", "ruleset_id") if any(k in row for row in items)]  # fmt: skip
-    with_service = any("service" in row for row in items)
-    out = io.StringIO()
-    writer = csv.writer(out)
-    header = keys + (["protocol", "port"] if with_service else [])
-    writer.writerow(header + ["connection_count", "bytes_in", "bytes_out", "first_seen", "last_seen"])
-    for row in items:
-        service = row.get("service") or {}
-        writer.writerow(
-            [row.get(k) if row.get(k) is not None else "" for k in keys]
-            + ([service.get("protocol", ""), service.get("port", "")] if with_service else [])
-            + [
-                row["connection_count"],
-                row["bytes_in"],
-                row["bytes_out"],
-                row["first_seen"],
-                row["last_seen"],
-            ]
-        )
-    response = HttpResponse(out.getvalue(), content_type="text/csv; charset=utf-8")
-    response["Content-Disposition"] = f'attachment; filename="palisade-flows-{"-".join(group_by)}.csv"'
+def _csv_response(text: str, filename: str) -> HttpResponse:
+    response = HttpResponse(text, content_type="text/csv; charset=utf-8")
+    response["Content-Disposition"] = f'attachment; filename="{filename}"'
     return response
 
 
-def _gaps_csv(gaps: list[dict]) -> HttpResponse:
-    out = io.StringIO()
-    writer = csv.writer(out)
-    writer.writerow(["workload_id", "kind", "source", "start", "end", "lost"])
-    for gap in gaps:
-        lost = "; ".join(f"{n} {what}" for what, n in (gap.get("lost") or {}).items())
-        writer.writerow(
-            [gap["workload_id"], gap["kind"], gap["source"] or "", gap["start"], gap["end"], lost]
-        )
-    response = HttpResponse(out.getvalue(), content_type="text/csv; charset=utf-8")
-    response["Content-Disposition"] = 'attachment; filename="palisade-evidence-gaps.csv"'
-    return response
+def plot_of(api, selection: dict, span: dict) -> dict:
+    """The connections-per-window plot of a selection over a range, from every page of the rollup by
+    window and decision, up to PLOT_ROWS rows; past that the page says where the plot stops."""
+    series = api.get_all(
+        "/flows/rollup", params={**selection, "group_by": ["window", "decision"]}, cap=PLOT_ROWS
+    )
+    if not series.ok:
+        return {"plot": None, "plot_problem": series.problem}
+    items = series.data["items"]
+    cut = bool(series.data["next_cursor"])
+    return {
+        "plot": connections_plot(items, start=span["from"], end=span["to"]),
+        "plot_cut_at": max(row["window_start"] for row in items) if cut and items else None,
+        "plot_problem": None,
+    }
 
 
 @require_GET
@@ -171,21 +140,31 @@ def flows(request, api):
     span = chosen_range(request.GET)
     group_by = [g for g in request.GET.getlist("group_by") if g in GROUPINGS] or ["peer", "service"]
     selection = {**selection_query(form), "from": span["from"], "to": span["to"]}
+    export = request.GET.get("export")
+    if export == "rollup":  # every row of the rollup, not the page shown
+        everything = api.get_all("/flows/rollup", params={**selection, "group_by": group_by})
+        if everything.ok:
+            rows = [rollup_row(item) for item in everything.data["items"]]
+            return _csv_response(
+                csv_text(rollup_columns(group_by), rows), f"palisade-flows-{'-'.join(group_by)}.csv"
+            )
+    if export == "gaps":
+        everything = api.get_all("/flows/gaps", params=selection)
+        if everything.ok:
+            return _csv_response(
+                csv_text(GAP_COLUMNS, everything.data["items"]), "palisade-evidence-gaps.csv"
+            )
     cursor = request.GET.get("cursor", "")
     rollup = api.get(
         "/flows/rollup",
-        params={**selection, "group_by": group_by, "limit": 500 if request.GET.get("export") else 100,
-                **({"cursor": cursor} if cursor else {})},
-    )  # fmt: skip
-    gaps = api.get("/flows/gaps", params={**selection, "limit": 500})
-    if request.GET.get("export") == "rollup" and rollup.ok:
-        return _rollup_csv(rollup.data["items"], group_by)
-    if request.GET.get("export") == "gaps" and gaps.ok:
-        return _gaps_csv(gaps.data["items"])
-    series = api.get("/flows/rollup", params={**selection, "group_by": ["window", "decision"], "limit": 500})
-    rules = api.get("/flows/rollup", params={**selection, "group_by": ["rule"], "limit": 500})
+        params={**selection, "group_by": group_by, "limit": 100, **({"cursor": cursor} if cursor else {})},
+    )
+    gaps = api.get("/flows/gaps", params={**selection, "limit": PAGE_LIMIT})
+    rules = api.get_all("/flows/rollup", params={**selection, "group_by": ["rule"]})
+    plot = plot_of(api, selection, span)
     query = request.GET.copy()
     query.pop("cursor", None)
+    query.pop("export", None)
     context = {
         "form": form,
         "span": span,
@@ -193,11 +172,10 @@ def flows(request, api):
         "groupings": GROUPINGS,
         "group_by": group_by,
         "rollup": rollup.data if rollup.ok else None,
-        "problem": rollup.problem or gaps.problem,
+        "problem": rollup.problem or gaps.problem or plot["plot_problem"] or rules.problem,
         "gaps": gaps.data["items"] if gaps.ok else [],
-        "plot": connections_plot(series.data["items"], start=span["from"], end=span["to"])
-        if series.ok
-        else None,
+        "gaps_truncated": bool(gaps.ok and gaps.data["next_cursor"]),
+        **plot,
         "rules": rules.data if rules.ok else None,
         "rule_hits": [row for row in rules.data["items"] if row.get("rule_number")] if rules.ok else [],
         "query": query.urlencode(),

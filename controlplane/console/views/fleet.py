@@ -9,9 +9,11 @@ from django.views.decorators.http import require_GET, require_http_methods, requ
 
 from controlplane.console.chips import workload_chips
 from controlplane.console.pages import RANGES, chosen_range, labels_from_text, operator_page, page
-from controlplane.console.plots import connections_plot
+from controlplane.console.views.evidence import plot_of
 from controlplane.validation import is_digits
 
+GROUPS_LISTED = 200
+GAPS_LISTED = 100
 SYNC_STATES = ("synced", "pending", "degraded", "offline")
 
 
@@ -94,22 +96,33 @@ def workload(request, api, workload_id: str):
 def workload_flows(api, workload_id: str, params) -> dict:
     span = chosen_range(params)
     selection = {"workload": workload_id, "from": span["from"], "to": span["to"]}
-    series = api.get("/flows/rollup", params={**selection, "group_by": ["window", "decision"], "limit": 500})
+    plot = plot_of(api, selection, span)
     groups = api.get(
         "/flows/rollup",
-        params={**selection, "group_by": ["peer", "service", "decision", "rule"], "limit": 200},
+        params={**selection, "group_by": ["peer", "service", "decision", "rule"], "limit": GROUPS_LISTED},
     )
-    gaps = api.get("/flows/gaps", params={**selection, "limit": 100})
-    problem = series.problem or groups.problem or gaps.problem
+    gaps = api.get("/flows/gaps", params={**selection, "limit": GAPS_LISTED})
     return {
         "span": span,
         "ranges": list(RANGES),
-        "flows_problem": problem,
-        "plot": connections_plot(series.data["items"], start=span["from"], end=span["to"])
-        if series.ok
-        else None,
+        "flows_problem": plot["plot_problem"] or groups.problem or gaps.problem,
+        **plot,
         "groups": groups.data if groups.ok else None,
+        "groups_more": bool(groups.ok and groups.data["next_cursor"]),
+        "flows_link": urlencode(
+            {
+                "workloads": workload_id,
+                "group_by": ["peer", "service", "decision", "rule"],
+                **(
+                    {"from": span["from"], "to": span["to"]}
+                    if span["key"] == "custom"
+                    else {"range": span["key"]}
+                ),
+            },
+            doseq=True,
+        ),  # fmt: skip
         "gaps": gaps.data["items"] if gaps.ok else [],
+        "gaps_truncated": bool(gaps.ok and gaps.data["next_cursor"]),
     }
 
 

@@ -3,11 +3,11 @@ dry-run. Every read and write is the operator API's."""
 
 from __future__ import annotations
 
-from django.shortcuts import redirect
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
 from controlplane.console import policy_forms as forms
-from controlplane.console.pages import lines, operator_page, page
+from controlplane.console.confirm import Confirmation, ask, confirmed, scope_reach
+from controlplane.console.pages import go, lines, operator_page, page
 from controlplane.console.views.fleet import not_found
 
 
@@ -49,7 +49,7 @@ def ruleset_new(request, api):
         body = {**_ruleset_form(request.POST), "rules": []}
         result = api.post("/rulesets", body)
         if result.ok:
-            return redirect(f"/policy/rulesets/{result.data['id']}")
+            return go(request, f"/policy/rulesets/{result.data['id']}")
         context.update(form=body, problem=result.problem, errors=result.findings_by_field())
     return page(request, "console/ruleset.html", context, status=422 if "problem" in context else 200)
 
@@ -93,12 +93,32 @@ def ruleset_detail(request, api, ruleset_id: str):
     return page(request, "console/ruleset.html", context, status=status)
 
 
-@require_POST
+@require_http_methods(["GET", "POST"])
 @operator_page
 def ruleset_delete(request, api, ruleset_id: str):
+    if not confirmed(request):
+        found = api.get(f"/rulesets/{ruleset_id}")
+        if not found.ok:
+            return not_found(request, f"ruleset {ruleset_id}")
+        ruleset = found.data
+        reach, consequences = scope_reach(api, ruleset)
+        rules = len(ruleset["rules"])
+        return ask(
+            request,
+            Confirmation(
+                title=f"Delete ruleset {ruleset['name']}",
+                summary=f"Delete ruleset “{ruleset['name']}”: its {rules} rule{'s' if rules != 1 else ''} "
+                f"go, and {reach}.",
+                consequences=consequences,
+                action=f"/policy/rulesets/{ruleset_id}/delete",
+                cancel=f"/policy/rulesets/{ruleset_id}",
+                button="Delete the ruleset and its rules",
+                fields={"version": ruleset["version"]},
+            ),
+        )
     result = api.delete(f"/rulesets/{ruleset_id}", if_match=request.POST.get("version", ""))
     if result.ok:
-        return redirect("/policy")
+        return go(request, "/policy")
     return page(
         request,
         "console/refused.html",
@@ -165,7 +185,7 @@ def rule_edit(request, api, ruleset_id: str, rule_id: str | None = None):
             f"/rulesets/{ruleset_id}/rules/{rule_id}", body, if_match=request.POST.get("version", "")
         )
     if result.ok and request.POST.get("action") != "dryrun":
-        return redirect(f"/policy/rulesets/{ruleset_id}")
+        return go(request, f"/policy/rulesets/{ruleset_id}")
     if not result.ok:
         status = result.status
         context.update(problem=result.problem, errors=_rule_errors(result))
@@ -175,9 +195,10 @@ def rule_edit(request, api, ruleset_id: str, rule_id: str | None = None):
 
 
 def _with_hostnames(api, dryrun: dict) -> dict:
-    """The dry-run names workloads by id; a person reads host names (from the first fleet page)."""
-    fleet = api.get("/workloads", params={"limit": 500})
-    names = {w["id"]: w["hostname"] for w in fleet.data["items"]} if fleet.ok else {}
+    """The dry-run names workloads by id; a person reads host names (of exactly those workloads)."""
+    ids = [change["workload_id"] for change in dryrun["changed"]]
+    fleet = api.get_all("/workloads", params={"id": ids}) if ids else None
+    names = {w["id"]: w["hostname"] for w in fleet.data["items"]} if fleet and fleet.ok else {}
     for change in dryrun["changed"]:
         change["hostname"] = names.get(change["workload_id"], change["workload_id"])
     return dryrun
@@ -195,12 +216,37 @@ def _rule_errors(result) -> dict:
     return errors
 
 
-@require_POST
+@require_http_methods(["GET", "POST"])
 @operator_page
 def rule_delete(request, api, ruleset_id: str, rule_id: str):
+    if not confirmed(request):
+        found, rule = api.get(f"/rulesets/{ruleset_id}"), api.get(f"/rulesets/{ruleset_id}/rules/{rule_id}")
+        if not (found.ok and rule.ok):
+            return not_found(request, f"rule {rule_id} of ruleset {ruleset_id}")
+        services, groups = (
+            _names(api, "/services", "services"),
+            _names(api, "/address-groups", "address_groups"),
+        )
+        sources = "; ".join(forms.sources_text(rule.data["sources"], groups).splitlines())
+        ports = "; ".join(forms.rule_services_text(rule.data["services"], services).splitlines())
+        described = f" ({rule.data['description']})" if rule.data.get("description") else ""
+        reach, consequences = scope_reach(api, found.data)
+        return ask(
+            request,
+            Confirmation(
+                title=f"Delete rule {rule.data['number']} of {found.data['name']}",
+                summary=f"Delete rule {rule.data['number']}{described} of ruleset “{found.data['name']}”, which "
+                f"admits {sources or 'nothing'} to {ports or 'nothing'}; the ruleset {reach}.",
+                consequences=consequences,
+                action=f"/policy/rulesets/{ruleset_id}/rules/{rule_id}/delete",
+                cancel=f"/policy/rulesets/{ruleset_id}",
+                button="Delete the rule",
+                fields={"version": rule.data["version"]},
+            ),
+        )
     result = api.delete(f"/rulesets/{ruleset_id}/rules/{rule_id}", if_match=request.POST.get("version", ""))
     if result.ok:
-        return redirect(f"/policy/rulesets/{ruleset_id}")
+        return go(request, f"/policy/rulesets/{ruleset_id}")
     return page(
         request,
         "console/refused.html",
@@ -244,19 +290,37 @@ def named_edit(request, api, kind: str, object_id: str | None = None):
     else:
         result = api.put(f"{spec['api']}/{object_id}", body, if_match=version)
     if result.ok:
-        return redirect("/policy")
+        return go(request, "/policy")
     errors = result.findings_by_field()
     context.update(problem=result.problem, errors={"text": errors.pop(spec["field"], []), **errors})
     return page(request, "console/named.html", context, status=result.status)
 
 
-@require_POST
+@require_http_methods(["GET", "POST"])
 @operator_page
 def named_delete(request, api, kind: str, object_id: str):
     spec = NAMED[kind]
+    if not confirmed(request):
+        found = api.get(f"{spec['api']}/{object_id}")
+        if not found.ok:
+            return not_found(request, f"{spec['title'].lower()} {object_id}")
+        what = f"{spec['title'].lower()} {found.data['name']}"
+        listed = ", ".join(spec["to_text"](found.data[spec["field"]]).splitlines()) or "empty"
+        return ask(
+            request,
+            Confirmation(
+                title=f"Delete {what}",
+                summary=f"Delete {spec['title'].lower()} “{found.data['name']}” ({listed}).",
+                consequences=["While a rule still uses it, the deletion is refused and the rules are named."],
+                action=f"/policy/{kind}/{object_id}/delete",
+                cancel=f"/policy/{kind}/{object_id}",
+                button=f"Delete the {spec['title'].lower()}",
+                fields={"version": found.data["version"]},
+            ),
+        )
     result = api.delete(f"{spec['api']}/{object_id}", if_match=request.POST.get("version", ""))
     if result.ok:
-        return redirect("/policy")
+        return go(request, "/policy")
     return page(
         request, "console/refused.html", {"problem": result.problem, "back": "/policy"}, status=result.status
     )

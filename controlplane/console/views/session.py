@@ -6,7 +6,7 @@ from django.shortcuts import redirect, render
 from django.views.decorators.http import require_http_methods, require_POST
 
 from controlplane.console.client import ApiClient
-from controlplane.console.pages import operator_page
+from controlplane.console.pages import go, operator_page, page
 
 
 def _safe_next(target: str | None) -> str:
@@ -31,9 +31,9 @@ def login(request):
             "POST", "/session", body={"password": request.POST.get("password", "")}, session_required=False
         )
         if result.ok:
-            return _with_cookies(redirect(next_path), result)
+            return _with_cookies(go(request, next_path), result)
         context["problem"] = result.problem
-        return render(request, "console/login.html", context, status=result.status)
+        return page(request, "console/login.html", context, status=result.status)
     return render(request, "console/login.html", context)
 
 

@@ -3,9 +3,11 @@ and the About page."""
 
 from __future__ import annotations
 
-from django.views.decorators.http import require_GET, require_http_methods, require_POST
+from django.views.decorators.http import require_GET, require_http_methods
 
+from controlplane.console.confirm import Confirmation, ask, confirmed
 from controlplane.console.pages import labels_from_text, operator_page, page
+from controlplane.console.views.fleet import not_found
 from controlplane.validation import is_digits
 
 KINDS = {"provisioning": "/provisioning-tokens", "operator": "/operator-tokens"}
@@ -13,8 +15,8 @@ KINDS = {"provisioning": "/provisioning-tokens", "operator": "/operator-tokens"}
 
 def _listings(api) -> dict:
     return {
-        "provisioning_tokens": api.get("/provisioning-tokens", params={"limit": 500}).data["items"],
-        "operator_tokens": api.get("/operator-tokens", params={"limit": 500}).data["items"],
+        "provisioning_tokens": api.get_all("/provisioning-tokens").data["items"],
+        "operator_tokens": api.get_all("/operator-tokens").data["items"],
     }
 
 
@@ -60,9 +62,36 @@ def tokens(request, api):
     return page(request, "console/tokens.html", context, status=status)
 
 
-@require_POST
+def _described(kind: str, token: dict) -> tuple[str, str]:
+    if kind == "operator":
+        return f"operator token {token['prefix']} (“{token['name']}”)", (
+            "Scripts that use it stop working at once: their next request is refused."
+        )
+    uses = f"{token['uses']} of {token['max_uses']}" if token.get("max_uses") else f"{token['uses']}"
+    return f"provisioning token {token['prefix']} (“{token['description']}”, used {uses} times)", (
+        "Agents can no longer enrol with it; the workloads it already enrolled are not touched."
+    )
+
+
+@require_http_methods(["GET", "POST"])
 @operator_page
 def token_revoke(request, api, kind: str, token_id: str):
+    if not confirmed(request):
+        listing = api.get_all(KINDS[kind])
+        token = next((t for t in listing.data["items"] if t["id"] == token_id), None) if listing.ok else None
+        if token is None:
+            return not_found(request, f"{kind} token {token_id}")
+        what, effect = _described(kind, token)
+        return ask(
+            request,
+            Confirmation(
+                title=f"Revoke {what.split(' (')[0]}",
+                summary=f"Revoke {what}. {effect}",
+                action=f"/tokens/{kind}/{token_id}/revoke",
+                cancel="/tokens",
+                button="Revoke the token",
+            ),
+        )
     result = api.delete(f"{KINDS[kind]}/{token_id}")
     context = {"minted": None, "problem": result.problem, "kind": kind, "form": {}, "revoked": result.ok}
     context.update(_listings(api))

@@ -21,6 +21,7 @@ class Command(PalisadeCommand):
         listing.add_argument(
             "--label", action="append", default=[], help="label requirement; repeatable, ANDed"
         )
+        listing.add_argument("--id", action="append", default=[], help="workload id; repeatable")
         listing.add_argument("--sync-state", choices=SyncState.values)
         listing.add_argument("--removed", choices=["true", "false"])
         actions.add_parser("counts", help="totals per sync state and removed")
@@ -38,7 +39,7 @@ class Command(PalisadeCommand):
 
     def do_list(self, o):
         filters = selectors.workload_filters_parse(
-            labels=o["label"], sync_state=o["sync_state"], removed=o["removed"]
+            labels=o["label"], sync_state=o["sync_state"], removed=o["removed"], ids=o["id"]
         )
         items, cursor = [], None
         while True:

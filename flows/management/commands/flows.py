@@ -1,11 +1,8 @@
 """Flow evidence from the host: the same selectors as GET /api/v1/flows and /flows/gaps, as a table,
 JSON (`--json`) or CSV (`--csv`, for spreadsheets)."""
 
-import csv
-import io
 import json
 import sys
-from datetime import UTC, datetime
 
 from django.core.management.base import CommandError
 
@@ -15,36 +12,18 @@ from controlplane.text import visible
 from fleet.selectors import label_filters_parse
 from flows import selectors
 from flows.choices import Decision
+from flows.csv_rows import GAP_COLUMNS, csv_text, rollup_columns, rollup_row
 from flows.representations import (
     coverage_data,
     evidence_gap_data,
     flow_window_data,
     review_data,
     rollup_data,
-    rollup_row_data,
 )
 
 GROUP_COLUMNS = ("window_start", "window_end", "peer", "peer_workload_id", "protocol", "port", "decision",
                  "rule_number", "rule_id", "connection_count", "first_seen", "last_seen", "bytes_in", "bytes_out")  # fmt: skip
-GAP_COLUMNS = ("workload_id", "kind", "source", "start", "end", "lost")
 EXIT_REVIEW_FAILED = 3  # apart from a refused command's 1 and 2
-
-
-def _flat(row: dict) -> dict:
-    """A rollup row with its service object as two columns, protocol and port, in its place."""
-    return dict(
-        pair for key, value in row.items() for pair in (value.items() if key == "service" else [(key, value)])
-    )
-
-
-def _rollup_columns(group_by: list[str]) -> list[str]:
-    """The CSV header of a rollup grouped by `group_by`: the columns its rows have (taken from the row
-    representation itself), so that an empty rollup has one too."""
-    epoch = datetime(1970, 1, 1, tzinfo=UTC)
-    sample = {column: epoch if column == "start" else None
-              for name in group_by for column in selectors.GROUP_KEYS[name]}  # fmt: skip
-    sample.update(connection_count=0, bytes_in=0, bytes_out=0, first_seen=epoch, last_seen=epoch)
-    return list(_flat(rollup_row_data(sample, {})))
 
 
 def _pages(fetch):
@@ -57,22 +36,7 @@ def _pages(fetch):
 
 
 def _csv(columns, rows) -> str:
-    """One row per item; a value that is an object (a gap's `lost`) as the API's JSON in its cell."""
-    out = io.StringIO()
-    writer = csv.DictWriter(out, fieldnames=columns, extrasaction="ignore", lineterminator="\n")
-    writer.writeheader()
-    writer.writerows(
-        {
-            key: json.dumps(value, sort_keys=True)
-            if isinstance(value, dict)
-            else visible(value)
-            if isinstance(value, str)
-            else value
-            for key, value in row.items()
-        }
-        for row in rows
-    )
-    return out.getvalue().rstrip("\n")
+    return csv_text(columns, rows).rstrip("\n")
 
 
 class Command(PalisadeCommand):
@@ -194,7 +158,7 @@ class Command(PalisadeCommand):
             coverage=covered,
             unused_rules=unused,
         )
-        flat = [_flat(row) for row in document["items"]]
+        flat = [rollup_row(row) for row in document["items"]]
         incomplete = (
             f"incomplete: {covered['gap_count']} gaps, "
             f"{covered['workloads_without_reports_count']} workloads sent no window in the range, "
@@ -207,7 +171,7 @@ class Command(PalisadeCommand):
             )
         )
         if o["csv"]:
-            self.stdout.write(_csv(_rollup_columns(group_by), flat))
+            self.stdout.write(_csv(rollup_columns(group_by), flat))
             if not covered["complete"]:  # beside the data, where a spreadsheet would not take it for a row
                 self.stderr.write(incomplete + " (--json lists them)")
             return
