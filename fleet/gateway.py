@@ -243,6 +243,10 @@ class SyncStreamConsumer(AsyncWebsocketConsumer):
     async def renew(self) -> None:
         try:
             issued = await held_streams.db(credentials.credential_renew)(workload_id=self.grant.workload_id)
+        except credentials.CredentialRevoked:
+            raise streams.StreamRefused(
+                protocol.CLOSE_CREDENTIAL_REVOKED, "renewal refused: the credential was revoked"
+            ) from None
         except credentials.CredentialBeyondGrace as refused:
             await self.record_renewal_failure(refused.detail)
             raise streams.StreamRefused(protocol.CLOSE_FORBIDDEN, "renewal refused: re-enrol") from None
@@ -286,6 +290,10 @@ class SyncStreamConsumer(AsyncWebsocketConsumer):
         if self.grant:
             await self.send_message(protocol.Reconnect(reason="resend-snapshot"))
             await self.close(code=protocol.CLOSE_RECONNECT)
+
+    async def credential_revoked(self, event):
+        if self.grant:
+            await self.refuse(protocol.CLOSE_CREDENTIAL_REVOKED, "the operator revoked the credential")
 
     async def stream_replaced(self, event):
         if event.get("stream_id") != self.stream_id:

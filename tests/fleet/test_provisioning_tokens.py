@@ -64,6 +64,7 @@ RECORD_FIELDS = {
     "description",
     "prefix",
     "labels",
+    "workload_id",
     "created_at",
     "expires_at",
     "max_uses",
