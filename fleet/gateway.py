@@ -39,8 +39,8 @@ HEARD_FROM_EVERY_SECONDS = 60  # heartbeats refresh last_heard_from at most this
 
 
 class EnrolView(APIView):
-    """POST /agent/v1/enrol: a provisioning token and the agent's public key -> a workload and its
-    credential. Refusals are problem documents like everywhere else."""
+    """POST /agent/v1/enrol: a provisioning token (or, re-enrolling, a key proof) and the agent's
+    public key -> a workload and its credential. Refusals are problem documents like everywhere else."""
 
     authentication_classes: list = []
     permission_classes = [AllowAny]
@@ -64,9 +64,15 @@ class EnrolView(APIView):
             addresses=data.get("addresses"),
             agent_version=str(data.get("agent_version") or "")[:64],
             workload_id=data.get("workload_id"),
+            key_proof=data.get("key_proof"),
         )
         credential = enrolled.credential
-        log.info("enrolled workload %s (%s)", enrolled.workload.id, enrolled.workload.hostname)
+        log.info(
+            "%s workload %s (%s)",
+            "re-enrolled" if enrolled.re_enrolled else "enrolled",
+            enrolled.workload.id,
+            enrolled.workload.hostname,
+        )
         body = protocol.EnrolResponse(
             workload_id=str(enrolled.workload.id),
             credential=credential.text,
