@@ -351,7 +351,9 @@ def _key_proof_input(data: Any, findings: Findings) -> KeyProof | None:
     unknown = sorted(set(data) - {"serial", "signed_at", "signature"})
     if unknown:
         findings.add(
-            pointer("key_proof", unknown[0]), "unknown", f"{quoted(unknown[0])} is not a key_proof field."
+            pointer("key_proof", unknown[0]),
+            "unknown-field",
+            f"Unknown field {quoted(unknown[0])} of key_proof.",
         )
     serial, signed_at, signature = data.get("serial"), data.get("signed_at"), data.get("signature")
     if isinstance(serial, bool) or not isinstance(serial, int) or serial < 1:
