@@ -22,7 +22,7 @@ from rest_framework.views import APIView
 
 from agent import protocol
 from controlplane import clock
-from controlplane.problems import Finding, ValidationFailed
+from controlplane.problems import Finding, Problem, ValidationFailed
 from controlplane.validation import parse_instant, require_object
 from fleet import credentials, held_streams, streams, sync
 from fleet.choices import OwnedTableState
@@ -57,15 +57,27 @@ class EnrolView(APIView):
                     )
                 ]
             )
-        enrolled = workload_enrol(
-            token_secret=str(data.get("token") or ""),
-            public_key=data.get("public_key"),
-            hostname=data.get("hostname"),
-            addresses=data.get("addresses"),
-            agent_version=str(data.get("agent_version") or "")[:64],
-            workload_id=data.get("workload_id"),
-            key_proof=data.get("key_proof"),
-        )
+        try:
+            enrolled = workload_enrol(
+                token_secret=str(data.get("token") or ""),
+                public_key=data.get("public_key"),
+                hostname=data.get("hostname"),
+                addresses=data.get("addresses"),
+                agent_version=str(data.get("agent_version") or "")[:64],
+                workload_id=data.get("workload_id"),
+                key_proof=data.get("key_proof"),
+            )
+        except Problem as refused:
+            # A refused enrolment changes nothing and so leaves no audit event: the log says who tried.
+            if refused.name != "validation":
+                log.warning(
+                    "refused an enrolment from %s%s: %s [%s]",
+                    request.META.get("REMOTE_ADDR", "?"),
+                    f" for workload {data.get('workload_id')!r:.60}" if data.get("workload_id") else "",
+                    refused.detail[:300],
+                    refused.name,
+                )
+            raise
         credential = enrolled.credential
         log.info(
             "%s workload %s (%s)",

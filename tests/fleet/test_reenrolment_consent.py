@@ -112,7 +112,7 @@ def enrol_events():
 # --- tokens ---------------------------------------------------------------------------------------
 
 
-def test_a_general_token_cannot_take_over_a_workload(client):
+def test_a_general_token_cannot_take_over_a_workload(client, caplog):
     victim = Host()
     before = victim.row()
     general = mint(labels={"sandbox": "dev"}, max_uses=1)
@@ -123,6 +123,7 @@ def test_a_general_token_cannot_take_over_a_workload(client):
     unchanged(victim, before)
     assert ProvisioningToken.objects.get(prefix=general[:12]).uses == 0
     assert len(enrol_events()) == 1  # the victim's own enrolment only
+    assert f"refused an enrolment from 127.0.0.1 for workload '{victim.workload_id}'" in caplog.text
 
 
 def test_a_token_minted_for_one_workload_neither_re_enrols_another_nor_creates_one(client):
@@ -180,6 +181,12 @@ def test_re_enrolment_without_token_or_proof_is_refused(client):
     victim = Host()
     response = post(client, request_body(workload_id=victim.workload_id))
     assert "neither" in assert_problem(response, 401, "unauthenticated")["detail"]
+
+
+@pytest.mark.parametrize("workload_id", [5, ["x"], {"a": 1}, "", "not-a-uuid"])
+def test_a_mistyped_workload_id_is_a_problem_not_a_crash(client, workload_id):
+    response = post(client, request_body(token=mint(), workload_id=workload_id))
+    assert response.status_code in (404, 422), response.content
 
 
 # --- the workload's own key -----------------------------------------------------------------------
