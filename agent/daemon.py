@@ -339,7 +339,7 @@ class Agent:
             message = (
                 f"the control plane refused the credential of workload {self.identity.workload_id}: "
                 f"it expired beyond its grace ({reason or 'close code 4403'}); re-enrol this host with "
-                "'palisade-agent enrol --reenrol --bundle ...' and a new provisioning token"
+                "'palisade-agent enrol --reenrol --bundle ...' and a provisioning token minted for this workload"
             )
             self.status.error(message)
             raise CredentialBeyondGrace(message)
