@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from agent.credential import public_key_encode
 from agent.daemon import Agent, CredentialRevoked
@@ -197,8 +198,21 @@ def test_the_table_stays_while_serve_is_down_and_the_agent_comes_back_by_itself(
 
 
 def test_the_agent_rotates_its_key_a_revocation_stops_it_and_only_a_token_for_it_brings_it_back(world):
-    _, _, http, agent, workload = world
+    _, serve, http, agent, workload = world
     state_dir = str(agent.state_dir)
+    # A hostile host with any general token and the victim's id gets nothing, over the real listener.
+    general_token = http.post("/api/v1/provisioning-tokens", json={"description": "sandbox"}).json()["token"]
+    with serve.client("gateway") as gateway:
+        refused = gateway.post(
+            "/agent/v1/enrol",
+            json={
+                "v": 1, "token": general_token, "workload_id": workload["id"], "hostname": "evil",
+                "addresses": ["10.6.6.6"], "agent_version": "0.1.0",
+                "public_key": public_key_encode(Ed25519PrivateKey.generate().public_key()),
+            },
+        )  # fmt: skip
+    assert refused.status_code == 403 and refused.json()["type"].endswith(":enrolment-refused")
+    assert the_workload(http)["addresses"] == ["10.0.0.5"]
     old_key = public_key_encode(StateDir(state_dir).load_key().public_key())
     # The agent rotating its own key: signed with the current one, no bundle, no token.
     enrol(None, state_dir, hostname="web-1", addresses=["10.0.0.5"], reenrol=True)
