@@ -221,6 +221,18 @@ def test_a_replayed_key_proof_is_refused(client):
     unchanged(host, rotated)
 
 
+def test_a_proof_is_good_for_one_enrolment_even_when_the_key_stays(client):
+    """Replaying a rotation to the same key would verify again but for the serial it names: each
+    enrolment moves the serial on, and a replay would otherwise revoke the agent's newer credential."""
+    host = Host()
+    body = request_body(key=host.key, workload_id=host.workload_id)
+    body["key_proof"] = key_proof(host.key, body)
+    assert post(client, body).status_code == 201
+    current = host.row()
+    assert "serial" in assert_problem(post(client, body), 401, "unauthenticated")["detail"]
+    unchanged(host, current)
+
+
 def test_a_proof_signed_by_another_workloads_key_is_refused(client):
     victim, attacker = Host(hostname="victim"), Host(hostname="attacker")
     before = victim.row()
