@@ -208,6 +208,21 @@ def test_a_token_for_a_workload_is_minted_and_listed_with_its_workload(browser):
     assert refused.status_code == 422 and "No workload" in text(refused)
 
 
+def test_a_workload_s_credential_is_revoked_from_its_page(browser):
+    workload = make_workload(hostname="web-8")
+    page = text(browser.get(f"/workloads/{workload.id}"))
+    assert (
+        "Revoke credential" in page
+        and "hx-confirm" in browser.get(f"/workloads/{workload.id}").content.decode()
+    )
+    refused = browser.post(f"/workloads/{workload.id}/revoke-credential", {"reason": "x" * 1001})
+    assert refused.status_code == 422 and 'data-problem="validation"' in text(refused)
+    done = text(browser.post(f"/workloads/{workload.id}/revoke-credential", {"reason": "key stolen"}))
+    assert "Credential revoked at" in done
+    page = text(browser.get(f"/workloads/{workload.id}"))
+    assert "Credential revoked" in page and "key stolen" in page and "minted for it" in page
+
+
 def test_the_review_page_says_when_a_list_shows_only_the_first_of_many(browser, monkeypatch):
     from flows import selectors
 
