@@ -68,8 +68,10 @@ def _read_bundle(args: argparse.Namespace) -> str:
 def cmd_enrol(args: argparse.Namespace) -> int:
     from agent.enrol import enrol
 
+    if args.bundle is None and args.bundle_file is None and not args.reenrol:
+        raise AgentError("enrol needs --bundle or --bundle-file (only --reenrol may go without one)")
     identity = enrol(
-        _read_bundle(args),
+        _read_bundle(args) if args.bundle is not None or args.bundle_file is not None else None,
         args.state_dir,
         hostname=args.hostname,
         addresses=args.address,
@@ -252,8 +254,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 # --- the command line ---
 
 
-def _bundle_options(parser: argparse.ArgumentParser) -> None:
-    source = parser.add_mutually_exclusive_group(required=True)
+def _bundle_options(parser: argparse.ArgumentParser, *, required: bool = True) -> None:
+    source = parser.add_mutually_exclusive_group(required=required)
     source.add_argument("--bundle", help="the enrolment bundle (palisade-enrol-v1:...)")
     source.add_argument(
         "--bundle-file", metavar="FILE", help="read the enrolment bundle from FILE ('-': stdin)"
@@ -276,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--state-dir", default=DEFAULT_STATE_DIR, help=f"default {DEFAULT_STATE_DIR}")
 
     enrol = command("enrol", cmd_enrol, "enrol this host with a provisioning bundle")
-    _bundle_options(enrol)
+    _bundle_options(enrol, required=False)
     state_dir(enrol)
     enrol.add_argument("--hostname", help="the name to enrol under (default: this host's name)")
     enrol.add_argument(
@@ -285,7 +287,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="ADDR",
         help="an address of this host (repeat; default: its global addresses)",
     )
-    enrol.add_argument("--reenrol", action="store_true", help="enrol the same workload again with a new key")
+    enrol.add_argument(
+        "--reenrol",
+        action="store_true",
+        help="enrol the same workload again with a new key, signed with the current one; the bundle "
+        "(optional then) must carry a token minted for this workload if the current key cannot do",
+    )
 
     run = command("run", cmd_run, "run the agent daemon (root)")
     state_dir(run)

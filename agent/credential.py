@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import json
 import re
 from datetime import UTC, datetime
@@ -78,6 +79,15 @@ def public_key_decode(text: object) -> Ed25519PublicKey:
         return Ed25519PublicKey.from_public_bytes(raw)
     except ValueError:
         raise CredentialError("the public key is not a valid Ed25519 key") from None
+
+
+def public_key_fingerprint(text: str) -> str:
+    """`sha256:` and the hex SHA-256 of the raw key: how logs and the audit trail name a key."""
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError, TypeError):
+        raw = str(text).encode()
+    return "sha256:" + hashlib.sha256(raw).hexdigest()
 
 
 def format_instant(instant: datetime) -> str:

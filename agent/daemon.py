@@ -79,6 +79,11 @@ class CredentialBeyondGrace(EnrolmentNeeded):
     """The gateway closed with 4403: only a new enrolment helps."""
 
 
+class CredentialRevoked(EnrolmentNeeded):
+    """The gateway closed with 4410: the operator revoked the credential; retrying cannot help, only a
+    re-enrolment with a provisioning token minted for this workload."""
+
+
 @dataclass(frozen=True)
 class Outcome:
     immediate: bool = False  # reconnect at once, no backoff
@@ -218,7 +223,8 @@ class Agent:
     # --- the main loop ---
 
     async def run(self) -> None:
-        """Until stop() (returns) or a close code that needs the operator (CredentialBeyondGrace)."""
+        """Until stop() (returns) or a close code that needs the operator (CredentialBeyondGrace,
+        CredentialRevoked)."""
         self.log(
             "starting", workload=self.identity.workload_id, gateway=self.identity.gateway, version=__version__
         )
@@ -295,7 +301,7 @@ class Agent:
             ) as ws:
                 began = await self._authenticate(ws)
                 return await self._converse(ws, began)
-        except CredentialBeyondGrace:
+        except EnrolmentNeeded:
             raise
         except ConnectionClosed as closed:
             code, reason = (
@@ -336,10 +342,20 @@ class Agent:
             message = (
                 f"the control plane refused the credential of workload {self.identity.workload_id}: "
                 f"it expired beyond its grace ({reason or 'close code 4403'}); re-enrol this host with "
-                "'palisade-agent enrol --reenrol --bundle ...' and a new provisioning token"
+                "'palisade-agent enrol --reenrol --bundle ...' and a provisioning token minted for this workload"
             )
             self.status.error(message)
             raise CredentialBeyondGrace(message)
+        if code == p.CLOSE_CREDENTIAL_REVOKED:
+            workload = self.identity.workload_id
+            message = (
+                f"the operator revoked the credential of workload {workload} (close code 4410); this agent "
+                "stops. To bring the host back, the operator mints a provisioning token for this workload "
+                f"('manage.py provisioning-token mint --workload-id {workload} ...') and this host runs "
+                "'palisade-agent enrol --reenrol --bundle ...' with it"
+            )
+            self.status.error(message)
+            raise CredentialRevoked(message)
         if code == p.CLOSE_RECONNECT:
             self.force_apply = True
             return Outcome(immediate=True)

@@ -12,18 +12,24 @@ import ipaddress
 import json
 import ssl
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from agent import __version__
 from agent.bundle import BundleError, bundle_decode
-from agent.credential import CredentialError, credential_verify, format_instant, public_key_encode
+from agent.credential import (
+    CredentialError,
+    credential_parse,
+    credential_verify,
+    format_instant,
+    public_key_encode,
+)
 from agent.errors import AgentError
 from agent.hostinfo import host_addresses, host_name
-from agent.protocol import ENROL_PATH, EnrolRequest, EnrolResponse, ProtocolError, retry_after
-from agent.state import Identity, StateDir
+from agent.protocol import ENROL_PATH, EnrolRequest, EnrolResponse, ProtocolError, retry_after, sign_key_proof
+from agent.state import Enrolment, Identity, StateDir
 from agent.tls import pin_gateway, pinned_context, split_gateway
 
 MAX_RESPONSE_BYTES = 1024 * 1024
@@ -159,8 +165,31 @@ def _check_credential(response: EnrolResponse, key: Ed25519PrivateKey) -> None:
         raise AgentError("the gateway returned a credential for another workload")
 
 
+def _current_enrolment(state: StateDir) -> Enrolment | None:
+    """The enrolment to sign a re-enrolment with; None when it is unusable (a token must do then)."""
+    try:
+        return state.load_enrolment()
+    except AgentError:
+        return None
+
+
+def _key_proof(current: Enrolment, request: EnrolRequest, fingerprint: str) -> dict:
+    """Sign the re-enrolment with the current key: the gateway admits a rotation signed by the key
+    the workload is enrolled with, bound to this request, the current credential and this gateway."""
+    return sign_key_proof(
+        current.key,
+        workload_id=current.identity.workload_id,
+        serial=credential_parse(current.credential)["serial"],
+        public_key=request.public_key,
+        hostname=request.hostname,
+        addresses=request.addresses,
+        signed_at=format_instant(datetime.now(UTC)),
+        gateway_fingerprint=fingerprint,
+    )
+
+
 def enrol(
-    bundle_text: str,
+    bundle_text: str | None,
     state_dir: str,
     hostname: str | None = None,
     addresses: list[str] | None = None,
@@ -170,11 +199,17 @@ def enrol(
     timeout: float = 30.0,
 ) -> Identity:
     """Enrol this host (or re-enrol it with a fresh key when `reenrol`) and store the result.
-    `pinned` lets many simulated agents share one pinned certificate and context."""
-    bundle = decode_bundle(bundle_text)
+
+    A re-enrolment is signed with the current key when the state directory holds a usable enrolment
+    (the agent rotating its own key); the bundle's token, if any, goes along, and must be one minted for
+    this workload when the key cannot do (e.g. the operator revoked the credential). Without a bundle
+    it goes to the gateway of the current enrolment with the key proof alone. `pinned` lets many
+    simulated agents share one pinned certificate and context."""
+    bundle = decode_bundle(bundle_text) if bundle_text is not None else None
     state = StateDir(state_dir)
     state.create()
     workload_id = None
+    current = None
     if state.is_enrolled():
         if not reenrol:
             enrolled = state.load_identity().workload_id
@@ -183,8 +218,22 @@ def enrol(
                 "use --reenrol to enrol it again with a new key"
             )
         workload_id = state.load_identity().workload_id
+        current = _current_enrolment(state)
     elif reenrol:
         raise AgentError(f"nothing to re-enrol: {state.path} holds no enrolment; enrol without --reenrol")
+    if bundle is None and current is not None:
+        identity = current.identity
+        bundle = {"gateway": identity.gateway, "fingerprint": identity.fingerprint, "token": ""}
+        pinned = pinned or Pinned(identity.certificate_pem, pinned_context(identity.certificate_pem))
+    elif bundle is None:
+        raise AgentError(
+            "a bundle is needed: "
+            + (
+                f"the enrolment in {state.path} is unusable, so its key cannot sign the re-enrolment"
+                if reenrol
+                else "enrolling needs a provisioning bundle"
+            )
+        )
     checked = _check_addresses(host_addresses() if addresses is None else addresses)
     pinned = pinned or pin(bundle)
     key = Ed25519PrivateKey.generate()
@@ -196,6 +245,8 @@ def enrol(
         agent_version=__version__,
         workload_id=workload_id,
     )
+    if current is not None:
+        request = replace(request, key_proof=_key_proof(current, request, bundle["fingerprint"]))
     response = post_enrolment(bundle["gateway"], pinned.context, request, timeout=timeout)
     _check_credential(response, key)
     identity = Identity(

@@ -71,6 +71,7 @@ CLOSE_FORBIDDEN = 4403  # credential beyond its grace: the workload must re-enro
 CLOSE_NOT_FOUND = 4404  # no such stream path
 CLOSE_HANDSHAKE_TIMEOUT = 4408
 CLOSE_REPLACED = 4409  # a newer stream of the same workload took over
+CLOSE_CREDENTIAL_REVOKED = 4410  # the operator revoked the credential: only a consented re-enrolment helps
 CLOSE_RECONNECT = 4100  # the operator asked for a fresh snapshot: reconnect now
 CLOSE_SHUTDOWN = 4503  # the control plane is shutting down or its database is away: reconnect with backoff
 CLOSE_TRY_AGAIN = 4500  # the control plane failed on its side (e.g. during a renewal): reconnect with backoff
@@ -327,17 +328,67 @@ def decode(text: str | bytes, *, sender: str) -> Message:
 # --- enrolment, over HTTPS POST ENROL_PATH ---
 
 
+KEY_PROOF_CONTEXT = b"palisade-key-rotation-v1\n"
+KEY_PROOF_MAX_SKEW_SECONDS = 300  # how far `signed_at` may be from the gateway's clock, either way
+
+
 @dataclass(frozen=True)
 class EnrolRequest:
-    token: str
+    token: str  # empty for a key-signed rotation without a token
     public_key: str  # base64 raw Ed25519
     hostname: str
     addresses: list
     agent_version: str
     workload_id: str | None = None  # re-enrolment of an existing workload
+    # A re-enrolment signed with the workload's current key: {"serial", "signed_at", "signature"}.
+    key_proof: dict | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"v": PROTOCOL_VERSION, **asdict(self)}
+        data = {"v": PROTOCOL_VERSION, **asdict(self)}
+        if self.key_proof is None:
+            del data["key_proof"]
+        return data
+
+
+def key_proof_message(
+    *,
+    workload_id: str,
+    serial: int,
+    public_key: str,
+    hostname: str,
+    addresses: list,
+    signed_at: str,
+    gateway_fingerprint: str,
+) -> bytes:
+    """What an agent signs with its current key to re-enrol its workload under a new key: the request's
+    content (new key, host name, addresses as sent), the workload and the serial of its current
+    credential (every enrolment and renewal moves it on, so a proof is good for one enrolment at most),
+    the instant of signing (the gateway refuses old ones) and the gateway certificate it pinned."""
+    content = {
+        "workload_id": workload_id,
+        "serial": serial,
+        "public_key": public_key,
+        "hostname": hostname,
+        "addresses": addresses,
+        "signed_at": signed_at,
+        "gateway_fingerprint": gateway_fingerprint.upper(),
+    }
+    return KEY_PROOF_CONTEXT + json.dumps(content, sort_keys=True, separators=(",", ":")).encode()
+
+
+def sign_key_proof(key: Ed25519PrivateKey, *, serial: int, signed_at: str, **content: Any) -> dict[str, Any]:
+    """The `key_proof` of a re-enrolment request (content: key_proof_message's other arguments)."""
+    signature = key.sign(key_proof_message(serial=serial, signed_at=signed_at, **content))
+    return {"serial": serial, "signed_at": signed_at, "signature": b64encode(signature)}
+
+
+def verify_key_proof(public_key_b64: str, signature_b64: str, **content: Any) -> bool:
+    try:
+        key = Ed25519PublicKey.from_public_bytes(b64decode(public_key_b64, what="public key", length=32))
+        key.verify(b64decode(signature_b64, what="signature", length=64), key_proof_message(**content))
+    except (InvalidSignature, ProtocolError, ValueError, TypeError):
+        return False
+    return True
 
 
 @dataclass(frozen=True)

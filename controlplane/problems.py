@@ -34,6 +34,16 @@ PROBLEM_TYPES: dict[str, ProblemType] = {
         "Cross-origin request refused",
         "A non-read request that a browser marked as coming from another origin.",
     ),
+    "enrolment-refused": ProblemType(
+        403,
+        "Enrolment refused",
+        "The agent gateway refused an enrolment the provisioning token does not allow: re-enrolling an existing workload needs a token minted for that workload (or a request signed with its current key), and a token minted for a workload enrols nothing else.",
+    ),
+    "credential-revoked": ProblemType(
+        403,
+        "Credential revoked",
+        "The agent gateway refused a workload whose credential the operator revoked: it reports, renews and re-enrols with its key no more; only a re-enrolment with a provisioning token minted for it brings it back.",
+    ),
     "not-found": ProblemType(404, "Not found", "No such resource or path on this listener."),
     "method-not-allowed": ProblemType(
         405, "Method not allowed", "The resource does not support this method."

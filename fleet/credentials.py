@@ -9,6 +9,10 @@ credential state machine of the spec ("Credential state"), computed from stored 
 | expired                    | renewal                   | within the grace       | renews (+ last_late_renewal) |
 | expired                    | renewal                   | beyond the grace       | refused: re-enrol |
 
+Apart from that table, the operator may revoke a credential (`credential_revoke`): from then on every
+stream, renewal, flow report and key-signed re-enrolment of the workload is refused, whatever the
+state, until a re-enrolment with a provisioning token minted for the workload.
+
 The credential format (compact JSON, Ed25519) lives in agent/credential.py so the agent checks it
 with the same code. The gateway authenticates the agent's key itself; these functions only keep the
 state and sign.
@@ -30,12 +34,22 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from django.conf import settings
 from django.db import transaction
 
-from agent.credential import CredentialError, credential_payload, credential_sign, public_key_encode
+from agent.credential import (
+    CredentialError,
+    credential_payload,
+    credential_sign,
+    public_key_encode,
+    public_key_fingerprint,
+)
 from agent.credential import credential_verify as _verify_with
 from controlplane import clock
+from controlplane.audit import audit_record
+from controlplane.auth.actor import Actor
 from controlplane.problems import Problem
 from controlplane.text import visible
+from controlplane.validation import Findings, reject_unknown, require_object, take_string
 from fleet.models import Workload
+from fleet.push import notify_streams
 from fleet.selectors import workload_get
 
 log = logging.getLogger("palisade.credentials")
@@ -218,6 +232,27 @@ def _verified_payload(text: str, key: Ed25519PrivateKey) -> dict[str, Any]:
 # --- renewal ---------------------------------------------------------------------------------------
 
 
+class CredentialRevoked(Problem):
+    """A renewal (or stream, or report) of a workload whose credential the operator revoked: the
+    stream closes with 4410 and only a re-enrolment with a token minted for the workload helps."""
+
+    def __init__(self, workload: Workload):
+        super().__init__("credential-revoked", credential_revoked_detail(workload))
+
+
+def revocation_reason_text(workload: Workload) -> str:
+    reason = workload.credential_revoked_reason
+    return f" ({reason})" if reason else ""
+
+
+def credential_revoked_detail(workload: Workload) -> str:
+    return (
+        f"The credential of workload {workload.id} was revoked at "
+        f"{clock.rfc3339(workload.credential_revoked_at)}{revocation_reason_text(workload)}: re-enrol it "
+        "with a provisioning token minted for it."
+    )
+
+
 class CredentialBeyondGrace(Problem):
     """The one renewal refusal after which only a new enrolment helps (the stream closes with 4403).
     Every other failure of a renewal is the control plane's and the agent retries it."""
@@ -237,12 +272,14 @@ def credential_renew(*, workload_id: str, now: datetime | None = None) -> Signed
     with transaction.atomic():
         workload = workload_get(workload_id=workload_id, for_update=True)
         now = now or clock.now()
+        if workload.credential_revoked_at is not None:
+            raise CredentialRevoked(workload)
         if credential_beyond_grace(workload, now):
             raise CredentialBeyondGrace(
                 f"The credential of workload {workload.id} expired at "
                 f"{clock.rfc3339(workload.credential_expires_at)}, "
                 f"more than the renewal grace ({_duration(credential_grace())}) ago; it cannot be renewed: "
-                "re-enrol the workload with a new provisioning token.",
+                "re-enrol the workload with a provisioning token minted for it.",
             )
         # A renewal is contact, also over a renew-only stream (an expired credential's only message).
         workload.last_heard_from = now
@@ -256,6 +293,44 @@ def credential_renew(*, workload_id: str, now: datetime | None = None) -> Signed
         credential_start(workload, now=now, serial=workload.credential_serial + 1)
         workload.save(update_fields=fields)
         return credential_issue(workload=workload)
+
+
+MAX_REVOCATION_REASON = 1000
+
+
+def credential_revoke(*, actor: Actor, workload_id: str, data: Any = None) -> Workload:
+    """Revoke the workload's credential (`data`: optional {"reason"}): its open stream closes (4410),
+    and from now on its streams, renewals, flow reports and key-signed re-enrolments are refused. The
+    workload stays in the fleet (nothing is deleted) and shows the revocation; a re-enrolment with a
+    provisioning token minted for it is the only way back. Revoking again is harmless and keeps the
+    first instant and reason."""
+    data = require_object({} if data is None else data)
+    findings = Findings()
+    reject_unknown(data, {"reason"}, findings)
+    reason = take_string(data, "reason", findings, required=False, max_length=MAX_REVOCATION_REASON)
+    findings.raise_if_any()
+    with transaction.atomic():
+        workload = workload_get(workload_id=workload_id, for_update=True)
+        if workload.credential_revoked_at is None:
+            workload.credential_revoked_at = clock.now()
+            workload.credential_revoked_reason = reason.strip()
+            workload.save(update_fields=["credential_revoked_at", "credential_revoked_reason"])
+            audit_record(
+                actor=actor,
+                action="workload.revoke_credential",
+                object_type="workload",
+                object_id=workload.id,
+                object_name=workload.hostname,
+                detail={
+                    "reason": workload.credential_revoked_reason,
+                    "credential_serial": workload.credential_serial,
+                    "public_key_fingerprint": public_key_fingerprint(workload.public_key),
+                },
+            )
+        # Sent every time: a stream that somehow survived the first notice is told again. serve's
+        # catch-up sweep also closes the stream of a revoked workload, for a host command without Redis.
+        notify_streams([str(workload.id)], {"type": "credential.revoked"})
+    return workload
 
 
 def credential_renewal_failed(*, workload_id: str, error: str) -> Workload:

@@ -23,7 +23,7 @@ from rest_framework.views import APIView
 from agent import protocol
 from controlplane import clock
 from controlplane.outage import database_failed, retry_after_seconds
-from controlplane.problems import Finding, ValidationFailed
+from controlplane.problems import Finding, Problem, ValidationFailed
 from controlplane.text import visible
 from controlplane.validation import parse_instant, require_object
 from fleet import credentials, held_streams, streams, sync
@@ -41,8 +41,8 @@ HEARD_FROM_EVERY_SECONDS = 60  # heartbeats refresh last_heard_from at most this
 
 
 class EnrolView(APIView):
-    """POST /agent/v1/enrol: a provisioning token and the agent's public key -> a workload and its
-    credential. Refusals are problem documents like everywhere else."""
+    """POST /agent/v1/enrol: a provisioning token (or, re-enrolling, a key proof) and the agent's
+    public key -> a workload and its credential. Refusals are problem documents like everywhere else."""
 
     authentication_classes: list = []
     permission_classes = [AllowAny]
@@ -59,16 +59,34 @@ class EnrolView(APIView):
                     )
                 ]
             )
-        enrolled = workload_enrol(
-            token_secret=str(data.get("token") or ""),
-            public_key=data.get("public_key"),
-            hostname=data.get("hostname"),
-            addresses=data.get("addresses"),
-            agent_version=str(data.get("agent_version") or "")[:64],
-            workload_id=data.get("workload_id"),
-        )
+        try:
+            enrolled = workload_enrol(
+                token_secret=str(data.get("token") or ""),
+                public_key=data.get("public_key"),
+                hostname=data.get("hostname"),
+                addresses=data.get("addresses"),
+                agent_version=str(data.get("agent_version") or "")[:64],
+                workload_id=data.get("workload_id"),
+                key_proof=data.get("key_proof"),
+            )
+        except Problem as refused:
+            # A refused enrolment changes nothing and so leaves no audit event: the log says who tried.
+            if refused.name != "validation":
+                log.warning(
+                    "refused an enrolment from %s%s: %s [%s]",
+                    request.META.get("REMOTE_ADDR", "?"),
+                    f" for workload {data.get('workload_id')!r:.60}" if data.get("workload_id") else "",
+                    refused.detail[:300],
+                    refused.name,
+                )
+            raise
         credential = enrolled.credential
-        log.info("enrolled workload %s (%s)", enrolled.workload.id, enrolled.workload.hostname)
+        log.info(
+            "%s workload %s (%s)",
+            "re-enrolled" if enrolled.re_enrolled else "enrolled",
+            enrolled.workload.id,
+            enrolled.workload.hostname,
+        )
         body = protocol.EnrolResponse(
             workload_id=str(enrolled.workload.id),
             credential=credential.text,
@@ -259,6 +277,10 @@ class SyncStreamConsumer(AsyncWebsocketConsumer):
     async def renew(self) -> None:
         try:
             issued = await held_streams.db(credentials.credential_renew)(workload_id=self.grant.workload_id)
+        except credentials.CredentialRevoked:
+            raise streams.StreamRefused(
+                protocol.CLOSE_CREDENTIAL_REVOKED, "renewal refused: the credential was revoked"
+            ) from None
         except credentials.CredentialBeyondGrace as refused:
             await self.record_renewal_failure(refused.detail)
             raise streams.StreamRefused(protocol.CLOSE_FORBIDDEN, "renewal refused: re-enrol") from None
@@ -304,6 +326,10 @@ class SyncStreamConsumer(AsyncWebsocketConsumer):
         if self.grant:
             await self.send_message(protocol.Reconnect(reason="resend-snapshot"))
             await self.close(code=protocol.CLOSE_RECONNECT)
+
+    async def credential_revoked(self, event):
+        if self.grant:
+            await self.refuse(protocol.CLOSE_CREDENTIAL_REVOKED, "the operator revoked the credential")
 
     async def stream_replaced(self, event):
         if event.get("stream_id") != self.stream_id:

@@ -107,6 +107,10 @@ async def streams_catch_up() -> int:
         due = state.get(stream.stream_id)
         if due is None:
             continue
+        if due.revoked:
+            # Stored, not on its way: close it at once, whatever the last sweep saw.
+            await get_channel_layer().send(channel, {"type": "credential.revoked"})
+            continue
         if due.resend_requested_at is not None:
             behind[channel] = ("resend.snapshot", due.resend_requested_at)
         elif due.latest_version and due.latest_version != stream.sent_version:

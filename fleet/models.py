@@ -28,6 +28,10 @@ class ProvisioningToken(models.Model):
     uses = models.PositiveIntegerField(default=0)
     last_used_at = models.DateTimeField(null=True)
     revoked_at = models.DateTimeField(null=True)
+    # Minted for re-enrolling this one workload (one use; it enrols nothing else); null: a general
+    # token, which creates new workloads and re-enrols none. Cascades: a token whose workload is gone
+    # must never become a general one.
+    workload = models.ForeignKey("Workload", on_delete=models.CASCADE, null=True, related_name="+")
 
     class Meta:
         indexes = [models.Index(fields=["created_at", "id"], name="provisioning_token_order")]
@@ -96,6 +100,10 @@ class Workload(models.Model):
     credential_last_late_renewal = models.DateTimeField(null=True)
     # How long past its expiry that renewal came (the console's 'renewed N late').
     credential_last_late_by_seconds = models.PositiveIntegerField(null=True)
+    # Revoked by the operator (fleet.credentials.credential_revoke): no stream, report or renewal
+    # until a re-enrolment with a token minted for this workload clears it.
+    credential_revoked_at = models.DateTimeField(null=True)
+    credential_revoked_reason = models.CharField(max_length=1000, blank=True)
 
     enrolled_at = models.DateTimeField()
     enrolled_with = models.ForeignKey(

@@ -5,10 +5,15 @@ characters (`prefix`). The secret is shown once, inside the enrolment bundle (ag
 also tells the agent where the gateway is and which certificate to pin. A token may carry labels
 (given to every workload it enrols), an expiry and a maximum number of uses; a revoked, expired or
 used-up token enrols nothing.
+
+A general token creates new workloads and re-enrols none. A token minted for a workload (its
+`workload_id`) is the operator's consent to re-enrol that one workload, once: it carries no labels
+and creates nothing (fleet/enrolment.py).
 """
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
@@ -27,13 +32,14 @@ from controlplane.pagination import OrderKey, Page, list_fingerprint, paginate
 from controlplane.problems import Problem, pointer
 from controlplane.validation import (
     Findings,
+    quoted,
     reject_unknown,
     require_object,
     take_instant,
     take_int,
     take_string,
 )
-from fleet.models import ProvisioningToken
+from fleet.models import ProvisioningToken, Workload
 from policy.grammar import validate_labels
 
 MAX_DESCRIPTION = 1000
@@ -50,6 +56,7 @@ class ProvisioningTokenInput:
     expires_at: datetime | None
     max_uses: int | None
     labels: dict[str, str]
+    workload_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -62,7 +69,7 @@ class MintedProvisioningToken:
 def provisioning_token_input(data: Any) -> ProvisioningTokenInput:
     data = require_object(data)
     findings = Findings()
-    reject_unknown(data, {"description", "expires_at", "max_uses", "labels"}, findings)
+    reject_unknown(data, {"description", "expires_at", "max_uses", "labels", "workload_id"}, findings)
     description = take_string(data, "description", findings, min_length=1, max_length=MAX_DESCRIPTION)
     if description and not description.strip():
         findings.add("/description", "too-short", "description must not be blank.")
@@ -79,10 +86,42 @@ def provisioning_token_input(data: Any) -> ProvisioningTokenInput:
             findings.add(where, error.rule, error.message)
         if isinstance(labels, Mapping) and len(labels) > MAX_LABELS:
             findings.add("/labels", "too-many", f"A token may carry at most {MAX_LABELS} labels.")
+    workload_id = _workload_id_input(data, findings)
+    if workload_id is not None:
+        # The operator's consent to re-enrol that one workload, once: it keeps its own labels.
+        if max_uses not in (None, 1):
+            findings.add("/max_uses", "workload-token", "A token minted for a workload has exactly one use.")
+        if labels:
+            findings.add(
+                "/labels",
+                "workload-token",
+                "A token minted for a workload carries no labels: it keeps its own.",
+            )
+        max_uses = 1
     findings.raise_if_any()
     return ProvisioningTokenInput(
-        description=description.strip(), expires_at=expires_at, max_uses=max_uses, labels=dict(labels)
+        description=description.strip(),
+        expires_at=expires_at,
+        max_uses=max_uses,
+        labels=dict(labels),
+        workload_id=workload_id,
     )
+
+
+def _workload_id_input(data: Mapping[str, Any], findings: Findings) -> str | None:
+    raw = data.get("workload_id")
+    if raw is None:
+        return None
+    try:
+        workload_id = str(uuid.UUID(raw)) if isinstance(raw, str) else None
+    except ValueError:
+        workload_id = None
+    if workload_id is None or not Workload.objects.filter(id=workload_id).exists():
+        findings.add(
+            "/workload_id", "workload", f"No workload {quoted(raw)}: workload_id names an enrolled workload."
+        )
+        return None
+    return workload_id
 
 
 def provisioning_token_state(token: ProvisioningToken, now: datetime | None = None) -> str:
@@ -133,6 +172,7 @@ def provisioning_token_mint(*, actor: Actor, data: Mapping[str, Any]) -> MintedP
             created_at=clock.now(),
             expires_at=spec.expires_at,
             max_uses=spec.max_uses,
+            workload_id=spec.workload_id,
         )
         audit_record(
             actor=actor,
@@ -145,6 +185,7 @@ def provisioning_token_mint(*, actor: Actor, data: Mapping[str, Any]) -> MintedP
                 "labels": token.labels,
                 "max_uses": token.max_uses,
                 "expires_at": clock.rfc3339(token.expires_at),
+                "workload_id": spec.workload_id,
             },
         )
     return MintedProvisioningToken(secret=secret, token=token, bundle=bundle)

@@ -67,6 +67,14 @@ def workload_data(workload: Workload) -> dict:
                 "last_error": workload.credential_last_error or None,
                 "last_late_renewal": rfc3339(workload.credential_last_late_renewal),
                 "last_late_renewal_late_by_seconds": workload.credential_last_late_by_seconds,
+                "revoked": (
+                    {
+                        "at": rfc3339(workload.credential_revoked_at),
+                        "reason": workload.credential_revoked_reason or None,
+                    }
+                    if workload.credential_revoked_at is not None
+                    else None
+                ),
             },
         },
         "enrolled_at": rfc3339(workload.enrolled_at),

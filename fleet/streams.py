@@ -96,6 +96,11 @@ def stream_authenticate(*, auth: protocol.Auth, nonce: bytes) -> StreamGrant:
         gateway_fingerprint=fingerprint,
     ):
         raise StreamRefused(protocol.CLOSE_UNAUTHENTICATED, "proof of possession failed")
+    if workload.credential_revoked_at is not None:
+        raise StreamRefused(
+            protocol.CLOSE_CREDENTIAL_REVOKED,
+            "credential revoked by the operator: re-enrol with a token for it",
+        )
     now = clock.now()
     if credential_beyond_grace(workload, now):
         raise StreamRefused(protocol.CLOSE_FORBIDDEN, "credential expired beyond its grace: re-enrol")
@@ -169,6 +174,7 @@ def _latest_marked_sent(workload_id, stream_id: str, unless_version: str | None)
 class StreamDue:
     latest_version: str | None
     resend_requested_at: object  # a datetime, or None when no resend waits for a snapshot
+    revoked: bool = False  # the operator revoked the credential: the stream must close
 
 
 def streams_state(*, streams: dict[str, str]) -> dict[str, StreamDue]:
@@ -178,11 +184,11 @@ def streams_state(*, streams: dict[str, str]) -> dict[str, StreamDue]:
     ids = list(streams)
     for start in range(0, len(ids), 500):  # under SQLite's bound-parameter limit
         rows = Workload.objects.filter(id__in=ids[start : start + 500]).values_list(
-            "id", "stream_id", "latest_policy_id", "resend_requested_at"
+            "id", "stream_id", "latest_policy_id", "resend_requested_at", "credential_revoked_at"
         )
-        for workload_id, stream_id, latest, resend_at in rows:
+        for workload_id, stream_id, latest, resend_at, revoked_at in rows:
             if streams[str(workload_id)] == stream_id:
-                state[stream_id] = StreamDue(latest, resend_at)
+                state[stream_id] = StreamDue(latest, resend_at, revoked_at is not None)
     return state
 
 
@@ -211,11 +217,17 @@ def report_authenticate(*, workload_id: str, credential: str, signature: str, bo
         raise Problem(
             "unauthenticated", "Not a report signed by an enrolled workload with its current credential."
         )
+    if sender.revoked:
+        raise Problem(
+            "credential-revoked",
+            "The operator revoked this workload's credential: it reports nothing until re-enrolled with a "
+            "provisioning token minted for it.",
+        )
     if sender.beyond_grace:
         raise Problem(
             "unauthenticated",
             "The credential expired beyond its renewal grace and cannot be renewed: re-enrol this host "
-            "(palisade-agent enrol --reenrol with a new provisioning token), then report.",
+            "(palisade-agent enrol --reenrol with a provisioning token minted for this workload), then report.",
         )
     if sender.expired:
         raise Problem(
@@ -230,6 +242,7 @@ class _ReportSender(NamedTuple):
     credential_serial: int
     expired: bool  # the credential's expiry is past (credential_state's "expired")
     beyond_grace: bool  # and its renewal grace too: only a new enrolment helps
+    revoked: bool  # the operator revoked the credential
 
 
 def _report_sender(workload_key: uuid.UUID, *, now: datetime) -> _ReportSender | None:
@@ -240,7 +253,7 @@ def _report_sender(workload_key: uuid.UUID, *, now: datetime) -> _ReportSender |
     with connection.cursor() as cursor:
         cursor.execute(
             f'SELECT "public_key", "credential_serial", "credential_expires_at" <= %s, '  # noqa: S608
-            f'"credential_expires_at" <= %s FROM "{table}" WHERE "id" = %s',
+            f'"credential_expires_at" <= %s, "credential_revoked_at" IS NOT NULL FROM "{table}" WHERE "id" = %s',
             [
                 connection.ops.adapt_datetimefield_value(now),
                 connection.ops.adapt_datetimefield_value(now - credential_grace()),
@@ -248,4 +261,4 @@ def _report_sender(workload_key: uuid.UUID, *, now: datetime) -> _ReportSender |
             ],
         )
         row = cursor.fetchone()
-    return None if row is None else _ReportSender(row[0], row[1], bool(row[2]), bool(row[3]))
+    return None if row is None else _ReportSender(row[0], row[1], bool(row[2]), bool(row[3]), bool(row[4]))

@@ -17,7 +17,7 @@ class AuditEventSerializer(serializers.Serializer):
     actor = inline_serializer(
         "AuditActor",
         {
-            "kind": serializers.ChoiceField(choices=["session", "token", "cli"]),
+            "kind": serializers.ChoiceField(choices=["session", "token", "cli", "agent"]),
             "label": serializers.CharField(
                 help_text="The token's name and prefix, or the host command line."
             ),

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Actor:
-    kind: str  # "session", "token" or "cli"
+    kind: str  # "session", "token", "cli", or "agent" (an enrolment at the agent gateway)
     label: str  # e.g. "token ci-deploy (pal_op_Ab12)" or "host command line"
     token_id: str | None = None
     session_id: int | None = None

@@ -91,6 +91,11 @@ def _sync_chips(sync: dict, health: dict, now: datetime) -> list[Chip]:
 def _credential_chips(credential: dict, now: datetime) -> list[Chip]:
     chips = []
     state = credential["state"]
+    revoked = credential.get("revoked")
+    if revoked:
+        # Overrides the lifetime state: nothing renews or reports until a consented re-enrolment.
+        why = f": {revoked['reason']}" if revoked.get("reason") else ""
+        return [Chip("Credential revoked", BAD, f"revoked at {revoked['at']}{why}")]
     if state == "expired":
         chips.append(Chip("Credential expired", BAD, f"expired at {credential['expires_at']}"))
     elif state == "renewal-failed":

@@ -11,6 +11,7 @@ urlpatterns = [
     path("workloads/<str:workload_id>", fleet.workload),
     path("workloads/<str:workload_id>/labels", fleet.workload_labels),
     path("workloads/<str:workload_id>/resend-snapshot", fleet.workload_resend),
+    path("workloads/<str:workload_id>/revoke-credential", fleet.workload_revoke_credential),
     path("policy", policy.policy_index),
     path("policy/rulesets/new", policy.ruleset_new),
     path("policy/rulesets/<str:ruleset_id>", policy.ruleset_detail),

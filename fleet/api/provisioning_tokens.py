@@ -33,6 +33,11 @@ class ProvisioningTokenSerializer(serializers.Serializer):
     uses = serializers.IntegerField(help_text="Enrolments made with the token.")
     last_used_at = serializers.DateTimeField(allow_null=True)
     revoked_at = serializers.DateTimeField(allow_null=True)
+    workload_id = serializers.UUIDField(
+        allow_null=True,
+        help_text="The one workload this token re-enrols (one use; it enrols nothing else). null: a general "
+        "token, which enrols new workloads and re-enrols none.",
+    )
     state = serializers.ChoiceField(
         choices=[ACTIVE, REVOKED, EXPIRED, USED_UP],
         help_text="`active`, or why the token enrols nothing (revoked wins over expired, expired over used-up).",
@@ -51,6 +56,7 @@ def provisioning_token_data(token) -> dict:
         "uses": token.uses,
         "last_used_at": rfc3339(token.last_used_at),
         "revoked_at": rfc3339(token.revoked_at),
+        "workload_id": str(token.workload_id) if token.workload_id else None,
         "state": provisioning_token_state(token),
     }
 
@@ -68,7 +74,15 @@ MintRequest = inline_serializer(
         "labels": serializers.DictField(
             child=serializers.CharField(allow_blank=True),
             required=False,
-            help_text="Label set (label grammar, at most 64) given to every workload the token enrols.",
+            help_text="Label set (label grammar, at most 64) given to every workload the token enrols; "
+            "none with `workload_id`.",
+        ),
+        "workload_id": serializers.UUIDField(
+            required=False,
+            allow_null=True,
+            help_text="Mint the token to re-enrol this one workload (the operator's consent, e.g. for a "
+            "reinstalled host or after revoke-credential): exactly one use, no labels, and it enrols "
+            "nothing else. Absent or null: a general token, which enrols new workloads only.",
         ),
     },
 )

@@ -28,6 +28,17 @@ class CredentialSerializer(serializers.Serializer):
     last_late_renewal_late_by_seconds = serializers.IntegerField(
         allow_null=True, help_text="How long after the expiry that renewal came ('renewed N late')."
     )
+    revoked = inline_serializer(
+        "CredentialRevocation",
+        {
+            "at": serializers.DateTimeField(),
+            "reason": serializers.CharField(allow_null=True, help_text="The operator's reason, if given."),
+        },
+        allow_null=True,
+        help_text="Set while the operator's revocation stands (POST /workloads/{id}/revoke-credential): "
+        "the workload's streams, renewals, flow reports and key-signed re-enrolments are refused, whatever "
+        "`state` says, until it is re-enrolled with a provisioning token minted for it. null: not revoked.",
+    )
 
 
 class HealthSerializer(serializers.Serializer):
@@ -164,5 +175,18 @@ DryrunSerializer = inline_serializer(
         "changed": serializers.ListField(child=serializers.DictField()),
         "truncated": serializers.BooleanField(),
         "warnings": serializers.ListField(child=serializers.DictField()),
+    },
+)
+
+
+RevokeCredentialRequest = inline_serializer(
+    "RevokeCredentialRequest",
+    {
+        "reason": serializers.CharField(
+            required=False,
+            allow_blank=True,
+            max_length=1000,
+            help_text="Why, shown on the workload (one line).",
+        )
     },
 )

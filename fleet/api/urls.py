@@ -9,6 +9,7 @@ urlpatterns = [
     path("workloads/<str:workload_id>/rendered-policy", views.RenderedPolicyView.as_view()),
     path("workloads/<str:workload_id>/labels", views.LabelsView.as_view()),
     path("workloads/<str:workload_id>/resend-snapshot", views.ResendSnapshotView.as_view()),
+    path("workloads/<str:workload_id>/revoke-credential", views.RevokeCredentialView.as_view()),
     path("mode-changes", views.ModeChangeView.as_view()),
     path("selectors/preview", views.SelectorPreviewView.as_view()),
     path("policies/render-dryrun", views.RenderDryrunView.as_view()),

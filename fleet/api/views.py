@@ -1,4 +1,4 @@
-"""Fleet endpoints: workloads, labels, rendered policy, resend-snapshot, mode changes, selector
+"""Fleet endpoints: workloads, labels, rendered policy, resend-snapshot, revoke-credential, mode changes, selector
 preview and render dry-run. Each handler parses, calls one domain function and renders."""
 
 from drf_spectacular.types import OpenApiTypes
@@ -15,7 +15,7 @@ from controlplane.api.schema import (
     WRITE_ERRORS,
     problem,
 )
-from fleet import dryrun, selectors, services
+from fleet import credentials, dryrun, selectors, services
 from fleet.api import schemas
 from fleet.choices import SyncState
 from fleet.representations import labels_data, mode_change_data, rendered_policy_data, workload_data
@@ -124,6 +124,19 @@ class ResendSnapshotView(APIView):
     def post(self, request, workload_id):
         workload = services.workload_resend_snapshot(actor=request.user, workload_id=workload_id)
         return Response({"workload_id": str(workload.id), "directive": "sent"})
+
+
+class RevokeCredentialView(APIView):
+    @extend_schema(
+        operation_id="workloads_revoke_credential",
+        request=schemas.RevokeCredentialRequest,
+        responses={200: schemas.WorkloadSerializer, **NOT_FOUND, **WRITE_ERRORS},
+    )
+    def post(self, request, workload_id):
+        workload = credentials.credential_revoke(
+            actor=request.user, workload_id=workload_id, data=request.data
+        )
+        return Response(workload_data(workload))
 
 
 class ModeChangeView(APIView):

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import pytest
 
 from agent.credential import credential_parse
-from agent.daemon import Agent, CredentialBeyondGrace
+from agent.daemon import Agent, CredentialBeyondGrace, CredentialRevoked
 from agent.enrol import enrol
 from agent.eventlog import EventLog
 from agent.simulated import RecordingDataplane
@@ -343,6 +343,22 @@ def test_close_4403_stops_with_a_reenrol_error(tmp_path):
         with pytest.raises(CredentialBeyondGrace, match="re-enrol"):
             await asyncio.wait_for(w.agent.run(), 15)
         assert len([e for e in w.gateway.events if e["kind"] == "auth"]) == 1  # no retry
+
+    scenario(tmp_path, body, prepare=prepare)
+
+
+def test_close_4410_stops_saying_the_credential_was_revoked_and_how_to_come_back(tmp_path):
+    async def prepare(w: World) -> None:
+        w.gateway.refuse[w.workload] = (4410, "the operator revoked the credential")
+
+    async def body(w: World) -> None:
+        with pytest.raises(CredentialRevoked, match="revoked the credential") as stopped:
+            await asyncio.wait_for(w.agent.run(), 15)
+        assert f"--workload-id {w.workload}" in stopped.value.message
+        assert stopped.value.exit_code == 3  # systemd need not restart it
+        assert len([e for e in w.gateway.events if e["kind"] == "auth"]) == 1  # no retry
+        status = json.loads(w.agent.state.file("status.json").read_text())
+        assert "revoked" in status["last_error"]["message"]
 
     scenario(tmp_path, body, prepare=prepare)
 

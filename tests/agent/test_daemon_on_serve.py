@@ -16,9 +16,12 @@ import time
 from pathlib import Path
 
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from agent.daemon import Agent
+from agent.credential import public_key_encode
+from agent.daemon import Agent, CredentialRevoked
 from agent.enrol import enrol
+from agent.errors import AgentError
 from agent.eventlog import EventLog
 from agent.simulated import RecordingDataplane
 from agent.state import StateDir
@@ -42,10 +45,15 @@ class RunningAgent:
             log=EventLog(stream=self.logs),
         )  # fmt: skip
         self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(
-            target=self.loop.run_until_complete, args=(self.agent.run(),), daemon=True
-        )
+        self.error: Exception | None = None  # what stopped the daemon by itself (e.g. 4410)
+        self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.loop.run_until_complete(self.agent.run())
+        except Exception as error:  # noqa: BLE001 - kept for the test to assert on
+            self.error = error
 
     def call(self, function, *args):
         """Run `function` on the agent's loop (the dataplane and the agent are not thread-safe)."""
@@ -78,6 +86,7 @@ def world(tmp_path):
             "/api/v1/provisioning-tokens", json={"description": "daemon", "max_uses": 1}
         ).json()["bundle"]
         agent = RunningAgent(bundle, tmp_path / "state")
+        agent.state_dir = tmp_path / "state"
         try:
             workload = wait(http, lambda w: in_sync(w), "first sync")
             yield site, serve, http, agent, workload
@@ -186,3 +195,52 @@ def test_the_table_stays_while_serve_is_down_and_the_agent_comes_back_by_itself(
     assert (
         agent.dataplane.current == document and agent.dataplane.applies == applies
     )  # same version: not reapplied
+
+
+def test_the_agent_rotates_its_key_a_revocation_stops_it_and_only_a_token_for_it_brings_it_back(world):
+    _, serve, http, agent, workload = world
+    state_dir = str(agent.state_dir)
+    # A hostile host with any general token and the victim's id gets nothing, over the real listener.
+    general_token = http.post("/api/v1/provisioning-tokens", json={"description": "sandbox"}).json()["token"]
+    with serve.client("gateway") as gateway:
+        refused = gateway.post(
+            "/agent/v1/enrol",
+            json={
+                "v": 1, "token": general_token, "workload_id": workload["id"], "hostname": "evil",
+                "addresses": ["10.6.6.6"], "agent_version": "0.1.0",
+                "public_key": public_key_encode(Ed25519PrivateKey.generate().public_key()),
+            },
+        )  # fmt: skip
+    assert refused.status_code == 403 and refused.json()["type"].endswith(":enrolment-refused")
+    assert the_workload(http)["addresses"] == ["10.0.0.5"]
+    old_key = public_key_encode(StateDir(state_dir).load_key().public_key())
+    # The agent rotating its own key: signed with the current one, no bundle, no token.
+    enrol(None, state_dir, hostname="web-1", addresses=["10.0.0.5"], reenrol=True)
+    assert public_key_encode(StateDir(state_dir).load_key().public_key()) != old_key
+    wait(
+        http, lambda w: in_sync(w) and w["enrolled_at"] != workload["enrolled_at"], "synced under the new key"
+    )
+    events = http.get("/api/v1/audit-events", params={"object_id": workload["id"]}).json()["items"]
+    assert events[0]["action"] == "workload.re_enrol" and events[0]["detail"]["via"] == "key"
+    assert events[0]["actor"]["kind"] == "agent"
+
+    response = http.post(f"/api/v1/workloads/{workload['id']}/revoke-credential", json={"reason": "stolen"})
+    assert response.status_code == 200, response.text
+    agent.thread.join(15)
+    assert not agent.thread.is_alive() and isinstance(agent.error, CredentialRevoked)
+    assert "stream closed code=4410" in "\n".join(agent.log_lines())
+    shown = wait(http, lambda w: w["sync"]["state"] == "offline", "offline after the revocation")
+    assert shown["health"]["credential"]["revoked"]["reason"] == "stolen"
+
+    # The key no longer re-enrols, with or without a general token; a token minted for it does.
+    with pytest.raises(AgentError, match="revoked"):
+        enrol(None, state_dir, hostname="web-1", addresses=["10.0.0.5"], reenrol=True)
+    general = http.post("/api/v1/provisioning-tokens", json={"description": "general"}).json()["bundle"]
+    with pytest.raises(AgentError, match="credential-revoked"):
+        enrol(general, state_dir, hostname="web-1", addresses=["10.0.0.5"], reenrol=True)
+    for_it = http.post(
+        "/api/v1/provisioning-tokens", json={"description": "back", "workload_id": workload["id"]}
+    ).json()["bundle"]
+    enrol(for_it, state_dir, hostname="web-1", addresses=["10.0.0.5"], reenrol=True)
+    back = http.get(f"/api/v1/workloads/{workload['id']}").json()
+    assert back["health"]["credential"]["revoked"] is None

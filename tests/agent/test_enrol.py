@@ -12,7 +12,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from agent.credential import credential_parse, public_key_encode
 from agent.enrol import _check_credential, enrol
 from agent.errors import AgentError
-from agent.protocol import EnrolResponse
+from agent.protocol import EnrolResponse, verify_key_proof
 from agent.state import StateDir
 from tests.support.agent_helpers import GatewayThread, assert_one_line_error, run_cli
 
@@ -91,9 +91,48 @@ def test_already_enrolled_and_reenrol(gateway, tmp_path):
     assert gateway.gateway.workloads[first.workload_id]["public_key"] == second_key
 
 
+def test_reenrol_signs_with_the_current_key_and_needs_no_bundle_then(gateway, tmp_path):
+    """The agent rotating its own key: the request carries a proof by the key it is enrolled with,
+    bound to the new key, host name, addresses, the current credential's serial and the gateway."""
+    state_dir = str(tmp_path / "s")
+    first = enrol(gateway.bundle(), state_dir, hostname="h", addresses=["10.0.0.5"])
+    old_key = StateDir(state_dir).load_key()
+    serial = credential_parse(StateDir(state_dir).load_credential())["serial"]
+    done = run_cli(
+        "enrol", "--reenrol", "--state-dir", state_dir, "--hostname", "h2", "--address", "10.0.0.6"
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"re-enrolled as workload {first.workload_id}")
+    request = gateway.gateway.enrol_requests[-1]
+    assert request["token"] == "" and request["workload_id"] == first.workload_id
+    assert request["key_proof"]["serial"] == serial
+    assert verify_key_proof(
+        public_key_encode(old_key.public_key()),
+        request["key_proof"]["signature"],
+        workload_id=first.workload_id,
+        serial=serial,
+        public_key=request["public_key"],
+        hostname="h2",
+        addresses=["10.0.0.6"],
+        signed_at=request["key_proof"]["signed_at"],
+        gateway_fingerprint=gateway.gateway.fingerprint,
+    )
+    new_key = public_key_encode(StateDir(state_dir).load_key().public_key())
+    assert new_key == request["public_key"] != public_key_encode(old_key.public_key())
+    # The key that signed is gone from this host: the same proof again is refused.
+    assert gateway.gateway.enrol(request)[0] == 401
+
+
+def test_enrol_without_a_bundle_is_a_one_line_error(tmp_path):
+    assert_one_line_error(
+        run_cli("enrol", "--state-dir", str(tmp_path / "s")), "needs --bundle or --bundle-file"
+    )
+
+
 def test_refused_reenrolment_keeps_the_old_enrolment(gateway, tmp_path):
     state_dir = str(tmp_path / "s")
-    enrol(gateway.bundle(), state_dir, hostname="h", addresses=[])
+    first = enrol(gateway.bundle(), state_dir, hostname="h", addresses=[])
+    gateway.gateway.serials[first.workload_id] += 1  # the key proof names a superseded credential
     before = {
         name: StateDir(state_dir).file(name).read_bytes()
         for name in ("key.pem", "credential", "identity.json")

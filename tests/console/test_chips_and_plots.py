@@ -61,6 +61,7 @@ def labels(item: dict) -> list[str]:
         ({"health__owned_table": {"state": "absent"}}, ["Enforcement removed on host", "renewal due in 3 h 30 min"]),
         ({"health__credential__state": "renewal-failed", "health__credential__last_error": "disk full"}, ["synced", "renewal failed, retrying"]),
         ({"health__credential__state": "expired"}, ["synced", "Credential expired"]),
+        ({"health__credential__revoked": {"at": "2026-11-26T11:00:00Z", "reason": "key stolen"}}, ["synced", "Credential revoked"]),
         ({"health__credential__last_late_renewal": "2026-11-25T00:00:00Z", "health__credential__last_late_renewal_late_by_seconds": 7300},
          ["synced", "renewal due in 3 h 30 min", "renewed 2 h 1 min late"]),
         ({"health__clock_skew": {"offset_seconds": -185.0, "seen_at": "2026-11-26T11:58:00Z"}}, ["synced", "renewal due in 3 h 30 min", "Clock skew 3 min behind"]),

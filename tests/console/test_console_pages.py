@@ -197,6 +197,34 @@ def test_a_provisioning_token_is_minted_with_its_bundle_shown_once(browser):
     assert "env&#x27; is not key=value" in unreadable and 'data-problem="validation"' in unreadable
 
 
+def test_a_token_for_a_workload_is_minted_and_listed_with_its_workload(browser):
+    workload = make_workload(hostname="web-9")
+    browser.post("/tokens", {"kind": "provisioning", "description": "general"})
+    minted = browser.post(
+        "/tokens", {"kind": "provisioning", "description": "rebuild web-9", "workload_id": str(workload.id)}
+    )
+    assert minted.status_code == 200 and "palisade-enrol-v1:" in minted.content.decode()
+    page = browser.get("/tokens").content.decode()
+    assert f're-enrols <a href="/workloads/{workload.id}">' in page and "new workloads" in page
+    refused = browser.post("/tokens", {"kind": "provisioning", "description": "x", "workload_id": "nope"})
+    assert refused.status_code == 422 and "No workload" in text(refused)
+
+
+def test_a_workload_s_credential_is_revoked_from_its_page(browser):
+    workload = make_workload(hostname="web-8")
+    page = text(browser.get(f"/workloads/{workload.id}"))
+    assert (
+        "Revoke credential" in page
+        and "hx-confirm" in browser.get(f"/workloads/{workload.id}").content.decode()
+    )
+    refused = browser.post(f"/workloads/{workload.id}/revoke-credential", {"reason": "x" * 1001})
+    assert refused.status_code == 422 and 'data-problem="validation"' in text(refused)
+    done = text(browser.post(f"/workloads/{workload.id}/revoke-credential", {"reason": "key stolen"}))
+    assert "Credential revoked at" in done
+    page = text(browser.get(f"/workloads/{workload.id}"))
+    assert "Credential revoked" in page and "key stolen" in page and "minted for it" in page
+
+
 def test_the_review_page_says_when_a_list_shows_only_the_first_of_many(browser, monkeypatch):
     from flows import selectors
 

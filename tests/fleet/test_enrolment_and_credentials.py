@@ -127,7 +127,7 @@ def test_re_enrolment_keeps_id_labels_and_mode_and_replaces_key_and_credential(p
         credential_last_error="timeout",
     )
     other_token = provisioning_token_mint(
-        actor=CLI_ACTOR, data={"description": "rebuild", "labels": {"x": "y"}}
+        actor=CLI_ACTOR, data={"description": "rebuild", "workload_id": str(first.id)}
     )
     clock_at(10 * DAY)
     new_key = agent_key()
@@ -387,7 +387,9 @@ def test_expired_beyond_the_grace_is_refused_until_re_enrolled(workload, clock_a
     assert refused.value.name == "unauthenticated" and "re-enrol" in refused.value.detail
     after = fresh(workload)
     assert credential_state(after) == "expired" and after.credential_serial == 1
-    secret = provisioning_token_mint(actor=CLI_ACTOR, data={"description": "re-enrol"}).secret
+    secret = provisioning_token_mint(
+        actor=CLI_ACTOR, data={"description": "re-enrol", "workload_id": str(workload.id)}
+    ).secret
     enrol(secret, workload_id=str(workload.id))
     assert credential_state(fresh(workload)) == "renews"
 

@@ -117,7 +117,9 @@ def test_workload_and_rendered_policy_reads(api, db):
         "last_error",
         "last_late_renewal",
         "last_late_renewal_late_by_seconds",
+        "revoked",
     }
+    assert body["health"]["credential"]["revoked"] is None
     policy = api.get(f"/api/v1/workloads/{workload.id}/rendered-policy").json()
     assert policy["version"] == body["latest_version"]
     assert policy["document"].startswith("table inet palisade {")

@@ -64,6 +64,7 @@ RECORD_FIELDS = {
     "description",
     "prefix",
     "labels",
+    "workload_id",
     "created_at",
     "expires_at",
     "max_uses",
@@ -285,6 +286,45 @@ def test_cli_mint_list_revoke(api, gateway):
     assert code == 0 and json.loads(out)["state"] == "revoked"
     code, _, err = run("provisioning-token", "revoke", "nope")
     assert code == 1 and "not-found" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_token_minted_for_a_workload_has_one_use_no_labels_and_shows_its_workload(api, gateway):
+    workload = enrol(mint().secret).workload
+    response = api.post(
+        "/api/v1/provisioning-tokens",
+        {"description": "rebuild web-1", "workload_id": str(workload.id)},
+        format="json",
+    )
+    assert response.status_code == 201, response.content
+    record = response.json()["record"]
+    assert record["workload_id"] == str(workload.id) and record["max_uses"] == 1 and record["labels"] == {}
+    listed = {t["id"]: t for t in api.get("/api/v1/provisioning-tokens").json()["items"]}
+    assert listed[record["id"]]["workload_id"] == str(workload.id)
+    assert [t["workload_id"] for t in listed.values() if t["id"] != record["id"]] == [None]
+    code, out, _ = run("provisioning-token", "list")
+    assert code == 0 and str(workload.id) in out and "(any new)" in out
+    code, out, _ = run(
+        "provisioning-token", "mint", "--description", "cli", "--workload-id", str(workload.id), "--json"
+    )
+    assert code == 0 and json.loads(out)["record"]["workload_id"] == str(workload.id)
+
+
+@pytest.mark.parametrize(
+    "extra, path",
+    [
+        ({"max_uses": 2}, "/max_uses"),
+        ({"labels": {"app": "web"}}, "/labels"),
+        ({"workload_id": "00000000-0000-0000-0000-000000000000"}, "/workload_id"),
+        ({"workload_id": "nope"}, "/workload_id"),
+        ({"workload_id": 7}, "/workload_id"),
+    ],
+)
+def test_a_token_for_a_workload_is_checked_at_mint(api, gateway, extra, path):
+    workload = enrol(mint().secret).workload
+    body = {"description": "x", "workload_id": str(workload.id), **extra}
+    problem = assert_problem(api.post("/api/v1/provisioning-tokens", body, format="json"), 422, "validation")
+    assert path in [f["path"] for f in problem["errors"]]
+    assert ProvisioningToken.objects.count() == 1
 
 
 def test_cli_label_must_be_key_equals_value(db):

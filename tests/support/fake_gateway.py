@@ -77,6 +77,8 @@ class FakeGateway:
         self.request_bytes_seen = 0
         self._changed = asyncio.Event()
         self._serial = 0
+        self.enrol_requests: list[dict[str, Any]] = []
+        self.serials: dict[str, int] = {}  # workload -> the serial of its latest credential
         self.port = 0
         self.echo = False  # print events as JSON lines (process mode)
 
@@ -219,6 +221,7 @@ class FakeGateway:
 
     def issue(self, workload: str, signer: Ed25519PrivateKey | None = None) -> p.CredentialIssued:
         self._serial += 1
+        self.serials[workload] = self._serial
         now = datetime.now(UTC)
         payload = credential_payload(
             workload_id=workload,
@@ -233,16 +236,37 @@ class FakeGateway:
             renewal_due_at=format_instant(now + timedelta(seconds=self.renewal_due_seconds)),
         )
 
+    def _key_proof_admits(self, request: dict[str, Any]) -> bool:
+        """A re-enrolment signed with the workload's current key, as the real gateway checks it (less
+        its clock and revocation rules)."""
+        workload, proof = request.get("workload_id"), request.get("key_proof")
+        if workload not in self.workloads or not isinstance(proof, dict):
+            return False
+        return proof.get("serial") == self.serials.get(workload) and p.verify_key_proof(
+            self.workloads[workload]["public_key"],
+            proof.get("signature", ""),
+            workload_id=workload,
+            serial=proof.get("serial"),
+            public_key=request["public_key"],
+            hostname=request["hostname"],
+            addresses=request["addresses"],
+            signed_at=proof.get("signed_at"),
+            gateway_fingerprint=self.fingerprint,
+        )
+
     def enrol(self, request: dict[str, Any]) -> tuple[int, str, dict]:
+        self.enrol_requests.append(request)
         token = request.get("token")
-        if self.tokens.get(token, 0) < 1:
+        by_key = self._key_proof_admits(request)
+        if not by_key and self.tokens.get(token, 0) < 1:
             return self._problem(
                 401, "unauthenticated", "The provisioning token is unknown, revoked, expired or used up."
             )
         workload = request.get("workload_id")
         if workload is not None and workload not in self.workloads:
             return self._problem(404, "not-found", f"No workload {workload}.")
-        self.tokens[token] -= 1
+        if not by_key:
+            self.tokens[token] -= 1
         workload = workload or str(uuid.uuid4())
         self.workloads[workload] = {
             "public_key": request["public_key"],

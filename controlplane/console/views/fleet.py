@@ -156,3 +156,19 @@ def workload_resend(request, api, workload_id: str):
     context = {"workload": {"id": workload_id}, "result": result.data if result.ok else None}
     context["problem"] = result.problem
     return page(request, "console/resend.html", context, partial="console/partials/resend_result.html")
+
+
+@require_POST
+@operator_page
+def workload_revoke_credential(request, api, workload_id: str):
+    body = {"reason": request.POST["reason"].strip()} if request.POST.get("reason", "").strip() else {}
+    result = api.post(f"/workloads/{workload_id}/revoke-credential", body)
+    context = {"workload": {"id": workload_id}, "revoked": result.data if result.ok else None}
+    context["problem"] = result.problem
+    return page(
+        request,
+        "console/revoke_credential.html",
+        context,
+        partial="console/partials/revoke_result.html",
+        status=200 if result.ok else result.status,
+    )

@@ -32,6 +32,8 @@ def _mint_body(kind: str, form) -> dict:
         labels, _ = labels_from_text(form.get("labels", ""))
         if labels:
             body["labels"] = labels
+        if form.get("workload_id", "").strip():
+            body["workload_id"] = form["workload_id"].strip()
     if form.get("expires_at", "").strip():
         body["expires_at"] = form["expires_at"].strip()
     return body

@@ -39,6 +39,10 @@ class Command(PalisadeCommand):
             metavar="KEY=VALUE",
             help="a label given to every workload the token enrols; repeatable",
         )
+        mint.add_argument(
+            "--workload-id",
+            help="mint a one-use token that re-enrols this workload only (no labels; it enrols nothing else)",
+        )
         sub.add_parser("list", help="list tokens: prefix and metadata")
         revoke = sub.add_parser("revoke", help="revoke a token; it enrols nothing from now on")
         revoke.add_argument("token_id")
@@ -54,6 +58,8 @@ class Command(PalisadeCommand):
             data["max_uses"] = options["max_uses"]
         if options["label"]:
             data["labels"] = _labels(options["label"])
+        if options["workload_id"]:
+            data["workload_id"] = options["workload_id"]
         minted = provisioning_token_mint(actor=self.actor, data=data)
         record = provisioning_token_data(minted.token)
         self.emit(
@@ -71,13 +77,15 @@ class Command(PalisadeCommand):
             if not (cursor := page.next_cursor):
                 break
         lines = [
-            f"{'ID':36}  {'PREFIX':12}  {'STATE':8}  {'USES':11}  {'CREATED':19}  {'EXPIRES':19}  DESCRIPTION"
+            f"{'ID':36}  {'PREFIX':12}  {'STATE':8}  {'USES':11}  {'CREATED':19}  {'EXPIRES':19}  "
+            f"{'WORKLOAD':36}  DESCRIPTION"
         ]
         for t in tokens:
             uses = f"{t['uses']}/{t['max_uses'] if t['max_uses'] is not None else '-'}"
             lines.append(
                 f"{t['id']:36}  {t['prefix']:12}  {t['state']:8}  {uses:11}  {t['created_at'][:19]:19}  "
-                f"{(t['expires_at'] or 'never')[:19]:19}  {t['description'][:60]}"
+                f"{(t['expires_at'] or 'never')[:19]:19}  {t['workload_id'] or '(any new)':36}  "
+                f"{t['description'][:60]}"
             )
         self.emit({"items": tokens}, "\n".join(lines))
 

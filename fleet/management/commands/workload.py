@@ -6,13 +6,16 @@ from controlplane.conditional import if_match_from_header
 from controlplane.management.base import PalisadeCommand
 from controlplane.pagination import MAX_LIMIT
 from controlplane.text import visible
-from fleet import selectors, services
+from fleet import credentials, selectors, services
 from fleet.choices import SyncState
 from fleet.representations import labels_data, rendered_policy_data, workload_data
 
 
 class Command(PalisadeCommand):
-    help = "Workloads: list, show, counts, rendered-policy, labels, set-labels, resend-snapshot."
+    help = (
+        "Workloads: list, show, counts, rendered-policy, labels, set-labels, resend-snapshot, "
+        "revoke-credential."
+    )
 
     def add_arguments(self, parser):
         super().add_arguments(parser)
@@ -33,6 +36,13 @@ class Command(PalisadeCommand):
         set_labels.add_argument("workload_id")
         set_labels.add_argument("file")
         set_labels.add_argument("--if-match", required=True, help="the label set's version")
+        revoke = actions.add_parser(
+            "revoke-credential",
+            help="cut a compromised workload off: its stream closes, its reports, renewals and key "
+            "rotations are refused until re-enrolled with a token minted for it",
+        )
+        revoke.add_argument("workload_id")
+        revoke.add_argument("--reason", help="why, shown on the workload (one line)")
 
     def handle(self, *args, **options):
         getattr(self, "do_" + options["action"].replace("-", "_"))(options)
@@ -89,4 +99,13 @@ class Command(PalisadeCommand):
         self.emit(
             {"workload_id": str(workload.id), "directive": "sent"},
             f"resend directive sent to {workload.hostname}",
+        )
+
+    def do_revoke_credential(self, o):
+        data = {} if o["reason"] is None else {"reason": o["reason"]}
+        workload = credentials.credential_revoke(actor=self.actor, workload_id=o["workload_id"], data=data)
+        self.emit(
+            workload_data(workload),
+            f"revoked the credential of {workload.hostname} ({workload.id}); it comes back only by a "
+            "re-enrolment with a provisioning token minted for it (provisioning-token mint --workload-id)",
         )
