@@ -623,6 +623,27 @@ def test_about_and_a_phone_width(logged_in, context, lab):
     logged_in.check()
 
 
+def test_revoking_a_workloads_credential_asks_first(logged_in, lab):
+    workload_id = lab.ids["never-1"]
+
+    def revoked():
+        return lab.http.get(f"/api/v1/workloads/{workload_id}").json()["health"]["credential"]["revoked"]
+
+    page = logged_in.goto(f"/workloads/{workload_id}")
+    page.get_by_label("Reason (shown on the workload)").fill("host lost")
+    page.get_by_role("button", name="Revoke credential").click()
+    asked(page, "Revoke the credential of never-1", "host lost", "minted for it")
+    page.get_by_role("link", name="Cancel").click()
+    page.wait_for_url(re.compile(rf"/workloads/{workload_id}$"))
+    assert revoked() is None  # cancelled: nothing changed
+    page.get_by_label("Reason (shown on the workload)").fill("host lost")
+    page.get_by_role("button", name="Revoke credential").click()
+    page.get_by_role("button", name="Revoke the credential").click()
+    page.get_by_text("Credential revoked at").wait_for()
+    assert revoked()["reason"] == "host lost"
+    logged_in.check()
+
+
 def test_logout_ends_the_session(logged_in, lab):
     page = logged_in.goto("/")
     page.get_by_role("button", name="Log out").click()

@@ -210,16 +210,26 @@ def test_a_token_for_a_workload_is_minted_and_listed_with_its_workload(browser):
     assert refused.status_code == 422 and "No workload" in text(refused)
 
 
-def test_a_workload_s_credential_is_revoked_from_its_page(browser):
+def test_a_workload_s_credential_is_revoked_from_its_page_after_a_confirmation(browser):
+    from fleet.models import Workload
+
     workload = make_workload(hostname="web-8")
     page = text(browser.get(f"/workloads/{workload.id}"))
-    assert (
-        "Revoke credential" in page
-        and "hx-confirm" in browser.get(f"/workloads/{workload.id}").content.decode()
+    assert "Revoke credential" in page
+    asked = browser.post(f"/workloads/{workload.id}/revoke-credential", {"reason": "key stolen"})
+    asked_text = text(asked)
+    assert asked.status_code == 200 and "data-confirm" in asked.content.decode()
+    assert "Revoke the credential of web-8" in asked_text and "key stolen" in asked_text
+    assert Workload.objects.get(id=workload.id).credential_revoked_at is None
+    refused = browser.post(
+        f"/workloads/{workload.id}/revoke-credential", {"reason": "x" * 1001, "confirm": "yes"}
     )
-    refused = browser.post(f"/workloads/{workload.id}/revoke-credential", {"reason": "x" * 1001})
     assert refused.status_code == 422 and 'data-problem="validation"' in text(refused)
-    done = text(browser.post(f"/workloads/{workload.id}/revoke-credential", {"reason": "key stolen"}))
+    done = text(
+        browser.post(
+            f"/workloads/{workload.id}/revoke-credential", {"reason": "key stolen", "confirm": "yes"}
+        )
+    )
     assert "Credential revoked at" in done
     page = text(browser.get(f"/workloads/{workload.id}"))
     assert "Credential revoked" in page and "key stolen" in page and "minted for it" in page

@@ -8,6 +8,7 @@ from django.http import Http404
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
 from controlplane.console.chips import workload_chips
+from controlplane.console.confirm import Confirmation, ask, confirmed
 from controlplane.console.pages import RANGES, chosen_range, labels_from_text, operator_page, page
 from controlplane.console.views.evidence import plot_of
 from controlplane.validation import is_digits
@@ -161,14 +162,37 @@ def workload_resend(request, api, workload_id: str):
 @require_POST
 @operator_page
 def workload_revoke_credential(request, api, workload_id: str):
-    body = {"reason": request.POST["reason"].strip()} if request.POST.get("reason", "").strip() else {}
-    result = api.post(f"/workloads/{workload_id}/revoke-credential", body)
+    reason = request.POST.get("reason", "").strip()
+    if not confirmed(request):
+        workload = api.get(f"/workloads/{workload_id}")
+        if not workload.ok:
+            return not_found(request, f"workload {workload_id}")
+        name = workload.data.get("hostname") or workload_id
+        return ask(
+            request,
+            Confirmation(
+                title=f"Revoke the credential of {name}",
+                summary=(
+                    f"Revoke the credential of {name}: its stream closes at once, and its flow reports and "
+                    "renewals are refused."
+                ),
+                consequences=[
+                    "Its table stays as it is on the host (fail static); the workload stays in the fleet.",
+                    "It comes back only by a re-enrolment with a provisioning token minted for it.",
+                    f"Reason shown on the workload: {reason}" if reason else "No reason given.",
+                ],
+                action=f"/workloads/{workload_id}/revoke-credential",
+                cancel=f"/workloads/{workload_id}",
+                button="Revoke the credential",
+                fields={"reason": reason},
+            ),
+        )
+    result = api.post(f"/workloads/{workload_id}/revoke-credential", {"reason": reason} if reason else {})
     context = {"workload": {"id": workload_id}, "revoked": result.data if result.ok else None}
     context["problem"] = result.problem
     return page(
         request,
         "console/revoke_credential.html",
         context,
-        partial="console/partials/revoke_result.html",
         status=200 if result.ok else result.status,
     )
