@@ -13,10 +13,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from channels.db import database_sync_to_async
-from channels.layers import get_channel_layer
 from django.db import connection, connections
 
-from fleet import streams, sync
+from controlplane.channel_layer import layer_health
+from fleet import stream_layer, streams, sync
 
 log = logging.getLogger("palisade.gateway")
 
@@ -69,6 +69,7 @@ class HeldStream:
 # with its workload's latest version.
 open_streams: dict[str, HeldStream] = {}
 _behind_at_last_sweep: dict[str, tuple] = {}
+_nudged_at_last_sweep: dict[str, tuple] = {}
 
 
 def streams_end_all() -> int:
@@ -80,18 +81,22 @@ def streams_end_all() -> int:
     return len(held)
 
 
-async def streams_catch_up() -> int:
+async def streams_catch_up(*, at_once: bool = False) -> int:
     """Nudge the streams that have been behind their workload for a whole sweep: a latest version
     not sent, or a resend not answered by a snapshot.
 
     Notifications are sent after commit and are not stored; one can be lost (a channel-layer
     hiccup), and a host command in another process without Redis reaches no stream at all. This
     sweep makes every held stream converge anyway, within two sweeps. A stream behind at only one
-    sweep is left alone: its notification is most likely still on its way.
+    sweep is left alone: its notification is most likely still on its way. `at_once` (the channel
+    layer is down, or has just come back, so no notification is on its way) nudges every stream
+    that is behind now, within one sweep. The nudge goes straight to the stream, never through the
+    layer.
     """
     held = dict(open_streams)
     if not held:
         _behind_at_last_sweep.clear()
+        _nudged_at_last_sweep.clear()
         return 0
     state = await db(streams.streams_state)(streams={h.workload_id: h.stream_id for h in held.values()})
     behind: dict[str, tuple] = {}
@@ -103,12 +108,36 @@ async def streams_catch_up() -> int:
             behind[channel] = ("resend.snapshot", due.resend_requested_at)
         elif due.latest_version and due.latest_version != stream.sent_version:
             behind[channel] = ("policy.updated", due.latest_version)
-    nudge = [(channel, why) for channel, why in behind.items() if _behind_at_last_sweep.get(channel) == why]
+    if at_once:
+        # Not twice for the same reason in a row: with thousands of streams the nudge of the last
+        # sweep may still be waiting in its stream's inbox.
+        nudge = [
+            (channel, why) for channel, why in behind.items() if _nudged_at_last_sweep.get(channel) != why
+        ]
+        behind = {}
+    else:
+        nudge = [
+            (channel, why) for channel, why in behind.items() if _behind_at_last_sweep.get(channel) == why
+        ]
     _behind_at_last_sweep.clear()
     _behind_at_last_sweep.update(behind)
-    layer = get_channel_layer()
+    _nudged_at_last_sweep.clear()
+    _nudged_at_last_sweep.update(nudge)
     for channel, (event, _) in nudge:
-        await layer.send(channel, {"type": event})
+        stream_layer.deliver_locally(channel, {"type": event})
     if nudge:
         log.info("caught up %d streams whose change notification did not arrive", len(nudge))
     return len(nudge)
+
+
+_recoveries_seen = 0
+
+
+async def streams_catch_up_step() -> int:
+    """serve's sweep: check the channel layer is there, then catch up; at once while it is away, when
+    no notification can be on its way, and on the first sweep after it comes back."""
+    global _recoveries_seen
+    await stream_layer.layer_check()
+    came_back = layer_health.recoveries != _recoveries_seen
+    _recoveries_seen = layer_health.recoveries
+    return await streams_catch_up(at_once=came_back or layer_health.down)

@@ -1,0 +1,103 @@
+"""A sync stream does not depend on the channel layer: with its Redis unreachable the stream opens,
+stays open and is caught up from the database; a stream that ends however it ends (here its
+application fails) is recorded offline. The real consumer, and a real Redis layer pointed at a port
+nothing listens on; tests/e2e/test_streams_without_redis.py stops a real Redis under two serves."""
+
+import logging
+
+import pytest
+from asgiref.sync import async_to_sync
+from channels.db import database_sync_to_async
+
+from agent import protocol
+from controlplane.channel_layer import FailureLog, layer_health
+from fleet import held_streams, sync
+from tests.fleet.test_gateway import FINGERPRINT, Agent, _enforce, _state, open_stream, receive
+from tests.support.serve_process import free_port
+
+
+@pytest.fixture(autouse=True)
+def gateway_fingerprint():
+    from controlplane import runtime
+
+    runtime.facts_set(gateway_fingerprint=FINGERPRINT)
+
+
+@pytest.fixture
+def healthy_again():
+    """The layer's health is one per process: what a test learnt must not leak into the next."""
+    yield
+    layer_health.down_since = None
+
+
+@pytest.fixture
+def unreachable_redis(settings, healthy_again):
+    settings.CHANNEL_LAYERS = {
+        "default": {
+            "BACKEND": "controlplane.channel_layer.BoundedRedisChannelLayer",
+            "CONFIG": {"hosts": [f"redis://127.0.0.1:{free_port()}/0"]},
+        }
+    }
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_stream_opens_and_is_caught_up_while_its_redis_is_unreachable(unreachable_redis):
+    agent = Agent()
+
+    async def scenario():
+        communicator = await open_stream(agent)
+        assert isinstance(await receive(communicator), protocol.Welcome)
+        first = await receive(communicator)
+        assert isinstance(first, protocol.Snapshot)
+        await database_sync_to_async(_enforce)(agent)  # its notification cannot travel
+        assert layer_health.down
+        assert await held_streams.streams_catch_up_step() == 1  # at once: nothing else is on its way
+        second = await receive(communicator)
+        assert isinstance(second, protocol.Snapshot) and second.mode == "enforced"
+        await communicator.send_to(text_data=protocol.Applied(version=second.version).encode())
+        await communicator.disconnect()
+
+    async_to_sync(scenario)()
+    assert async_to_sync(_state)(agent)[0] == "offline"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_stream_whose_application_fails_is_recorded_offline(monkeypatch, healthy_again):
+    agent = Agent()
+
+    def broken(**kwargs):
+        raise RuntimeError("injected")
+
+    async def scenario():
+        communicator = await open_stream(agent)
+        await receive(communicator)
+        await receive(communicator)
+        assert (await _state(agent))[0] == "pending"
+        monkeypatch.setattr(sync, "workload_heard_from", broken)
+        heartbeat = protocol.Heartbeat(
+            process_start_id="p1", uptime_seconds=2, clock="x", owned_table="absent"
+        )
+        await communicator.send_to(text_data=heartbeat.encode())
+        with pytest.raises(RuntimeError, match="injected"):
+            await communicator.receive_output(timeout=2)  # it waits all of it, then raises
+
+    async_to_sync(scenario)()
+    assert async_to_sync(_state)(agent)[0] == "offline"
+    assert not held_streams.open_streams
+
+
+def test_a_kind_of_failure_is_logged_once_per_interval_with_how_many_were_left_out(caplog):
+    failures = FailureLog(every_seconds=3600)
+    with caplog.at_level(logging.WARNING, logger="palisade.channels"):
+        for _ in range(100):
+            failures.report("receive stream events", ConnectionError("Connection refused"))
+        failures.report("join a group", TimeoutError())
+    assert [r.getMessage() for r in caplog.records] == [
+        "channel layer: cannot receive stream events: Connection refused",
+        "channel layer: cannot join a group: TimeoutError",
+    ]
+    caplog.clear()
+    failures.every_seconds = 0
+    with caplog.at_level(logging.WARNING, logger="palisade.channels"):
+        failures.report("receive stream events", ConnectionError("Connection refused"))
+    assert "(99 more like it in the last" in caplog.records[0].getMessage()
