@@ -26,14 +26,26 @@ log = logging.getLogger("palisade.channels")
 
 POOL_SIZE = 200
 SOCKET_TIMEOUT_SECONDS = 30
+# channels-redis bounds the messages waiting per Redis key, and every consumer of one process shares
+# one key: at the default 100, a fleet-wide change dropped the notifications of all but about a
+# hundred of a process's streams (measured: 75 of 150 just after Redis came back), which then waited
+# for the catch-up sweep. A notification is a few dozen bytes.
+CAPACITY = 20_000
 # A best-effort call gives up after this: a Redis that is stopped (not gone) answers nothing, and
 # would hold each call for the whole socket timeout.
 LAYER_CALL_SECONDS = 5.0
-PING_SECONDS = 1.0
+# A slow answer is not an absent Redis: under a few thousand agents a busy event loop or a queue for
+# the pool takes seconds (measured: a 1 s ping and a 5 s group_send timed out with Redis well). Only
+# the ping decides on silence, and only when it goes unanswered this many times in a row.
+PING_SECONDS = 2.0
+SILENT_PINGS = 2
 LOG_EVERY_SECONDS = 60.0
 
 
 class BoundedRedisChannelLayer(RedisChannelLayer):
+    def __init__(self, *args, capacity: int = CAPACITY, **kwargs):
+        super().__init__(*args, capacity=capacity, **kwargs)
+
     def create_pool(self, index):
         host = dict(self.hosts[index])
         address = host.pop("address", None)
@@ -110,14 +122,16 @@ class FailureLog:
 class LayerHealth:
     """Whether this process's channel layer is believed reachable.
 
-    Any failed call marks it down; any call that works (serve pings it with every catch-up sweep)
-    marks it up again, and then the recovery hooks run: the streams rejoin their groups, which a
-    restarted Redis has forgotten.
+    A call that fails (refused, reset, closed) marks it down, and so do SILENT_PINGS unanswered pings
+    in a row (a paused Redis accepts connections and answers nothing); any call that works (serve
+    pings it with every catch-up sweep) marks it up again, and then the recovery hooks run: the
+    streams rejoin their groups, which a restarted Redis has forgotten.
     """
 
     def __init__(self) -> None:
         self.down_since: float | None = None
         self.recoveries = 0  # how many times it came back, for whoever wants to notice
+        self.silent_pings = 0
         self.failures = FailureLog()
         self._hooks: list[Callable[[], Awaitable[object]]] = []
         self._up_events: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -178,16 +192,27 @@ class LayerHealth:
 layer_health = LayerHealth()
 
 
-async def layer_call(kind: str, call: Awaitable[object], *, timeout: float = LAYER_CALL_SECONDS) -> bool:
+async def layer_call(
+    kind: str, call: Awaitable[object], *, timeout: float = LAYER_CALL_SECONDS, ping: bool = False
+) -> bool:
     """Await one channel-layer call without depending on it: False (and a note in `layer_health`)
-    when it failed or took longer than `timeout`."""
+    when it failed or took longer than `timeout`. A timeout marks the layer down only for a `ping`."""
     try:
         await asyncio.wait_for(call, timeout)
     except asyncio.CancelledError:
         raise
-    except Exception as error:  # noqa: BLE001 - Redis refused, reset or silent: the caller carries on
+    except TimeoutError as error:
+        if ping:
+            layer_health.silent_pings += 1
+        if ping and layer_health.silent_pings >= SILENT_PINGS:
+            layer_health.failed(kind, f"no answer to {layer_health.silent_pings} pings of {timeout:.0f} s")
+        else:
+            layer_health.failures.report(kind, error)
+        return False
+    except Exception as error:  # noqa: BLE001 - Redis refused, reset or closed: the caller carries on
         layer_health.failed(kind, error)
         return False
+    layer_health.silent_pings = 0
     layer_health.worked()
     return True
 

@@ -64,7 +64,7 @@ async def layer_check() -> None:
             await asyncio.wait_for(layer.drop_idle_connections(), PING_SECONDS)
         except Exception as error:  # noqa: BLE001 - closing dead sockets may fail; the ping still decides
             layer_health.failures.report("drop its connections", error)
-    await layer_call("reach the channel layer", ping(), timeout=PING_SECONDS)
+    await layer_call("reach the channel layer", ping(), timeout=PING_SECONDS, ping=True)
 
 
 async def groups_rejoin() -> int:

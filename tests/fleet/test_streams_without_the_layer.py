@@ -4,6 +4,7 @@ application fails) is recorded offline. The real consumer, and a real Redis laye
 nothing listens on; tests/e2e/test_streams_without_redis.py stops a real Redis under two serves."""
 
 import logging
+import socket
 
 import pytest
 from asgiref.sync import async_to_sync
@@ -28,6 +29,7 @@ def healthy_again():
     """The layer's health is one per process: what a test learnt must not leak into the next."""
     yield
     layer_health.down_since = None
+    layer_health.silent_pings = 0
 
 
 @pytest.fixture
@@ -101,3 +103,24 @@ def test_a_kind_of_failure_is_logged_once_per_interval_with_how_many_were_left_o
     with caplog.at_level(logging.WARNING, logger="palisade.channels"):
         failures.report("receive stream events", ConnectionError("Connection refused"))
     assert "(99 more like it in the last" in caplog.records[0].getMessage()
+
+
+def test_a_silent_redis_is_down_after_unanswered_pings_and_a_slow_call_alone_is_not(healthy_again):
+    """A paused Redis accepts connections and answers nothing (here: a listener that never reads)."""
+    from controlplane.channel_layer import SILENT_PINGS, BoundedRedisChannelLayer, layer_call
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        layer = BoundedRedisChannelLayer(hosts=[f"redis://127.0.0.1:{silent.getsockname()[1]}/0"])
+
+        async def scenario():
+            assert not await layer_call("join a group", layer.group_add("g", "c"), timeout=0.2)
+            assert not layer_health.down
+            for _ in range(SILENT_PINGS - 1):
+                assert not await layer_call("ping", layer.ping(), timeout=0.2, ping=True)
+            assert not layer_health.down
+            assert not await layer_call("ping", layer.ping(), timeout=0.2, ping=True)
+            assert layer_health.down
+
+        async_to_sync(scenario)()
