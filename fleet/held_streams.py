@@ -83,7 +83,7 @@ def streams_end_all() -> int:
 
 async def streams_catch_up(*, at_once: bool = False) -> int:
     """Nudge the streams that have been behind their workload for a whole sweep: a latest version
-    not sent, or a resend not answered by a snapshot.
+    not sent, a resend not answered by a snapshot, or no longer being the workload's stream.
 
     Notifications are sent after commit and are not stored; one can be lost (a channel-layer
     hiccup), and a host command in another process without Redis reaches no stream at all. This
@@ -103,8 +103,10 @@ async def streams_catch_up(*, at_once: bool = False) -> int:
     for channel, stream in held.items():
         due = state.get(stream.stream_id)
         if due is None:
-            continue
-        if due.resend_requested_at is not None:
+            # No longer its workload's stream: a newer one took over (whose announcement needs the
+            # layer), or its end was recorded while it lived on. It closes; the agent connects again.
+            behind[channel] = ("stream.replaced", None)
+        elif due.resend_requested_at is not None:
             behind[channel] = ("resend.snapshot", due.resend_requested_at)
         elif due.latest_version and due.latest_version != stream.sent_version:
             behind[channel] = ("policy.updated", due.latest_version)

@@ -64,6 +64,32 @@ def test_a_stream_opens_and_is_caught_up_while_its_redis_is_unreachable(unreacha
 
 
 @pytest.mark.django_db(transaction=True)
+def test_a_newer_stream_replaces_the_older_without_the_layer(unreachable_redis):
+    """The newer stream's announcement cannot travel; the sweep sees the older one is no longer
+    its workload's stream."""
+    agent = Agent()
+
+    async def scenario():
+        old = await open_stream(agent)
+        await receive(old)
+        await receive(old)
+        new = await open_stream(agent)
+        await receive(new)
+        assert isinstance(await receive(new), protocol.Snapshot)
+        assert layer_health.down
+        await held_streams.streams_catch_up_step()
+        assert await old.receive_output(timeout=5) == {
+            "type": "websocket.close",
+            "code": protocol.CLOSE_REPLACED,
+        }
+        await old.disconnect()
+        assert (await _state(agent))[0] == "pending"
+        await new.disconnect()
+
+    async_to_sync(scenario)()
+
+
+@pytest.mark.django_db(transaction=True)
 def test_a_stream_whose_application_fails_is_recorded_offline(monkeypatch, healthy_again):
     agent = Agent()
 
