@@ -81,10 +81,10 @@ def flow_partitions_step() -> int:
 
 
 async def streams_catch_up_step() -> int:
-    """Nudge held streams whose change notification was lost (fleet.held_streams)."""
-    from fleet.held_streams import streams_catch_up
+    """Nudge held streams whose change notification was lost or cannot travel (fleet.held_streams)."""
+    from fleet.held_streams import streams_catch_up_step
 
-    return await streams_catch_up()
+    return await streams_catch_up_step()
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from fleet.choices import OwnedTableState
 from fleet.credentials import signing_public_key
 from fleet.enrolment import workload_enrol
 from fleet.push import stream_group
+from fleet.stream_layer import LayerIndependentConsumer
 
 log = logging.getLogger("palisade.gateway")
 
@@ -97,8 +98,12 @@ class EnrolView(APIView):
         return Response(body.to_dict(), status=201)
 
 
-class SyncStreamConsumer(AsyncWebsocketConsumer):
-    """One agent's sync stream. States: awaiting `auth`, renew-only, streaming."""
+class SyncStreamConsumer(LayerIndependentConsumer, AsyncWebsocketConsumer):
+    """One agent's sync stream. States: awaiting `auth`, renew-only, streaming.
+
+    The stream does not depend on the channel layer (fleet.stream_layer): with Redis away it stays
+    open, and the catch-up sweep brings it the changes notifications cannot.
+    """
 
     async def dispatch(self, message):
         # Channels closes the loop thread's old database connections before every frame and event,
@@ -188,10 +193,10 @@ class SyncStreamConsumer(AsyncWebsocketConsumer):
         self.auth_timer.cancel()
         self.grant = grant
         self.table_state = auth.owned_table if auth.owned_table in REPORTED_TABLE_STATES else None
-        group = stream_group(grant.workload_id)
         # An older stream of the same workload (a reconnect the server has not noticed) gives way.
-        await self.channel_layer.group_send(group, {"type": "stream.replaced", "stream_id": self.stream_id})
-        await self.channel_layer.group_add(group, self.channel_name)
+        await self.join_group(
+            stream_group(grant.workload_id), announce={"type": "stream.replaced", "stream_id": self.stream_id}
+        )
         await self.send_message(grant.welcome)
         if grant.renew_only:
             log.info("stream of %s: credential expired, renew only", grant.hostname)
@@ -256,7 +261,7 @@ class SyncStreamConsumer(AsyncWebsocketConsumer):
         if changed or now - self.heard_at >= HEARD_FROM_EVERY_SECONDS:
             self.heard_at, self.table_state, self.flow_backlog_since = now, state, backlog
             # Group memberships expire after a day; a stream may live for months.
-            await self.channel_layer.group_add(stream_group(self.grant.workload_id), self.channel_name)
+            self.refresh_groups()
             await held_streams.db(sync.workload_heard_from)(
                 workload_id=self.grant.workload_id,
                 stream_id=self.stream_id,
@@ -336,16 +341,25 @@ class SyncStreamConsumer(AsyncWebsocketConsumer):
             await self.refuse(protocol.CLOSE_REPLACED, "a newer stream of this workload took over")
 
     async def disconnect(self, code):
+        await self.end_stream(code)
+
+    async def stream_finished(self):
+        # Also after a failure or a cancellation, which bring no disconnect: the fleet must not show a
+        # stream that is gone as connected (nor a handshake timer fire on a finished stream).
+        try:
+            await self.end_stream("the application ended")
+        except Exception:  # noqa: BLE001 - the database may be what failed; the reaper records it later
+            log.exception("recording the end of a stream failed")
+
+    async def end_stream(self, code) -> None:
         timer = getattr(self, "auth_timer", None)
         if timer:
             timer.cancel()
-        if self.grant is None:
-            return
-        await self.channel_layer.group_discard(stream_group(self.grant.workload_id), self.channel_name)
-        if held_streams.open_streams.pop(self.channel_name, None):
+        grant = getattr(self, "grant", None)
+        if grant is not None and held_streams.open_streams.pop(self.channel_name, None):
             try:
                 await held_streams.db(sync.workload_stream_ended)(
-                    workload_id=self.grant.workload_id,
+                    workload_id=grant.workload_id,
                     stream_id=self.stream_id,
                     last_heartbeat=self.last_heartbeat,
                 )
@@ -355,4 +369,4 @@ class SyncStreamConsumer(AsyncWebsocketConsumer):
                 # Left recorded as open: the next stream of the workload, or the reaper of silent
                 # streams, ends it.
             if not getattr(self, "database_away", False):  # a line per stream would flood an outage
-                log.info("stream of %s ended (%s)", self.grant.hostname, code)
+                log.info("stream of %s ended (%s)", grant.hostname, code)

@@ -13,11 +13,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from channels.db import database_sync_to_async
-from channels.layers import get_channel_layer
 from django.db import connection, connections
 
+from controlplane.channel_layer import layer_health
 from controlplane.outage import outage
-from fleet import streams, sync
+from fleet import stream_layer, streams, sync
 
 log = logging.getLogger("palisade.gateway")
 
@@ -77,6 +77,7 @@ class HeldStream:
 # with its workload's latest version.
 open_streams: dict[str, HeldStream] = {}
 _behind_at_last_sweep: dict[str, tuple] = {}
+_nudged_at_last_sweep: dict[str, tuple] = {}
 
 
 def streams_end_all() -> int:
@@ -88,39 +89,68 @@ def streams_end_all() -> int:
     return len(held)
 
 
-async def streams_catch_up() -> int:
+async def streams_catch_up(*, at_once: bool = False) -> int:
     """Nudge the streams that have been behind their workload for a whole sweep: a latest version
-    not sent, or a resend not answered by a snapshot.
+    not sent, a resend not answered by a snapshot, or no longer being the workload's stream.
 
     Notifications are sent after commit and are not stored; one can be lost (a channel-layer
     hiccup), and a host command in another process without Redis reaches no stream at all. This
     sweep makes every held stream converge anyway, within two sweeps. A stream behind at only one
-    sweep is left alone: its notification is most likely still on its way.
+    sweep is left alone: its notification is most likely still on its way. `at_once` (the channel
+    layer is down, or has just come back, so no notification is on its way) nudges every stream
+    that is behind now, within one sweep. The nudge goes straight to the stream, never through the
+    layer.
     """
     held = dict(open_streams)
     if not held:
         _behind_at_last_sweep.clear()
+        _nudged_at_last_sweep.clear()
         return 0
     state = await db(streams.streams_state)(streams={h.workload_id: h.stream_id for h in held.values()})
     behind: dict[str, tuple] = {}
     for channel, stream in held.items():
         due = state.get(stream.stream_id)
         if due is None:
-            continue
-        if due.revoked:
+            # No longer its workload's stream: a newer one took over (whose announcement needs the
+            # layer), or its end was recorded while it lived on. It closes; the agent connects again.
+            behind[channel] = ("stream.replaced", None)
+        elif due.revoked:
             # Stored, not on its way: close it at once, whatever the last sweep saw.
-            await get_channel_layer().send(channel, {"type": "credential.revoked"})
-            continue
-        if due.resend_requested_at is not None:
+            stream_layer.deliver_locally(channel, {"type": "credential.revoked"})
+        elif due.resend_requested_at is not None:
             behind[channel] = ("resend.snapshot", due.resend_requested_at)
         elif due.latest_version and due.latest_version != stream.sent_version:
             behind[channel] = ("policy.updated", due.latest_version)
-    nudge = [(channel, why) for channel, why in behind.items() if _behind_at_last_sweep.get(channel) == why]
+    if at_once:
+        # Not twice for the same reason in a row: with thousands of streams the nudge of the last
+        # sweep may still be waiting in its stream's inbox.
+        nudge = [
+            (channel, why) for channel, why in behind.items() if _nudged_at_last_sweep.get(channel) != why
+        ]
+        behind = {}
+    else:
+        nudge = [
+            (channel, why) for channel, why in behind.items() if _behind_at_last_sweep.get(channel) == why
+        ]
     _behind_at_last_sweep.clear()
     _behind_at_last_sweep.update(behind)
-    layer = get_channel_layer()
+    _nudged_at_last_sweep.clear()
+    _nudged_at_last_sweep.update(nudge)
     for channel, (event, _) in nudge:
-        await layer.send(channel, {"type": event})
+        stream_layer.deliver_locally(channel, {"type": event})
     if nudge:
         log.info("caught up %d streams whose change notification did not arrive", len(nudge))
     return len(nudge)
+
+
+_recoveries_seen = 0
+
+
+async def streams_catch_up_step() -> int:
+    """serve's sweep: check the channel layer is there, then catch up; at once while it is away, when
+    no notification can be on its way, and on the first sweep after it comes back."""
+    global _recoveries_seen
+    await stream_layer.layer_check()
+    came_back = layer_health.recoveries != _recoveries_seen
+    _recoveries_seen = layer_health.recoveries
+    return await streams_catch_up(at_once=came_back or layer_health.down)

@@ -14,6 +14,8 @@ from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
 from django.db import transaction
 
+from controlplane.channel_layer import layer_call, layer_health
+
 log = logging.getLogger("palisade.fleet")
 
 
@@ -40,7 +42,8 @@ def notify_streams(workload_ids: Iterable[str], message: dict) -> None:
     fleet-wide change must not hold the request's thread while thousands of snapshots go out, and
     the in-process channel layer's queues may only be touched from their own loop. Elsewhere (a
     management command) they are sent in place, through Redis when it is configured; without Redis a
-    command reaches no stream, and serve's catch-up sweep delivers the change instead.
+    command reaches no stream, and serve's catch-up sweep delivers the change instead. The sweep also
+    stands in while the layer is unreachable: sends are then skipped rather than waited for.
     """
     ids = list(workload_ids)
     if not ids:
@@ -50,8 +53,14 @@ def notify_streams(workload_ids: Iterable[str], message: dict) -> None:
         layer = get_channel_layer()
         if layer is None:
             return
-        for workload_id in ids:
-            await layer.group_send(stream_group(workload_id), message)
+        for index, workload_id in enumerate(ids):
+            if layer_health.down:
+                layer_health.failures.report(
+                    "notify streams",
+                    f"the layer is unreachable: {len(ids) - index} streams are left to the catch-up sweep",
+                )
+                return
+            await layer_call("notify streams", layer.group_send(stream_group(workload_id), message))
 
     def send():
         loop = _serving_loop

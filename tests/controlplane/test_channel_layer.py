@@ -39,3 +39,4 @@ def test_group_send_crosses_layer_instances():
     assert async_to_sync(scenario)() == {"type": "resend.snapshot"}
     pool = sender.create_pool(0)
     assert pool.max_connections == 200 and pool.timeout is None
+    assert sender.capacity == 20_000  # per process, not per stream: see controlplane/channel_layer.py
