@@ -6,6 +6,9 @@ Twisted closes the connection without a word when the request line or one header
 bare `400 Bad Request` and no body. Clients then waited for a timeout, or got an error they could not
 read. The limits stay Twisted's; only the answers change.
 
+The channel also tells the connection under it (controlplane/connection_limits.py) where the request
+is, so that the time to send a request head and the rate of its body can be bounded there, below TLS.
+
 Requests are built without Twisted's parse of a POST's form content: daphne hands the body to the
 application as it came, so that parse was never used, and reading the Content-Type header for it
 (through the `email` package) cost a tenth of serve's CPU per flow report.
@@ -19,6 +22,7 @@ import json
 from twisted.web import http
 
 from controlplane.api.errors import PROBLEM_CONTENT_TYPE
+from controlplane.connection_limits import LimitedConnection
 from controlplane.problems import Problem
 
 
@@ -44,6 +48,36 @@ class LimitedHTTPChannel(http.HTTPChannel):
     @requestFactory.setter
     def requestFactory(self, factory):  # daphne sets its own request class here
         self._request_factory = functools.partial(factory, parsePOSTFormSubmission=False)
+
+    _limits: LimitedConnection | None = None
+
+    def connectionMade(self):
+        super().connectionMade()
+        # The TLS protocol is this channel's transport; the limited connection is the TLS protocol's.
+        transport = self.transport
+        for _ in range(3):
+            if isinstance(transport, LimitedConnection):
+                self._limits = transport
+                break
+            transport = getattr(transport, "transport", None)
+
+    def allHeadersReceived(self):
+        super().allHeadersReceived()
+        if self._limits is not None:
+            self._limits.head_received()
+
+    def allContentReceived(self):
+        if self._limits is not None:
+            # daphne upgrades inside the call below, and answers a refused upgrade there too.
+            upgrade = self.requests[-1].requestHeaders.getRawHeaders(b"upgrade") or [b""]
+            self._limits.content_received(upgrade=upgrade[0].lower() == b"websocket")
+        super().allContentReceived()
+
+    def requestDone(self, request):
+        # Before Twisted parses a pipelined request it buffered, which starts that request's own phase.
+        if self._limits is not None and self.persistent:
+            self._limits.response_done()
+        super().requestDone(request)
 
     def lineLengthExceeded(self, line):
         self.transport.write(
