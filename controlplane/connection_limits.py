@@ -13,7 +13,8 @@ accepted socket is counted before any byte is read:
   admit the new one: a connection that is still in its TLS handshake, still sending its head, or idle
   between keep-alive requests costs the server a descriptor and gives it nothing;
 - a request head must be complete `head_timeout` seconds after the connection is ready for it (accept,
-  which includes the TLS handshake, or the end of the previous response on a kept-alive connection);
+  which includes the TLS handshake, or the end of the previous response on a kept-alive connection),
+  unless the client is still reading that response at the minimum rate;
 - a request body must arrive at `body_min_rate` bytes a second on average after a grace of
   `BODY_GRACE_SECONDS`.
 
@@ -214,6 +215,12 @@ def serve_limits(options: dict) -> Limits:
     return limits
 
 
+def _unsent(transport) -> int:
+    """Bytes a TCP transport holds that the kernel has not taken yet (twisted's FileDescriptor)."""
+    buffered = getattr(transport, "dataBuffer", b"")
+    return len(buffered) - getattr(transport, "offset", 0) + getattr(transport, "_tempDataLen", 0)
+
+
 def address_key(host: str) -> str:
     """Whom a connection counts against: an IPv4 address (also when a dual-stack listener shows it as
     ::ffff:a.b.c.d), or an IPv6 /64."""
@@ -240,6 +247,8 @@ class LimitedConnection(ProtocolWrapper):
         self.deadline = 0.0
         self.body_started = 0.0
         self.body_bytes = 0
+        self.unsent = 0  # bytes of the answers the socket still had to send, and when
+        self.unsent_at = 0.0
         self.counted = True  # until released: closed, or evicted (its socket closes a moment later)
 
     def makeConnection(self, transport):
@@ -362,11 +371,20 @@ class ConnectionLimiter:
         connection.phase = phase
         if phase is Phase.HEAD:
             connection.deadline = now + self.limits.head_timeout
+            connection.unsent, connection.unsent_at = _unsent(connection.transport), now
             self.waiting[connection] = None
         elif phase is Phase.BODY:
             connection.body_started = now
             connection.body_bytes = 0
             self.receiving[connection] = None
+
+    def still_reading(self, connection: LimitedConnection, now: float) -> bool:
+        """A client still reading the previous answer at the minimum rate: its deadline waits (a large
+        answer to a slow client); one that stopped reading does not."""
+        unsent = _unsent(connection.transport)
+        drained = (connection.unsent - unsent) / max(now - connection.unsent_at, SWEEP_EVERY_SECONDS)
+        connection.unsent, connection.unsent_at = unsent, now
+        return unsent > 0 and drained >= max(self.limits.body_min_rate, 1)
 
     def body_deadline(self, connection: LimitedConnection) -> float:
         rate = self.limits.body_min_rate
@@ -375,6 +393,9 @@ class ConnectionLimiter:
     def sweep(self) -> None:
         now = self.clock.seconds()
         for connection in [c for c in self.waiting if c.deadline < now]:
+            if self.still_reading(connection, now):
+                connection.deadline = now + SWEEP_EVERY_SECONDS
+                continue
             self.released(connection)
             connection.cut()
             self.events[f"no request head within {self.limits.head_timeout:g} s"] += 1

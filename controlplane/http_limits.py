@@ -75,7 +75,9 @@ class LimitedHTTPChannel(http.HTTPChannel):
 
     def requestDone(self, request):
         # Before Twisted parses a pipelined request it buffered, which starts that request's own phase.
-        if self._limits is not None and self.persistent:
+        # Also when the connection is not persistent: Twisted closes it only once the answer is sent,
+        # and a client that never reads would otherwise hold it for ever.
+        if self._limits is not None:
             self._limits.response_done()
         super().requestDone(request)
 

@@ -113,6 +113,43 @@ def test_a_complete_head_is_answered_and_an_idle_keep_alive_connection_is_closed
     assert transport.disconnected
 
 
+class Sending(StringTransport):
+    """What twisted's TCP transport shows of the bytes the kernel has not taken yet."""
+
+    dataBuffer = b""
+    offset = 0
+    _tempDataLen = 0
+
+
+def test_a_client_reading_a_large_answer_keeps_its_connection_while_it_reads():
+    clock, limiter, factory = _site()
+    addr = IPv4Address("TCP", "192.0.2.7", 1)
+    connection = factory.buildProtocol(addr)
+    transport = Sending(peerAddress=addr)
+    connection.makeConnection(transport)
+    transport.dataBuffer = b"x" * 100_000  # the answer, not yet sent when the request is done
+    connection.dataReceived(HEAD)
+    assert connection.phase is Phase.HEAD
+    clock.advance(10)
+    transport.offset = 90_000  # read at 9,000 bytes/s
+    clock.advance(HEAD_TIMEOUT - 10 + 1)
+    assert not transport.disconnected
+    clock.advance(3)  # and then it stops reading
+    assert transport.disconnected
+
+
+def test_a_client_that_never_reads_its_answer_is_cut_at_the_deadline():
+    clock, limiter, factory = _site()
+    addr = IPv4Address("TCP", "192.0.2.7", 1)
+    connection = factory.buildProtocol(addr)
+    transport = Sending(peerAddress=addr)
+    connection.makeConnection(transport)
+    transport.dataBuffer = b"x" * 100_000
+    connection.dataReceived(HEAD.replace(b"HTTP/1.1", b"HTTP/1.0"))  # not persistent: Twisted waits to close
+    clock.advance(HEAD_TIMEOUT + 1)
+    assert transport.disconnected
+
+
 def test_a_body_slower_than_the_minimum_rate_is_cut_and_a_steady_one_is_not():
     clock, limiter, factory = _site()
     head = b"POST /agent/v1/flows HTTP/1.1\r\nHost: palisade\r\nContent-Length: 100000\r\n\r\n"
