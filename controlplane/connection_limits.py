@@ -11,7 +11,8 @@ accepted socket is counted before any byte is read:
   subscriber usually holds whole); a connection over either cap is closed as soon as it is accepted;
 - when the total is reached, the connection that has waited longest for a request head is closed to
   admit the new one: a connection that is still in its TLS handshake, still sending its head, or idle
-  between keep-alive requests costs the server a descriptor and gives it nothing;
+  between keep-alive requests costs the server a descriptor and gives it nothing; failing that, a
+  websocket too young to have authenticated, and then the slowest request body;
 - a request head must be complete `head_timeout` seconds after the connection is ready for it (accept,
   which includes the TLS handshake, or the end of the previous response on a kept-alive connection),
   unless the client is still reading that response at the minimum rate;
@@ -19,7 +20,9 @@ accepted socket is counted before any byte is read:
   `BODY_GRACE_SECONDS`.
 
 Requests being answered and websockets (once upgraded: the gateway's consumer closes a stream that does
-not authenticate within its own handshake time) have no deadline here. The HTTP channel
+not authenticate within its own handshake time) have no deadline here; at the total cap, a websocket
+younger than `YOUNG_STREAM_SECONDS` may still be closed for room, after every connection waiting for a
+head. The HTTP channel
 (controlplane/http_limits.py) tells its connection where the request is; a connection without a
 `LimitedConnection` under it (the unit tests' channels) is simply not limited.
 """
@@ -47,6 +50,9 @@ BASE_RESERVE = 64
 # A database connection per thread that may hold one: one socket on PostgreSQL, up to three files on
 # SQLite (the database, its WAL and its shared-memory index).
 DESCRIPTORS_PER_DATABASE_THREAD = 3
+# A websocket this young may not have authenticated yet (the gateway allows 10 s, fleet/gateway.py):
+# at the total cap it may be closed for room, after connections waiting for a head. Older ones never are.
+YOUNG_STREAM_SECONDS = 15.0
 DEFAULT_PER_ADDRESS = 256
 DEFAULT_HEAD_TIMEOUT = 15.0
 DEFAULT_BODY_MIN_RATE = 1024
@@ -315,6 +321,7 @@ class ConnectionLimiter:
         self.by_address: Counter[str] = Counter()
         self.waiting: dict[LimitedConnection, None] = {}  # in HEAD, oldest first
         self.receiving: dict[LimitedConnection, None] = {}  # in BODY
+        self.young_streams: dict[LimitedConnection, None] = {}  # upgraded less than 15 s ago, oldest first
         self.events: Counter[str] = Counter()
         self.logged_at = -LOG_EVERY_SECONDS
         self._sweep = None
@@ -337,13 +344,21 @@ class ConnectionLimiter:
             self.events[f"over the per-address cap of {per_address}"] += 1
             return False
         if self.total >= self.limits.max_connections:
-            if not self.waiting:
+            if self.waiting:
+                oldest = next(iter(self.waiting))
+                self.events["closed to admit a new one (the longest waiting for a request head)"] += 1
+            elif self.young_streams:
+                oldest = next(iter(self.young_streams))
+                self.events["closed to admit a new one (a websocket too young to have authenticated)"] += 1
+            elif self.receiving:
+                now = self.clock.seconds()
+                oldest = min(self.receiving, key=lambda c: c.body_bytes / max(now - c.body_started, 1.0))
+                self.events["closed to admit a new one (the slowest request body)"] += 1
+            else:
                 self.events[f"over the total cap of {self.limits.max_connections}"] += 1
                 return False
-            oldest = next(iter(self.waiting))
             self.released(oldest)
             oldest.cut()
-            self.events["closed to admit a new one (the longest waiting for a request head)"] += 1
         return True
 
     def admitted(self, connection: LimitedConnection) -> None:
@@ -361,6 +376,7 @@ class ConnectionLimiter:
             del self.by_address[connection.key]
         self.waiting.pop(connection, None)
         self.receiving.pop(connection, None)
+        self.young_streams.pop(connection, None)
 
     def enter(self, connection: LimitedConnection, phase: Phase) -> None:
         if not connection.counted:
@@ -368,6 +384,7 @@ class ConnectionLimiter:
         now = self.clock.seconds()
         self.waiting.pop(connection, None)
         self.receiving.pop(connection, None)
+        self.young_streams.pop(connection, None)
         connection.phase = phase
         if phase is Phase.HEAD:
             connection.deadline = now + self.limits.head_timeout
@@ -377,6 +394,9 @@ class ConnectionLimiter:
             connection.body_started = now
             connection.body_bytes = 0
             self.receiving[connection] = None
+        elif phase is Phase.STREAM:
+            connection.deadline = now + YOUNG_STREAM_SECONDS  # from then on, never closed for room
+            self.young_streams[connection] = None
 
     def still_reading(self, connection: LimitedConnection, now: float) -> bool:
         """A client still reading the previous answer at the minimum rate: its deadline waits (a large
@@ -399,6 +419,11 @@ class ConnectionLimiter:
             self.released(connection)
             connection.cut()
             self.events[f"no request head within {self.limits.head_timeout:g} s"] += 1
+        while self.young_streams:
+            oldest = next(iter(self.young_streams))
+            if oldest.deadline >= now:
+                break
+            del self.young_streams[oldest]
         if self.limits.body_min_rate > 0:
             for connection in [c for c in self.receiving if self.body_deadline(c) < now]:
                 self.released(connection)

@@ -220,6 +220,32 @@ def test_at_the_total_cap_the_longest_waiting_for_a_head_makes_room_and_nothing_
     assert limiter.total == 3
 
 
+def test_at_the_total_cap_a_websocket_too_young_to_have_authenticated_makes_room_and_an_older_one_does_not():
+    clock, limiter, factory = _site(request_class=Pending, max_connections=2, max_per_address=0)
+    upgrade = b"GET /agent/v1/stream HTTP/1.1\r\nHost: palisade\r\nUpgrade: websocket\r\n\r\n"
+    settled, settled_transport = _connect(factory, port=1)
+    settled.dataReceived(upgrade)
+    clock.advance(20)
+    young, young_transport = _connect(factory, port=2)
+    young.dataReceived(upgrade)
+    assert _connect(factory, port=3)[0] is not None
+    assert young_transport.disconnected and not settled_transport.disconnected
+
+
+def test_at_the_total_cap_the_slowest_body_makes_room_when_nothing_else_can():
+    clock, limiter, factory = _site(request_class=Pending, max_connections=2, max_per_address=0)
+    head = b"POST /agent/v1/flows HTTP/1.1\r\nHost: palisade\r\nContent-Length: 100000\r\n\r\n"
+    slow, slow_transport = _connect(factory, port=1)
+    fast, fast_transport = _connect(factory, port=2)
+    slow.dataReceived(head)
+    fast.dataReceived(head)
+    clock.advance(2)
+    slow.dataReceived(b"x" * 100)
+    fast.dataReceived(b"x" * 50_000)
+    assert _connect(factory, port=3)[0] is not None
+    assert slow_transport.disconnected and not fast_transport.disconnected
+
+
 def test_refusals_are_one_log_line_every_ten_seconds(caplog):
     clock, limiter, factory = _site(max_per_address=1)
     caplog.set_level(logging.WARNING, logger="palisade.serve")

@@ -1,5 +1,6 @@
 """The real serve, with 1,024 descriptors (`prlimit --nofile=1024`), against 1,100 connections that never
-finish their TLS handshake: from one address (127.0.0.2), then from 1,100 addresses (127.0.3.1 on). Meanwhile
+finish their TLS handshake: from one address (127.0.0.2, which also holds unfinished heads, websockets
+that never authenticate and slow bodies), then from 1,100 addresses (127.0.3.1 on). Meanwhile
 `GET /me`, an enrolment and a flow report from 127.0.0.1 answer promptly, and serve never holds more
 descriptors than its limit allows. Before the limits (controlplane/connection_limits.py) the first
 thousand such connections took every descriptor: the listeners refused everyone.
@@ -21,6 +22,7 @@ import pytest
 
 from agent.enrol import enrol
 from agent.flowreport import report_body
+from agent.protocol import FLOWS_PATH, STREAM_PATH
 from agent.state import StateDir
 from tests.support.flow_reports import post_flow_report
 from tests.support.scripted_agent import ScriptedStreams
@@ -83,6 +85,37 @@ def _slow_connections(targets: list[tuple[str, int]], sources: list[str]):
         for sock in sockets:
             sock.close()
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+@contextmanager
+def _started_requests(serve, source: str, count: int):
+    """TLS connections from `source` that each start something and never finish it: a request head on
+    the operator listener, a websocket upgrade that never authenticates and a flow report's body at
+    ten bytes in all on the gateway."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    starts = [
+        ("operator", b"GET /api/v1/me HTTP/1.1\r\nHost: palisade\r\nUser-Agent: slo"),
+        ("gateway", b"GET " + STREAM_PATH.encode() + b" HTTP/1.1\r\nHost: palisade\r\nUpgrade: websocket\r\n"
+         b"Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"),
+        ("gateway", b"POST " + FLOWS_PATH.encode() + b" HTTP/1.1\r\nHost: palisade\r\nContent-Length: 100000\r\n\r\n0123456789"),
+    ]  # fmt: skip
+    held = []
+    try:
+        for index in range(count):
+            listener, data = starts[index % len(starts)]
+            raw = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            raw.settimeout(5)
+            raw.bind((source, 0))
+            raw.connect(serve.address(listener))
+            tls = context.wrap_socket(raw)
+            tls.sendall(data)
+            held.append(tls)
+        yield held
+    finally:
+        for sock in held:
+            sock.close()
 
 
 def _accept_queue(ports: list[int]) -> int:
@@ -149,7 +182,7 @@ def _others_are_answered(serve, token: str, bundle: str, reporter, root, name: s
 def test_one_address_with_1100_slow_connections_silences_nobody(limited):
     serve, token, bundle, reporter, root = limited
     targets = [serve.address("operator"), serve.address("gateway")]
-    with _slow_connections(targets, ["127.0.0.2"]):
+    with _started_requests(serve, "127.0.0.2", 120), _slow_connections(targets, ["127.0.0.2"]):
         held = _open_descriptors(serve)
         _others_are_answered(serve, token, bundle, reporter, root, "during-one")
     serve.wait_for_stderr(r"connections refused or closed: .*over the per-address cap of 256")
