@@ -20,11 +20,9 @@ accepted socket is counted before any byte is read:
   `BODY_GRACE_SECONDS`.
 
 Requests being answered and websockets (once upgraded: the gateway's consumer closes a stream that does
-not authenticate within its own handshake time) have no deadline here; at the total cap, a websocket
-younger than `YOUNG_STREAM_SECONDS` may still be closed for room, after every connection waiting for a
-head. The HTTP channel
-(controlplane/http_limits.py) tells its connection where the request is; a connection without a
-`LimitedConnection` under it (the unit tests' channels) is simply not limited.
+not authenticate within its own handshake time) have no deadline here. The HTTP channel
+(controlplane/http_limits.py) tells its connection where the request is; a channel without a
+`LimitedConnection` under it is simply not limited.
 """
 
 from __future__ import annotations
