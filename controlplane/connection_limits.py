@@ -51,6 +51,8 @@ DESCRIPTORS_PER_DATABASE_THREAD = 3
 # A websocket this young may not have authenticated yet (the gateway allows 10 s, fleet/gateway.py):
 # at the total cap it may be closed for room, after connections waiting for a head. Older ones never are.
 YOUNG_STREAM_SECONDS = 15.0
+# Request bodies held in temporary files at once (controlplane/http_limits.py); the rest wait in memory.
+MAX_SPILLED_BODIES = 64
 DEFAULT_PER_ADDRESS = 256
 DEFAULT_HEAD_TIMEOUT = 15.0
 DEFAULT_BODY_MIN_RATE = 1024
@@ -117,7 +119,12 @@ def redis_connections() -> int:
 
 def descriptor_reserve(*, database_threads: int, redis_connections: int) -> int:
     """Descriptors kept out of the connection cap."""
-    return BASE_RESERVE + DESCRIPTORS_PER_DATABASE_THREAD * database_threads + redis_connections
+    return (
+        BASE_RESERVE
+        + DESCRIPTORS_PER_DATABASE_THREAD * database_threads
+        + redis_connections
+        + MAX_SPILLED_BODIES
+    )
 
 
 def add_arguments(parser) -> None:

@@ -6,6 +6,7 @@ over TLS, is in tests/e2e/test_connection_limits_on_serve.py."""
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 
@@ -24,7 +25,7 @@ from controlplane.connection_limits import (
     address_key,
     limits_from_options,
 )
-from controlplane.http_limits import LimitedHTTPChannel
+from controlplane.http_limits import SPOOL_BYTES, BodyFile, LimitedHTTPChannel
 
 HEAD_TIMEOUT = 15.0
 HEAD = b"GET /api/v1/me HTTP/1.1\r\nHost: palisade\r\nUser-Agent: slow\r\n\r\n"
@@ -295,3 +296,39 @@ def test_the_soft_descriptor_limit_is_raised_to_the_hard_one():
         check=True,
     )
     assert result.stdout.split() == ["512", "2048"]
+
+
+def _descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_slow_body_costs_no_descriptor_beside_its_connection_until_it_is_large():
+    clock, limiter, factory = _site(request_class=Pending)
+    connection, _ = _connect(factory)
+    before = _descriptors()
+    # Twisted gave a body declared at 100 KB or more a temporary file from its first byte.
+    connection.dataReceived(
+        b"POST /agent/v1/flows HTTP/1.1\r\nHost: palisade\r\nContent-Length: 30000000\r\n\r\n0123456789"
+    )
+    content = connection.wrappedProtocol.requests[-1].content
+    assert isinstance(content, BodyFile) and _descriptors() == before
+    connection.dataReceived(b"x" * SPOOL_BYTES)
+    assert _descriptors() == before + 1 and BodyFile.spilled == 1
+    connection.connectionLost(None)
+    assert _descriptors() == before and BodyFile.spilled == 0
+
+
+def test_only_so_many_bodies_are_in_files_at_once(monkeypatch):
+    monkeypatch.setattr("controlplane.http_limits.MAX_SPILLED_BODIES", 2)
+    bodies = [BodyFile(max_size=10) for _ in range(3)]
+    for body in bodies:
+        body.write(b"x" * 20)
+    assert [body._rolled for body in bodies] == [True, True, False] and BodyFile.spilled == 2
+    bodies[0].close()
+    bodies[2].write(b"y")
+    assert bodies[2]._rolled and BodyFile.spilled == 2
+    bodies[2].seek(0)
+    assert bodies[2].read() == b"x" * 20 + b"y"
+    for body in bodies:
+        body.close()
+    assert BodyFile.spilled == 0
