@@ -95,7 +95,8 @@ def database_threads() -> int:
     from fleet.held_streams import DB_THREADS
 
     reactor_pool = reactor.getThreadPool().max  # housekeeping and shutdown's deferToThread
-    loop_executor = min(32, (os.cpu_count() or 1) + 4)  # asyncio's default, and Channels' own thread
+    # asyncio's default executor (daphne sizes it from ASGI_THREADS when set), then Channels' own thread
+    loop_executor = int(os.environ.get("ASGI_THREADS") or min(32, (os.cpu_count() or 1) + 4))
     return (
         http_threads.POOL_THREADS
         + http_threads.HEAVY_THREADS
