@@ -215,7 +215,8 @@ def run_count(
     result: dict = {"agents": count}
     try:
         db_url = database(db_name, create=True)
-        serve = ServeProcess(work / "data", database_url=db_url)
+        # Every simulated agent connects from 127.0.0.1: lift serve's per-address cap (256) for them.
+        serve = ServeProcess(work / "data", ["--max-connections-per-address", "0"], database_url=db_url)
         serve.start(timeout=left(120))
         token = serve.mint_operator_token("bench-scale")
         http = serve.client("operator", headers={"Authorization": f"Bearer {token}"})

@@ -6,6 +6,14 @@ Twisted closes the connection without a word when the request line or one header
 bare `400 Bad Request` and no body. Clients then waited for a timeout, or got an error they could not
 read. The limits stay Twisted's; only the answers change.
 
+The channel also tells the connection under it (controlplane/connection_limits.py) where the request
+is, so that the time to send a request head and the rate of its body can be bounded there, below TLS.
+
+A request body is kept in memory up to `SPOOL_BYTES`, and only then in a temporary file, while fewer than
+`MAX_SPILLED_BODIES` are: Twisted gave every body declared at 100 KB or more, and every chunked one, a
+file from its first byte, so each slow body cost a second descriptor beside its connection's, which
+the connection caps did not count (measured: 1,100 slow bodies took serve past its descriptor limit).
+
 Requests are built without Twisted's parse of a POST's form content: daphne hands the body to the
 application as it came, so that parse was never used, and reading the Content-Type header for it
 (through the `email` package) cost a tenth of serve's CPU per flow report.
@@ -14,11 +22,15 @@ application as it came, so that parse was never used, and reading the Content-Ty
 from __future__ import annotations
 
 import functools
+import io
 import json
+import tempfile
+import weakref
 
 from twisted.web import http
 
 from controlplane.api.errors import PROBLEM_CONTENT_TYPE
+from controlplane.connection_limits import MAX_SPILLED_BODIES, LimitedConnection
 from controlplane.problems import Problem
 from controlplane.response_headers import STRICT_TRANSPORT_SECURITY
 
@@ -39,8 +51,49 @@ def _problem_bytes(problem: Problem) -> bytes:
     return head + body
 
 
+SPOOL_BYTES = 1024 * 1024
+
+
+class BodyFile(tempfile.SpooledTemporaryFile):
+    """A request body: in memory, and in a temporary file past SPOOL_BYTES while a file is free."""
+
+    spilled = 0  # bodies in a file now, over all requests
+
+    def rollover(self):
+        if self._rolled or BodyFile.spilled >= MAX_SPILLED_BODIES:
+            return  # stays in memory: called again at the next write, so it spills once a file is free
+        super().rollover()
+        BodyFile.spilled += 1
+        # Closed by the request when it ends, or collected with an upgraded request that never does.
+        self._spill = weakref.finalize(self, BodyFile._unspill)
+
+    @staticmethod
+    def _unspill():
+        BodyFile.spilled -= 1
+
+    def close(self):
+        super().close()
+        spill = getattr(self, "_spill", None)
+        if spill is not None:
+            spill()  # once only: a finalizer runs at most once
+
+
+def _got_length(request: http.Request, length: int | None) -> None:
+    if length is not None and length <= SPOOL_BYTES:
+        request.content = io.BytesIO()  # Twisted stops at the declared length
+    else:
+        request.content = BodyFile(max_size=SPOOL_BYTES)
+
+
+@functools.cache
+def _with_body_file(factory):
+    if not isinstance(factory, type):
+        return factory  # not a request class: nothing to change
+    return type(factory.__name__, (factory,), {"gotLength": _got_length})
+
+
 class LimitedHTTPChannel(http.HTTPChannel):
-    _request_factory = functools.partial(http.Request, parsePOSTFormSubmission=False)
+    _request_factory = functools.partial(_with_body_file(http.Request), parsePOSTFormSubmission=False)
 
     @property
     def requestFactory(self):
@@ -48,7 +101,39 @@ class LimitedHTTPChannel(http.HTTPChannel):
 
     @requestFactory.setter
     def requestFactory(self, factory):  # daphne sets its own request class here
-        self._request_factory = functools.partial(factory, parsePOSTFormSubmission=False)
+        self._request_factory = functools.partial(_with_body_file(factory), parsePOSTFormSubmission=False)
+
+    _limits: LimitedConnection | None = None
+
+    def connectionMade(self):
+        super().connectionMade()
+        # The TLS protocol is this channel's transport; the limited connection is the TLS protocol's.
+        transport = self.transport
+        for _ in range(3):
+            if isinstance(transport, LimitedConnection):
+                self._limits = transport
+                break
+            transport = getattr(transport, "transport", None)
+
+    def allHeadersReceived(self):
+        super().allHeadersReceived()
+        if self._limits is not None:
+            self._limits.head_received()
+
+    def allContentReceived(self):
+        if self._limits is not None:
+            # daphne upgrades inside the call below, and answers a refused upgrade there too.
+            upgrade = self.requests[-1].requestHeaders.getRawHeaders(b"upgrade") or [b""]
+            self._limits.content_received(upgrade=upgrade[0].lower() == b"websocket")
+        super().allContentReceived()
+
+    def requestDone(self, request):
+        # Before Twisted parses a pipelined request it buffered, which starts that request's own phase.
+        # Also when the connection is not persistent: Twisted closes it only once the answer is sent,
+        # and a client that never reads would otherwise hold it for ever.
+        if self._limits is not None:
+            self._limits.response_done()
+        super().requestDone(request)
 
     def lineLengthExceeded(self, line):
         self.transport.write(

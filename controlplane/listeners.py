@@ -16,6 +16,7 @@ from controlplane import runtime, tls
 
 OPERATOR = "operator"
 GATEWAY = "gateway"
+LISTEN_BACKLOG = 1024
 
 
 def listener_for_scope(scope: dict) -> str:
@@ -60,6 +61,10 @@ class ListenAddress:
         parts = [
             "ssl",
             f"port={self.port}",
+            # Twisted's 50 overflowed under a burst of connections; the kernel then dropped the SYNs of
+            # everyone, and clients waited a second or more for their retry (the kernel caps it at
+            # net.core.somaxconn).
+            f"backlog={LISTEN_BACKLOG}",
             f"interface={quoteStringArgument(self.interface)}",
             f"privateKey={quoteStringArgument(str(cert.key_path))}",
             f"certKey={quoteStringArgument(str(cert.cert_path))}",

@@ -151,8 +151,10 @@ class ServeProcess(_HostCommands):
         operator_listen: str | None = None,
         gateway_listen: str | None = None,
         env: dict | None = None,
+        command_prefix: tuple | list = (),
     ):
         self.data_dir = Path(data_dir)
+        self.command_prefix = list(command_prefix)  # e.g. ("prlimit", "--nofile=1024"): run serve under it
         self.database_url = database_url
         self.operator_listen = operator_listen or f"127.0.0.1:{free_port()}"
         self.gateway_listen = (
@@ -189,6 +191,7 @@ class ServeProcess(_HostCommands):
     @property
     def args(self) -> list[str]:
         return [
+            *self.command_prefix,
             sys.executable,
             str(MANAGE),
             "serve",

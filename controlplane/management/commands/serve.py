@@ -28,7 +28,7 @@ from twisted.logger import (
 )
 
 from agent.protocol import CLOSE_SHUTDOWN, MAX_MESSAGE_BYTES
-from controlplane import runtime, tls
+from controlplane import connection_limits, runtime, tls
 from controlplane.data_dir import data_dir_check
 from controlplane.database import database_migrate, pending_migrations
 from controlplane.http_limits import limited_channel_protocol
@@ -54,6 +54,13 @@ class _Server(daphne.server.Server):
     fleet should record their streams as ended, rather than show them connected to nothing."""
 
     listen_failure: Exception | None = None
+    limiter: connection_limits.ConnectionLimiter | None = None
+
+    def listen_success(self, port):
+        # Before the reactor runs, so before the first connection is accepted.
+        if self.limiter is not None:
+            self.limiter.install(port)
+        super().listen_success(port)
 
     def listen_error(self, failure):
         self.listen_failure = failure.value
@@ -69,6 +76,8 @@ class _Server(daphne.server.Server):
         # daphne builds its HTTP factory in run(); no connection is accepted before the reactor runs.
         reactor.callWhenRunning(lambda: setattr(self.http_factory, "protocol", limited_channel_protocol))
         reactor.callWhenRunning(lambda: notify_streams_on(asyncio.get_event_loop()))
+        if self.limiter is not None:
+            reactor.callWhenRunning(self.limiter.start)
         for step in STEPS:
             loop = task.LoopingCall(_scheduled, step)
             loop.start(step.every_seconds, now=False).addErrback(
@@ -200,6 +209,7 @@ class Command(PalisadeCommand):
         parser.add_argument(
             "--no-migrate", action="store_true", help="do not apply database migrations at start"
         )
+        connection_limits.add_arguments(parser)
 
     def handle(self, *args, **options):
         # Until twisted takes over the signals, SIGTERM (like Ctrl-C) ends the start cleanly.
@@ -242,6 +252,10 @@ class Command(PalisadeCommand):
             "gateway": self._certificate("gateway", gateway, options),
         }
         self._configure(operator, gateway, options)
+        try:
+            limits = connection_limits.serve_limits(options)
+        except connection_limits.LimitsError as error:
+            raise CommandError(str(error)) from None
         self._prepare_database(migrate=not options["no_migrate"])
 
         from controlplane.service_identity import gateway_address
@@ -264,7 +278,7 @@ class Command(PalisadeCommand):
 
         from controlplane.asgi import application
 
-        return _Server(
+        server = _Server(
             application,
             endpoints=[operator.endpoint(certs["operator"]), gateway.endpoint(certs["gateway"])],
             signal_handlers=True,
@@ -279,6 +293,8 @@ class Command(PalisadeCommand):
                 operator.url(),
             ),
         )
+        server.limiter = connection_limits.ConnectionLimiter(limits)
+        return server
 
     def _certificate(self, name: str, listen: ListenAddress, options) -> tls.CertPaths:
         cert, key = options[f"{name}_tls_cert"], options[f"{name}_tls_key"]

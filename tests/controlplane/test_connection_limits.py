@@ -1,0 +1,334 @@
+"""serve's connection limits (controlplane/connection_limits.py) on Twisted's own HTTP/1.1 channel
+(controlplane/http_limits.py), driven by a clock the test moves: a head dribbled one byte at a time, a
+slow body, idle keep-alive, a websocket upgrade, the caps. The real serve, under a descriptor limit and
+over TLS, is in tests/e2e/test_connection_limits_on_serve.py."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+from twisted.internet.address import IPv4Address, IPv6Address
+from twisted.internet.task import Clock
+from twisted.internet.testing import StringTransport
+from twisted.web import http
+
+from controlplane.connection_limits import (
+    ConnectionLimiter,
+    LimitingFactory,
+    Limits,
+    LimitsError,
+    Phase,
+    address_key,
+    limits_from_options,
+)
+from controlplane.http_limits import SPOOL_BYTES, BodyFile, LimitedHTTPChannel
+
+HEAD_TIMEOUT = 15.0
+HEAD = b"GET /api/v1/me HTTP/1.1\r\nHost: palisade\r\nUser-Agent: slow\r\n\r\n"
+
+
+class Answering(http.Request):
+    """Answers at once, like a quick view."""
+
+    def process(self):
+        self.setResponseCode(200)
+        self.write(b"ok")
+        self.finish()
+
+
+class Pending(http.Request):
+    """Never answers: a request being worked on, or a websocket daphne took over."""
+
+    def process(self):
+        pass
+
+
+def _site(request_class=Answering, **limits) -> tuple[Clock, ConnectionLimiter, LimitingFactory]:
+    clock = Clock()
+    settings = {
+        "max_connections": 100,
+        "max_per_address": 10,
+        "head_timeout": HEAD_TIMEOUT,
+        "body_min_rate": 1000,
+    }
+    limiter = ConnectionLimiter(Limits(**(settings | limits)), clock=clock)
+    limiter.start()
+    inner = http.HTTPFactory(reactor=clock)
+    inner.protocol = lambda: _channel(request_class)
+    return clock, limiter, LimitingFactory(inner, limiter)
+
+
+def _channel(request_class):
+    channel = LimitedHTTPChannel()
+    channel.requestFactory = request_class
+    return channel
+
+
+def _connect(factory: LimitingFactory, host: str = "192.0.2.7", port: int = 40000):
+    addr = IPv6Address("TCP", host, port) if ":" in host else IPv4Address("TCP", host, port)
+    connection = factory.buildProtocol(addr)
+    if connection is None:
+        return None, None
+    transport = StringTransport(peerAddress=addr)
+    connection.makeConnection(transport)
+    return connection, transport
+
+
+def test_a_head_dribbled_one_byte_at_a_time_is_cut_at_the_deadline():
+    clock, limiter, factory = _site()
+    connection, transport = _connect(factory)
+    # One byte a second resets Twisted's own idle timer every time; the deadline does not move.
+    for byte in HEAD[:-1]:
+        connection.dataReceived(bytes([byte]))
+        clock.advance(0.25)
+    assert not transport.disconnected  # 15 s of dribbling, still inside the deadline
+    clock.advance(HEAD_TIMEOUT - 0.25 * (len(HEAD) - 1) + 1)
+    assert transport.disconnected
+    assert limiter.total == 0 and not limiter.by_address
+
+
+def test_a_head_never_started_is_cut_too():
+    # What a TLS handshake that never finishes looks like from here: no bytes the channel can parse.
+    clock, limiter, factory = _site()
+    _, transport = _connect(factory)
+    clock.advance(HEAD_TIMEOUT - 1)
+    assert not transport.disconnected
+    clock.advance(2)
+    assert transport.disconnected
+
+
+def test_a_complete_head_is_answered_and_an_idle_keep_alive_connection_is_closed_later():
+    clock, limiter, factory = _site()
+    connection, transport = _connect(factory)
+    clock.advance(HEAD_TIMEOUT - 1)
+    connection.dataReceived(HEAD)
+    assert transport.value().startswith(b"HTTP/1.1 200")
+    assert connection.phase is Phase.HEAD  # ready for the next request, with a fresh deadline
+    clock.advance(HEAD_TIMEOUT - 1)
+    assert not transport.disconnected
+    clock.advance(2)
+    assert transport.disconnected
+
+
+class Sending(StringTransport):
+    """What twisted's TCP transport shows of the bytes the kernel has not taken yet."""
+
+    dataBuffer = b""
+    offset = 0
+    _tempDataLen = 0
+
+
+def test_a_client_reading_a_large_answer_keeps_its_connection_while_it_reads():
+    clock, limiter, factory = _site()
+    addr = IPv4Address("TCP", "192.0.2.7", 1)
+    connection = factory.buildProtocol(addr)
+    transport = Sending(peerAddress=addr)
+    connection.makeConnection(transport)
+    transport.dataBuffer = b"x" * 100_000  # the answer, not yet sent when the request is done
+    connection.dataReceived(HEAD)
+    assert connection.phase is Phase.HEAD
+    clock.advance(10)
+    transport.offset = 90_000  # read at 9,000 bytes/s
+    clock.advance(HEAD_TIMEOUT - 10 + 1)
+    assert not transport.disconnected
+    clock.advance(3)  # and then it stops reading
+    assert transport.disconnected
+
+
+def test_a_client_that_never_reads_its_answer_is_cut_at_the_deadline():
+    clock, limiter, factory = _site()
+    addr = IPv4Address("TCP", "192.0.2.7", 1)
+    connection = factory.buildProtocol(addr)
+    transport = Sending(peerAddress=addr)
+    connection.makeConnection(transport)
+    transport.dataBuffer = b"x" * 100_000
+    connection.dataReceived(HEAD.replace(b"HTTP/1.1", b"HTTP/1.0"))  # not persistent: Twisted waits to close
+    clock.advance(HEAD_TIMEOUT + 1)
+    assert transport.disconnected
+
+
+def test_a_body_slower_than_the_minimum_rate_is_cut_and_a_steady_one_is_not():
+    clock, limiter, factory = _site()
+    head = b"POST /agent/v1/flows HTTP/1.1\r\nHost: palisade\r\nContent-Length: 100000\r\n\r\n"
+    slow, slow_transport = _connect(factory, port=1)
+    steady, steady_transport = _connect(factory, port=2)
+    slow.dataReceived(head)
+    steady.dataReceived(head)
+    assert slow.phase is Phase.BODY
+    for _ in range(40):  # 40 s: the grace (10 s) and then 1,000 bytes a second
+        slow.dataReceived(b"x" * 10)
+        steady.dataReceived(b"x" * 1500)
+        clock.advance(1)
+    assert slow_transport.disconnected
+    assert not steady_transport.disconnected and steady.phase is Phase.BODY
+    steady.dataReceived(b"x" * (100000 - 40 * 1500))
+    assert steady.phase is Phase.HEAD and steady_transport.value().startswith(b"HTTP/1.1 200")
+
+
+def test_a_request_being_answered_and_a_websocket_have_no_deadline():
+    clock, limiter, factory = _site(request_class=Pending)
+    busy, busy_transport = _connect(factory, port=1)
+    stream, stream_transport = _connect(factory, port=2)
+    busy.dataReceived(HEAD)
+    stream.dataReceived(
+        b"GET /agent/v1/stream HTTP/1.1\r\nHost: palisade\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n"
+    )
+    assert (busy.phase, stream.phase) == (Phase.BUSY, Phase.STREAM)
+    clock.advance(3600)
+    assert not busy_transport.disconnected and not stream_transport.disconnected
+    assert limiter.total == 2
+
+
+def test_one_address_gets_its_cap_and_everyone_else_still_gets_in():
+    clock, limiter, factory = _site(max_per_address=3)
+    held = [_connect(factory, "192.0.2.7", port)[0] for port in range(5)]
+    assert [c is not None for c in held] == [True, True, True, False, False]
+    # The same IPv4 address through a dual-stack listener counts against the same cap.
+    assert _connect(factory, "::ffff:192.0.2.7")[0] is None
+    assert _connect(factory, "192.0.2.8")[0] is not None
+    assert limiter.by_address == {"192.0.2.7": 3, "192.0.2.8": 1}
+    held[0].connectionLost(None)
+    assert _connect(factory, "192.0.2.7")[0] is not None
+
+
+def test_an_ipv6_client_is_counted_by_its_64():
+    assert address_key("2001:db8:1:2::5") == address_key("2001:db8:1:2:ffff::9") == "2001:db8:1:2::/64"
+    assert address_key("2001:db8:1:3::5") != address_key("2001:db8:1:2::5")
+    assert address_key("::ffff:10.0.0.1") == "10.0.0.1"
+    assert address_key("fe80::1%eth0") == "fe80::/64"
+
+
+def test_at_the_total_cap_the_longest_waiting_for_a_head_makes_room_and_nothing_else_does():
+    clock, limiter, factory = _site(request_class=Pending, max_connections=3, max_per_address=0)
+    oldest, oldest_transport = _connect(factory, port=1)
+    clock.advance(1)
+    busy, busy_transport = _connect(factory, port=2)
+    busy.dataReceived(HEAD)
+    clock.advance(1)
+    waiting, waiting_transport = _connect(factory, port=3)
+
+    newcomer, _ = _connect(factory, port=4)
+    assert newcomer is not None and oldest_transport.disconnected
+    assert not busy_transport.disconnected and not waiting_transport.disconnected
+    newcomer.dataReceived(HEAD)
+    waiting.dataReceived(HEAD)
+    assert limiter.total == 3
+    assert _connect(factory, port=5)[0] is None  # all three are being answered: nothing to close
+    assert limiter.total == 3
+
+
+def test_at_the_total_cap_a_websocket_too_young_to_have_authenticated_makes_room_and_an_older_one_does_not():
+    clock, limiter, factory = _site(request_class=Pending, max_connections=2, max_per_address=0)
+    upgrade = b"GET /agent/v1/stream HTTP/1.1\r\nHost: palisade\r\nUpgrade: websocket\r\n\r\n"
+    settled, settled_transport = _connect(factory, port=1)
+    settled.dataReceived(upgrade)
+    clock.advance(20)
+    young, young_transport = _connect(factory, port=2)
+    young.dataReceived(upgrade)
+    assert _connect(factory, port=3)[0] is not None
+    assert young_transport.disconnected and not settled_transport.disconnected
+
+
+def test_at_the_total_cap_the_slowest_body_makes_room_when_nothing_else_can():
+    clock, limiter, factory = _site(request_class=Pending, max_connections=2, max_per_address=0)
+    head = b"POST /agent/v1/flows HTTP/1.1\r\nHost: palisade\r\nContent-Length: 100000\r\n\r\n"
+    slow, slow_transport = _connect(factory, port=1)
+    fast, fast_transport = _connect(factory, port=2)
+    slow.dataReceived(head)
+    fast.dataReceived(head)
+    clock.advance(2)
+    slow.dataReceived(b"x" * 100)
+    fast.dataReceived(b"x" * 50_000)
+    assert _connect(factory, port=3)[0] is not None
+    assert slow_transport.disconnected and not fast_transport.disconnected
+
+
+def test_refusals_are_one_log_line_every_ten_seconds(caplog):
+    clock, limiter, factory = _site(max_per_address=1)
+    caplog.set_level(logging.WARNING, logger="palisade.serve")
+    _connect(factory, port=1)
+    for port in range(2, 500):
+        _connect(factory, port=port)
+    clock.advance(1)
+    for port in range(500, 600):
+        _connect(factory, port=port)
+    clock.advance(5)
+
+    def lines():
+        return [r.getMessage() for r in caplog.records if "connections refused" in r.getMessage()]
+
+    assert len(lines()) == 1 and "498 over the per-address cap of 1" in lines()[0]
+    clock.advance(5)
+    assert len(lines()) == 2 and "100 over the per-address cap of 1" in lines()[1]
+
+
+def test_limits_come_from_the_flags_and_the_descriptor_budget():
+    options = {
+        "max_connections": None,
+        "max_connections_per_address": 256,
+        "request_head_timeout": 15.0,
+        "request_body_min_rate": 1024.0,
+    }
+    assert limits_from_options(options, descriptors=1024, reserve=200).max_connections == 824
+    assert (
+        limits_from_options({**options, "max_connections": 50}, descriptors=1024, reserve=200).max_connections
+        == 50
+    )
+    with pytest.raises(LimitsError, match="raise the limit"):
+        limits_from_options(options, descriptors=128, reserve=200)
+    with pytest.raises(LimitsError, match="--request-head-timeout"):
+        limits_from_options({**options, "request_head_timeout": 0}, descriptors=1024, reserve=200)
+    with pytest.raises(LimitsError, match="--max-connections-per-address"):
+        limits_from_options({**options, "max_connections_per_address": -1}, descriptors=1024, reserve=200)
+
+
+def test_the_soft_descriptor_limit_is_raised_to_the_hard_one():
+    script = "from controlplane.connection_limits import descriptor_limit_raise as r; print(*r())"
+    result = subprocess.run(
+        ["prlimit", "--nofile=512:2048", sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert result.stdout.split() == ["512", "2048"]
+
+
+def _descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_slow_body_costs_no_descriptor_beside_its_connection_until_it_is_large():
+    clock, limiter, factory = _site(request_class=Pending)
+    connection, _ = _connect(factory)
+    before = _descriptors()
+    # Twisted gave a body declared at 100 KB or more a temporary file from its first byte.
+    connection.dataReceived(
+        b"POST /agent/v1/flows HTTP/1.1\r\nHost: palisade\r\nContent-Length: 30000000\r\n\r\n0123456789"
+    )
+    content = connection.wrappedProtocol.requests[-1].content
+    assert isinstance(content, BodyFile) and _descriptors() == before
+    connection.dataReceived(b"x" * SPOOL_BYTES)
+    assert _descriptors() == before + 1 and BodyFile.spilled == 1
+    connection.connectionLost(None)
+    assert _descriptors() == before and BodyFile.spilled == 0
+
+
+def test_only_so_many_bodies_are_in_files_at_once(monkeypatch):
+    monkeypatch.setattr("controlplane.http_limits.MAX_SPILLED_BODIES", 2)
+    bodies = [BodyFile(max_size=10) for _ in range(3)]
+    for body in bodies:
+        body.write(b"x" * 20)
+    assert [body._rolled for body in bodies] == [True, True, False] and BodyFile.spilled == 2
+    bodies[0].close()
+    bodies[2].write(b"y")
+    assert bodies[2]._rolled and BodyFile.spilled == 2
+    bodies[2].seek(0)
+    assert bodies[2].read() == b"x" * 20 + b"y"
+    for body in bodies:
+        body.close()
+    assert BodyFile.spilled == 0
