@@ -18,7 +18,7 @@ from controlplane.auth.actor import CLI_ACTOR
 from controlplane.problems import Problem, ValidationFailed
 from fleet.enrolment import workload_enrol
 from fleet.provisioning import provisioning_token_mint
-from fleet.streams import report_authenticate
+from fleet.streams import report_sender_authenticate, report_signature_verify
 from flows.models import EvidenceGap, FlowGroup, FlowWindow, UnsummedWindow
 from flows.services import flow_report_ingest
 from tests.support.helpers import assert_problem, race
@@ -213,26 +213,66 @@ def test_a_report_needs_the_workloads_key_and_a_live_credential(db, clock_at):
         body, key=key, workload_id=str(workload.id), credential=credential, gateway_fingerprint=FINGERPRINT
     )
     signature = headers["Palisade-Signature"]
-    assert (
-        report_authenticate(
-            workload_id=str(workload.id), credential=credential, signature=signature, body=body
-        )
-        == workload.id
-    )
-    with pytest.raises(Problem):
-        report_authenticate(
-            workload_id=str(workload.id), credential=credential, signature=signature, body=body + b" "
-        )
+    sender = report_sender_authenticate(workload_id=str(workload.id), credential=credential)
+    assert sender.workload_id == workload.id
+    report_signature_verify(sender=sender, signature=signature, body=body)
+    with pytest.raises(Problem, match="enrolled workload"):
+        report_signature_verify(sender=sender, signature=signature, body=body + b" ")
     other, _, other_credential = enrolled(hostname="db", address="10.50.0.2")
-    for sender, presented in [(str(uuid.uuid4()), credential), ("not-a-uuid", credential),
-                              (str(other.id), credential), (str(workload.id), other_credential)]:  # fmt: skip
-        with pytest.raises(Problem, match="enrolled workload"):
-            report_authenticate(workload_id=sender, credential=presented, signature=signature, body=body)
+    with pytest.raises(
+        Problem, match="enrolled workload"
+    ):  # another's credential, its own key: not this body
+        report_signature_verify(
+            sender=report_sender_authenticate(workload_id=str(other.id), credential=other_credential),
+            signature=signature,
+            body=body,
+        )
     clock_at(timedelta(days=400))  # past expiry, within or beyond the grace alike
     with pytest.raises(Problem, match="renew"):
-        report_authenticate(
-            workload_id=str(workload.id), credential=credential, signature=signature, body=body
-        )
+        report_sender_authenticate(workload_id=str(workload.id), credential=credential)
+
+
+def test_a_reports_headers_alone_refuse_a_sender_that_is_not_a_workload_with_its_current_credential(db):
+    """What serve checks before it receives the body (controlplane/body_gate.py), and the view again."""
+    from django.utils.datastructures import CaseInsensitiveMapping
+
+    from agent.credential import credential_parse, credential_payload, credential_sign
+    from fleet.credentials import signing_key
+    from flows.gateway import report_sender_of
+
+    workload, key, credential = enrolled()
+    other, _, other_credential = enrolled(hostname="db", address="10.50.0.2")
+    current = credential_parse(credential)
+    now = clock.now()
+
+    def ours(**changes) -> str:  # signed by this control plane, so valid-looking
+        fields = {**{k: current[k] for k in ("workload_id", "public_key", "serial")}, **changes}
+        fields.update(issued_at=now - timedelta(days=1), expires_at=now + timedelta(days=1))
+        return credential_sign(credential_payload(**fields), signing_key())
+
+    good = {
+        "palisade-workload": str(workload.id),
+        "Palisade-Credential": credential,
+        "Palisade-Signature": "x",
+    }
+    assert report_sender_of(CaseInsensitiveMapping(good)).workload_id == workload.id  # any case of the names
+    refused = [
+        ({"Palisade-Credential": "not a credential"}, "enrolled workload"),
+        ({"Palisade-Credential": credential[:-8] + "AAAAAAA="}, "enrolled workload"),  # signature altered
+        ({"Palisade-Credential": other_credential}, "enrolled workload"),
+        ({"Palisade-Credential": ours(serial=current["serial"] + 1)}, "enrolled workload"),
+        ({"Palisade-Credential": ours(public_key=public_key_encode(Ed25519PrivateKey.generate().public_key()))},
+         "enrolled workload"),
+        ({"palisade-workload": str(uuid.uuid4())}, "enrolled workload"),
+        ({"palisade-workload": "not-a-uuid"}, "enrolled workload"),
+        ({"palisade-workload": str(other.id)}, "enrolled workload"),
+        ({"Palisade-Signature": ""}, "Palisade-Signature"),
+        ({"Palisade-Credential": ""}, "Palisade-Credential"),
+    ]  # fmt: skip
+    for change, message in refused:
+        with pytest.raises(Problem, match=message) as refusal:
+            report_sender_of(CaseInsensitiveMapping({**good, **change}))
+        assert refusal.value.name == "unauthenticated", change
 
 
 def test_the_flows_command_lists_windows_and_gaps_as_table_json_and_csv(db):
