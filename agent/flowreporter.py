@@ -4,8 +4,9 @@ the buffer is reported to the gateway (`POST /agent/v1/flows`), independently of
 Sources read on their own threads (blocking netlink reads); a source that fails is a `source_restart`
 gap until it has subscribed again. While the owned table is gone, every window period carries a
 `table_removed` gap. A window the control plane refuses as malformed is dropped without retry and
-becomes a `window_rejected` gap of its range. While the gateway is unreachable, reports back off with
-jitter (1 s doubling to 60 s); the buffer keeps what waits, across restarts too.
+becomes a `window_rejected` gap of its range. While the gateway is unreachable or refuses a report,
+reports back off with jitter (1 s doubling to 60 s), and no sooner than a 429 or 503's Retry-After; the
+buffer keeps what waits, across restarts too.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ MAX_GAPS_PER_REPORT = 500
 REPORT_BUDGET_BYTES = 8 * 1024 * 1024  # well under the gateway's 32 MiB for flow reports
 SOURCE_RETRY_SECONDS = 1.0
 STATUS_EVERY_SECONDS = 5.0  # how often status.json shows the sources and the buffer
+MAX_RETRY_AFTER = 300.0
 
 
 def _batch(windows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -64,6 +66,25 @@ def _answered_items(answer: bytes) -> list[dict[str, Any]]:
     ):
         raise ValueError("the gateway's answer to a flow report is not one of its answers")
     return items
+
+
+def _retry_after(value: str | None) -> float | None:
+    """Retry-After in seconds (the gateway sends seconds, never a date), at most MAX_RETRY_AFTER."""
+    try:
+        seconds = float(value or "")
+    except ValueError:
+        return None
+    return min(seconds, MAX_RETRY_AFTER) if seconds > 0 else None
+
+
+def retry_delay(attempt: int, retry_after: float | None) -> float:
+    """Seconds until a failed report is sent again: jittered, doubling from 1 s to 60 s with each
+    attempt; and after a 429 or 503, no sooner than its Retry-After, spread over as long again (a fleet
+    told to wait together does not come back together)."""
+    delay = random.uniform(0, min(60.0, 2.0**attempt))  # noqa: S311 - jitter, not a secret
+    if retry_after:
+        delay = max(delay, retry_after * random.uniform(1, 2))  # noqa: S311
+    return delay
 
 
 def _expired(expires_at: str, now: float) -> bool:
@@ -197,6 +218,7 @@ class FlowReporter:
         self.absent_since: float | None = None
         self.attempt = 0
         self.next_send = 0.0
+        self.retry_after: float | None = None  # what the gateway's last 429 or 503 asked for
         self.last_acknowledged: str | None = None
         # A new process reports once at start, even with nothing to say: that report is what lets the
         # control plane record the silence before it (agent_silent), which a quiet workload would
@@ -251,6 +273,7 @@ class FlowReporter:
     def send_pending(self) -> bool | None:
         """Report what waits (one batch), and a new process's first report even when nothing does; True
         when acknowledged, False on failure, None if nothing was sent."""
+        self.retry_after = None
         windows, gaps = self.buffer.pending()
         if not windows and not gaps and self.announced:
             return None
@@ -274,8 +297,19 @@ class FlowReporter:
             host.strip("[]"), int(port), context=self.context(), timeout=30
         )
         try:
-            connection.request("POST", protocol.FLOWS_PATH, body=body, headers=headers)
-            response = connection.getresponse()
+            try:
+                connection.request("POST", protocol.FLOWS_PATH, body=body, headers=headers)
+            except OSError as sending:
+                # The gateway answers from the headers alone when it refuses them or has no room for the
+                # body yet, and closes while the body is still being sent: its answer says which.
+                if connection.sock is None:
+                    raise
+                try:
+                    response = connection.getresponse()
+                except (OSError, http.client.HTTPException):
+                    raise sending from None
+            else:
+                response = connection.getresponse()
             answer = response.read()
         finally:
             connection.close()
@@ -287,6 +321,8 @@ class FlowReporter:
             except ValueError:
                 pass
             self.log("flow report refused", status=response.status, detail=detail[:200])
+            if response.status in (429, 503):  # busy, not a refusal: sent again once it has room
+                self.retry_after = _retry_after(response.getheader("Retry-After"))
             return False
         done: set[str] = set()
         rejected = []
@@ -325,9 +361,8 @@ class FlowReporter:
                         self.log("flow report failed", error=getattr(error, "strerror", None) or str(error))
                         sent = False
                     if sent is False:
-                        delay = random.uniform(0, min(60.0, 2.0**self.attempt))  # noqa: S311 - jitter
+                        self.next_send = time.monotonic() + retry_delay(self.attempt, self.retry_after)
                         self.attempt += 1
-                        self.next_send = time.monotonic() + delay
                     elif sent:
                         self.attempt = 0
                         continue  # more may wait: send the next batch at once
