@@ -19,22 +19,27 @@ import json
 from twisted.web import http
 
 from controlplane.api.errors import PROBLEM_CONTENT_TYPE
+from controlplane.body_gate import BodyGate
 from controlplane.problems import Problem
 
 
-def _problem_bytes(problem: Problem) -> bytes:
-    body = json.dumps(problem.document()).encode()
+def _problem_bytes(problem: Problem, *, instance: str | None = None) -> bytes:
+    body = json.dumps(problem.document(instance=instance)).encode()
     reason = http.RESPONSES.get(problem.status, b"Error")
-    head = b"HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % (
+    extra = b"".join(
+        b"%s: %s\r\n" % (name.encode(), value.encode()) for name, value in problem.headers.items()
+    )
+    head = b"HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %d\r\n%sConnection: close\r\n\r\n" % (
         problem.status,
         reason,
         PROBLEM_CONTENT_TYPE.encode(),
         len(body),
+        extra,
     )
     return head + body
 
 
-class LimitedHTTPChannel(http.HTTPChannel):
+class LimitedHTTPChannel(BodyGate, http.HTTPChannel):
     _request_factory = functools.partial(http.Request, parsePOSTFormSubmission=False)
 
     @property
@@ -44,6 +49,10 @@ class LimitedHTTPChannel(http.HTTPChannel):
     @requestFactory.setter
     def requestFactory(self, factory):  # daphne sets its own request class here
         self._request_factory = functools.partial(factory, parsePOSTFormSubmission=False)
+
+    def refuse(self, problem: Problem, *, instance: str | None = None) -> None:
+        self.transport.write(_problem_bytes(problem, instance=instance))
+        self.loseConnection()
 
     def lineLengthExceeded(self, line):
         self.transport.write(

@@ -116,7 +116,11 @@ class ThreadPoolHttp:
                 chunks.append(chunk)
             if not message.get("more_body"):
                 break
-        with io.BytesIO(b"".join(chunks)) as body:
+        # serve admitted this body against its listener's budget (controlplane/body_gate.py); it is held
+        # once here, not twice (the chunks and their join) while Django runs.
+        joined, chunks = b"".join(chunks), []
+        with io.BytesIO(joined) as body:
+            del joined
             builder = WsgiToAsgiInstance(None)
             builder.scope = scope
             try:

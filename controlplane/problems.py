@@ -73,6 +73,11 @@ PROBLEM_TYPES: dict[str, ProblemType] = {
         "Too many failed logins from this client, or too many heavy requests (render dry-runs, selector previews) at once; retry after `retry_after` seconds.",
     ),
     "internal": ProblemType(500, "Internal error", "The service failed; the error is logged on the host."),
+    "service-unavailable": ProblemType(
+        503,
+        "Service unavailable",
+        "The service holds as many request bodies as it admits at once; retry after `retry_after` seconds.",
+    ),
 }
 
 

@@ -30,7 +30,9 @@ class ProblemSerializer(serializers.Serializer):
     instance = serializers.CharField(required=False)
     errors = FindingSerializer(many=True, required=False, help_text="`validation` only.")
     current_version = serializers.CharField(required=False, help_text="`precondition-failed` only.")
-    retry_after = serializers.IntegerField(required=False, help_text="`rate-limited` only.")
+    retry_after = serializers.IntegerField(
+        required=False, help_text="`rate-limited` and `service-unavailable` only."
+    )
     max_bytes = serializers.IntegerField(required=False, help_text="`payload-too-large` only.")
     referenced_by = serializers.ListField(
         child=serializers.DictField(), required=False, help_text="`in-use` only."
@@ -54,6 +56,7 @@ WRITE_ERRORS = {
     413: problem("`payload-too-large`."),
     415: problem("`unsupported-media-type`."),
     422: problem("`validation`: one finding per field to fix."),
+    503: problem("`service-unavailable`: no room for the body yet; retry after `Retry-After`."),
 }
 CONDITIONAL_ERRORS = {
     **WRITE_ERRORS,

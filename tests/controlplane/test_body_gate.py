@@ -1,0 +1,33 @@
+"""What serve decides about a body before it receives it (controlplane/body_gate.py); on the real serve
+in tests/e2e/test_gateway_bodies.py."""
+
+from __future__ import annotations
+
+from agent.protocol import ENROL_PATH, FLOWS_PATH
+from controlplane.body_gate import BodyBudget, _request_path, headers_check_for
+from controlplane.listeners import GATEWAY, OPERATOR
+from flows.gateway import report_sender_of
+
+
+def test_a_budget_admits_what_fits_and_a_body_larger_than_itself_only_alone():
+    budget = BodyBudget(10)
+    assert budget.take(6) and budget.take(4)
+    assert not budget.take(1)
+    budget.give_back(4)
+    assert not budget.take(5) and budget.take(4)
+    budget.give_back(10)
+    assert budget.take(25)  # nothing else in flight
+    assert not budget.take(1)
+    budget.give_back(25)
+    assert budget.in_flight == 0
+
+
+def test_flow_reports_on_the_gateway_are_the_bodies_checked_by_their_headers_first():
+    assert headers_check_for(GATEWAY, FLOWS_PATH) is report_sender_of
+    assert (
+        headers_check_for(GATEWAY, _request_path(b"/agent/v1/%66lows?x=1")) is report_sender_of
+    )  # as daphne routes it
+    assert headers_check_for(OPERATOR, FLOWS_PATH) is None  # not served there
+    assert headers_check_for(GATEWAY, ENROL_PATH) is None  # enrolment carries its token in the body
+    assert headers_check_for(GATEWAY, "/nowhere") is None
+    assert _request_path(b"/\xff") == ""
