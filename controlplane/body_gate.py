@@ -8,7 +8,10 @@ should refuse a body without reading it must therefore run here, on the HTTP cha
   chunked body as soon as it streams past it;
 - on the gateway listener, a view's `headers_check` (flow reports: an enrolled workload presenting its
   current, unexpired credential; flows/gateway.py) runs on a thread of its own while the channel reads
-  nothing more of the body; a refusal is the problem document the view would give;
+  nothing more of the body; a refusal is the problem document the view would give. Headers the check
+  passed (by the view's `headers_check_key`) pass again for PASSED_SECONDS without it: the check cost
+  serve more CPU than the rest of a small report. The view still checks every report in full, so a
+  credential renewed, expired or revoked meanwhile only has its body read before it is refused;
 - the bytes of bodies in flight, from when a body is admitted until its request is answered, are bounded
   per listener (`PALISADE_GATEWAY_BODY_BUDGET_BYTES`, `PALISADE_OPERATOR_BODY_BUDGET_BYTES`): a body the
   budget has no room for is 503 `service-unavailable` with Retry-After. A body of unknown length takes
@@ -21,7 +24,10 @@ instead of a reset.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import logging
+import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from urllib.parse import unquote
@@ -37,6 +43,8 @@ from controlplane.problems import Problem
 log = logging.getLogger("palisade.http")
 
 HEADER_CHECK_THREADS = 2  # a check is one primary-key read and a signature check: well under 1 ms
+PASSED_SECONDS = 300.0  # an agent reports every minute: four in five reports pass without the database
+PASSED_MAX = 100_000
 RETRY_AFTER_SECONDS = 1
 LINGER_SECONDS = 2.0
 
@@ -92,13 +100,51 @@ def budget_of(listener: str) -> BodyBudget:
 
 def headers_check_for(listener: str, path: str) -> HeadersCheck | None:
     """The `headers_check` of the view that `path` reaches on `listener`, if it has one."""
+    view = _view_for(listener, path)
+    return getattr(view, "headers_check", None)
+
+
+@functools.lru_cache(maxsize=64)
+def _view_for(listener: str, path: str):
     if listener != GATEWAY:
         return None
     try:
         match = resolve(path, urlconf=settings.GATEWAY_URLCONF)
     except Resolver404:
         return None
-    return getattr(getattr(match.func, "view_class", None), "headers_check", None)
+    return getattr(match.func, "view_class", None)
+
+
+class PassedHeaders:
+    """Headers a check passed lately, by a digest of (path, the view's `headers_check_key`); the
+    reactor's thread only."""
+
+    def __init__(self, *, seconds: float = PASSED_SECONDS, most: int = PASSED_MAX):
+        self.seconds, self.most = seconds, most
+        self.until: dict[bytes, float] = {}
+
+    @staticmethod
+    def key(path: str, view, headers: Mapping[str, str]) -> bytes | None:
+        key_of = getattr(view, "headers_check_key", None)
+        if key_of is None:
+            return None
+        return hashlib.blake2b(repr((path, key_of(headers))).encode(), digest_size=16).digest()
+
+    def passed(self, key: bytes | None) -> bool:
+        return key is not None and self.until.get(key, 0.0) > time.monotonic()
+
+    def remember(self, key: bytes | None) -> None:
+        if key is None:
+            return
+        if len(self.until) >= self.most:
+            now = time.monotonic()
+            self.until = {k: t for k, t in self.until.items() if t > now}
+            if len(self.until) >= self.most:
+                self.until.clear()
+        self.until[key] = time.monotonic() + self.seconds
+
+
+passed_headers = PassedHeaders()
 
 
 def headers_refusal(check: HeadersCheck, headers: Mapping[str, str]) -> Problem | None:
@@ -179,27 +225,36 @@ class BodyGate:
         if self.length is not None and self.length > limit:
             self._gate_refuse(_too_large(limit))
             return
-        check = headers_check_for(listener, path)
+        view = _view_for(listener, path)
+        check = getattr(view, "headers_check", None)
         if check is None:
             self._gate_admit(request, listener, limit)
             return
-        # Twisted's own state while a request is handled: data is buffered, and reading pauses past
-        # 16 KiB. Reading pauses now, so a body that is refused is never received.
-        self._handlingRequest = True
-        self._networkProducer.pauseProducing()
         headers = CaseInsensitiveMapping(
             {
                 name.decode("latin-1"): values[0].decode("latin-1")
                 for name, values in request.requestHeaders.getAllRawHeaders()
             }
         )
+        key = PassedHeaders.key(path, view, headers)
+        if passed_headers.passed(key):
+            self._gate_admit(request, listener, limit)
+            return
+        # Twisted's own state while a request is handled: data is buffered, and reading pauses past
+        # 16 KiB. Reading pauses now, so a body that is refused is never received.
+        self._handlingRequest = True
+        self._networkProducer.pauseProducing()
         from twisted.internet import reactor
 
         _run_check(check, headers).add_done_callback(
-            lambda done: reactor.callFromThread(self._gate_checked, request, listener, limit, done.result())
+            lambda done: reactor.callFromThread(
+                self._gate_checked, request, listener, limit, key, done.result()
+            )
         )
 
-    def _gate_checked(self, request, listener: str, limit: int, refusal: Problem | None) -> None:
+    def _gate_checked(self, request, listener: str, limit: int, key, refusal: Problem | None) -> None:
+        if refusal is None:
+            passed_headers.remember(key)
         if self._gate_lost:
             return
         self._handlingRequest = False

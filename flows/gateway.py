@@ -2,8 +2,9 @@
 and gap. Refusals of the whole report (authentication, a malformed envelope) are problem documents.
 
 serve checks a report's headers before it receives the body (`headers_check`, run by
-controlplane/body_gate.py): a sender that is not an enrolled workload with its current credential is
-refused without its body being read. The view checks them again with the body's signature."""
+controlplane/body_gate.py, which passes the same `headers_check_key` again for a few minutes without
+asking): a sender that is not an enrolled workload with its current credential is refused without its
+body being read. The view always checks them again, with the body's signature."""
 
 from __future__ import annotations
 
@@ -32,10 +33,16 @@ def report_sender_of(headers: Mapping[str, str]) -> ReportSender:
     )
 
 
+def report_sender_key(headers: Mapping[str, str]) -> tuple[str, str]:
+    """What report_sender_of judges a sender by: the same workload and credential pass again."""
+    return headers.get(protocol.HEADER_WORKLOAD, ""), headers.get(protocol.HEADER_CREDENTIAL, "")
+
+
 class FlowReportView(APIView):
     authentication_classes: list = []
     permission_classes = [AllowAny]
     headers_check = staticmethod(report_sender_of)
+    headers_check_key = staticmethod(report_sender_key)
 
     def post(self, request):
         sender = report_sender_of(request.headers)

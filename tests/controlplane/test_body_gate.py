@@ -31,3 +31,28 @@ def test_flow_reports_on_the_gateway_are_the_bodies_checked_by_their_headers_fir
     assert headers_check_for(GATEWAY, ENROL_PATH) is None  # enrolment carries its token in the body
     assert headers_check_for(GATEWAY, "/nowhere") is None
     assert _request_path(b"/\xff") == ""
+
+
+def test_headers_a_check_passed_pass_again_for_a_while_by_the_views_key_only():
+    from controlplane.body_gate import PassedHeaders, _view_for
+    from flows.gateway import FlowReportView
+
+    assert _view_for(GATEWAY, FLOWS_PATH) is FlowReportView
+    headers = {"Palisade-Workload": "w1", "Palisade-Credential": "c1", "Palisade-Signature": "s1"}
+    key = PassedHeaders.key(FLOWS_PATH, FlowReportView, headers)
+    assert key == PassedHeaders.key(FLOWS_PATH, FlowReportView, {**headers, "Palisade-Signature": "s2"})
+    assert key != PassedHeaders.key(FLOWS_PATH, FlowReportView, {**headers, "Palisade-Credential": "c2"})
+    assert key != PassedHeaders.key(FLOWS_PATH, FlowReportView, {**headers, "Palisade-Workload": "w2"})
+    assert PassedHeaders.key(FLOWS_PATH, None, headers) is None  # a view without a key is always checked
+
+    passed = PassedHeaders(seconds=60, most=2)
+    assert not passed.passed(key) and not passed.passed(None)
+    passed.remember(key)
+    passed.remember(None)
+    assert passed.passed(key)
+    passed.remember(b"a")
+    passed.remember(b"b")  # over `most`: what is remembered is forgotten, never unbounded
+    assert len(passed.until) <= 2
+    stale = PassedHeaders(seconds=-1)
+    stale.remember(key)
+    assert not stale.passed(key)
