@@ -41,6 +41,7 @@ from controlplane.listeners import GATEWAY, OPERATOR, body_limit, listener_for_p
 from controlplane.problems import Problem
 
 log = logging.getLogger("palisade.http")
+access_log = logging.getLogger("palisade.access")
 
 HEADER_CHECK_THREADS = 2  # a check is one primary-key read and a signature check: well under 1 ms
 PASSED_SECONDS = 300.0  # an agent reports every minute: four in five reports pass without the database
@@ -307,6 +308,15 @@ class BodyGate:
     def _gate_refuse(self, problem: Problem) -> None:
         self._gate_refused = True
         self._dataBuffer = []
+        peer = self.transport.getPeer()
+        access_log.info(  # as the access log's lines for requests Django answers
+            "%s %s %s before its body %s %s",
+            self._command.decode("latin-1"),
+            self._gate_path or "-",
+            problem.status,
+            listener_for_port(self.transport.getHost().port),
+            getattr(peer, "host", "-"),
+        )
         self.transport.resumeProducing()  # to read the client's close, discarding its body meanwhile
         self.refuse(problem, instance=self._gate_path or None)
         from twisted.internet import reactor

@@ -130,8 +130,8 @@ class ThreadPoolHttp:
                     Problem("malformed-request", "Too many duplicate headers.")
                 )
             else:
-                if size > limit:
-                    environ["CONTENT_LENGTH"] = str(size)  # a chunked body: let the size check see it
+                # A chunked body has no Content-Length header, and Django reads no further than it says.
+                environ["CONTENT_LENGTH"] = str(size)
                 environ[LISTENER_KEY] = scope.get("palisade_listener", "operator")
                 environ["REMOTE_ADDR"] = _client_address(scope)
                 status, headers, content = await self._run(environ)

@@ -22,6 +22,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from agent.credential import credential_parse, credential_payload, credential_sign, public_key_encode
 from agent.enrol import enrol
+from agent.flowreport import report_body
 from agent.flowreporter import FlowReporter, FlowSettings
 from agent.flowwindow import FlowKey, Windows
 from agent.protocol import FLOWS_PATH
@@ -206,6 +207,7 @@ def test_unauthenticated_uploads_are_refused_before_their_bodies_and_memory_stay
         assert problem["type"] == "urn:service:problem:unauthenticated" and problem["instance"] == FLOWS_PATH
     peak = _memory(pid)["VmHWM"]
     assert peak - idle < RSS_BOUND, f"serve grew from {idle / MiB:.0f} MiB to a peak of {peak / MiB:.0f} MiB"
+    serve.wait_for_stderr(r"POST /agent/v1/flows 401 before its body gateway 127\.0\.0\.1$")  # the access log
 
 
 def test_authenticated_uploads_beyond_the_budget_wait_with_503_and_memory_stays_bounded(lab):
@@ -347,3 +349,13 @@ class _Altered:
     def load_enrolment(self):
         enrolment = self.state.load_enrolment()
         return dataclasses.replace(enrolment, credential=enrolment.credential[:-8] + "AAAAAAA=")
+
+
+def test_a_chunked_report_within_the_limit_is_received_whole_and_stored(lab):
+    serve, agent, _ = lab
+    body = report_body([], [], now=time.time(), process_start_id="p1", uptime_seconds=1.0, window_seconds=60)
+    with serve.client("gateway") as gateway:
+        pieces = iter([body[:10], body[10:]])  # no Content-Length: sent chunked
+        answer = gateway.post(FLOWS_PATH, content=pieces, headers=agent.flow_report_headers(body))
+    assert answer.status_code == 200, answer.text
+    assert "Content-Length" not in answer.request.headers
