@@ -99,14 +99,9 @@ def budget_of(listener: str) -> BodyBudget:
     return _budgets[listener]
 
 
-def headers_check_for(listener: str, path: str) -> HeadersCheck | None:
-    """The `headers_check` of the view that `path` reaches on `listener`, if it has one."""
-    view = _view_for(listener, path)
-    return getattr(view, "headers_check", None)
-
-
 @functools.lru_cache(maxsize=64)
-def _view_for(listener: str, path: str):
+def view_for(listener: str, path: str):
+    """The view class `path` reaches on `listener` if it may have a `headers_check` (gateway views)."""
     if listener != GATEWAY:
         return None
     try:
@@ -226,7 +221,7 @@ class BodyGate:
         if self.length is not None and self.length > limit:
             self._gate_refuse(_too_large(limit))
             return
-        view = _view_for(listener, path)
+        view = view_for(listener, path)
         check = getattr(view, "headers_check", None)
         if check is None:
             self._gate_admit(request, listener, limit)

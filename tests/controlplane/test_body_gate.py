@@ -4,7 +4,7 @@ in tests/e2e/test_gateway_bodies.py."""
 from __future__ import annotations
 
 from agent.protocol import ENROL_PATH, FLOWS_PATH
-from controlplane.body_gate import BodyBudget, _request_path, headers_check_for
+from controlplane.body_gate import BodyBudget, _request_path, view_for
 from controlplane.listeners import GATEWAY, OPERATOR
 from flows.gateway import report_sender_of
 
@@ -23,21 +23,22 @@ def test_a_budget_admits_what_fits_and_a_body_larger_than_itself_only_alone():
 
 
 def test_flow_reports_on_the_gateway_are_the_bodies_checked_by_their_headers_first():
-    assert headers_check_for(GATEWAY, FLOWS_PATH) is report_sender_of
-    assert (
-        headers_check_for(GATEWAY, _request_path(b"/agent/v1/%66lows?x=1")) is report_sender_of
-    )  # as daphne routes it
-    assert headers_check_for(OPERATOR, FLOWS_PATH) is None  # not served there
-    assert headers_check_for(GATEWAY, ENROL_PATH) is None  # enrolment carries its token in the body
-    assert headers_check_for(GATEWAY, "/nowhere") is None
+    def check(listener: str, path: str):
+        return getattr(view_for(listener, path), "headers_check", None)
+
+    assert check(GATEWAY, FLOWS_PATH) is report_sender_of
+    assert check(GATEWAY, _request_path(b"/agent/v1/%66lows?x=1")) is report_sender_of  # as daphne routes it
+    assert check(OPERATOR, FLOWS_PATH) is None  # not served there
+    assert check(GATEWAY, ENROL_PATH) is None  # enrolment carries its token in the body
+    assert check(GATEWAY, "/nowhere") is None
     assert _request_path(b"/\xff") == ""
 
 
 def test_headers_a_check_passed_pass_again_for_a_while_by_the_views_key_only():
-    from controlplane.body_gate import PassedHeaders, _view_for
+    from controlplane.body_gate import PassedHeaders
     from flows.gateway import FlowReportView
 
-    assert _view_for(GATEWAY, FLOWS_PATH) is FlowReportView
+    assert view_for(GATEWAY, FLOWS_PATH) is FlowReportView
     headers = {"Palisade-Workload": "w1", "Palisade-Credential": "c1", "Palisade-Signature": "s1"}
     key = PassedHeaders.key(FLOWS_PATH, FlowReportView, headers)
     assert key == PassedHeaders.key(FLOWS_PATH, FlowReportView, {**headers, "Palisade-Signature": "s2"})
