@@ -359,3 +359,18 @@ def test_a_chunked_report_within_the_limit_is_received_whole_and_stored(lab):
         answer = gateway.post(FLOWS_PATH, content=pieces, headers=agent.flow_report_headers(body))
     assert answer.status_code == 200, answer.text
     assert "Content-Length" not in answer.request.headers
+
+
+def test_a_refused_client_that_goes_on_sending_is_cut_off(lab):
+    """serve reads and discards what follows a refusal, so a client sending blindly reads its answer, but
+    only for a moment (body_gate.LINGER_SECONDS): then the connection is aborted."""
+    serve, agent, _ = lab
+    up = Upload(serve, _headers(str(uuid.uuid4()), agent.credential))
+    try:
+        assert up.answer()[0] == 401
+        deadline = time.monotonic() + 15
+        while up.send(b"x" * FIRST_PIECE):
+            assert time.monotonic() < deadline, "serve still reads a refused body after 15 s"
+            time.sleep(0.05)
+    finally:
+        up.close()
