@@ -4,9 +4,9 @@ the buffer is reported to the gateway (`POST /agent/v1/flows`), independently of
 Sources read on their own threads (blocking netlink reads); a source that fails is a `source_restart`
 gap until it has subscribed again. While the owned table is gone, every window period carries a
 `table_removed` gap. A window the control plane refuses as malformed is dropped without retry and
-becomes a `window_rejected` gap of its range. While the gateway is unreachable, reports back off with
-jitter (1 s doubling to 60 s), or as long as a 503 or 429's Retry-After says; the buffer keeps what
-waits, across restarts too.
+becomes a `window_rejected` gap of its range. While the gateway is unreachable or refuses a report,
+reports back off with jitter (1 s doubling to 60 s), and no sooner than a 429 or 503's Retry-After; the
+buffer keeps what waits, across restarts too.
 """
 
 from __future__ import annotations
@@ -65,6 +65,16 @@ def _answered_items(answer: bytes) -> list[dict[str, Any]]:
     ):
         raise ValueError("the gateway's answer to a flow report is not one of its answers")
     return items
+
+
+def retry_delay(attempt: int, retry_after: float | None) -> float:
+    """Seconds until a failed report is sent again: jittered, doubling from 1 s to 60 s with each
+    attempt; and after a 429 or 503, no sooner than its Retry-After, spread over as long again (a fleet
+    told to wait together does not come back together)."""
+    delay = random.uniform(0, min(60.0, 2.0**attempt))  # noqa: S311 - jitter, not a secret
+    if retry_after:
+        delay = max(delay, retry_after * random.uniform(1, 2))  # noqa: S311
+    return delay
 
 
 def _expired(expires_at: str, now: float) -> bool:
@@ -253,6 +263,7 @@ class FlowReporter:
     def send_pending(self) -> bool | None:
         """Report what waits (one batch), and a new process's first report even when nothing does; True
         when acknowledged, False on failure, None if nothing was sent."""
+        self.retry_after = None
         windows, gaps = self.buffer.pending()
         if not windows and not gaps and self.announced:
             return None
@@ -276,8 +287,19 @@ class FlowReporter:
             host.strip("[]"), int(port), context=self.context(), timeout=30
         )
         try:
-            connection.request("POST", protocol.FLOWS_PATH, body=body, headers=headers)
-            response = connection.getresponse()
+            try:
+                connection.request("POST", protocol.FLOWS_PATH, body=body, headers=headers)
+            except OSError as sending:
+                # The gateway answers from the headers alone when it refuses them or has no room for the
+                # body yet, and closes while the body is still being sent: its answer says which.
+                if connection.sock is None:
+                    raise
+                try:
+                    response = connection.getresponse()
+                except (OSError, http.client.HTTPException):
+                    raise sending from None
+            else:
+                response = connection.getresponse()
             answer = response.read()
         finally:
             connection.close()
@@ -340,10 +362,9 @@ class FlowReporter:
             await loop.run_in_executor(None, self.close)
 
     def delay_after_failure(self) -> float:
-        """Jittered backoff, or what the gateway's 503 or 429 said (its Retry-After): not sooner."""
-        delay = random.uniform(0, min(60.0, 2.0**self.attempt))  # noqa: S311 - jitter
-        if self.retry_after is not None:
-            delay, self.retry_after = self.retry_after, None
+        """Jittered backoff, and after a 503 or 429 no sooner than its Retry-After (retry_delay)."""
+        delay = retry_delay(self.attempt, self.retry_after)
+        self.retry_after = None
         self.attempt += 1
         return delay
 

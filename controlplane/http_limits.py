@@ -30,23 +30,23 @@ import weakref
 from twisted.web import http
 
 from controlplane.api.errors import PROBLEM_CONTENT_TYPE
+from controlplane.body_gate import BodyGate
 from controlplane.connection_limits import MAX_SPILLED_BODIES, LimitedConnection
 from controlplane.problems import Problem
 from controlplane.response_headers import STRICT_TRANSPORT_SECURITY
 
 
-def _problem_bytes(problem: Problem) -> bytes:
-    body = json.dumps(problem.document()).encode()
+def _problem_bytes(problem: Problem, *, instance: str | None = None) -> bytes:
+    body = json.dumps(problem.document(instance=instance)).encode()
     reason = http.RESPONSES.get(problem.status, b"Error")
-    head = (
-        b"HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %d\r\n%s: %s\r\nConnection: close\r\n\r\n"
-        % (
-            problem.status,
-            reason,
-            PROBLEM_CONTENT_TYPE.encode(),
-            len(body),
-            *(part.encode() for part in STRICT_TRANSPORT_SECURITY),
-        )
+    headers = [STRICT_TRANSPORT_SECURITY, *problem.headers.items()]
+    extra = b"".join(b"%s: %s\r\n" % (name.encode(), value.encode()) for name, value in headers)
+    head = b"HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %d\r\n%sConnection: close\r\n\r\n" % (
+        problem.status,
+        reason,
+        PROBLEM_CONTENT_TYPE.encode(),
+        len(body),
+        extra,
     )
     return head + body
 
@@ -92,7 +92,7 @@ def _with_body_file(factory):
     return type(factory.__name__, (factory,), {"gotLength": _got_length})
 
 
-class LimitedHTTPChannel(http.HTTPChannel):
+class LimitedHTTPChannel(BodyGate, http.HTTPChannel):
     _request_factory = functools.partial(_with_body_file(http.Request), parsePOSTFormSubmission=False)
 
     @property
@@ -134,6 +134,10 @@ class LimitedHTTPChannel(http.HTTPChannel):
         if self._limits is not None:
             self._limits.response_done()
         super().requestDone(request)
+
+    def refuse(self, problem: Problem, *, instance: str | None = None) -> None:
+        self.transport.write(_problem_bytes(problem, instance=instance))
+        self.loseConnection()
 
     def lineLengthExceeded(self, line):
         self.transport.write(

@@ -117,7 +117,11 @@ class ThreadPoolHttp:
                 chunks.append(chunk)
             if not message.get("more_body"):
                 break
-        with io.BytesIO(b"".join(chunks)) as body:
+        # serve admitted this body against its listener's budget (controlplane/body_gate.py); it is held
+        # once here, not twice (the chunks and their join) while Django runs.
+        joined, chunks = b"".join(chunks), []
+        with io.BytesIO(joined) as body:
+            del joined
             builder = WsgiToAsgiInstance(None)
             builder.scope = scope
             try:
@@ -127,8 +131,8 @@ class ThreadPoolHttp:
                     Problem("malformed-request", "Too many duplicate headers.")
                 )
             else:
-                if size > limit:
-                    environ["CONTENT_LENGTH"] = str(size)  # a chunked body: let the size check see it
+                # A chunked body has no Content-Length header, and Django reads no further than it says.
+                environ["CONTENT_LENGTH"] = str(size)
                 environ[LISTENER_KEY] = scope.get("palisade_listener", "operator")
                 environ["REMOTE_ADDR"] = _client_address(scope)
                 status, headers, content = await self._run(environ)

@@ -22,8 +22,12 @@ LISTEN_BACKLOG = 1024
 def listener_for_scope(scope: dict) -> str:
     server = scope.get("server")
     if server and len(server) >= 2:
-        return runtime.facts.listener_ports.get(server[1], OPERATOR)
+        return listener_for_port(server[1])
     return OPERATOR
+
+
+def listener_for_port(port: int) -> str:
+    return runtime.facts.listener_ports.get(port, OPERATOR)
 
 
 def listener_of(request) -> str:

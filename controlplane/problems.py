@@ -86,7 +86,7 @@ PROBLEM_TYPES: dict[str, ProblemType] = {
     "service-unavailable": ProblemType(
         503,
         "Service unavailable",
-        "The control plane cannot reach its database; retry after `retry_after` seconds (also the Retry-After header).",
+        "The service cannot answer now (its database is unreachable, or the listener holds as many request bodies as it admits at once); nothing was changed; retry after `retry_after` seconds (also the Retry-After header).",
     ),
 }
 

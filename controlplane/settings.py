@@ -170,6 +170,15 @@ PALISADE_MAX_BODY_BYTES = int(os.environ.get("PALISADE_MAX_BODY_BYTES", 1024 * 1
 DATA_UPLOAD_MAX_MEMORY_SIZE = PALISADE_MAX_BODY_BYTES
 # An agent's flow report carries whole windows (up to 100,000 keys each); it alone may be this large.
 PALISADE_MAX_FLOW_REPORT_BYTES = int(os.environ.get("PALISADE_MAX_FLOW_REPORT_BYTES", 32 * 1024 * 1024))
+# The bytes of request bodies each listener holds at once, from admitting a body until it is answered
+# (controlplane/body_gate.py); beyond them a body is 503 with Retry-After. Two of the largest flow
+# reports (or eight of the agent's 8 MiB ones); sixteen of the largest API bodies.
+PALISADE_GATEWAY_BODY_BUDGET_BYTES = int(
+    os.environ.get("PALISADE_GATEWAY_BODY_BUDGET_BYTES", 64 * 1024 * 1024)
+)
+PALISADE_OPERATOR_BODY_BUDGET_BYTES = int(
+    os.environ.get("PALISADE_OPERATOR_BODY_BUDGET_BYTES", 16 * 1024 * 1024)
+)
 
 # Operator authentication.
 PALISADE_SESSION_COOKIE = "palisade_session"

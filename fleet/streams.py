@@ -192,31 +192,32 @@ def streams_state(*, streams: dict[str, str]) -> dict[str, StreamDue]:
     return state
 
 
-def report_authenticate(*, workload_id: str, credential: str, signature: str, body: bytes) -> uuid.UUID:
-    """A flow report's sender (its workload's id): the workload's current credential, and the body signed
-    with its key. An expired credential reports nothing: within its grace it renews on the stream
-    first; beyond it the workload must re-enrol (a renewal would be refused)."""
+@dataclass(frozen=True)
+class ReportSender:
+    """Whom a flow report's headers name, once they are found to be the workload's current credential."""
+
+    workload_id: uuid.UUID
+    public_key: str
+
+
+_NOT_SIGNED = "Not a report signed by an enrolled workload with its current credential."
+
+
+def report_sender_authenticate(*, workload_id: str, credential: str) -> ReportSender:
+    """A flow report's sender from its headers alone, before its body is read: a known workload, and a
+    credential of ours naming it, its key and its current serial, neither revoked nor expired. An
+    expired credential reports nothing: within its grace it renews on the stream first; beyond it the
+    workload must re-enrol (a renewal would be refused). The body's signature is
+    report_signature_verify's."""
     workload_key = _workload_key(workload_id)
     sender = _report_sender(workload_key, now=clock.now()) if workload_key else None
-    if (
-        sender is None
-        or not _credential_names(
-            credential,
-            workload_id=workload_key,
-            public_key=sender.public_key,
-            serial=sender.credential_serial,
-        )
-        or not protocol.verify_flow_report(
-            sender.public_key,
-            signature,
-            body=body,
-            workload_id=str(workload_key),
-            gateway_fingerprint=gateway_fingerprint(),
-        )
+    if sender is None or not _credential_names(
+        credential,
+        workload_id=workload_key,
+        public_key=sender.public_key,
+        serial=sender.credential_serial,
     ):
-        raise Problem(
-            "unauthenticated", "Not a report signed by an enrolled workload with its current credential."
-        )
+        raise Problem("unauthenticated", _NOT_SIGNED)
     if sender.revoked:
         raise Problem(
             "credential-revoked",
@@ -234,7 +235,19 @@ def report_authenticate(*, workload_id: str, credential: str, signature: str, bo
             "unauthenticated",
             "The credential has expired (within its renewal grace): renew it on the sync stream, then report.",
         )
-    return workload_key
+    return ReportSender(workload_id=workload_key, public_key=sender.public_key)
+
+
+def report_signature_verify(*, sender: ReportSender, signature: str, body: bytes) -> None:
+    """The body is signed with the sender's key, for this gateway (Problem otherwise)."""
+    if not protocol.verify_flow_report(
+        sender.public_key,
+        signature,
+        body=body,
+        workload_id=str(sender.workload_id),
+        gateway_fingerprint=gateway_fingerprint(),
+    ):
+        raise Problem("unauthenticated", _NOT_SIGNED)
 
 
 class _ReportSender(NamedTuple):

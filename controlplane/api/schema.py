@@ -56,6 +56,10 @@ WRITE_ERRORS = {
     413: problem("`payload-too-large`."),
     415: problem("`unsupported-media-type`."),
     422: problem("`validation`: one finding per field to fix."),
+    503: problem(
+        "`service-unavailable`: the database is away, or no room for the body yet; retry after "
+        "`retry_after` seconds (also the `Retry-After` header)."
+    ),
 }
 CONDITIONAL_ERRORS = {
     **WRITE_ERRORS,

@@ -173,3 +173,21 @@ def test_the_gateways_answers_are_read_per_window_and_gap():
         "gaps": [{"id": None, "result": "refused"}],
     }
     assert flowreporter._answered_items(json.dumps(answer).encode()) == answer["windows"] + answer["gaps"]
+
+
+def test_a_report_the_gateway_is_busy_for_waits_its_retry_after_spread_over_as_long_again():
+    from agent.flowreporter import retry_delay
+    from agent.protocol import retry_after
+
+    assert all(0 <= retry_delay(0, None) <= 1 for _ in range(100))
+    assert all(4 <= retry_delay(0, 4) <= 8 for _ in range(100))
+    assert all(retry_delay(9, 1) <= 60 for _ in range(100))  # the backoff, once it is the longer wait
+    assert [retry_after(503, v) for v in ("1", "2.5", None, "", "soon", "-1", "86400")] == [
+        1,
+        None,
+        None,
+        None,
+        None,
+        None,
+        600,
+    ]

@@ -18,7 +18,7 @@ from controlplane.auth.actor import CLI_ACTOR
 from controlplane.problems import Problem, ValidationFailed
 from fleet.enrolment import workload_enrol
 from fleet.provisioning import provisioning_token_mint
-from fleet.streams import report_authenticate
+from fleet.streams import report_sender_authenticate, report_signature_verify
 from flows.models import EvidenceGap, FlowGroup, FlowWindow, UnsummedWindow
 from flows.services import flow_report_ingest
 from tests.support.helpers import assert_problem, race
@@ -118,16 +118,14 @@ def test_clock_skew_marks_the_workload_and_a_later_report_clears_it(api, db):
     assert workload.flow_window_seconds == data["window_seconds"]  # telemetry_live counts two of these
 
 
-@pytest.mark.postgres
 def _signed_delivery(workload, key, credential, body: bytes) -> dict:
     """What the gateway does with a report (flows/gateway.py): check its signature, then store it."""
     signature = report_headers(
         body, key=key, workload_id=str(workload.id), credential=credential, gateway_fingerprint=FINGERPRINT
     )["Palisade-Signature"]
-    sender = report_authenticate(
-        workload_id=str(workload.id), credential=credential, signature=signature, body=body
-    )
-    return flow_report_ingest(workload_id=str(sender), data=json.loads(body))
+    sender = report_sender_authenticate(workload_id=str(workload.id), credential=credential)
+    report_signature_verify(sender=sender, signature=signature, body=body)
+    return flow_report_ingest(workload_id=str(sender.workload_id), data=json.loads(body))
 
 
 def test_a_signed_report_replayed_later_moves_neither_liveness_nor_the_clock_skew(api, db, clock_at):
@@ -164,6 +162,7 @@ def test_a_signed_report_replayed_later_moves_neither_liveness_nor_the_clock_ske
     assert _silent() == silences  # nor is it a restart after a silence
 
 
+@pytest.mark.postgres
 def test_concurrent_resends_store_a_window_once(transactional_db):
     from django.db import connection
 
@@ -257,34 +256,72 @@ def test_a_report_needs_the_workloads_key_and_a_live_credential(db, clock_at):
         body, key=key, workload_id=str(workload.id), credential=credential, gateway_fingerprint=FINGERPRINT
     )
     signature = headers["Palisade-Signature"]
-    assert (
-        report_authenticate(
-            workload_id=str(workload.id), credential=credential, signature=signature, body=body
-        )
-        == workload.id
-    )
-    with pytest.raises(Problem):
-        report_authenticate(
-            workload_id=str(workload.id), credential=credential, signature=signature, body=body + b" "
-        )
+    sender = report_sender_authenticate(workload_id=str(workload.id), credential=credential)
+    assert sender.workload_id == workload.id
+    report_signature_verify(sender=sender, signature=signature, body=body)
+    with pytest.raises(Problem, match="enrolled workload"):
+        report_signature_verify(sender=sender, signature=signature, body=body + b" ")
     other, _, other_credential = enrolled(hostname="db", address="10.50.0.2")
-    for sender, presented in [(str(uuid.uuid4()), credential), ("not-a-uuid", credential),
-                              (str(other.id), credential), (str(workload.id), other_credential)]:  # fmt: skip
-        with pytest.raises(Problem, match="enrolled workload"):
-            report_authenticate(workload_id=sender, credential=presented, signature=signature, body=body)
+    with pytest.raises(
+        Problem, match="enrolled workload"
+    ):  # another's credential, its own key: not this body
+        report_signature_verify(
+            sender=report_sender_authenticate(workload_id=str(other.id), credential=other_credential),
+            signature=signature,
+            body=body,
+        )
     # Past expiry within the grace, the agent renews on the stream; beyond it, it cannot: re-enrol.
     clock_at(workload.credential_expires_at - clock.now() + timedelta(seconds=1))
     with pytest.raises(Problem, match="renew it on the sync stream") as refused:
-        report_authenticate(
-            workload_id=str(workload.id), credential=credential, signature=signature, body=body
-        )
+        report_sender_authenticate(workload_id=str(workload.id), credential=credential)
     assert refused.value.name == "unauthenticated"
     clock_at(timedelta(days=400))
     with pytest.raises(Problem, match="beyond its renewal grace and cannot be renewed: re-enrol") as refused:
-        report_authenticate(
-            workload_id=str(workload.id), credential=credential, signature=signature, body=body
-        )
+        report_sender_authenticate(workload_id=str(workload.id), credential=credential)
     assert refused.value.name == "unauthenticated" and "renew it" not in refused.value.detail
+
+
+def test_a_reports_headers_alone_refuse_a_sender_that_is_not_a_workload_with_its_current_credential(db):
+    """What serve checks before it receives the body (controlplane/body_gate.py), and the view again."""
+    from django.utils.datastructures import CaseInsensitiveMapping
+
+    from agent.credential import credential_parse, credential_payload, credential_sign
+    from fleet.credentials import signing_key
+    from flows.gateway import report_sender_of
+
+    workload, key, credential = enrolled()
+    other, _, other_credential = enrolled(hostname="db", address="10.50.0.2")
+    current = credential_parse(credential)
+    now = clock.now()
+
+    def ours(**changes) -> str:  # signed by this control plane, so valid-looking
+        fields = {**{k: current[k] for k in ("workload_id", "public_key", "serial")}, **changes}
+        fields.update(issued_at=now - timedelta(days=1), expires_at=now + timedelta(days=1))
+        return credential_sign(credential_payload(**fields), signing_key())
+
+    good = {
+        "palisade-workload": str(workload.id),
+        "Palisade-Credential": credential,
+        "Palisade-Signature": "x",
+    }
+    assert report_sender_of(CaseInsensitiveMapping(good)).workload_id == workload.id  # any case of the names
+    refused = [
+        ({"Palisade-Credential": "not a credential"}, "enrolled workload"),
+        ({"Palisade-Credential": credential[:-8] + "AAAAAAA="}, "enrolled workload"),  # signature altered
+        ({"Palisade-Credential": other_credential}, "enrolled workload"),
+        ({"Palisade-Credential": ours(serial=current["serial"] + 1)}, "enrolled workload"),
+        ({"Palisade-Credential": ours(public_key=public_key_encode(Ed25519PrivateKey.generate().public_key()))},
+         "enrolled workload"),
+        ({"palisade-workload": str(uuid.uuid4())}, "enrolled workload"),
+        ({"palisade-workload": "not-a-uuid"}, "enrolled workload"),
+        ({"palisade-workload": str(other.id)}, "enrolled workload"),
+        ({"Palisade-Signature": ""}, "Palisade-Signature"),
+        ({"Palisade-Credential": ""}, "Palisade-Credential"),
+    ]  # fmt: skip
+    for change, message in refused:
+        with pytest.raises(Problem, match=message) as refusal:
+            report_sender_of(CaseInsensitiveMapping({**good, **change}))
+        assert refusal.value.name == "unauthenticated", change
 
 
 def test_the_flows_command_lists_windows_and_gaps_as_table_json_and_csv(db):
