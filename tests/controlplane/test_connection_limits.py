@@ -12,8 +12,10 @@ import sys
 
 import pytest
 from twisted.internet.address import IPv4Address, IPv6Address
+from twisted.internet.error import ConnectionDone
 from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
+from twisted.python.failure import Failure
 from twisted.web import http
 
 from controlplane.connection_limits import (
@@ -38,6 +40,15 @@ class Answering(http.Request):
         self.setResponseCode(200)
         self.write(b"ok")
         self.finish()
+
+
+@pytest.fixture(autouse=True)
+def fresh_body_budgets(monkeypatch):
+    """Each test's bodies against budgets of its own: StringTransport's loseConnection never reports the
+    connection lost, so the bodies of a test's cut connections would hold budget into the next test."""
+    from controlplane import body_gate
+
+    monkeypatch.setattr(body_gate, "_budgets", {})
 
 
 class Pending(http.Request):
@@ -191,7 +202,7 @@ def test_one_address_gets_its_cap_and_everyone_else_still_gets_in():
     assert _connect(factory, "::ffff:192.0.2.7")[0] is None
     assert _connect(factory, "192.0.2.8")[0] is not None
     assert limiter.by_address == {"192.0.2.7": 3, "192.0.2.8": 1}
-    held[0].connectionLost(None)
+    held[0].connectionLost(Failure(ConnectionDone()))
     assert _connect(factory, "192.0.2.7")[0] is not None
 
 
@@ -314,7 +325,7 @@ def test_a_slow_body_costs_no_descriptor_beside_its_connection_until_it_is_large
     assert isinstance(content, BodyFile) and _descriptors() == before
     connection.dataReceived(b"x" * SPOOL_BYTES)
     assert _descriptors() == before + 1 and BodyFile.spilled == 1
-    connection.connectionLost(None)
+    connection.connectionLost(Failure(ConnectionDone()))  # a request with a body is told why
     assert _descriptors() == before and BodyFile.spilled == 0
 
 
