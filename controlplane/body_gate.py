@@ -12,6 +12,11 @@ should refuse a body without reading it must therefore run here, on the HTTP cha
   passed (by the view's `headers_check_key`) pass again for PASSED_SECONDS without it: the check cost
   serve more CPU than the rest of a small report. The view still checks every report in full, so a
   credential renewed, expired or revoked meanwhile only has its body read before it is refused;
+- on the operator listener, every body but a login's needs a credential first (an operator token or a
+  live session cookie; controlplane/auth/authentication.py's `operator_credential_check`, run the same
+  way): whoever holds none is refused 401 unread, so cannot hold the budget that operators' writes need.
+  A login's body (`POST /api/v1/session`, the console's `/login`) is at most LOGIN_BODY_BYTES, from a
+  budget of its own (LOGIN_BUDGET_BYTES): a flood of them can delay logins, not writes;
 - the bytes of bodies in flight, from when a body is admitted until its request is answered, are bounded
   per listener (`PALISADE_GATEWAY_BODY_BUDGET_BYTES`, `PALISADE_OPERATOR_BODY_BUDGET_BYTES`): a body the
   budget has no room for is 503 `service-unavailable` with Retry-After. A body of unknown length takes
@@ -37,6 +42,7 @@ from django.db import close_old_connections
 from django.urls import Resolver404, resolve
 from django.utils.datastructures import CaseInsensitiveMapping
 
+from controlplane.auth.authentication import operator_credential_check
 from controlplane.listeners import GATEWAY, OPERATOR, body_limit, listener_for_port
 from controlplane.problems import Problem
 
@@ -47,6 +53,10 @@ HEADER_CHECK_THREADS = 2  # a check is one primary-key read and a signature chec
 PASSED_SECONDS = 300.0  # an agent reports every minute: four in five reports pass without the database
 PASSED_MAX = 100_000
 RETRY_AFTER_SECONDS = 1
+LOGIN_PATHS = frozenset({"/api/v1/session", "/login"})
+LOGIN = "login"  # the budget of login bodies on the operator listener
+LOGIN_BODY_BYTES = 16 * 1024  # a password, as JSON or a form
+LOGIN_BUDGET_BYTES = 1024 * 1024
 LINGER_SECONDS = 2.0
 
 HeadersCheck = Callable[[Mapping[str, str]], object]
@@ -96,6 +106,7 @@ def budget_of(listener: str) -> BodyBudget:
     if not _budgets:
         _budgets[GATEWAY] = BodyBudget(settings.PALISADE_GATEWAY_BODY_BUDGET_BYTES)
         _budgets[OPERATOR] = BodyBudget(settings.PALISADE_OPERATOR_BODY_BUDGET_BYTES)
+        _budgets[LOGIN] = BodyBudget(LOGIN_BUDGET_BYTES)
     return _budgets[listener]
 
 
@@ -175,10 +186,14 @@ def _request_path(raw: bytes) -> str:
 
 
 def _busy(listener: str) -> Problem:
+    what = (
+        "the operator listener is receiving as many logins"
+        if listener == LOGIN
+        else (f"the {listener} listener is receiving as many request bodies")
+    )
     return Problem(
         "service-unavailable",
-        f"The {listener} listener is receiving as many request bodies as it holds at once; "
-        f"retry in {RETRY_AFTER_SECONDS} s.",
+        f"{what[:1].upper()}{what[1:]} as it holds at once; retry in {RETRY_AFTER_SECONDS} s.",
         headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
         retry_after=RETRY_AFTER_SECONDS,
     )
@@ -218,11 +233,14 @@ class BodyGate:
         listener = listener_for_port(self.transport.getHost().port)
         path = self._gate_path = _request_path(self._path)
         limit = body_limit(path)
+        login = listener == OPERATOR and path in LOGIN_PATHS
+        if login:
+            limit, listener = min(limit, LOGIN_BODY_BYTES), LOGIN
         if self.length is not None and self.length > limit:
             self._gate_refuse(_too_large(limit))
             return
         view = view_for(listener, path)
-        check = getattr(view, "headers_check", None)
+        check = operator_credential_check if listener == OPERATOR else getattr(view, "headers_check", None)
         if check is None:
             self._gate_admit(request, listener, limit)
             return

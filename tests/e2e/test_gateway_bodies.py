@@ -54,11 +54,11 @@ def _memory(pid: int) -> dict[str, int]:
 class Upload:
     """One POST to the flow report path over its own TLS connection, driven by hand."""
 
-    def __init__(self, serve, headers: dict[str, str]):
-        host, port = serve.address("gateway")
+    def __init__(self, serve, headers: dict[str, str], *, listener: str = "gateway", path: str = FLOWS_PATH):
+        host, port = serve.address(listener)
         raw = socket.create_connection((host, port), timeout=ANSWER_TIMEOUT)
-        self.tls = serve.gateway_context.wrap_socket(raw)
-        head = [f"POST {FLOWS_PATH} HTTP/1.1", f"Host: {host}:{port}"]
+        self.tls = getattr(serve, f"{listener}_context").wrap_socket(raw)
+        head = [f"POST {path} HTTP/1.1", f"Host: {host}:{port}"]
         head += [f"{name}: {value}" for name, value in headers.items()]
         self.tls.sendall(("\r\n".join(head) + "\r\n\r\n").encode())
         self.buffer = b""
@@ -129,9 +129,9 @@ def lab(tmp_path_factory):
     with Site.fresh(root / "data") as site:
         serve = site.serve()
         serve.gateway_context = pinned_context(serve.served_certificate("gateway"))
-        operator = serve.client(
-            "operator", headers={"Authorization": f"Bearer {serve.mint_operator_token()}"}
-        )
+        serve.operator_context = pinned_context(serve.served_certificate("operator"))
+        serve.operator_token = serve.mint_operator_token()
+        operator = serve.client("operator", headers={"Authorization": f"Bearer {serve.operator_token}"})
         bundle = operator.post("/api/v1/provisioning-tokens", json={"description": "bodies"}).json()
         operator.close()
         enrol(bundle["bundle"], str(root / "web"), hostname="web", addresses=["10.50.0.1"])
@@ -374,3 +374,47 @@ def test_a_refused_client_that_goes_on_sending_is_cut_off(lab):
             time.sleep(0.05)
     finally:
         up.close()
+
+
+def test_bodies_without_a_credential_cannot_hold_the_operator_listeners_budget(lab):
+    """Uploads with no credential (or a bad one) that announce the largest body and send a little of it
+    are refused before their bodies, and logins only hold a budget of their own: an operator's write
+    answers meanwhile (on a serve that admitted them, the 16 MiB budget was theirs and writes got 503)."""
+    serve, _, _ = lab
+    largest = 1024 * 1024
+    kinds = [{}, {"Authorization": "Bearer pal_op_not-a-token"}, {"Cookie": "palisade_session=pal_s_gone"}]
+    held = [
+        Upload(serve, {"Content-Type": "application/json", "Content-Length": str(largest), **kinds[n % 3]},
+               listener="operator", path="/api/v1/services")
+        for n in range(24)
+    ] + [
+        Upload(serve, {"Content-Type": "application/json", "Content-Length": str(16 * 1024)},
+               listener="operator", path="/api/v1/session")
+        for _ in range(70)  # more than the logins' own budget holds
+    ]  # fmt: skip
+    try:
+        for up in held:
+            up.send(b"{" + b" " * 1000)
+        operator = serve.client("operator", headers={"Authorization": f"Bearer {serve.operator_token}"})
+        try:
+            created = operator.post(
+                "/api/v1/services", json={"name": "held-open", "entries": [{"protocol": "tcp", "port": 8443}]}
+            )
+        finally:
+            operator.close()
+        assert created.status_code == 201, created.text
+        answers = [up.answer() for up in held[:24]]
+        assert [status for status, _, _ in answers] == [401] * 24
+        assert all(
+            json.loads(body)["type"] == "urn:service:problem:unauthenticated" for _, _, body in answers
+        )
+        too_large = Upload(
+            serve, {"Content-Length": str(16 * 1024 + 1)}, listener="operator", path="/api/v1/session"
+        )
+        try:
+            assert too_large.answer()[0] == 413  # a login is a password, not a megabyte
+        finally:
+            too_large.close()
+    finally:
+        for up in held:
+            up.close()
