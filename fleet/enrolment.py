@@ -420,21 +420,9 @@ def _re_enrol_consent(
 
 
 def _key_proof_check(workload: Workload, proof: KeyProof, content: dict[str, Any]) -> None:
+    """The proof first, then the workload's state: what became of a credential (revoked, and why) is
+    told only to whom proves they hold its key."""
     now = clock.now()
-    if workload.credential_revoked_at is not None:
-        raise Problem(
-            "credential-revoked",
-            f"The credential of workload {workload.id} was revoked at "
-            f"{clock.rfc3339(workload.credential_revoked_at)}"
-            f"{revocation_reason_text(workload)}; its key re-enrols nothing. Re-enrol it with a "
-            "provisioning token minted for it.",
-        )
-    if credential_beyond_grace(workload, now):
-        raise Problem(
-            "unauthenticated",
-            f"The credential of workload {workload.id} expired beyond its renewal grace; its key re-enrols "
-            "nothing. Re-enrol it with a provisioning token minted for it.",
-        )
     if proof.serial != workload.credential_serial:
         raise Problem(
             "unauthenticated",
@@ -462,6 +450,20 @@ def _key_proof_check(workload: Workload, proof: KeyProof, content: dict[str, Any
             "unauthenticated",
             f"The key proof does not verify with the current key of workload {workload.id}, for this "
             "request's key, host name and addresses and this gateway.",
+        )
+    if workload.credential_revoked_at is not None:
+        raise Problem(
+            "credential-revoked",
+            f"The credential of workload {workload.id} was revoked at "
+            f"{clock.rfc3339(workload.credential_revoked_at)}"
+            f"{revocation_reason_text(workload)}; its key re-enrols nothing. Re-enrol it with a "
+            "provisioning token minted for it.",
+        )
+    if credential_beyond_grace(workload, now):
+        raise Problem(
+            "unauthenticated",
+            f"The credential of workload {workload.id} expired beyond its renewal grace; its key re-enrols "
+            "nothing. Re-enrol it with a provisioning token minted for it.",
         )
 
 

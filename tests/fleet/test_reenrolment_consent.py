@@ -324,3 +324,16 @@ def test_after_revocation_the_key_rotates_nothing_and_only_a_token_for_the_workl
     after = host.row()
     assert after.credential_revoked_at is None and after.credential_revoked_reason == ""
     assert enrol_events()[-1].detail["cleared_revocation"] == clock.rfc3339(before.credential_revoked_at)
+
+
+def test_a_revocation_and_its_reason_are_told_only_to_whom_proves_the_key(client):
+    """A stranger who knows the workload's id (ids are not secret) learns nothing of its revocation
+    from a proof signed with another key: the proof is checked first."""
+    host, stranger = Host(), Host(hostname="stranger")
+    credential_revoke(actor=CLI_ACTOR, workload_id=host.workload_id, data={"reason": "key stolen"})
+    before = host.row()
+    body = request_body(workload_id=host.workload_id)
+    body["key_proof"] = key_proof(stranger.key, body)
+    detail = assert_problem(post(client, body), 401, "unauthenticated")["detail"]
+    assert "revoked" not in detail and "key stolen" not in detail
+    unchanged(host, before)
