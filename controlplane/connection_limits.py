@@ -8,7 +8,10 @@ accepted socket is counted before any byte is read:
 - at most `max_connections` at once over both listeners, below the descriptor limit with room kept for
   the database, Redis, log files and housekeeping (`descriptor_reserve`);
 - at most `max_per_address` from one client address (an IPv4 address, or an IPv6 /64, which one
-  subscriber usually holds whole); a connection over either cap is closed as soon as it is accepted;
+  subscriber usually holds whole) that have not yet shown what they are: a websocket that has lived
+  past the gateway's handshake time (an agent's authenticated stream) no longer counts there, so a
+  fleet behind one NAT address or a TCP load balancer is not held to the cap; a connection over either
+  cap is closed as soon as it is accepted;
 - when the total is reached, the connection that has waited longest for a request head is closed to
   admit the new one: a connection that is still in its TLS handshake, still sending its head, or idle
   between keep-alive requests costs the server a descriptor and gives it nothing; failing that, a
@@ -262,6 +265,7 @@ class LimitedConnection(ProtocolWrapper):
         self.unsent = 0  # bytes of the answers the socket still had to send, and when
         self.unsent_at = 0.0
         self.counted = True  # until released: closed, or evicted (its socket closes a moment later)
+        self.addressed = True  # counted against its address's cap: until released, or a settled stream
 
     def makeConnection(self, transport):
         self.factory.limiter.admitted(self)
@@ -377,12 +381,18 @@ class ConnectionLimiter:
             return
         connection.counted = False
         self.total -= 1
-        self.by_address[connection.key] -= 1
-        if not self.by_address[connection.key]:
-            del self.by_address[connection.key]
+        self._unaddress(connection)
         self.waiting.pop(connection, None)
         self.receiving.pop(connection, None)
         self.young_streams.pop(connection, None)
+
+    def _unaddress(self, connection: LimitedConnection) -> None:
+        if not connection.addressed:
+            return
+        connection.addressed = False
+        self.by_address[connection.key] -= 1
+        if not self.by_address[connection.key]:
+            del self.by_address[connection.key]
 
     def enter(self, connection: LimitedConnection, phase: Phase) -> None:
         if not connection.counted:
@@ -430,6 +440,7 @@ class ConnectionLimiter:
             if oldest.deadline >= now:
                 break
             del self.young_streams[oldest]
+            self._unaddress(oldest)  # an agent's stream, past its handshake: the address cap is for the rest
         if self.limits.body_min_rate > 0:
             for connection in [c for c in self.receiving if self.body_deadline(c) < now]:
                 self.released(connection)

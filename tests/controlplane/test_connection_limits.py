@@ -45,10 +45,13 @@ class Answering(http.Request):
 @pytest.fixture(autouse=True)
 def fresh_body_budgets(monkeypatch):
     """Each test's bodies against budgets of its own: StringTransport's loseConnection never reports the
-    connection lost, so the bodies of a test's cut connections would hold budget into the next test."""
+    connection lost, so the bodies of a test's cut connections would hold budget into the next test.
+    And no credential check before a body (the operator listener's, tests/e2e/test_gateway_bodies.py):
+    these tests are of the connection's phases, which a check on a thread would hold still."""
     from controlplane import body_gate
 
     monkeypatch.setattr(body_gate, "_budgets", {})
+    monkeypatch.setattr(body_gate, "operator_credential_check", None)
 
 
 class Pending(http.Request):
@@ -204,6 +207,23 @@ def test_one_address_gets_its_cap_and_everyone_else_still_gets_in():
     assert limiter.by_address == {"192.0.2.7": 3, "192.0.2.8": 1}
     held[0].connectionLost(Failure(ConnectionDone()))
     assert _connect(factory, "192.0.2.7")[0] is not None
+
+
+def test_agents_streams_past_their_handshake_leave_their_address_cap_to_the_rest():
+    """A fleet behind one NAT address or a TCP load balancer: its settled streams are not held to the
+    cap of one address, which is for connections that have not shown what they are."""
+    clock, limiter, factory = _site(request_class=Pending, max_per_address=3)
+    upgrade = b"GET /agent/v1/stream HTTP/1.1\r\nHost: palisade\r\nUpgrade: websocket\r\n\r\n"
+    streams = [_connect(factory, port=port)[0] for port in range(3)]
+    for stream in streams:
+        stream.dataReceived(upgrade)
+    assert _connect(factory, port=3)[0] is None  # young streams still count: they may not authenticate
+    clock.advance(20)
+    more = [_connect(factory, port=port)[0] for port in range(4, 10)]
+    assert [c is not None for c in more] == [True, True, True, False, False, False]
+    assert limiter.total == 6 and limiter.by_address == {"192.0.2.7": 3}
+    streams[0].connectionLost(Failure(ConnectionDone()))  # a settled stream's end frees no address slot
+    assert limiter.total == 5 and limiter.by_address == {"192.0.2.7": 3}
 
 
 def test_an_ipv6_client_is_counted_by_its_64():
