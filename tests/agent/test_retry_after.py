@@ -36,7 +36,7 @@ def test_a_flow_report_refused_with_retry_after_waits_that_long_then_backs_off_a
         table_absent=lambda: False, process_start_id="p", log=lambda *a, **k: None, sources={},
         accounting=False,
     )  # fmt: skip
-    reporter.attempt = 5
+    reporter.attempt = 2  # its own backoff at most 4 s: the Retry-After is the longer wait
     reporter.retry_after = 12.0
     assert 12.0 <= reporter.delay_after_failure() <= 24.0  # no sooner, spread over as long again
     assert reporter.retry_after is None and 0 <= reporter.delay_after_failure() <= 60
