@@ -14,8 +14,9 @@ dropped, unless --keep-database). Measured in one run:
    partitions, agent_silent, skew, the workload's fields). Rows/s (windows + groups) as a ratio against
    psycopg's COPY of the same number of rows into the same tables (information: the target was >= 0.5
    until issue 24 restated it, see 2), and whether that keeps up with 10,000 workloads x 50 keys a
-   minute (8,333 group rows/s) in one process. Then the same windows summed into their hours and ten-minute blocks (serve's housekeeping does it a few
-   minutes after each block), and the ratio again with that time added.
+   minute (8,333 group rows/s) in one process. Then the same windows summed into their hours and
+   ten-minute blocks (serve's housekeeping does it a few minutes after each block), and the ratio
+   again with that time added.
 2. The same through the real serve: --agents workloads with real keys and signed credentials (rows
    as enrolment leaves them), the reports signed as the agent signs them and POSTed over TLS to the
    gateway listener by --clients client processes (4 keep-alive connections each). The target:
