@@ -9,12 +9,16 @@ from fleet.choices import SyncState
 from fleet.credentials import credential_renewal_due_at, credential_state
 from fleet.models import ModeChange, RenderedPolicy, Workload
 from fleet.selectors import workload_flow_window
+from flows import health as flow_health
 
 
 def telemetry_live(workload: Workload, now) -> bool:
     """A report arrived within two of the workload's own flow windows."""
-    window = workload_flow_window(seconds=workload.flow_window_seconds)
-    return workload.last_flow_report_at is not None and now - workload.last_flow_report_at <= 2 * window
+    return flow_health.telemetry_live(
+        last_report_at=workload.last_flow_report_at,
+        window=workload_flow_window(seconds=workload.flow_window_seconds),
+        now=now,
+    )
 
 
 def workload_data(workload: Workload) -> dict:

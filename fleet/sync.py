@@ -32,6 +32,7 @@ from fleet.choices import OwnedTableState, SyncState
 from fleet.models import Workload, workload_column_value
 from fleet.push import notify_streams
 from fleet.selectors import workload_get
+from flows import health as flow_health
 
 
 def rank_of(sync_state: str, owned_table_state: str) -> int:
@@ -184,12 +185,15 @@ def workload_stream_ended(
 def _flow_process_seen(workload: Workload, process_start_id: str | None, at: datetime) -> list[str]:
     """A sign of life of an agent process at `at`: if it is the process that sent the last flow report,
     that process ran until then (a quiet workload, not a silent one). Returns the fields it changed."""
-    alive_at = workload.flow_process_alive_at
-    if not process_start_id or process_start_id != workload.flow_process_start_id:
+    alive_at = flow_health.process_seen(
+        process=process_start_id,
+        at=at,
+        reporting_process=workload.flow_process_start_id,
+        alive_at=workload.flow_process_alive_at,
+    )
+    if alive_at is None:
         return []
-    if alive_at is not None and at <= alive_at:
-        return []
-    workload.flow_process_alive_at = at
+    workload.flow_process_alive_at = alive_at
     return ["flow_process_alive_at"]
 
 

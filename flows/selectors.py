@@ -15,6 +15,7 @@ from controlplane.validation import is_digits, parse_instant
 from fleet.choices import Mode, SyncState
 from fleet.models import Workload
 from fleet.selectors import workload_flow_window, workload_get, workload_queryset
+from flows import health
 from flows.buckets import BLOCK, HOUR, QUARTER, sums_due, whole_spans
 from flows.choices import Decision
 from flows.models import (
@@ -321,9 +322,9 @@ def _silent_workloads(workloads, end: datetime) -> list[dict]:
         "id", "hostname", "flow_window_seconds", "last_flow_report_at", "flow_process_alive_at"
     )  # fmt: skip
     silent = []
-    for workload_id, hostname, seconds, *signs in offline:
-        since = max(sign for sign in signs if sign is not None)
-        if since + 2 * workload_flow_window(seconds=seconds) < until:
+    for workload_id, hostname, seconds, last_report_at, alive_at in offline:
+        since = health.silent_since(last_report_at=last_report_at, alive_at=alive_at)
+        if health.gone_silent(since=since, window=workload_flow_window(seconds=seconds), until=until):
             silent.append({"workload_id": workload_id, "hostname": hostname, "since": since})
     return sorted(silent, key=lambda w: (w["hostname"], w["workload_id"]))
 

@@ -21,6 +21,7 @@ from controlplane import clock
 from controlplane.problems import Problem
 from fleet.models import Workload
 from fleet.selectors import workload_get
+from flows import health
 from flows.buckets import BLOCK, HOUR, ORIGIN, QUARTER, span_start
 from flows.choices import GapKind
 from flows.group_commit import GroupCommit
@@ -58,29 +59,28 @@ def _skew_fields(report: Report, now: datetime) -> dict:
     """Clock skew: the agent's clock off by more than two windows marks the workload; a report within
     the threshold clears it."""
     offset = (report.agent_clock - now).total_seconds()
-    if abs(offset) > 2 * report.window_seconds:
+    if health.clock_skewed(
+        agent_clock=report.agent_clock, now=now, window=timedelta(seconds=report.window_seconds)
+    ):
         return {"clock_skew_seconds": round(offset, 3), "clock_skew_seen_at": now}
     return {"clock_skew_seconds": None, "clock_skew_seen_at": None}
 
 
-EARLIER_PROCESSES_KEPT = 8
-
-
 def _newer_fields(workload: Workload, report: Report, now: datetime) -> dict | None:
-    """The workload's liveness, process and clock skew from a report newer than its latest, or None
-    for one that is not: from the process of the latest report with no greater uptime (a verbatim
-    replay, a re-send), or from a process that reported before it. Such a report is stored all the
-    same (its ids make that idempotent), but its instant says nothing of the agent now: taken as
-    news, a replay minutes later would revive `telemetry_live` and set a false clock skew."""
+    """The workload's liveness, process and clock skew from a report newer than its latest
+    (`health.report_is_news`), or None for one that is not (a replay, a re-send)."""
     current, earlier = workload.flow_process_start_id, workload.flow_processes_before.split("\n")
-    if report.process_start_id == current:
-        seen = workload.flow_process_uptime_seconds
-        if seen is not None and report.uptime_seconds <= seen:
-            return None
-    elif report.process_start_id in earlier:
+    if not health.report_is_news(
+        process=report.process_start_id,
+        uptime=report.uptime_seconds,
+        latest_process=current,
+        latest_uptime=workload.flow_process_uptime_seconds,
+        earlier=earlier,
+    ):
         return None
-    else:  # another process: a restart, its predecessor joins the earlier ones
-        earlier = [current, *earlier][:EARLIER_PROCESSES_KEPT] if current else earlier
+    earlier = health.processes_before(
+        process=report.process_start_id, latest_process=current, earlier=earlier
+    )
     return {
         "flow_window_seconds": report.window_seconds,
         "flow_process_start_id": report.process_start_id,
@@ -101,50 +101,27 @@ def _latest_gap_fields(workload: Workload, gaps: list[EvidenceGap]) -> dict:
     return {"last_gap_kind": latest.kind, "last_gap_start": latest.start, "last_gap_end": latest.end}
 
 
-def _uncovered(
-    start: datetime, end: datetime, covered: list[tuple[datetime, datetime]]
-) -> list[tuple[datetime, datetime]]:
-    """The parts of [start, end) that no range of `covered` overlaps."""
-    parts, cursor = [], start
-    for low, high in sorted(covered):
-        if high <= cursor:
-            continue
-        if low > cursor:
-            parts.append((cursor, min(low, end)))
-        cursor = max(cursor, high)
-        if cursor >= end:
-            break
-    if cursor < end:
-        parts.append((cursor, end))
-    return [(low, high) for low, high in parts if low < high]
-
-
 def _agent_silent(
     workload: Workload, report: Report, now: datetime, *, arriving: list[tuple[datetime, datetime]]
 ) -> list[EvidenceGap]:
-    """The spec's agent_silent, derived here and never taken from the agent. A report from the process
-    that sent the previous one means that process ran throughout: a quiet workload, no gap. From another
-    process (a restart), the time between the old process last known alive (its last report or
-    heartbeat) and the new process's start is silent where no stored window covers it (windows the
-    agent buffered through the outage cover the time they were held back), if that part is longer than
-    two windows.
+    """The spec's agent_silent (`health.agent_silent`), derived here and never taken from the agent:
+    the silence before this report that neither the windows arriving with it nor stored ones cover."""
 
-    The silence is taken from the start of the window the old process had open when last known alive:
-    that window was in its memory, not yet in its buffer, so a process that died (killed, crashed) lost
-    what it had counted in it. A process that stopped cleanly closed it and its successor sends it,
-    which then covers that part."""
-    previous, alive_at = workload.flow_process_start_id, workload.flow_process_alive_at
-    if not previous or previous == report.process_start_id or alive_at is None:
-        return []
-    started = now - timedelta(seconds=report.uptime_seconds)
-    threshold = timedelta(seconds=2 * report.window_seconds)
-    if started - alive_at <= threshold:
-        return []
-    since = _window_open_at(alive_at, workload.flow_window_seconds or report.window_seconds)
-    covered = arriving + list(
-        FlowWindow.objects.filter(workload=workload, end__gt=since, start__lt=started).values_list(
-            "start", "end"
+    def covered(since: datetime, started: datetime) -> list[tuple[datetime, datetime]]:
+        return arriving + list(
+            FlowWindow.objects.filter(workload=workload, end__gt=since, start__lt=started).values_list(
+                "start", "end"
+            )
         )
+
+    silences = health.agent_silent(
+        latest_process=workload.flow_process_start_id,
+        alive_at=workload.flow_process_alive_at,
+        latest_window=timedelta(seconds=workload.flow_window_seconds or report.window_seconds),
+        process=report.process_start_id,
+        started=now - timedelta(seconds=report.uptime_seconds),
+        window=timedelta(seconds=report.window_seconds),
+        covered=covered,
     )
     return [
         EvidenceGap(
@@ -157,15 +134,8 @@ def _agent_silent(
             lost={},
             received_at=now,
         )  # fmt: skip
-        for low, high in _uncovered(since, started, covered)
-        if high - low > threshold
+        for low, high in silences
     ]
-
-
-def _window_open_at(instant: datetime, seconds: int) -> datetime:
-    """The start of the agent's window that holds `instant`: windows are aligned to the wall clock,
-    [k * length, (k + 1) * length) from the epoch (agent/flowwindow.py)."""
-    return instant - timedelta(seconds=instant.timestamp() % seconds)
 
 
 def _rows_insert(model, rows: list[dict]) -> None:
