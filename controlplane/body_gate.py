@@ -42,8 +42,10 @@ from django.db import close_old_connections
 from django.urls import Resolver404, resolve
 from django.utils.datastructures import CaseInsensitiveMapping
 
+from controlplane.api.errors import service_unavailable
 from controlplane.auth.authentication import operator_credential_check
 from controlplane.listeners import GATEWAY, OPERATOR, body_limit, listener_for_port
+from controlplane.outage import database_failed
 from controlplane.problems import Problem
 
 log = logging.getLogger("palisade.http")
@@ -162,7 +164,9 @@ def headers_refusal(check: HeadersCheck, headers: Mapping[str, str]) -> Problem 
         check(headers)
     except Problem as problem:
         return problem
-    except Exception:  # noqa: BLE001 - refused, never let through unchecked; the fault is logged
+    except Exception as error:  # noqa: BLE001 - refused, never let through unchecked
+        if database_failed("check requests' headers", error, log):
+            return service_unavailable()  # the database away: one throttled line, no traceback
         log.exception("checking a request's headers failed")
         return Problem("internal")
     finally:
