@@ -415,8 +415,8 @@ def load_rollup_data(ids: list[str], hours: int, keys: int) -> int:
         copy_rows(ids, windows=chunk, keys=keys, start=end - timedelta(hours=hour), minutes=60)
     import psycopg
 
-    from flows.buckets import BLOCK, sums_due
     from flows.services import flow_windows_sum
+    from flows.sums import BLOCK, sums_due
 
     # As serve's housekeeping leaves them: every window recorded as unsummed, as ingestion records it,
     # then summed by the real function a ten-minute block at a time, as housekeeping sums them (so each

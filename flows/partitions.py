@@ -19,22 +19,18 @@ from datetime import UTC, date, datetime, time, timedelta
 
 from django.db import DatabaseError, connection, transaction
 
-# table -> the column it is partitioned by
+from flows.sums import LADDER
+
+# table -> the column it is partitioned by; the sums' tables are the ladder's (flows/sums.py)
 PARTITIONED = {
     "flows_flowwindow": "start",
     "flows_flowgroup": "start",
-    "flows_flowquarter": "quarter",
-    "flows_flowhour": "hour",
-    "flows_flowblock": "block",
+    **{rung.table: rung.column for rung in LADDER},
     "flows_evidencegap": "end",
 }
 DAYS_AHEAD = 3
-# A quarter's and an hour's sums are updated in place once for each of their ten-minute blocks, and a
-# block's when a window arrives after it was summed (buffered through an outage;
-# flows.services.flow_windows_sum): space left free on each page lets PostgreSQL write the new row
-# version beside the old one without touching the indexes (a HOT update). The other tables are only
-# ever appended to.
-STORAGE = {"flows_flowhour": " WITH (fillfactor = 70)", "flows_flowquarter": " WITH (fillfactor = 70)"}
+# Each rung's storage options (flows.sums.Span.storage); the other tables are only ever appended to.
+STORAGE = {rung.table: rung.storage for rung in LADDER if rung.storage}
 _NAME = re.compile(r"_p(\d{8})$")
 _known: set[str] = set()  # partitions this process has seen exist: ingestion checks nothing twice
 

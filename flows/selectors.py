@@ -1,117 +1,38 @@
-"""Reads of stored flow evidence: one workload's windows, and the gaps of a set of workloads."""
+"""Reads of stored flow evidence: one workload's windows, the gaps of a set of workloads, rollups and
+the simulation review. Their query parameters are parsed in flows/validation.py; the sums a rollup
+reads, and the ladder of their spans, are flows/sums.py."""
 
 from __future__ import annotations
 
 import uuid
-from datetime import UTC, datetime, timedelta
+from dataclasses import dataclass
+from datetime import datetime, timedelta
 
-from django.db.models import Max, Min, OuterRef, Prefetch, Q, Subquery, Sum, UUIDField
+from django.db.models import F, Max, Min, OuterRef, Prefetch, Q, Subquery, Sum, UUIDField
 
 from controlplane import clock
 from controlplane.clock import rfc3339
-from controlplane.pagination import OrderKey, Page, list_fingerprint, paginate
-from controlplane.problems import Finding, ValidationFailed
-from controlplane.validation import is_digits, parse_instant
+from controlplane.pagination import OrderKey, Page, cursor_encode, decode_cursor, list_fingerprint, paginate
 from fleet.choices import Mode, SyncState
 from fleet.models import Workload
 from fleet.selectors import workload_flow_window, workload_get, workload_queryset
 from flows import health
-from flows.buckets import BLOCK, HOUR, QUARTER, sums_due, whole_spans
+from flows.buckets import whole_spans
 from flows.choices import Decision
 from flows.models import (
     EvidenceGap,
-    FlowBlock,
     FlowGroup,
-    FlowHour,
-    FlowQuarter,
     FlowWindow,
     UnsummedWindow,
 )
-from flows.reports import Refused, peer_address
 from flows.retention import flow_retention
+from flows.sums import BLOCK, LADDER, Span, rule_read, sums_due
+from flows.validation import GROUP_KEYS, workload_required
 from policy.grammar import Selector
 from policy.models import Rule
 
-MAX_RANGE = timedelta(days=31)
-# No evidence lies outside these, and reading a range reaches a window's length before it and a few
-# hours around it: near year 1 or 9999 that arithmetic leaves what a datetime can hold.
-EARLIEST = datetime(1970, 1, 1, tzinfo=UTC)
-LATEST = datetime(9000, 1, 1, tzinfo=UTC)
 WINDOW_ORDER = (OrderKey("start"), OrderKey("id", read=lambda w: str(w.id)))
 GAP_ORDER = (OrderKey("start"), OrderKey("id", read=lambda g: str(g.id)))
-
-
-def flow_range_parse(*, start: str | None, end: str | None) -> tuple[datetime, datetime]:
-    """`from` and `to`: RFC 3339 instants from 1970 to 9000, `from` before `to`, at most 31 days apart."""
-    findings = []
-    parsed = {}
-    for name, raw in (("from", start), ("to", end)):
-        parsed[name] = parse_instant(raw) if raw else None
-        if parsed[name] is None:
-            findings.append(
-                Finding(f"?{name}", "instant" if raw else "required", f"{name} is an RFC 3339 instant.")
-            )
-    for name in ("from", "to"):
-        if parsed[name] is not None and not EARLIEST <= parsed[name] <= LATEST:
-            parsed[name] = None
-            findings.append(Finding(f"?{name}", "out-of-range", f"{name} lies between 1970 and 9000."))
-    if not findings and not parsed["from"] < parsed["to"]:
-        findings.append(Finding("?to", "out-of-range", "to comes after from."))
-    if not findings and parsed["to"] - parsed["from"] > MAX_RANGE:
-        findings.append(Finding("?to", "out-of-range", f"A range spans at most {MAX_RANGE.days} days."))
-    if findings:
-        raise ValidationFailed(findings)
-    return parsed["from"], parsed["to"]
-
-
-def group_filters_parse(
-    *, decision: str | None, peer: str | None, service: str | None, rule: str | None
-) -> dict:
-    """`decision`, `peer` (an address), `service` (`tcp/443`, `udp/53`, `icmp`) and `rule` (a lifetime
-    rule number): each narrows the groups shown, and the windows to those with a matching group."""
-    findings, filters = [], {}
-    if decision:
-        if decision not in Decision.values:
-            findings.append(
-                Finding("?decision", "decision", f"decision is one of {', '.join(Decision.values)}.")
-            )
-        filters["decision"] = decision
-    if peer:
-        try:
-            filters["peer"] = peer_address(peer[:64])
-        except Refused as refused:
-            findings.append(Finding("?peer", "address-zone" if "%" in peer else "address", f"{refused}."))
-    if service:
-        protocol, slash, port = service.partition("/")
-        with_port = protocol in ("tcp", "udp") and bool(slash) and _port_number(port)
-        if not (with_port or (protocol in ("icmp", "icmpv6") and not slash)):
-            findings.append(
-                Finding("?service", "service", "service is tcp/PORT, udp/PORT (1 to 65535), icmp or icmpv6.")
-            )
-        filters["protocol"] = protocol
-        if with_port:
-            filters["port"] = int(port)
-    if rule:
-        if not is_digits(rule):
-            findings.append(Finding("?rule", "type", "rule is a rule number."))
-        else:
-            filters["rule_number"] = int(rule)
-    if findings:
-        raise ValidationFailed(findings)
-    return filters
-
-
-def workload_required(workload_id: str) -> str:
-    if not workload_id:
-        raise ValidationFailed(
-            [Finding("?workload", "required", "workload is required: the id of one workload.")]
-        )
-    return workload_id
-
-
-def _port_number(text: str) -> bool:
-    """1 to 65535 as written: ASCII digits, no leading zero."""
-    return is_digits(text) and text[0] != "0" and int(text) <= 65535
 
 
 def flow_windows_list(
@@ -184,34 +105,8 @@ def rule_ids_by_number(numbers: set[int]) -> dict[int, str]:
 
 # --- rollups and the simulation review ---
 
-GROUP_KEYS = {
-    "workload": ("workload_id",),
-    "peer": ("peer",),
-    "peer_workload": ("peer_workload_id",),
-    "service": ("protocol", "port"),
-    "decision": ("decision",),
-    "rule": ("rule_number",),
-    "ruleset": ("ruleset_id",),
-    # The window's start: a time series (connections per window), what the console plots.
-    "window": ("start",),
-}
 COVERAGE_LIST = 100
 WOULD_BLOCK_LIST = 1000
-
-
-def group_by_parse(values: list[str]) -> list[str]:
-    findings = [
-        Finding(f"?group_by[{i}]", "group-by", f"group_by is one of {', '.join(GROUP_KEYS)}.")
-        for i, value in enumerate(values)
-        if value not in GROUP_KEYS
-    ]
-    if not values:
-        findings.append(
-            Finding("?group_by", "required", f"group_by is required: any of {', '.join(GROUP_KEYS)}.")
-        )
-    if findings:
-        raise ValidationFailed(findings)
-    return list(dict.fromkeys(values))
 
 
 def workloads_selected(*, workload_ids: list[str], labels: list[Selector]):
@@ -242,16 +137,39 @@ def _lookback(selected) -> timedelta:
     return timedelta(seconds=longest or 0)
 
 
-def _groups_in_range(selected, start: datetime, end: datetime):
-    groups = FlowGroup.objects.filter(**_windows_in(start, end, _lookback(selected)))
-    return groups if selected is None else groups.filter(workload__in=selected)
+@dataclass(frozen=True)
+class FlowRange:
+    """A range of the selected workloads' evidence (`selected` None: the whole fleet), planned once for
+    every read of it: the longest window they reported, how far before the range a window that
+    intersects it may start, is one query."""
+
+    selected: object
+    start: datetime
+    end: datetime
+    lookback: timedelta
+
+    @property
+    def blocks(self) -> tuple[datetime, datetime] | None:
+        """The range's whole blocks, the shortest span of the sums; None when it holds none and every
+        read of it is of minute rows."""
+        return whole_spans(self.start, self.end, BLOCK)
+
+
+def flow_range_plan(*, selected, start: datetime, end: datetime) -> FlowRange:
+    return FlowRange(selected=selected, start=start, end=end, lookback=_lookback(selected))
+
+
+def groups_in_range(planned: FlowRange):
+    """The minute rows (groups) of the windows that intersect the range."""
+    groups = FlowGroup.objects.filter(**_windows_in(planned.start, planned.end, planned.lookback))
+    return groups if planned.selected is None else groups.filter(workload__in=planned.selected)
 
 
 def _workloads_of(selected):
     return Workload.objects.all() if selected is None else Workload.objects.filter(id__in=selected)
 
 
-def coverage(selected, start: datetime, end: datetime) -> dict:
+def coverage(selected, start: datetime, end: datetime, *, lookback: timedelta | None = None) -> dict:
     """What makes a total incomplete: the gaps intersecting the range, the selected workloads that
     sent no window in it, those silent in it still (`_silent_workloads`), and a start before the
     retention's."""
@@ -264,7 +182,8 @@ def coverage(selected, start: datetime, end: datetime) -> dict:
     # probe that stops at the first row whatever the statistics; NOT EXISTS PostgreSQL may turn into an
     # anti-join, and with some statistics it hashed every window of the range (1.2 s, not 20 ms).
     reporting = FlowWindow.objects.filter(
-        workload_id=OuterRef("id"), **_windows_in(start, end, _lookback(selected))
+        workload_id=OuterRef("id"),
+        **_windows_in(start, end, _lookback(selected) if lookback is None else lookback),
     )
     first_report = Subquery(reporting.order_by("start").values("id")[:1])
     without_reports = (
@@ -329,14 +248,15 @@ def _silent_workloads(workloads, end: datetime) -> list[dict]:
     return sorted(silent, key=lambda w: (w["hostname"], w["workload_id"]))
 
 
-def _ruleset_of_rule():
+def ruleset_of_rule():
     # Typed, so that SQLite's stored text comes back as a UUID (and the API gives the id as /rulesets).
     return Subquery(
         Rule.objects.filter(number=OuterRef("rule_number")).values("ruleset_id")[:1], output_field=UUIDField()
     )
 
 
-def _sums(queryset, columns: list[str]):
+def key_sums(queryset, columns: list[str]):
+    """Rows of `queryset` (minute rows or sums) summed per key of `columns`."""
     return queryset.values(*columns).annotate(
         connection_count=Sum("connection_count"),
         bytes_in=Sum("bytes_in"),
@@ -351,8 +271,8 @@ def _merged(*parts, columns: list[str]) -> list[dict]:
     merged: dict[tuple, dict] = {}
     for part in parts:
         for row in part:
-            if row.get("rule_number") == 0:  # the sums' "no rule"
-                row["rule_number"] = None
+            if "rule_number" in row:
+                row["rule_number"] = rule_read(row["rule_number"])
             key = tuple(row[column] for column in columns)
             seen = merged.get(key)
             if seen is None:
@@ -387,73 +307,122 @@ def _after_key(columns: list[str], last: list) -> Q:
     return condition
 
 
-# The sums, longest span first: a range's whole blocks are read from the longest spans that fit, the
-# parts beside them from the next.
-SUM_SPANS = ((FlowQuarter, "quarter", QUARTER), (FlowHour, "hour", HOUR), (FlowBlock, "block", BLOCK))
-
-
-def _sum_reads(low: datetime, high: datetime, spans=SUM_SPANS) -> list:
-    """The rows of sums that hold [low, high) (whole blocks): its whole quarters, the whole hours left
-    beside them, the blocks left beside those. Each a plain range of its span's start, which reads only
-    its own partitions and index range (a day's range: three or four quarters and a few hours a key)."""
-    model, column, span = spans[0]
-    whole = whole_spans(low, high, span) if len(spans) > 1 else (low, high)
+def sum_reads(low: datetime, high: datetime, ladder: tuple[Span, ...] = LADDER) -> list:
+    """The read plan: the rows of sums that hold [low, high) (whole blocks), down the ladder
+    (flows/sums.py), longest span first: its whole quarters, the whole hours left beside them, the
+    blocks left beside those. Each a plain range of its span's start, which reads only its own
+    partitions and index range (a day's range: three or four quarters and a few hours a key)."""
+    rung, shorter = ladder[0], ladder[1:]
+    whole = whole_spans(low, high, rung.span) if shorter else (low, high)
     if whole is None:
-        return _sum_reads(low, high, spans[1:])
+        return sum_reads(low, high, shorter)
     first, last = whole
-    reads = [model.objects.filter(**{f"{column}__gte": first, f"{column}__lt": last})] if first < last else []
+    reads = (
+        [rung.model.objects.filter(**{f"{rung.column}__gte": first, f"{rung.column}__lt": last})]
+        if first < last
+        else []
+    )
     for side_low, side_high in ((low, first), (last, high)):
         if side_low < side_high:
-            reads += _sum_reads(side_low, side_high, spans[1:])
+            reads += sum_reads(side_low, side_high, shorter)
     return reads
 
 
-def _summed_by_spans(selected, columns: list[str], start: datetime, end: datetime, **filters) -> list[dict]:
+def _summed_by_spans(planned: FlowRange, columns: list[str], **filters) -> list[dict]:
     """Every group of the range summed by `columns`, in key order, for a range that holds a whole
-    ten-minute block: its whole blocks from the sums (`_sum_reads`), the groups of windows in those not
+    ten-minute block: its whole blocks from the sums (`sum_reads`), the groups of windows in those not
     summed yet, and the minute rows only at the two edges (under ten minutes each, and the blocks too
     recent to be summed). One statement: summing moves windows from the groups read to the sums, and two
     statements could see a window in both or in neither. `filters` narrow every part by key columns."""
-    first_block, last_block = whole_spans(start, end, BLOCK)
+    first_block, last_block = planned.blocks  # type: ignore[misc]
     # The blocks from here on are not summed yet, bar a round of housekeeping that ran late: read as
     # minute rows at the edge, not window by window from the unsummed list. Exact wherever it falls:
     # the sums are read only before it, and the minute rows only from it on.
     split = min(last_block, max(first_block, sums_due(now=clock.now())))
-    groups = _groups_in_range(selected, start, end).filter(**filters)
-    sums = [part.filter(**filters) for part in _sum_reads(first_block, split)]
-    if selected is not None:
-        sums = [part.filter(workload__in=selected) for part in sums]
+    groups = groups_in_range(planned).filter(**filters)
+    sums = [part.filter(**filters) for part in sum_reads(first_block, split)]
+    if planned.selected is not None:
+        sums = [part.filter(workload__in=planned.selected) for part in sums]
     if "ruleset_id" in columns:
-        groups = groups.annotate(ruleset_id=_ruleset_of_rule())
-        sums = [part.annotate(ruleset_id=_ruleset_of_rule()) for part in sums]
+        groups = groups.annotate(ruleset_id=ruleset_of_rule())
+        sums = [part.annotate(ruleset_id=ruleset_of_rule()) for part in sums]
     unsummed = UnsummedWindow.objects.filter(start__gte=first_block, start__lt=split)
     edges = [groups.filter(start__lt=first_block), groups.filter(start__gte=split)]
     within = groups.filter(
         start__gte=first_block, start__lt=split, window_id__in=unsummed.values("window_id")
     )
-    first, *rest = [_sums(part, columns) for part in (*edges, within, *sums)]
+    first, *rest = [key_sums(part, columns) for part in (*edges, within, *sums)]
     return _merged(first.union(*rest, all=True), columns=columns)
+
+
+@dataclass(frozen=True)
+class Rollup:
+    """A rollup as GET /flows/rollup answers it: a page of sums (every row when read unpaged), the
+    cursor of the next page, the rules the rows' numbers name now, the range's coverage, and the rules
+    without hits (None unless grouped by `rule` alone over a fully covered range: a rule without hits
+    may only have gone unseen)."""
+
+    rows: list[dict]
+    next_cursor: str | None
+    rule_ids: dict[int, str]
+    coverage: dict
+    unused_rules: list[Rule] | None
+
+
+def flow_rollup_read(
+    *, selected, group_by: list[str], start: datetime, end: datetime, cursor: str | None, limit: int | None
+) -> Rollup:
+    """The rollup of the selected workloads over [start, end) with everything said of it, from one plan
+    of the range for all its reads. `limit` None reads every row (the command's one document).
+
+    Grouped by `rule` alone over a fully covered range, the rules hit are the rollup's own rows, read
+    once, every page of them (a row per rule number): the sums are not read a second time for them."""
+    planned = flow_range_plan(selected=selected, start=start, end=end)
+    covered = coverage(selected, start, end, lookback=planned.lookback)
+    columns, fingerprint, last = _rollup_key(planned, group_by, cursor)
+    unused = None
+    if group_by == ["rule"] and covered["complete"]:
+        every = _rollup_rows(planned, columns, last=None, most=None)
+        unused = _rules_without_hits({row["rule_number"] for row in every})
+        rows = _after(every, columns, last)
+        rows = rows if limit is None else rows[: limit + 1]
+    else:
+        rows = _rollup_rows(planned, columns, last=last, most=None if limit is None else limit + 1)
+    rows, next_cursor = _page_end(rows, columns, fingerprint, limit)
+    return Rollup(
+        rows=rows,
+        next_cursor=next_cursor,
+        rule_ids=rule_ids_by_number({row.get("rule_number") for row in rows}),
+        coverage=covered,
+        unused_rules=unused,
+    )
 
 
 def flow_rollup(
     *, selected, group_by: list[str], start: datetime, end: datetime, cursor: str | None, limit: int
 ) -> tuple[list[dict], str | None]:
-    """Sums of the selected workloads' groups in the range, grouped by `group_by`, in the order of
-    their keys (nulls last); whole blocks come from the sums (`_summed_by_spans`). Paged by key: the
-    cursor holds the last key of the page, so groups that appear while a client pages never shift the
-    pages."""
-    from django.db.models import F
+    """A page of the rollup's rows alone, and the next page's cursor (`flow_rollup_read` says the rest)."""
+    planned = flow_range_plan(selected=selected, start=start, end=end)
+    columns, fingerprint, last = _rollup_key(planned, group_by, cursor)
+    rows = _rollup_rows(planned, columns, last=last, most=limit + 1)
+    return _page_end(rows, columns, fingerprint, limit)
 
-    from controlplane.pagination import cursor_encode, decode_cursor
 
+def _rollup_key(
+    planned: FlowRange, group_by: list[str], cursor: str | None
+) -> tuple[list[str], str, list | None]:
+    """The key columns of `group_by`, the rollup's fingerprint, and the last key of the previous page.
+    Paged by key: the cursor holds the last key of the page, so groups that appear while a client
+    pages never shift the pages."""
     columns = [column for name in group_by for column in GROUP_KEYS[name]]
+    selected = planned.selected
     fingerprint = list_fingerprint(
         "flows-rollup",
         {
             "by": group_by,
-            "from": start.isoformat(),
-            "to": end.isoformat(),
-            "sel": str(selected.query) if selected is not None else "",
+            "from": planned.start.isoformat(),
+            "to": planned.end.isoformat(),
+            "sel": str(selected.query) if selected is not None else "",  # type: ignore[attr-defined]
         },
     )
     last = None
@@ -462,64 +431,70 @@ def flow_rollup(
             uuid.UUID(value) if column in UUID_COLUMNS and isinstance(value, str) else value
             for column, value in zip(columns, decode_cursor(cursor, fingerprint, len(columns)), strict=True)
         ]
-    if whole_spans(start, end, BLOCK) is None or "start" in columns:
-        groups = _groups_in_range(selected, start, end)
+    return columns, fingerprint, last
+
+
+def _rollup_rows(
+    planned: FlowRange, columns: list[str], *, last: list | None, most: int | None
+) -> list[dict]:
+    """Sums of the range's groups by `columns`, in the order of their keys (nulls last), after the key
+    `last`, at most `most` of them (None: all). Whole blocks come from the sums (`_summed_by_spans`);
+    a range without one, or a series by window start, from the minute rows."""
+    if planned.blocks is None or "start" in columns:
+        groups = groups_in_range(planned)
         if "ruleset_id" in columns:
-            groups = groups.annotate(ruleset_id=_ruleset_of_rule())
+            groups = groups.annotate(ruleset_id=ruleset_of_rule())
         if last is not None:
             groups = groups.filter(_after_key(columns, last))
-        order = [F(column).asc(nulls_last=True) for column in columns]
-        rows = list(_sums(groups, columns).order_by(*order)[: limit + 1])
-    else:
-        merged = _summed_by_spans(selected, columns, start, end)
-        if last is not None:
-            bound = _null_last(last)
-            merged = [row for row in merged if _null_last(row[c] for c in columns) > bound]
-        rows = merged[: limit + 1]
-    next_cursor = None
-    if len(rows) > limit:
-        rows = rows[:limit]
-        next_cursor = cursor_encode(fingerprint, [rows[-1][column] for column in columns])
-    return rows, next_cursor
+        ordered = key_sums(groups, columns).order_by(*[F(column).asc(nulls_last=True) for column in columns])
+        return list(ordered if most is None else ordered[:most])
+    merged = _after(_summed_by_spans(planned, columns), columns, last)
+    return merged if most is None else merged[:most]
 
 
-def rollup_unused_rules(selected, group_by: list[str], start: datetime, end: datetime, covered: dict):
-    """What a rollup grouped by `rule` alone says of the rules without hits: the list when the range is
-    fully covered, None when it is not (a rule without hits may only have gone unseen) or when grouped
-    otherwise."""
-    if group_by != ["rule"] or not covered["complete"]:
-        return None
-    return unused_rules(selected, start, end)
+def _after(rows: list[dict], columns: list[str], last: list | None) -> list[dict]:
+    """Of rows in key order, those whose key comes after `last` (nulls last), as `_after_key` in SQL."""
+    if last is None:
+        return rows
+    bound = _null_last(last)
+    return [row for row in rows if _null_last(row[c] for c in columns) > bound]
 
 
-def unused_rules(selected, start: datetime, end: datetime) -> list[Rule]:
-    """Rules that admitted nothing in the range (the caller says so only when coverage is complete).
-    The rules hit are read as the rollup by rule reads them: from the sums where the range holds a
-    whole block (a day of a thousand workloads: 0.25 s, where its minute rows took 1.5 s)."""
-    hit = {row["rule_number"] for row in _summed(selected, start, end, ["rule_number"])}
+def _page_end(
+    rows: list[dict], columns: list[str], fingerprint: str, limit: int | None
+) -> tuple[list[dict], str | None]:
+    """A page of at most `limit` of `rows` (read one past it) and the cursor after it, if more follow."""
+    if limit is None or len(rows) <= limit:
+        return rows, None
+    rows = rows[:limit]
+    return rows, cursor_encode(fingerprint, [rows[-1][column] for column in columns])
+
+
+def _rules_without_hits(hit: set) -> list[Rule]:
+    """Rules whose numbers are not among those `hit` (the caller says so only when coverage is complete)."""
     hit.discard(None)
     return list(
         Rule.objects.exclude(number__in=hit).select_related("ruleset").order_by("ruleset__name", "position")
     )
 
 
-def _summed(selected, start: datetime, end: datetime, columns: list[str], **filters) -> list[dict]:
+def _summed(planned: FlowRange, columns: list[str], **filters) -> list[dict]:
     """The range's groups summed by `columns` (`filters` narrowing them). A range holding a whole
     ten-minute block reads the sums, as the rollup does: a day of a thousand workloads is millions of
     minute rows but a hundred thousand hour rows."""
-    if whole_spans(start, end, BLOCK) is None:
-        return list(_sums(_groups_in_range(selected, start, end).filter(**filters), columns))
-    return _summed_by_spans(selected, columns, start, end, **filters)
+    if planned.blocks is None:
+        return list(key_sums(groups_in_range(planned).filter(**filters), columns))
+    return _summed_by_spans(planned, columns, **filters)
 
 
-def _review_decisions(selected, start: datetime, end: datetime, elsewhere_ids: set) -> tuple[list, list]:
+def _review_decisions(planned: FlowRange, elsewhere_ids: set) -> tuple[list, list]:
     """In one read of the range: its would-block groups by workload, peer and service, most connections
     first; and per workload and decision, the connections that the table of a workload in simulation
     throughout (not in `elsewhere_ids`) decided as another mode's does (observed: visibility, blocked:
     enforced). Its agent had not applied the change yet (it applies it seconds later, or not at all
     while away or degraded), so what simulation would have said of them is unknown."""
     rows = _summed(
-        selected, start, end, ["workload_id", "peer", "protocol", "port", "decision"],
+        planned, ["workload_id", "peer", "protocol", "port", "decision"],
         decision__in=[Decision.WOULD_BLOCK, Decision.OBSERVED, Decision.BLOCKED],
     )  # fmt: skip
     would_block = [
@@ -542,16 +517,15 @@ def simulation_review(*, selected, start: datetime, end: datetime) -> dict:
     """The review before enforcing: would-block groups, gaps, offline workloads and workloads not in
     simulation; any one fails it (a gap alone does: rule 5)."""
     workloads = _workloads_of(selected)
-    covered = coverage(selected, start, end)
+    planned = flow_range_plan(selected=selected, start=start, end=end)
+    covered = coverage(selected, start, end, lookback=planned.lookback)
     offline = workloads.filter(sync_state=SyncState.OFFLINE).order_by("hostname", "id")
     # In simulation for the whole range: in it now, and since before the range began.
     simulating_throughout = Q(mode=Mode.SIMULATION) & (
         Q(mode_since__lte=start) | Q(mode_since=None, enrolled_at__lte=start)
     )
     elsewhere = workloads.exclude(simulating_throughout).order_by("hostname", "id")
-    would_block, elsewhere_decided = _review_decisions(
-        selected, start, end, set(elsewhere.values_list("id", flat=True))
-    )
+    would_block, elsewhere_decided = _review_decisions(planned, set(elsewhere.values_list("id", flat=True)))
     # The lists are capped; the counts, and so the reasons, are exact: a script gating enforcement
     # reads them.
     would_block_count, offline_count = len(would_block), offline.count()

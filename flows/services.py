@@ -22,20 +22,17 @@ from controlplane.problems import Problem
 from fleet.models import Workload
 from fleet.selectors import workload_get
 from flows import health
-from flows.buckets import BLOCK, HOUR, ORIGIN, QUARTER, span_start
 from flows.choices import GapKind
 from flows.group_commit import GroupCommit
 from flows.models import (
     EvidenceGap,
-    FlowBlock,
     FlowGroup,
-    FlowHour,
-    FlowQuarter,
     FlowWindow,
     UnsummedWindow,
 )
 from flows.partitions import flow_partitions_drop, flow_partitions_ensure
 from flows.reports import ACCEPTED, REFUSED, ParsedReport, ParsedWindow, Report, item_answer, report_parse
+from flows.sums import LADDER, SUMMED, UNSUMMED_PRUNE_MARGIN, Span, rule_stored, rule_stored_sql
 
 log = logging.getLogger("palisade.flows")
 _peer_map: tuple[tuple, dict[str, uuid.UUID]] = ((), {})
@@ -175,36 +172,10 @@ def _binary_copy_type(field) -> str:
     return _BINARY_COPY_TYPES[(field.target_field if field.is_relation else field).get_internal_type()]
 
 
-@dataclass(frozen=True)
-class _Sums:
-    """A table of sums: its model, the column holding its span's start, and the span."""
-
-    model: type
-    bucket: str
-    span: timedelta
-
-    def in_postgresql(self) -> str:
-        """The span's start of a group's `start` in SQL, as flows.buckets.span_start finds it."""
-        origin = ORIGIN.isoformat(sep=" ")
-        return f"date_bin('{int(self.span.total_seconds())} seconds', start, TIMESTAMPTZ '{origin}')"
-
-    def key(self) -> tuple[str, ...]:
-        return ("workload_id", self.bucket, "peer", "protocol", "port", "decision", "rule_number")
-
-    def columns(self) -> tuple[str, ...]:
-        return (*self.key(), "peer_workload_id", *SUMMED, "first_seen", "last_seen")
-
-
-SUMMED = ("connection_count", "bytes_in", "bytes_out")
-SUMS = (
-    _Sums(FlowQuarter, "quarter", QUARTER),
-    _Sums(FlowHour, "hour", HOUR),
-    _Sums(FlowBlock, "block", BLOCK),
-)
 SUM_ROWS_PER_STATEMENT = 2000  # 13 parameters each: under SQLite's 32,766
 
 
-def _upsert_clause(sums: _Sums, least: str, greatest: str) -> str:
+def _upsert_clause(sums: Span, least: str, greatest: str) -> str:
     table = sums.model._meta.db_table
     updates = [f'"{name}" = "{table}"."{name}" + excluded."{name}"' for name in SUMMED] + [
         f'"first_seen" = {least}("{table}"."first_seen", excluded."first_seen")',
@@ -290,7 +261,7 @@ def _sums_add(windows: list[tuple[uuid.UUID, uuid.UUID, datetime]]) -> None:
     sums, one upsert per workload, span and key. On PostgreSQL the database sums the groups where they
     lie; elsewhere Python does."""
     if connection.vendor == "postgresql":
-        for sums in SUMS:
+        for sums in LADDER:
             _sums_add_in_postgresql(sums, windows)
         return
     groups = list(
@@ -299,15 +270,15 @@ def _sums_add(windows: list[tuple[uuid.UUID, uuid.UUID, datetime]]) -> None:
             *SUMMED, "first_seen", "last_seen",
         )
     )  # fmt: skip
-    for sums in SUMS:
+    for sums in LADDER:
         _sums_write(sums, _summed_in_python(sums, groups))
 
 
-def _summed_in_python(sums: _Sums, groups: list[dict]) -> list[dict]:
+def _summed_in_python(sums: Span, groups: list[dict]) -> list[dict]:
     rows: dict[tuple, dict] = {}
     for group in groups:
-        key = (group["workload_id"], span_start(group["start"], sums.span), group["peer"], group["protocol"],
-               group["port"], group["decision"], group["rule_number"] or 0)  # fmt: skip
+        key = (group["workload_id"], sums.start_of(group["start"]), group["peer"], group["protocol"],
+               group["port"], group["decision"], rule_stored(group["rule_number"]))  # fmt: skip
         row = rows.get(key)
         if row is None:
             rows[key] = {**dict(zip(sums.key(), key, strict=True)), "peer_workload_id": group["peer_workload_id"],
@@ -320,7 +291,7 @@ def _summed_in_python(sums: _Sums, groups: list[dict]) -> list[dict]:
     return list(rows.values())
 
 
-def _sums_write(sums: _Sums, rows: list[dict]) -> None:
+def _sums_write(sums: Span, rows: list[dict]) -> None:
     """SQLite: rows of values, prepared as its columns store them, in slices under its parameter cap."""
     fields = [sums.model._meta.get_field(name) for name in sums.columns()]
     per_row = "(" + ", ".join(["%s"] * len(fields)) + ")"
@@ -339,7 +310,7 @@ def _sums_write(sums: _Sums, rows: list[dict]) -> None:
             )
 
 
-def _sums_add_in_postgresql(sums: _Sums, windows: list[tuple[uuid.UUID, uuid.UUID, datetime]]) -> None:
+def _sums_add_in_postgresql(sums: Span, windows: list[tuple[uuid.UUID, uuid.UUID, datetime]]) -> None:
     # The windows' workloads and starts pick the groups off the (workload, start) index within their
     # day partitions, then the window ids keep those of these windows. By start alone the read would
     # walk every workload's rows of those minutes: the whole fleet's. GROUP BY makes each key appear
@@ -347,8 +318,8 @@ def _sums_add_in_postgresql(sums: _Sums, windows: list[tuple[uuid.UUID, uuid.UUI
     quoted = ", ".join(f'"{name}"' for name in sums.columns())
     sql = (
         f'INSERT INTO "{sums.model._meta.db_table}" ({quoted}) '  # noqa: S608 - our names
-        f"SELECT workload_id, {sums.in_postgresql()}, peer, protocol, port, decision,"
-        " coalesce(rule_number, 0), (array_agg(peer_workload_id))[1], sum(connection_count), sum(bytes_in),"
+        f"SELECT workload_id, {sums.start_in_postgresql()}, peer, protocol, port, decision,"
+        f" {rule_stored_sql('rule_number')}, (array_agg(peer_workload_id))[1], sum(connection_count), sum(bytes_in),"
         f' sum(bytes_out), min(first_seen), max(last_seen) FROM "{FlowGroup._meta.db_table}"'
         " WHERE workload_id = ANY(%s) AND start >= %s AND start <= %s AND window_id = ANY(%s)"
         " GROUP BY 1, 2, 3, 4, 5, 6, 7 " + _upsert_clause(sums, "LEAST", "GREATEST")
@@ -627,11 +598,9 @@ def flow_evidence_prune(*, older_than: timedelta) -> Pruned:
     cutoff = clock.now() - older_than
     partitions = flow_partitions_drop(before=cutoff)
     FlowGroup.objects.filter(end__lt=cutoff).delete()
-    # A span's windows start in it and end within the hour after it: its sums go once both are past.
-    FlowQuarter.objects.filter(quarter__lt=cutoff - QUARTER - HOUR).delete()
-    FlowHour.objects.filter(hour__lt=cutoff - timedelta(hours=2)).delete()
-    FlowBlock.objects.filter(block__lt=cutoff - timedelta(hours=2)).delete()
-    UnsummedWindow.objects.filter(start__lt=cutoff - timedelta(hours=2)).delete()
+    for rung in LADDER:  # each past its own margin (flows.sums.Span.prune_margin)
+        rung.model.objects.filter(**{f"{rung.column}__lt": cutoff - rung.prune_margin}).delete()
+    UnsummedWindow.objects.filter(start__lt=cutoff - UNSUMMED_PRUNE_MARGIN).delete()
     windows, _ = FlowWindow.objects.filter(end__lt=cutoff).delete()
     gaps, _ = EvidenceGap.objects.filter(end__lt=cutoff).delete()
     return Pruned(rows=windows + gaps, partitions=partitions)

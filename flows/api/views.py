@@ -9,7 +9,7 @@ from controlplane.api.responses import page_params, page_response
 from controlplane.api.schema import COMMON_ERRORS, PAGE_PARAMETERS, page_of, problem
 from controlplane.validation import parsed_together
 from fleet.selectors import label_filters_parse
-from flows import selectors
+from flows import selectors, validation
 from flows.api.schemas import EvidenceGapSerializer, FlowWindowSerializer, ReviewSerializer, RollupSerializer
 from flows.choices import Decision
 from flows.representations import (
@@ -41,7 +41,7 @@ NOT_FOUND = {404: problem("`not-found`: no such workload.")}
 
 
 def _range(request):
-    return selectors.flow_range_parse(
+    return validation.flow_range_parse(
         start=request.query_params.get("from"), end=request.query_params.get("to")
     )
 
@@ -77,13 +77,13 @@ class FlowWindowListView(APIView):
         (start, end), (cursor, limit), groups, _ = parsed_together(
             lambda: _range(request),
             lambda: page_params(request),
-            lambda: selectors.group_filters_parse(
+            lambda: validation.group_filters_parse(
                 decision=params.get("decision"),
                 peer=params.get("peer"),
                 service=params.get("service"),
                 rule=params.get("rule"),
             ),
-            lambda: selectors.workload_required(params.get("workload", "")),
+            lambda: validation.workload_required(params.get("workload", "")),
         )
         page = selectors.flow_windows_list(
             workload_id=params.get("workload", ""),
@@ -150,7 +150,7 @@ class FlowRollupView(APIView):
         operation_id="flows_rollup",
         parameters=[
             OpenApiParameter(
-                "group_by", OpenApiTypes.STR, many=True, required=True, enum=list(selectors.GROUP_KEYS),
+                "group_by", OpenApiTypes.STR, many=True, required=True, enum=list(validation.GROUP_KEYS),
                 description="Repeatable: the keys of each group.",
             ),
             *SELECTION,
@@ -163,21 +163,24 @@ class FlowRollupView(APIView):
         (start, end), (cursor, limit), group_by, labels = parsed_together(
             lambda: _range(request),
             lambda: page_params(request),
-            lambda: selectors.group_by_parse(request.query_params.getlist("group_by")),
+            lambda: validation.group_by_parse(request.query_params.getlist("group_by")),
             lambda: label_filters_parse(request.query_params.getlist("label")),
         )
-        selected = _selected(request, labels)
-        rows, next_cursor = selectors.flow_rollup(
-            selected=selected, group_by=group_by, start=start, end=end, cursor=cursor, limit=limit
+        rollup = selectors.flow_rollup_read(
+            selected=_selected(request, labels),
+            group_by=group_by,
+            start=start,
+            end=end,
+            cursor=cursor,
+            limit=limit,
         )
-        covered = selectors.coverage(selected, start, end)
         return Response(
             rollup_data(
-                rows,
-                rule_ids=selectors.rule_ids_by_number({row.get("rule_number") for row in rows}),
-                next_cursor=next_cursor,
-                coverage=coverage_data(covered),
-                unused_rules=selectors.rollup_unused_rules(selected, group_by, start, end, covered),
+                rollup.rows,
+                rule_ids=rollup.rule_ids,
+                next_cursor=rollup.next_cursor,
+                coverage=coverage_data(rollup.coverage),
+                unused_rules=rollup.unused_rules,
             )
         )
 

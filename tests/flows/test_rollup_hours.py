@@ -12,10 +12,18 @@ import pytest
 from django.db.models import Sum
 
 from controlplane import clock
-from flows.buckets import BLOCK, HOUR, QUARTER, span_start
+from flows.buckets import span_start
 from flows.models import FlowBlock, FlowGroup, FlowHour, FlowQuarter, UnsummedWindow
-from flows.selectors import _groups_in_range, _ruleset_of_rule, _sums, flow_rollup, simulation_review
+from flows.selectors import (
+    flow_range_plan,
+    flow_rollup,
+    groups_in_range,
+    key_sums,
+    ruleset_of_rule,
+    simulation_review,
+)
 from flows.services import flow_report_ingest, flow_windows_sum
+from flows.sums import BLOCK, HOUR, QUARTER
 from tests.flows.test_ingestion import _report, enrolled
 
 GROUPINGS = [
@@ -51,13 +59,18 @@ def _random_windows(rng: random.Random, begin, count: int, minutes: int = 240) -
 
 
 def _expected(start, end, group_by) -> list[dict]:
-    from flows.selectors import GROUP_KEYS
+    from flows.validation import GROUP_KEYS
 
     columns = [column for name in group_by for column in GROUP_KEYS[name]]
-    groups = _groups_in_range(None, start, end)
+    groups = _minute_rows(start, end)
     if "ruleset_id" in columns:
-        groups = groups.annotate(ruleset_id=_ruleset_of_rule())
-    return list(_sums(groups, columns))
+        groups = groups.annotate(ruleset_id=ruleset_of_rule())
+    return list(key_sums(groups, columns))
+
+
+def _minute_rows(start, end):
+    """Every minute row (group) of the range, none from the sums: the oracle."""
+    return groups_in_range(flow_range_plan(selected=None, start=start, end=end))
 
 
 def _key(row):
@@ -109,8 +122,8 @@ def _rollups_equal_the_minute_rows(rng: random.Random, begin) -> None:
             )
         # The review's would-block groups come the same way, most connections first.
         would_block = simulation_review(selected=None, start=start, end=end)["would_block"]
-        expected = _sums(
-            _groups_in_range(None, start, end).filter(decision="would_block"),
+        expected = key_sums(
+            _minute_rows(start, end).filter(decision="would_block"),
             ["workload_id", "peer", "protocol", "port"],
         ).order_by("-connection_count", "workload_id", "peer", "protocol", "port")
         assert [_key(row) for row in would_block] == [_key(row) for row in expected], (start, end)

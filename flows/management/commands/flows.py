@@ -10,7 +10,7 @@ from controlplane.management.base import PalisadeCommand
 from controlplane.pagination import MAX_LIMIT
 from controlplane.text import visible
 from fleet.selectors import label_filters_parse
-from flows import selectors
+from flows import selectors, validation
 from flows.choices import Decision
 from flows.csv_rows import GAP_COLUMNS, csv_text, rollup_columns, rollup_row
 from flows.representations import (
@@ -53,7 +53,7 @@ class Command(PalisadeCommand):
         listing.add_argument("--rule", help="a rule's lifetime number")
         gaps = actions.add_parser("gaps", help="evidence gaps intersecting a range")
         rollup = actions.add_parser("rollup", help="sums grouped by keys, with the range's coverage")
-        rollup.add_argument("--group-by", action="append", required=True, choices=list(selectors.GROUP_KEYS))
+        rollup.add_argument("--group-by", action="append", required=True, choices=list(validation.GROUP_KEYS))
         review = actions.add_parser(
             "review", help="the simulation review: pass or fail, and why; exits 3 when it fails"
         )
@@ -74,8 +74,8 @@ class Command(PalisadeCommand):
         getattr(self, "do_" + options["action"])(options)
 
     def do_list(self, o):
-        start, end = selectors.flow_range_parse(start=o["start"], end=o["end"])
-        groups = selectors.group_filters_parse(
+        start, end = validation.flow_range_parse(start=o["start"], end=o["end"])
+        groups = validation.group_filters_parse(
             decision=o["decision"], peer=o["peer"], service=o["service"], rule=o["rule"]
         )
         windows = _pages(
@@ -106,7 +106,7 @@ class Command(PalisadeCommand):
         self.emit({"items": data, "next_cursor": None}, "\n".join(lines))
 
     def do_gaps(self, o):
-        start, end = selectors.flow_range_parse(start=o["start"], end=o["end"])
+        start, end = validation.flow_range_parse(start=o["start"], end=o["end"])
         labels = label_filters_parse(o["label"])
         gaps = _pages(
             lambda cursor: selectors.evidence_gaps_list(
@@ -137,26 +137,15 @@ class Command(PalisadeCommand):
         )
 
     def do_rollup(self, o):
-        start, end = selectors.flow_range_parse(start=o["start"], end=o["end"])
-        group_by = selectors.group_by_parse(o["group_by"])
-        selected = self._selected(o)
-        rows, cursor = [], None
-        while True:
-            page, cursor = selectors.flow_rollup(
-                selected=selected, group_by=group_by, start=start, end=end, cursor=cursor, limit=MAX_LIMIT
-            )
-            rows.extend(page)
-            if not cursor:
-                break
-        covered = coverage_data(selectors.coverage(selected, start, end))
-        unused = selectors.rollup_unused_rules(selected, group_by, start, end, covered)
-        # As GET /flows/rollup answers (every page here: no cursor left).
+        start, end = validation.flow_range_parse(start=o["start"], end=o["end"])
+        group_by = validation.group_by_parse(o["group_by"])
+        # Every row at once: as GET /flows/rollup answers with every page in it (no cursor left).
+        rollup = selectors.flow_rollup_read(
+            selected=self._selected(o), group_by=group_by, start=start, end=end, cursor=None, limit=None
+        )
+        covered, unused = coverage_data(rollup.coverage), rollup.unused_rules
         document = rollup_data(
-            rows,
-            rule_ids=selectors.rule_ids_by_number({row.get("rule_number") for row in rows}),
-            next_cursor=None,
-            coverage=covered,
-            unused_rules=unused,
+            rollup.rows, rule_ids=rollup.rule_ids, next_cursor=None, coverage=covered, unused_rules=unused
         )
         flat = [rollup_row(row) for row in document["items"]]
         incomplete = (
@@ -186,7 +175,7 @@ class Command(PalisadeCommand):
         self.emit(document, "\n".join(lines))
 
     def do_review(self, o):
-        start, end = selectors.flow_range_parse(start=o["start"], end=o["end"])
+        start, end = validation.flow_range_parse(start=o["start"], end=o["end"])
         data = review_data(selectors.simulation_review(selected=self._selected(o), start=start, end=end))
         text = data["verdict"].upper() + "".join(f"\n  - {reason}" for reason in data["reasons"])
         self.emit(data, text)
