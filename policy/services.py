@@ -120,6 +120,29 @@ def _save_unique(obj) -> None:
 # --- services ---
 
 
+_AUDITED_TYPES = {Service: "service", AddressGroup: "address_group", Ruleset: "ruleset", Rule: "rule"}
+
+
+def _audit(verb: str, obj: Service | AddressGroup | Ruleset | Rule, *, actor: Actor, detail=None) -> None:
+    """Record the create, replace or delete of an authored object in its write's transaction: after
+    a create, before a replace moves the version (the new one is the next), before a delete."""
+    object_type = _AUDITED_TYPES[type(obj)]
+    versions = {
+        "create": {"version_after": obj.version},
+        "replace": {"version_before": obj.version, "version_after": obj.version + 1},
+        "delete": {"version_before": obj.version},
+    }[verb]
+    audit_record(
+        actor=actor,
+        action=f"{object_type}.{verb}",
+        object_type=object_type,
+        object_id=obj.id,
+        object_name="" if isinstance(obj, Rule) else obj.name,  # a rule is named by its ruleset and number
+        detail=detail,
+        **versions,
+    )
+
+
 def _write_service_entries(service: Service, entries) -> None:
     ServiceEntry.objects.filter(service=service).delete()
     ServiceEntry.objects.bulk_create(
@@ -140,14 +163,7 @@ def service_create(*, actor: Actor, data: Mapping[str, Any]) -> Service:
         service = Service(name=spec.name, description=spec.description, created_at=now, updated_at=now)
         _save_unique(service)
         _write_service_entries(service, spec.entries)
-        audit_record(
-            actor=actor,
-            action="service.create",
-            object_type="service",
-            object_id=service.id,
-            object_name=service.name,
-            version_after=service.version,
-        )
+        _audit("create", service, actor=actor)
         _policy_changed(state)
     return service
 
@@ -166,15 +182,7 @@ def service_replace(
         _check_unique_name(Service, spec.name, findings, exclude_id=service.id)
         findings.raise_if_any()
         service.name, service.description = spec.name, spec.description
-        audit_record(
-            actor=actor,
-            action="service.replace",
-            object_type="service",
-            object_id=service.id,
-            object_name=spec.name,
-            version_before=service.version,
-            version_after=service.version + 1,
-        )
+        _audit("replace", service, actor=actor)
         service.version += 1
         service.updated_at = clock.now()
         _save_unique(service)
@@ -212,14 +220,7 @@ def service_delete(*, actor: Actor, service_id: str, expected_version: str) -> N
         )
         rules = Rule.objects.filter(services__service=service).select_related("ruleset").distinct()
         _refuse_if_used(service, rules, "service")
-        audit_record(
-            actor=actor,
-            action="service.delete",
-            object_type="service",
-            object_id=service.id,
-            object_name=service.name,
-            version_before=service.version,
-        )
+        _audit("delete", service, actor=actor)
         service.delete()
         _policy_changed(state)
 
@@ -244,14 +245,7 @@ def address_group_create(*, actor: Actor, data: Mapping[str, Any]) -> AddressGro
             updated_at=now,
         )
         _save_unique(group)
-        audit_record(
-            actor=actor,
-            action="address_group.create",
-            object_type="address_group",
-            object_id=group.id,
-            object_name=group.name,
-            version_after=group.version,
-        )
+        _audit("create", group, actor=actor)
         _policy_changed(state)
     return group
 
@@ -270,15 +264,7 @@ def address_group_replace(
         _check_unique_name(AddressGroup, spec.name, findings, exclude_id=group.id)
         findings.raise_if_any()
         group.name, group.description, group.members = spec.name, spec.description, list(spec.members)
-        audit_record(
-            actor=actor,
-            action="address_group.replace",
-            object_type="address_group",
-            object_id=group.id,
-            object_name=spec.name,
-            version_before=group.version,
-            version_after=group.version + 1,
-        )
+        _audit("replace", group, actor=actor)
         group.version += 1
         group.updated_at = clock.now()
         _save_unique(group)
@@ -296,14 +282,7 @@ def address_group_delete(*, actor: Actor, group_id: str, expected_version: str) 
         )
         rules = Rule.objects.filter(sources__address_group=group).select_related("ruleset").distinct()
         _refuse_if_used(group, rules, "address group")
-        audit_record(
-            actor=actor,
-            action="address_group.delete",
-            object_type="address_group",
-            object_id=group.id,
-            object_name=group.name,
-            version_before=group.version,
-        )
+        _audit("delete", group, actor=actor)
         group.delete()
         _policy_changed(state)
 
@@ -400,15 +379,7 @@ def ruleset_create(*, actor: Actor, data: Mapping[str, Any]) -> Ruleset:
                 updated_at=now,
             )
             _write_rule(row, sources, services)
-        audit_record(
-            actor=actor,
-            action="ruleset.create",
-            object_type="ruleset",
-            object_id=ruleset.id,
-            object_name=ruleset.name,
-            version_after=ruleset.version,
-            detail={"rules": len(spec.rules)},
-        )
+        _audit("create", ruleset, actor=actor, detail={"rules": len(spec.rules)})
         _policy_changed(state, scopes=[ruleset.scope])
     return ruleset
 
@@ -465,16 +436,7 @@ def ruleset_replace(
         scope_before = ruleset.scope
         ruleset.name, ruleset.description = spec.name, spec.description
         ruleset.enabled, ruleset.scope = spec.enabled, spec.scope
-        audit_record(
-            actor=actor,
-            action="ruleset.replace",
-            object_type="ruleset",
-            object_id=ruleset.id,
-            object_name=spec.name,
-            version_before=ruleset.version,
-            version_after=ruleset.version + 1,
-            detail={"rules": len(spec.rules)},
-        )
+        _audit("replace", ruleset, actor=actor, detail={"rules": len(spec.rules)})
         ruleset.version += 1
         ruleset.updated_at = now
         _save_unique(ruleset)
@@ -489,14 +451,7 @@ def ruleset_delete(*, actor: Actor, ruleset_id: str, expected_version: str) -> N
         ruleset = locked_for_write(
             Ruleset.objects, pk=ruleset_id, expected_version=expected_version, what="ruleset"
         )
-        audit_record(
-            actor=actor,
-            action="ruleset.delete",
-            object_type="ruleset",
-            object_id=ruleset.id,
-            object_name=ruleset.name,
-            version_before=ruleset.version,
-        )
+        _audit("delete", ruleset, actor=actor)
         ruleset.delete()
         _policy_changed(state, scopes=[ruleset.scope])
 
@@ -529,14 +484,7 @@ def rule_add(*, actor: Actor, ruleset_id: str, data: Mapping[str, Any]) -> Rule:
         )
         _write_rule(rule, sources, services)
         _touch_ruleset(ruleset, now)
-        audit_record(
-            actor=actor,
-            action="rule.create",
-            object_type="rule",
-            object_id=rule.id,
-            version_after=rule.version,
-            detail={"ruleset_id": str(ruleset.id)},
-        )
+        _audit("create", rule, actor=actor, detail={"ruleset_id": str(ruleset.id)})
         _policy_changed(state, scopes=[ruleset.scope])
     return rule
 
@@ -569,15 +517,7 @@ def rule_replace(
         findings.raise_if_any()
         now = clock.now()
         rule.description = spec.description
-        audit_record(
-            actor=actor,
-            action="rule.replace",
-            object_type="rule",
-            object_id=rule.id,
-            version_before=rule.version,
-            version_after=rule.version + 1,
-            detail={"ruleset_id": str(ruleset_id)},
-        )
+        _audit("replace", rule, actor=actor, detail={"ruleset_id": str(ruleset_id)})
         rule.version += 1
         rule.updated_at = now
         rule.save()
@@ -598,14 +538,7 @@ def rule_delete(*, actor: Actor, ruleset_id: str, rule_id: str, expected_version
             expected_version=expected_version,
             what="rule",
         )
-        audit_record(
-            actor=actor,
-            action="rule.delete",
-            object_type="rule",
-            object_id=rule.id,
-            version_before=rule.version,
-            detail={"ruleset_id": str(ruleset_id)},
-        )
+        _audit("delete", rule, actor=actor, detail={"ruleset_id": str(ruleset_id)})
         rule.delete()
         ruleset = Ruleset.objects.select_for_update().get(id=ruleset_id)
         _touch_ruleset(ruleset, clock.now())

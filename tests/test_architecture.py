@@ -1,5 +1,6 @@
 """The boundaries of design.md section 1, checked by import-linter on every run."""
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -41,3 +42,58 @@ def test_the_plain_copies_of_the_vocabulary_agree_with_the_choices():
     assert tuple(Mode.values) == render_inputs.MODES
     assert tuple(SourceKind.values) == render_inputs.SOURCE_KINDS
     assert tuple(OwnedTableState.values) == OWNED_TABLE_STATES
+
+
+LAYERED_PACKAGES = ("controlplane", "policy", "fleet", "flows")
+
+
+def _layers_contract_modules() -> set[str]:
+    import tomllib
+
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    (layers,) = [c for c in contracts if c["type"] == "layers"]
+    return {name.strip() for line in layers["layers"] for name in line.replace("|", ":").split(":")}
+
+
+def _modules_under(package: str) -> list[str]:
+    modules = []
+    for path in sorted((ROOT / package).rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        # A root package's own __init__ cannot be a layer: naming it would put all its modules in one.
+        if len(parts) > 1:
+            modules.append(".".join(parts))
+    return modules
+
+
+def _is_bare_package(module: str) -> bool:
+    """A package whose modules sit in different layers (controlplane.auth) cannot be named in one; its
+    __init__ is exempt while it imports nothing, and so can break no layer."""
+    init = ROOT.joinpath(*module.split("."), "__init__.py")
+    if not init.exists():
+        return False
+    tree = ast.parse(init.read_text())
+    return not any(isinstance(node, ast.Import | ast.ImportFrom) for node in ast.walk(tree))
+
+
+def test_every_module_is_in_a_layer():
+    """A module that is in no layer is checked by no layer: a new module must be given its place
+    (a module is placed by its own name or by a package above it). Migrations, apps, settings and
+    commands are listed too, as entry points that Django loads by name and no module imports."""
+    listed = _layers_contract_modules()
+    unplaced = [
+        module
+        for package in LAYERED_PACKAGES
+        for module in _modules_under(package)
+        if not any(module == name or module.startswith(name + ".") for name in listed)
+        and not _is_bare_package(module)
+    ]
+    assert unplaced == [], f"modules in no layer of pyproject.toml's layers contract: {unplaced}"
+
+
+def test_every_layer_names_a_module():
+    """A layer entry left behind by a move or a rename would hide that the new name is unplaced."""
+    existing = {m for package in LAYERED_PACKAGES for m in _modules_under(package)}
+    stale = sorted(name for name in _layers_contract_modules() if name not in existing)
+    assert stale == [], f"layer entries that name no module: {stale}"

@@ -51,6 +51,10 @@ def _escaping(out) -> EscapingOutput:
     return EscapingOutput(out._out if isinstance(out, OutputWrapper) else out)
 
 
+def _action_method(action: str) -> str:
+    return "do_" + action.replace("-", "_")
+
+
 class PalisadeCommand(BaseCommand):
     json_output = True  # commands that print data offer --json
     migrates_itself = False  # serve applies migrations at start, or not with --no-migrate
@@ -95,11 +99,15 @@ class PalisadeCommand(BaseCommand):
             parser.add_argument("--json", action="store_true", help="print JSON for scripts")
 
     def add_actions(self, parser):
-        """Subcommands (`mint`, `list`, ...), each accepting --json after its name as well."""
+        """Subcommands (`mint`, `list`, ...), each accepting --json after its name as well. The command
+        declares each with `add_parser(name, ...)` and runs it in its method `do_<name>` (`-` read as
+        `_`), which `handle` calls."""
         actions = parser.add_subparsers(dest="action", required=True)
         add_parser = actions.add_parser
 
         def add_action(name, **kwargs):
+            if not callable(getattr(self, _action_method(name), None)):
+                raise TypeError(f"{type(self).__module__}: the action {name} has no {_action_method(name)}")
             sub = add_parser(name, **kwargs)
             sub.add_argument(
                 "--json", action="store_true", default=argparse.SUPPRESS, help="print JSON for scripts"
@@ -108,6 +116,13 @@ class PalisadeCommand(BaseCommand):
 
         actions.add_parser = add_action
         return actions
+
+    def handle(self, *args, **options):
+        """Run the action named on the command line (see add_actions); a command without actions
+        writes its own handle."""
+        if "action" not in options:
+            return super().handle(*args, **options)
+        getattr(self, _action_method(options["action"]))(options)
 
     def execute(self, *args, **options):
         self.as_json = bool(options.get("json"))

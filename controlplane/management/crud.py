@@ -37,9 +37,6 @@ class ObjectCommand(PalisadeCommand):
         delete.add_argument("id")
         delete.add_argument("--if-match", required=True, help="the version you read")
 
-    def handle(self, *args, **options):
-        getattr(self, "do_" + options["action"])(options)
-
     def show_one(self, obj) -> None:
         data = type(self).represent(obj)
         self.emit(data, json.dumps(data, indent=2))

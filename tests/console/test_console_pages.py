@@ -379,9 +379,9 @@ def _minute_windows(count: int):
     of its own."""
     from datetime import timedelta
 
-    from tests.flows.test_ingestion import _window_between
+    from tests.support.flow_evidence import windows_between
 
-    windows = _window_between(clock_now() - timedelta(minutes=count + 2), count)
+    windows = windows_between(clock_now() - timedelta(minutes=count + 2), count)
     for index, window in enumerate(windows):
         window["groups"][0]["peer"] = f"10.60.{index // 250}.{index % 250 + 1}"
     return windows
@@ -389,10 +389,10 @@ def _minute_windows(count: int):
 
 def test_the_plots_cover_a_range_of_more_windows_than_a_page(browser):
     from flows.services import flow_report_ingest
-    from tests.flows.test_ingestion import _report, enrolled
+    from tests.support.flow_evidence import enrolled, flow_report
 
     web, _, _ = enrolled("web", "10.50.0.1")
-    answer = flow_report_ingest(workload_id=str(web.id), data=_report("p1", 100, _minute_windows(600)))
+    answer = flow_report_ingest(workload_id=str(web.id), data=flow_report("p1", 100, _minute_windows(600)))
     assert all(r["result"] == "accepted" for r in answer["windows"])
     for url in (f"/workloads/{web.id}?range=24h", f"/flows?range=24h&workloads={web.id}"):
         page = browser.get(url).content.decode()
@@ -404,12 +404,12 @@ def test_the_plot_says_where_it_stops_when_a_range_has_more_rows_than_it_reads(b
     from controlplane.console import client
     from controlplane.console.views import evidence
     from flows.services import flow_report_ingest
-    from tests.flows.test_ingestion import _report, enrolled
+    from tests.support.flow_evidence import enrolled, flow_report
 
     monkeypatch.setattr(evidence, "PLOT_ROWS", 10)
     monkeypatch.setattr(client, "PAGE_LIMIT", 5)
     web, _, _ = enrolled("web", "10.50.0.1")
-    flow_report_ingest(workload_id=str(web.id), data=_report("p1", 100, _minute_windows(30)))
+    flow_report_ingest(workload_id=str(web.id), data=flow_report("p1", 100, _minute_windows(30)))
     page = text(browser.get(f"/flows?range=24h&workloads={web.id}"))
     assert "the plot and its totals stop at the window of" in page
 
@@ -423,11 +423,11 @@ def test_the_csv_exports_hold_every_row_in_the_shape_of_manage_py_flows(browser)
     from controlplane import clock
     from flows.models import EvidenceGap
     from flows.services import flow_report_ingest
-    from tests.flows.test_ingestion import _report, enrolled
+    from tests.support.flow_evidence import enrolled, flow_report
     from tests.support.helpers import run_command
 
     web, _, _ = enrolled("web", "10.50.0.1")
-    flow_report_ingest(workload_id=str(web.id), data=_report("p1", 100, _minute_windows(600)))
+    flow_report_ingest(workload_id=str(web.id), data=flow_report("p1", 100, _minute_windows(600)))
     now = clock.now()
     EvidenceGap.objects.bulk_create(
         [EvidenceGap(id=uuid.uuid4(), workload=web, kind="buffer_overflow", source="agent",

@@ -5,8 +5,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from datetime import UTC, datetime, timedelta
-from pathlib import Path
+from datetime import datetime, timedelta
 
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -14,39 +13,15 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from agent.credential import public_key_encode
 from agent.flowreport import report_body, report_headers
 from controlplane import clock, runtime
-from controlplane.auth.actor import CLI_ACTOR
 from controlplane.problems import Problem, ValidationFailed
-from fleet.enrolment import workload_enrol
-from fleet.provisioning import provisioning_token_mint
 from fleet.streams import report_sender_authenticate, report_signature_verify
 from flows.models import EvidenceGap, FlowGroup, FlowWindow, UnsummedWindow
 from flows.services import flow_report_ingest
+from tests.support.flow_evidence import GOLDEN, at_agent_clock, enrolled, flow_report, golden, windows_between
 from tests.support.helpers import assert_problem, race
 
-GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "flows" / "flow_report.json"
 FINGERPRINT = ":".join(["CD"] * 32)
 T0 = 1_800_000_000.0
-
-
-def enrolled(hostname="web", address="10.50.0.1"):
-    key = Ed25519PrivateKey.generate()
-    secret = provisioning_token_mint(actor=CLI_ACTOR, data={"description": "flows"}).secret
-    done = workload_enrol(
-        token_secret=secret,
-        public_key=public_key_encode(key.public_key()),
-        hostname=hostname,
-        addresses=[address],
-        agent_version="0.1.0",
-    )
-    return done.workload, key, done.credential.text
-
-
-def golden() -> dict:
-    return json.loads(GOLDEN.read_text())
-
-
-def at_agent_clock(report: dict, now: datetime) -> dict:
-    return {**report, "agent_clock": now.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")}
 
 
 def test_the_golden_report_is_what_the_agent_writes_and_what_the_gateway_stores(db):
@@ -132,7 +107,7 @@ def test_a_signed_report_replayed_later_moves_neither_liveness_nor_the_clock_ske
     runtime.facts_set(gateway_fingerprint=FINGERPRINT)
     workload, key, credential = enrolled()
     health = lambda: api.get(f"/api/v1/workloads/{workload.id}").json()["health"]  # noqa: E731
-    captured = json.dumps(_report("p1", 100.0, _window_between(clock.now(), 1))).encode()
+    captured = json.dumps(flow_report("p1", 100.0, windows_between(clock.now(), 1))).encode()
     _signed_delivery(workload, key, credential, captured)
     assert health()["telemetry_live"] is True and health()["clock_skew"] is None
     workload.refresh_from_db()
@@ -147,15 +122,15 @@ def test_a_signed_report_replayed_later_moves_neither_liveness_nor_the_clock_ske
     assert workload.last_flow_report_at == reported_at and workload.flow_process_alive_at == reported_at
 
     # The agent's own next report (its process older by now) is news; so is a restarted process's.
-    _signed_delivery(workload, key, credential, json.dumps(_report("p1", 400.0)).encode())
+    _signed_delivery(workload, key, credential, json.dumps(flow_report("p1", 400.0)).encode())
     assert health()["telemetry_live"] is True
     clock_at(timedelta(minutes=5))
-    _signed_delivery(workload, key, credential, json.dumps(_report("p2", 10.0)).encode())
+    _signed_delivery(workload, key, credential, json.dumps(flow_report("p2", 10.0)).encode())
     clock_at(timedelta(minutes=5))
     silences = _silent()  # p1 silent from its last report to p2's start
     # A report of the process before it, however late and whatever its uptime, is not.
     _signed_delivery(workload, key, credential, captured)
-    _signed_delivery(workload, key, credential, json.dumps(_report("p1", 9000.0)).encode())
+    _signed_delivery(workload, key, credential, json.dumps(flow_report("p1", 9000.0)).encode())
     workload.refresh_from_db()
     assert workload.flow_process_start_id == "p2" and workload.clock_skew_seconds is None
     assert health()["telemetry_live"] is False
@@ -355,58 +330,26 @@ def test_the_flows_command_lists_windows_and_gaps_as_table_json_and_csv(db):
     assert code == 2 and "from" in err
 
 
-def _report(process: str, uptime: float, windows=()) -> dict:
-    return at_agent_clock(
-        {
-            **golden(),
-            "process_start_id": process,
-            "uptime_seconds": uptime,
-            "windows": list(windows),
-            "gaps": [],
-        },
-        clock.now(),
-    )
-
-
-def _window_between(start: datetime, minutes: int) -> list[dict]:
-    """Back-to-back one-minute windows from `start` (aligned), each with one connection."""
-    start = start.replace(second=0, microsecond=0) + timedelta(minutes=1)
-    text = lambda t: t.strftime("%Y-%m-%dT%H:%M:%S.%fZ")  # noqa: E731
-    return [
-        {
-            "id": str(__import__("uuid").uuid4()),
-            "start": text(start + timedelta(minutes=i)),
-            "end": text(start + timedelta(minutes=i + 1)),
-            "policy_version": "v",
-            "accounting": False,
-            "groups": [
-                {"peer": "10.9.9.9", "protocol": "tcp", "port": 22, "decision": "observed", "rule": None,
-                 "connection_count": 1, "first_seen": text(start + timedelta(minutes=i, seconds=1)),
-                 "last_seen": text(start + timedelta(minutes=i, seconds=1)), "bytes_in": 0, "bytes_out": 0}
-            ],
-        }
-        for i in range(minutes)
-    ]  # fmt: skip
-
-
 def _silent():
     return [(g.start, g.end) for g in EvidenceGap.objects.filter(kind="agent_silent")]
 
 
 def test_a_quiet_workload_records_no_agent_silent(db, clock_at):
     workload, _, _ = enrolled()
-    flow_report_ingest(workload_id=str(workload.id), data=_report("p1", 100))
+    flow_report_ingest(workload_id=str(workload.id), data=flow_report("p1", 100))
     clock_at(timedelta(minutes=30))
-    flow_report_ingest(workload_id=str(workload.id), data=_report("p1", 1900))  # the same process throughout
+    flow_report_ingest(
+        workload_id=str(workload.id), data=flow_report("p1", 1900)
+    )  # the same process throughout
     assert _silent() == []
 
 
 def test_a_restart_after_a_silence_records_agent_silent_up_to_the_new_process(db, clock_at):
     workload, _, _ = enrolled()
-    flow_report_ingest(workload_id=str(workload.id), data=_report("p1", 100))
+    flow_report_ingest(workload_id=str(workload.id), data=flow_report("p1", 100))
     last_report = clock.now()
     clock_at(timedelta(minutes=10))
-    flow_report_ingest(workload_id=str(workload.id), data=_report("p2", 30))
+    flow_report_ingest(workload_id=str(workload.id), data=flow_report("p2", 30))
     (gap,) = EvidenceGap.objects.filter(kind="agent_silent")
     # From the start of the window p1 had open then: killed, it lost what it had counted in it.
     assert gap.start == last_report.replace(second=0, microsecond=0)
@@ -419,19 +362,19 @@ def test_heartbeats_of_the_old_process_and_late_windows_shorten_the_silence(db, 
 
     workload, _, _ = enrolled()
     sync.workload_stream_opened(workload_id=workload.id, stream_id="s1")
-    flow_report_ingest(workload_id=str(workload.id), data=_report("p1", 100))
+    flow_report_ingest(workload_id=str(workload.id), data=flow_report("p1", 100))
     clock_at(timedelta(minutes=8))
     sync.workload_heard_from(workload_id=workload.id, stream_id="s1", process_start_id="p1")
     clock_at(timedelta(minutes=2))
     # Restarted 30 s ago: 8 min of heartbeats, then 90 s unexplained: under two windows, no gap.
-    flow_report_ingest(workload_id=str(workload.id), data=_report("p2", 30))
+    flow_report_ingest(workload_id=str(workload.id), data=flow_report("p2", 30))
     assert _silent() == []
 
     alive = clock.now()
     clock_at(timedelta(minutes=20))
     # The agent buffered windows through most of the outage and re-sends them after its restart.
-    held_back = _window_between(alive, 15)
-    flow_report_ingest(workload_id=str(workload.id), data=_report("p3", 10, held_back))
+    held_back = windows_between(alive, 15)
+    flow_report_ingest(workload_id=str(workload.id), data=flow_report("p3", 10, held_back))
     gaps = _silent()
     assert len(gaps) == 1
     start, end = gaps[0]
@@ -448,13 +391,13 @@ def test_a_stream_ending_records_its_last_heartbeat_so_the_silence_starts_there(
     clock_at(
         timedelta(seconds=(30 - clock.now().second) % 60)
     )  # the report at :30, the heartbeat in the next minute
-    flow_report_ingest(workload_id=str(workload.id), data=_report("p1", 100))
+    flow_report_ingest(workload_id=str(workload.id), data=flow_report("p1", 100))
     clock_at(timedelta(seconds=50))
     last_heartbeat = clock.now()  # not written: under a minute since the last write
     clock_at(timedelta(seconds=5))
     sync.workload_stream_ended(workload_id=workload.id, stream_id="s1", last_heartbeat=("p1", last_heartbeat))
     clock_at(timedelta(minutes=10))
-    flow_report_ingest(workload_id=str(workload.id), data=_report("p2", 30))
+    flow_report_ingest(workload_id=str(workload.id), data=flow_report("p2", 30))
     ((start, end),) = _silent()
     assert start == last_heartbeat.replace(second=0, microsecond=0)  # the window open at the heartbeat
     # Another process's heartbeat says nothing of the one that reported (p2).
@@ -515,10 +458,10 @@ def test_counts_beyond_any_host_are_refused_per_window_and_those_at_the_bound_la
 def test_a_window_older_than_the_retention_or_years_ahead_is_refused_and_the_rest_lands(db):
     workload, _, _ = enrolled()
     runtime.facts_set(flow_retention_days=30)
-    old = _window_between(clock.now() - timedelta(days=31), 1)
-    ahead = _window_between(clock.now() + timedelta(days=400), 1)
-    fine = _window_between(clock.now() - timedelta(minutes=10), 1)
-    answer = flow_report_ingest(workload_id=str(workload.id), data=_report("p1", 100, old + ahead + fine))
+    old = windows_between(clock.now() - timedelta(days=31), 1)
+    ahead = windows_between(clock.now() + timedelta(days=400), 1)
+    fine = windows_between(clock.now() - timedelta(minutes=10), 1)
+    answer = flow_report_ingest(workload_id=str(workload.id), data=flow_report("p1", 100, old + ahead + fine))
     results = [(r["result"], r["reason"]) for r in answer["windows"]]
     assert results[2] == ("accepted", None)
     assert [r for r, _ in results[:2]] == ["refused", "refused"]

@@ -13,7 +13,7 @@ from controlplane import clock
 from controlplane.problems import Problem, ValidationFailed
 from flows.models import EvidenceGap, FlowWindow
 from flows.services import flow_report_ingest
-from tests.flows.test_ingestion import _report, _window_between, enrolled
+from tests.support.flow_evidence import enrolled, flow_report, windows_between
 from tests.support.helpers import run_command
 from tests.support.hostile_text import HOSTILE, HOSTILE_TEXT, assert_shown_harmlessly, unsafe_in
 
@@ -68,7 +68,7 @@ ENDPOINTS = {
 
 
 def _base_report() -> dict:
-    report = _report("p1", 100, _window_between(clock.now() - timedelta(minutes=10), 1))
+    report = flow_report("p1", 100, windows_between(clock.now() - timedelta(minutes=10), 1))
     window = report["windows"][0]
     report["gaps"] = [{"id": str(uuid.uuid4()), "kind": "window_overflow", "source": None,
                        "start": window["start"], "end": window["end"], "lost": {"keys": 1}}]  # fmt: skip

@@ -12,7 +12,7 @@ from controlplane import clock, runtime
 from flows.models import EvidenceGap, FlowGroup, FlowWindow
 from flows.partitions import PARTITIONED, flow_partitions_ahead, flow_partitions_list
 from flows.services import flow_report_ingest, flow_windows_sum
-from tests.flows.test_ingestion import at_agent_clock, enrolled, golden
+from tests.support.flow_evidence import at_agent_clock, enrolled, golden
 from tests.support.requirements import require
 
 pytestmark = pytest.mark.postgres
@@ -60,13 +60,13 @@ def test_a_report_lands_in_its_days_partitions_made_on_demand():
 
 
 def test_the_sums_of_hours_and_quarters_are_updated_in_place_on_pages_with_room_for_it():
-    from tests.flows.test_ingestion import _report, _window_between
+    from tests.support.flow_evidence import flow_report, windows_between
 
     workload, _, _ = enrolled()
     hour = clock.now().replace(minute=0, second=0, microsecond=0)
-    first, second = _window_between(hour, 2)  # two minutes of one hour, the same key
+    first, second = windows_between(hour, 2)  # two minutes of one hour, the same key
     for window in (first, second):  # the second arrives after the first was summed
-        flow_report_ingest(workload_id=str(workload.id), data=_report("p", 100, [window]))
+        flow_report_ingest(workload_id=str(workload.id), data=flow_report("p", 100, [window]))
         assert flow_windows_sum(before=hour + timedelta(hours=1)) == 1
     for table in ("flows_flowhour", "flows_flowquarter"):
         name = f"{table}_p{hour.astimezone(UTC):%Y%m%d}"

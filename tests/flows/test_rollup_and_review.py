@@ -7,7 +7,7 @@ from datetime import datetime, timedelta
 
 from controlplane import clock
 from flows.services import flow_report_ingest
-from tests.flows.test_ingestion import _report, _window_between, enrolled
+from tests.support.flow_evidence import enrolled, flow_report, windows_between
 from tests.support.helpers import assert_problem
 
 
@@ -21,7 +21,7 @@ def _short_range():
     """Five minutes around the window `_windows` makes: under a ten-minute block, so a rollup reads
     the minute rows, not the sums."""
     window_start = datetime.fromisoformat(
-        _window_between(clock.now() - timedelta(minutes=10), 1)[0]["start"].replace("Z", "+00:00")
+        windows_between(clock.now() - timedelta(minutes=10), 1)[0]["start"].replace("Z", "+00:00")
     )
     text = lambda t: t.strftime("%Y-%m-%dT%H:%M:%SZ")  # noqa: E731
     return {
@@ -34,14 +34,14 @@ _uptimes = itertools.count(100)  # each report later than the one before: a repe
 
 
 def _ingest(workload, windows, gaps=()):
-    report = _report("p1", next(_uptimes), windows)
+    report = flow_report("p1", next(_uptimes), windows)
     report["gaps"] = list(gaps)
     answer = flow_report_ingest(workload_id=str(workload.id), data=report)
     assert all(r["result"] == "accepted" for r in answer["windows"] + answer["gaps"]), answer
 
 
 def _windows(workload, groups):
-    windows = _window_between(clock.now() - timedelta(minutes=10), 1)
+    windows = windows_between(clock.now() - timedelta(minutes=10), 1)
     windows[0]["groups"] = [{**windows[0]["groups"][0], **group} for group in groups]
     return windows
 
@@ -124,8 +124,8 @@ def test_rule_hits_and_unused_rules_only_when_the_range_is_covered(api, db):
     assert [r["rule_id"] for r in page["unused_rules"]] == [unused["id"]]
     # A gap in the range: a rule without hits may only have gone unseen.
     gap = {"id": "8c1d2e3f-4a5b-4c6d-8e7f-9a0b1c2d3e4f", "kind": "source_restart", "source": "conntrack",
-           "start": _window_between(clock.now() - timedelta(minutes=5), 1)[0]["start"],
-           "end": _window_between(clock.now() - timedelta(minutes=4), 1)[0]["start"], "lost": {}}  # fmt: skip
+           "start": windows_between(clock.now() - timedelta(minutes=5), 1)[0]["start"],
+           "end": windows_between(clock.now() - timedelta(minutes=4), 1)[0]["start"], "lost": {}}  # fmt: skip
     _ingest(web, [], [gap])
     page = api.get("/api/v1/flows/rollup", {**_range(), "group_by": "rule", "workload": str(web.id)}).json()
     assert page["coverage"]["complete"] is False and page["unused_rules"] is None
@@ -301,12 +301,12 @@ def test_a_window_reaching_into_the_range_from_before_it_counts_whatever_the_win
     from flows.models import FlowWindow
 
     web, _, _ = enrolled("web", "10.50.0.1")
-    long = _window_between(clock.now() - timedelta(minutes=30), 1)
+    long = windows_between(clock.now() - timedelta(minutes=30), 1)
     started = datetime.fromisoformat(long[0]["start"])
     long[0]["end"] = (started + timedelta(minutes=5)).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-    report = {**_report("p1", 100, long), "window_seconds": 300}
+    report = {**flow_report("p1", 100, long), "window_seconds": 300}
     assert flow_report_ingest(workload_id=str(web.id), data=report)["windows"][0]["result"] == "accepted"
-    _ingest(web, _window_between(clock.now() - timedelta(minutes=10), 1))  # one-minute windows since
+    _ingest(web, windows_between(clock.now() - timedelta(minutes=10), 1))  # one-minute windows since
     web.refresh_from_db()
     assert web.flow_window_seconds_longest == 300
 
@@ -447,7 +447,7 @@ def test_a_workload_gone_silent_is_named_in_the_coverage_until_it_reports_again(
     assert early["silent_workloads_count"] == 0 and early["complete"] is True, early
 
     # The agent back, from a new process: the silence becomes a recorded gap and leaves the list.
-    restarted = _report("p2", 30, _windows(web, [{"connection_count": 1}]))
+    restarted = flow_report("p2", 30, _windows(web, [{"connection_count": 1}]))
     flow_report_ingest(workload_id=str(web.id), data=restarted)
     covered = coverage()
     assert covered["silent_workloads_count"] == 0 and covered["silent_workloads"] == []

@@ -24,7 +24,7 @@ from flows.selectors import (
 )
 from flows.services import flow_report_ingest, flow_windows_sum
 from flows.sums import BLOCK, HOUR, QUARTER
-from tests.flows.test_ingestion import _report, enrolled
+from tests.support.flow_evidence import enrolled, flow_report
 
 GROUPINGS = [
     ["peer", "service"],
@@ -87,14 +87,14 @@ def test_sums_and_edges_add_up_to_the_minute_rows(db, seed):
     windows = _random_windows(rng, begin, 90, minutes=840)
     halfway = begin + timedelta(minutes=430)  # a block, not an hour: an hour and a quarter summed in part
     for chunk in (windows[:25], windows[25:]):  # two reports: hours summed across reports
-        answer = flow_report_ingest(workload_id=str(web.id), data=_report("p1", 100, chunk))
+        answer = flow_report_ingest(workload_id=str(web.id), data=flow_report("p1", 100, chunk))
         assert all(r["result"] == "accepted" for r in answer["windows"])
     # Rollups add up the same before summing, half summed (a summed hour with windows arriving after
     # it was summed) and all summed.
     _rollups_equal_the_minute_rows(rng, begin)
     assert flow_windows_sum(before=halfway, most=7) == sum(w["start"] < _instant(halfway) for w in windows)
     late = _random_windows(rng, begin, 10, minutes=840)
-    flow_report_ingest(workload_id=str(web.id), data=_report("p1", 100, late))
+    flow_report_ingest(workload_id=str(web.id), data=flow_report("p1", 100, late))
     _rollups_equal_the_minute_rows(rng, begin)
     assert flow_windows_sum(before=clock.now()) == 90 + 10 - sum(
         w["start"] < _instant(halfway) for w in windows
@@ -131,12 +131,12 @@ def _rollups_equal_the_minute_rows(rng: random.Random, begin) -> None:
 
 def test_housekeeping_sums_a_block_once_it_is_a_few_minutes_over_into_its_hour_and_block(db, clock_at):
     from controlplane.housekeeping import flow_windows_sum_step
-    from tests.flows.test_ingestion import _window_between
+    from tests.support.flow_evidence import windows_between
 
     web, _, _ = enrolled("web", "10.50.0.1")
     block = span_start(clock.now(), BLOCK) - 2 * BLOCK
-    earlier, later = (_window_between(start - timedelta(minutes=1), 10) for start in (block, block + BLOCK))
-    flow_report_ingest(workload_id=str(web.id), data=_report("p1", 100, earlier + later))
+    earlier, later = (windows_between(start - timedelta(minutes=1), 10) for start in (block, block + BLOCK))
+    flow_report_ingest(workload_id=str(web.id), data=flow_report("p1", 100, earlier + later))
     clock_at(block + BLOCK + timedelta(minutes=2) - clock.now())
     assert flow_windows_sum_step() == 0  # windows of the block just over may still be on their way
     clock_at(timedelta(minutes=2))
@@ -166,7 +166,7 @@ def test_serve_processes_summing_at_once_sum_each_window_once(transactional_db):
     for index in range(3):
         workload, _, _ = enrolled(f"web-{index}", f"10.50.0.{index + 1}")
         windows = _random_windows(rng, begin, 40)
-        flow_report_ingest(workload_id=str(workload.id), data=_report("p1", 100, windows))
+        flow_report_ingest(workload_id=str(workload.id), data=flow_report("p1", 100, windows))
     results = race(*[lambda: flow_windows_sum(before=clock.now(), most=7) for _ in range(4)])
     assert sum(results) == 120, results
     sums = {
@@ -196,9 +196,11 @@ def test_windows_whose_sums_leave_their_columns_range_stay_unsummed_and_the_rest
         window["groups"] = [
             {**window["groups"][0], "peer": "10.9.9.9", "port": 22, "decision": "observed", "rule": None}
         ]
-    flow_report_ingest(workload_id=str(flooded.id), data=_report("p1", 100, huge))
+    flow_report_ingest(workload_id=str(flooded.id), data=flow_report("p1", 100, huge))
     FlowGroup.objects.filter(workload=flooded).update(connection_count=2**62)
-    flow_report_ingest(workload_id=str(other.id), data=_report("p1", 100, _random_windows(rng, begin, 30)))
+    flow_report_ingest(
+        workload_id=str(other.id), data=flow_report("p1", 100, _random_windows(rng, begin, 30))
+    )
     # Both huge windows in one batch overflow on either database. Added alone, the second overflows
     # PostgreSQL's bigint; SQLite's own addition turns an int64 overflow into a float and takes it.
     postgresql = connection.vendor == "postgresql"
@@ -211,7 +213,7 @@ def test_windows_whose_sums_leave_their_columns_range_stay_unsummed_and_the_rest
         summed == FlowGroup.objects.filter(workload=other).aggregate(total=Sum("connection_count"))["total"]
     )
     late = _random_windows(rng, begin, 5)
-    flow_report_ingest(workload_id=str(other.id), data=_report("p1", 100, late))
+    flow_report_ingest(workload_id=str(other.id), data=flow_report("p1", 100, late))
     assert flow_windows_sum(before=clock.now()) == 5  # a later round: the rest still summed
     if postgresql:  # SQLite's sums of such counts overflow on reading
         end = begin + timedelta(hours=5)

@@ -15,7 +15,7 @@ class Command(PalisadeCommand):
         sub = self.add_actions(parser)
         sub.add_parser("reset", help="forget every counted failed login; the next login is verified at once")
 
-    def handle(self, *args, **options):
+    def do_reset(self, options):
         addresses = login_throttle_reset(actor=self.actor)
         self.emit(
             {"addresses": addresses},

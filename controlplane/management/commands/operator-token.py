@@ -20,9 +20,6 @@ class Command(PalisadeCommand):
         revoke = sub.add_parser("revoke", help="revoke a token; it is refused from the next request on")
         revoke.add_argument("token_id")
 
-    def handle(self, *args, **options):
-        getattr(self, "do_" + options["action"])(options)
-
     def do_mint(self, options):
         data = {"name": options["name"]}
         if options["expires_at"]:

@@ -47,9 +47,6 @@ class Command(PalisadeCommand):
         revoke = sub.add_parser("revoke", help="revoke a token; it enrols nothing from now on")
         revoke.add_argument("token_id")
 
-    def handle(self, *args, **options):
-        getattr(self, "do_" + options["action"])(options)
-
     def do_mint(self, options):
         data = {"description": options["description"]}
         if options["expires_at"]:

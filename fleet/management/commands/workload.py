@@ -44,9 +44,6 @@ class Command(PalisadeCommand):
         revoke.add_argument("workload_id")
         revoke.add_argument("--reason", help="why, shown on the workload (one line)")
 
-    def handle(self, *args, **options):
-        getattr(self, "do_" + options["action"].replace("-", "_"))(options)
-
     def do_list(self, o):
         filters = selectors.workload_filters_parse(
             labels=o["label"], sync_state=o["sync_state"], removed=o["removed"], ids=o["id"]

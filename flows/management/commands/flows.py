@@ -71,7 +71,7 @@ class Command(PalisadeCommand):
     def handle(self, *args, **options):
         if options.get("csv") and self.as_json:
             raise CommandError("--csv and --json each choose the output: give one")
-        getattr(self, "do_" + options["action"])(options)
+        super().handle(*args, **options)
 
     def do_list(self, o):
         start, end = validation.flow_range_parse(start=o["start"], end=o["end"])

@@ -30,9 +30,6 @@ class Command(PalisadeCommand):
         delete.add_argument("rule_id")
         delete.add_argument("--if-match", required=True, help="the rule's version")
 
-    def handle(self, *args, **options):
-        getattr(self, "do_" + options["action"])(options)
-
     def show_rule(self, ruleset_id, rule_id):
         data = rule_data(selectors.rule_get(ruleset_id=ruleset_id, rule_id=str(rule_id)))
         self.emit(data, json.dumps(data, indent=2))
