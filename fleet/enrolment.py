@@ -181,27 +181,18 @@ def workload_enrol(
     It keeps the id, labels, mode and history; takes the new public key, host name, addresses and
     agent version; issues a new credential (next serial), clears any renewal failure and, with a
     token, a revocation. Each enrolment is an audit event."""
+    given = {
+        "token_secret": token_secret,
+        "public_key": public_key,
+        "hostname": hostname,
+        "addresses": addresses,
+        "agent_version": agent_version,
+        "key_proof": key_proof,
+    }
     with transaction.atomic():
         if workload_id is None:
-            enrolled = _enrol_new(
-                token_secret=token_secret,
-                public_key=public_key,
-                hostname=hostname,
-                addresses=addresses,
-                agent_version=agent_version,
-                key_proof=key_proof,
-            )
-        else:
-            enrolled = _re_enrol(
-                token_secret=token_secret,
-                public_key=public_key,
-                hostname=hostname,
-                addresses=addresses,
-                agent_version=agent_version,
-                workload_id=workload_id,
-                key_proof=key_proof,
-            )
-    return enrolled
+            return _enrol_new(**given)
+        return _re_enrol(**given, workload_id=workload_id)
 
 
 def _enrol_new(*, token_secret, public_key, hostname, addresses, agent_version, key_proof) -> Enrolled:
