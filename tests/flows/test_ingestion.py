@@ -18,7 +18,7 @@ from controlplane.auth.actor import CLI_ACTOR
 from controlplane.problems import Problem, ValidationFailed
 from fleet.enrolment import workload_enrol
 from fleet.provisioning import provisioning_token_mint
-from fleet.streams import report_sender_authenticate, report_signature_verify
+from fleet.report_auth import report_sender_authenticate, report_signature_verify
 from flows.models import EvidenceGap, FlowGroup, FlowWindow, UnsummedWindow
 from flows.services import flow_report_ingest
 from tests.support.helpers import assert_problem, race
