@@ -35,8 +35,10 @@ DEFAULT_NETLINK_BUFFER = 64 << 20  # 64 MiB lost nothing at about 21,000 connect
 DEFAULT_BUFFER_RECORDS = 10_080  # a week of one-minute windows
 DEFAULT_DUMP_MAX = 1_000_000
 DEFAULT_WINDOW_KEYS = 50_000
-MAX_WINDOWS_PER_REPORT = 200
-MAX_GAPS_PER_REPORT = 500
+# How many windows and gaps the agent sends in one report at most: fewer than the gateway accepts
+# (flows/reports.py, ACCEPTED_MAX_WINDOWS and ACCEPTED_MAX_GAPS; a test keeps them so).
+BATCH_MAX_WINDOWS = 200
+BATCH_MAX_GAPS = 500
 REPORT_BUDGET_BYTES = 8 * 1024 * 1024  # well under the gateway's 32 MiB for flow reports
 SOURCE_RETRY_SECONDS = 1.0
 STATUS_EVERY_SECONDS = 5.0  # how often status.json shows the sources and the buffer
@@ -267,7 +269,7 @@ class FlowReporter:
         windows, gaps = self.buffer.pending()
         if not windows and not gaps and self.announced:
             return None
-        windows, gaps = _batch(windows[:MAX_WINDOWS_PER_REPORT]), gaps[:MAX_GAPS_PER_REPORT]
+        windows, gaps = _batch(windows[:BATCH_MAX_WINDOWS]), gaps[:BATCH_MAX_GAPS]
         enrolment = self.state.load_enrolment()  # the credential changes at each renewal
         if _expired(enrolment.expires_at, self.control_plane_clock()):
             # An expired credential only renews, on the stream; reports wait in the buffer until then.
