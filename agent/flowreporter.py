@@ -15,7 +15,6 @@ import asyncio
 import http.client
 import json
 import math
-import random
 import ssl
 import threading
 import time
@@ -25,6 +24,7 @@ from datetime import UTC, datetime
 from typing import Any, Protocol
 
 from agent import protocol
+from agent.backoff import retry_delay
 from agent.flowbuffer import FlowBuffer
 from agent.flowreport import instant, report_body
 from agent.flowwindow import Gap, Windows
@@ -67,16 +67,6 @@ def _answered_items(answer: bytes) -> list[dict[str, Any]]:
     ):
         raise ValueError("the gateway's answer to a flow report is not one of its answers")
     return items
-
-
-def retry_delay(attempt: int, retry_after: float | None) -> float:
-    """Seconds until a failed report is sent again: jittered, doubling from 1 s to 60 s with each
-    attempt; and after a 429 or 503, no sooner than its Retry-After, spread over as long again (a fleet
-    told to wait together does not come back together)."""
-    delay = random.uniform(0, min(60.0, 2.0**attempt))  # noqa: S311 - jitter, not a secret
-    if retry_after:
-        delay = max(delay, retry_after * random.uniform(1, 2))  # noqa: S311
-    return delay
 
 
 def _expired(expires_at: str, now: float) -> bool:
@@ -364,7 +354,8 @@ class FlowReporter:
             await loop.run_in_executor(None, self.close)
 
     def delay_after_failure(self) -> float:
-        """Jittered backoff, and after a 503 or 429 no sooner than its Retry-After (retry_delay)."""
+        """Jittered backoff, and after a 503 or 429 no sooner than its Retry-After, spread over as long
+        again (agent/backoff.py)."""
         delay = retry_delay(self.attempt, self.retry_after)
         self.retry_after = None
         self.attempt += 1
