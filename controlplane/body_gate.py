@@ -42,8 +42,10 @@ from django.db import close_old_connections
 from django.urls import Resolver404, resolve
 from django.utils.datastructures import CaseInsensitiveMapping
 
+from controlplane.api.errors import service_unavailable
 from controlplane.auth.authentication import operator_credential_check
 from controlplane.listeners import GATEWAY, OPERATOR, body_limit, listener_for_port
+from controlplane.outage import database_failed
 from controlplane.problems import Problem
 
 log = logging.getLogger("palisade.http")
@@ -156,13 +158,16 @@ passed_headers = PassedHeaders()
 
 def headers_refusal(check: HeadersCheck, headers: Mapping[str, str]) -> Problem | None:
     """Run on a check thread: the Problem `check` raises, None when it passes. Database connections are
-    kept between checks as Django keeps them between requests."""
+    kept between checks as Django keeps them between requests. The database away is the 503 with
+    Retry-After that the view would answer, logged as the outage is (controlplane/outage.py)."""
     close_old_connections()
     try:
         check(headers)
     except Problem as problem:
         return problem
-    except Exception:  # noqa: BLE001 - refused, never let through unchecked; the fault is logged
+    except Exception as error:  # noqa: BLE001 - refused, never let through unchecked; the fault is logged
+        if database_failed("check requests' headers", error, log):
+            return service_unavailable()
         log.exception("checking a request's headers failed")
         return Problem("internal")
     finally:
