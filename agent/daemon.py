@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import random
 import ssl
 import time
 import uuid
@@ -30,6 +29,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus, WebSocketExce
 
 from agent import __version__
 from agent import protocol as p
+from agent.backoff import retry_delay
 from agent.credential import (
     CredentialError,
     credential_verify,
@@ -52,16 +52,9 @@ if TYPE_CHECKING:
 # (older versions, still allowed by the agent's dependencies, have no proxy support at all).
 _DIRECT: dict[str, Any] = {"proxy": None} if "proxy" in inspect.signature(connect.__init__).parameters else {}
 HANDSHAKE_SECONDS = 10  # for hello and welcome, as the gateway allows 10 s for auth
-BACKOFF_FIRST, BACKOFF_CAP = 1.0, 60.0
 STABLE_SECONDS = 10.0  # a stream that lasted this long resets the backoff
 RENEW_RETRY_SECONDS = 300.0
 MAX_ERROR_CHARS = 16_000
-
-
-def backoff_delay(attempt: int, rng: random.Random | None = None) -> float:
-    """Full jitter: uniform in [0, min(60, 1 * 2**attempt)] seconds (attempt counts from 0)."""
-    ceiling = min(BACKOFF_CAP, BACKOFF_FIRST * 2 ** min(attempt, 16))
-    return (rng or random).uniform(0, ceiling)
 
 
 def _now() -> str:
@@ -243,7 +236,7 @@ class Agent:
                     continue
                 if outcome.stable:
                     attempt = 0
-                delay = backoff_delay(attempt) if outcome.retry_after is None else outcome.retry_after
+                delay = retry_delay(attempt, outcome.retry_after, spread=False)
                 attempt += 1
                 self.log("backoff", seconds=f"{delay:.2f}", attempt=attempt)
                 try:

@@ -15,7 +15,6 @@ import asyncio
 import http.client
 import json
 import math
-import random
 import ssl
 import threading
 import time
@@ -25,6 +24,7 @@ from datetime import UTC, datetime
 from typing import Any, Protocol
 
 from agent import protocol
+from agent.backoff import retry_delay
 from agent.flowbuffer import FlowBuffer
 from agent.flowreport import instant, report_body
 from agent.flowwindow import Gap, Windows
@@ -35,8 +35,10 @@ DEFAULT_NETLINK_BUFFER = 64 << 20  # 64 MiB lost nothing at about 21,000 connect
 DEFAULT_BUFFER_RECORDS = 10_080  # a week of one-minute windows
 DEFAULT_DUMP_MAX = 1_000_000
 DEFAULT_WINDOW_KEYS = 50_000
-MAX_WINDOWS_PER_REPORT = 200
-MAX_GAPS_PER_REPORT = 500
+# How many windows and gaps the agent sends in one report at most: fewer than the gateway accepts
+# (flows/reports.py, ACCEPTED_MAX_WINDOWS and ACCEPTED_MAX_GAPS; a test keeps them so).
+BATCH_MAX_WINDOWS = 200
+BATCH_MAX_GAPS = 500
 REPORT_BUDGET_BYTES = 8 * 1024 * 1024  # well under the gateway's 32 MiB for flow reports
 SOURCE_RETRY_SECONDS = 1.0
 STATUS_EVERY_SECONDS = 5.0  # how often status.json shows the sources and the buffer
@@ -65,16 +67,6 @@ def _answered_items(answer: bytes) -> list[dict[str, Any]]:
     ):
         raise ValueError("the gateway's answer to a flow report is not one of its answers")
     return items
-
-
-def retry_delay(attempt: int, retry_after: float | None) -> float:
-    """Seconds until a failed report is sent again: jittered, doubling from 1 s to 60 s with each
-    attempt; and after a 429 or 503, no sooner than its Retry-After, spread over as long again (a fleet
-    told to wait together does not come back together)."""
-    delay = random.uniform(0, min(60.0, 2.0**attempt))  # noqa: S311 - jitter, not a secret
-    if retry_after:
-        delay = max(delay, retry_after * random.uniform(1, 2))  # noqa: S311
-    return delay
 
 
 def _expired(expires_at: str, now: float) -> bool:
@@ -267,7 +259,7 @@ class FlowReporter:
         windows, gaps = self.buffer.pending()
         if not windows and not gaps and self.announced:
             return None
-        windows, gaps = _batch(windows[:MAX_WINDOWS_PER_REPORT]), gaps[:MAX_GAPS_PER_REPORT]
+        windows, gaps = _batch(windows[:BATCH_MAX_WINDOWS]), gaps[:BATCH_MAX_GAPS]
         enrolment = self.state.load_enrolment()  # the credential changes at each renewal
         if _expired(enrolment.expires_at, self.control_plane_clock()):
             # An expired credential only renews, on the stream; reports wait in the buffer until then.
@@ -362,7 +354,8 @@ class FlowReporter:
             await loop.run_in_executor(None, self.close)
 
     def delay_after_failure(self) -> float:
-        """Jittered backoff, and after a 503 or 429 no sooner than its Retry-After (retry_delay)."""
+        """Jittered backoff, and after a 503 or 429 no sooner than its Retry-After, spread over as long
+        again (agent/backoff.py)."""
         delay = retry_delay(self.attempt, self.retry_after)
         self.retry_after = None
         self.attempt += 1

@@ -464,6 +464,34 @@ def verify_flow_report(
     return True
 
 
+@dataclass(frozen=True)
+class FlowReport:
+    """The body of a flow report: closed windows and gaps as the agent's buffer keeps them (instants
+    as RFC 3339 text), with the agent's clock and which process sent it (for clock skew and for
+    telling a silent agent from a quiet one). The gateway checks a body against these fields
+    (flows/reports.py); the field order is the body's (tests/golden/flows/ pins it)."""
+
+    type: ClassVar[str] = "flow_report"
+
+    agent_clock: str
+    process_start_id: str
+    uptime_seconds: float
+    window_seconds: int
+    windows: list
+    gaps: list
+
+    def to_dict(self) -> dict[str, Any]:
+        # Not asdict(): it would copy every window and group of a report of megabytes.
+        return {
+            "v": PROTOCOL_VERSION,
+            "type": self.type,
+            **{name: getattr(self, name) for name in FLOW_REPORT_FIELDS},
+        }
+
+
+FLOW_REPORT_FIELDS = tuple(f.name for f in fields(FlowReport))  # besides "v" and "type"
+
+
 def flow_report(
     *,
     agent_clock: str,
@@ -473,16 +501,12 @@ def flow_report(
     windows: list[dict[str, Any]],
     gaps: list[dict[str, Any]],
 ) -> dict[str, Any]:
-    """The body of a flow report: closed windows and gaps as the agent's buffer keeps them (instants
-    as RFC 3339 text), with the agent's clock and which process sent it (for clock skew and for
-    telling a silent agent from a quiet one)."""
-    return {
-        "v": PROTOCOL_VERSION,
-        "type": "flow_report",
-        "agent_clock": agent_clock,
-        "process_start_id": process_start_id,
-        "uptime_seconds": uptime_seconds,
-        "window_seconds": window_seconds,
-        "windows": windows,
-        "gaps": gaps,
-    }
+    """A flow report's body as a JSON object (FlowReport)."""
+    return FlowReport(
+        agent_clock=agent_clock,
+        process_start_id=process_start_id,
+        uptime_seconds=uptime_seconds,
+        window_seconds=window_seconds,
+        windows=windows,
+        gaps=gaps,
+    ).to_dict()

@@ -158,7 +158,8 @@ passed_headers = PassedHeaders()
 
 def headers_refusal(check: HeadersCheck, headers: Mapping[str, str]) -> Problem | None:
     """Run on a check thread: the Problem `check` raises, None when it passes. Database connections are
-    kept between checks as Django keeps them between requests."""
+    kept between checks as Django keeps them between requests. The database away is the 503 with
+    Retry-After that the view would answer, logged as the outage is (controlplane/outage.py)."""
     close_old_connections()
     try:
         check(headers)

@@ -229,6 +229,28 @@ def _verified_payload(text: str, key: Ed25519PrivateKey) -> dict[str, Any]:
     return _verify_with(text, key.public_key())
 
 
+def credential_names(credential: str, *, workload_id: uuid.UUID, public_key: str, serial: int) -> bool:
+    """Whether `credential` is one this control plane signed for the workload, its key and serial: what
+    a stream's `auth` (fleet/streams.py) and a flow report's headers (fleet/report_auth.py) must show."""
+    try:
+        payload = credential_verify(credential)
+    except Problem:
+        return False
+    return (
+        payload.get("workload_id") == str(workload_id)
+        and payload.get("public_key") == public_key
+        and payload.get("serial") == serial
+    )
+
+
+def workload_key(workload_id: str) -> uuid.UUID | None:
+    """The workload id an agent presents, as the workload's key; None when it is not one."""
+    try:
+        return uuid.UUID(workload_id)
+    except ValueError:
+        return None
+
+
 # --- renewal ---------------------------------------------------------------------------------------
 
 

@@ -17,7 +17,7 @@ from rest_framework.views import APIView
 from agent import protocol
 from controlplane.problems import Problem
 from controlplane.strict_json import json_loads_strict
-from fleet.streams import ReportSender, report_sender_authenticate, report_signature_verify
+from fleet.report_auth import ReportSender, report_sender_authenticate, report_signature_verify
 from flows.services import flow_report_ingest
 
 REPORT_HEADERS = (protocol.HEADER_WORKLOAD, protocol.HEADER_CREDENTIAL, protocol.HEADER_SIGNATURE)

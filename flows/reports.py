@@ -14,14 +14,17 @@ from typing import Any
 
 from django.conf import settings
 
+from agent import protocol
 from controlplane import runtime
 from controlplane.problems import Finding, ValidationFailed
 from controlplane.text import has_unsafe, visible
 from controlplane.validation import is_digits, parse_instant
 from flows.choices import AGENT_GAP_KINDS, MAX_WINDOW_SECONDS, Decision, GapSource
 
-MAX_WINDOWS_PER_REPORT = 1000
-MAX_GAPS_PER_REPORT = 1000
+# The most windows and gaps the gateway accepts in one report (docs/protocol.md). The agent sends fewer
+# (agent/flowreporter.py, BATCH_MAX_WINDOWS and BATCH_MAX_GAPS; a test keeps them so).
+ACCEPTED_MAX_WINDOWS = 1000
+ACCEPTED_MAX_GAPS = 1000
 MAX_RULE_NUMBER = (1 << 24) - 1
 # The agent process's age: the control plane subtracts it from now (agent_silent), and a datetime
 # cannot reach back further than year 1.
@@ -37,6 +40,8 @@ class Refused(ValueError):
 
 @dataclass(frozen=True)
 class Report:
+    """A report's envelope as checked: the fields of agent/protocol.py's FlowReport, parsed."""
+
     agent_clock: datetime
     process_start_id: str
     uptime_seconds: float
@@ -49,8 +54,14 @@ def report_envelope(data: Any) -> Report:
     findings: list[Finding] = []
     if not isinstance(data, dict):
         raise ValidationFailed([Finding("", "type", "A flow report is a JSON object.")])
-    if data.get("v") != 1 or data.get("type") != "flow_report":
-        findings.append(Finding("/type", "protocol-version", "Expected a flow_report of agent protocol 1."))
+    if data.get("v") != protocol.PROTOCOL_VERSION or data.get("type") != protocol.FlowReport.type:
+        findings.append(
+            Finding(
+                "/type",
+                "protocol-version",
+                f"Expected a {protocol.FlowReport.type} of agent protocol {protocol.PROTOCOL_VERSION}.",
+            )
+        )
     agent_clock = parse_instant(data.get("agent_clock"))
     if agent_clock is None:
         findings.append(Finding("/agent_clock", "instant", "agent_clock is not an RFC 3339 instant."))
@@ -85,21 +96,12 @@ def report_envelope(data: Any) -> Report:
         findings.append(
             Finding("/window_seconds", "out-of-range", "window_seconds is a whole number from 1 to 3600.")
         )
-    for key, maximum in (("windows", MAX_WINDOWS_PER_REPORT), ("gaps", MAX_GAPS_PER_REPORT)):
+    for key, maximum in (("windows", ACCEPTED_MAX_WINDOWS), ("gaps", ACCEPTED_MAX_GAPS)):
         if not isinstance(data.get(key, []), list):
             findings.append(Finding(f"/{key}", "type", f"{key} is a list."))
         elif len(data.get(key, [])) > maximum:
             findings.append(Finding(f"/{key}", "too-many", f"At most {maximum} {key} per report."))
-    unknown = set(data) - {
-        "v",
-        "type",
-        "agent_clock",
-        "process_start_id",
-        "uptime_seconds",
-        "window_seconds",
-        "windows",
-        "gaps",
-    }
+    unknown = set(data) - {"v", "type", *protocol.FLOW_REPORT_FIELDS}
     for name in sorted(unknown)[:5]:
         findings.append(Finding(f"/{name}"[:80], "unknown-field", "Not a field of a flow report."))
     if findings:

@@ -176,7 +176,7 @@ def test_the_gateways_answers_are_read_per_window_and_gap():
 
 
 def test_a_report_the_gateway_is_busy_for_waits_its_retry_after_spread_over_as_long_again():
-    from agent.flowreporter import retry_delay
+    from agent.backoff import retry_delay
     from agent.protocol import retry_after
 
     assert all(0 <= retry_delay(0, None) <= 1 for _ in range(100))

@@ -12,8 +12,8 @@ from datetime import UTC
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from agent.backoff import BACKOFF_CAP, backoff_delay
 from agent.credential import credential_payload, credential_sign, format_instant, public_key_encode
-from agent.daemon import BACKOFF_CAP, backoff_delay
 from agent.errors import AgentError
 from agent.state import Identity, StateDir, write_atomically
 from tests.support.agent_helpers import assert_one_line_error, run_cli

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import sqlite3
+import uuid
 
 import psycopg
 import pytest
@@ -129,6 +130,30 @@ def test_api_requests_get_a_503_problem_with_retry_after_and_no_traceback(token,
     assert_problem(refused_enrolment, 503, "service-unavailable")
     assert not any(r.exc_info for r in caplog.records)
     assert not [r for r in caplog.records if r.name in ("django.request", "palisade.access")]
+    unavailable = [r for r in caplog.records if "database unavailable" in r.getMessage()]
+    assert len(unavailable) <= 1, [r.getMessage() for r in unavailable]
+
+
+def test_headers_checked_before_a_body_without_the_database_are_a_503_not_a_traceback(database_away, caplog):
+    """serve checks a flow report's headers (and an operator's credential) before it receives the body
+    (controlplane/body_gate.py): without the database that is the 503 the view would answer."""
+    from django.utils.datastructures import CaseInsensitiveMapping
+
+    from controlplane.auth.authentication import operator_credential_check
+    from controlplane.auth.secrets import OPERATOR_TOKEN_PREFIX
+    from controlplane.body_gate import headers_refusal
+    from flows.gateway import report_sender_of
+
+    report = {"Palisade-Workload": str(uuid.uuid4()), "Palisade-Credential": "c", "Palisade-Signature": "s"}
+    with caplog.at_level(logging.INFO):
+        for check, headers in (
+            (report_sender_of, report),
+            (operator_credential_check, {"Authorization": f"Bearer {OPERATOR_TOKEN_PREFIX}x"}),
+        ):
+            refusal = headers_refusal(check, CaseInsensitiveMapping(headers))
+            assert refusal is not None and refusal.name == "service-unavailable", refusal
+            assert 5 <= int(refusal.headers["Retry-After"]) <= 15 and refusal.status == 503
+    assert not any(r.exc_info for r in caplog.records)
     unavailable = [r for r in caplog.records if "database unavailable" in r.getMessage()]
     assert len(unavailable) <= 1, [r.getMessage() for r in unavailable]
 

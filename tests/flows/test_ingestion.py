@@ -14,7 +14,7 @@ from agent.credential import public_key_encode
 from agent.flowreport import report_body, report_headers
 from controlplane import clock, runtime
 from controlplane.problems import Problem, ValidationFailed
-from fleet.streams import report_sender_authenticate, report_signature_verify
+from fleet.report_auth import report_sender_authenticate, report_signature_verify
 from flows.models import EvidenceGap, FlowGroup, FlowWindow, UnsummedWindow
 from flows.services import flow_report_ingest
 from tests.support.flow_evidence import GOLDEN, at_agent_clock, enrolled, flow_report, golden, windows_between

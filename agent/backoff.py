@@ -1,0 +1,35 @@
+"""How long the agent waits before it tries the gateway again: its sync stream (agent/daemon.py) and its
+flow reports (agent/flowreporter.py) back off by the same rule.
+
+Full jitter over 1 s doubling to 60 s with each failed attempt. When the gateway said when to come back
+(a 429's or 503's Retry-After, a 4503's reason), no sooner than that.
+"""
+
+from __future__ import annotations
+
+import random
+
+BACKOFF_FIRST, BACKOFF_CAP = 1.0, 60.0
+
+
+def backoff_delay(attempt: int, rng: random.Random | None = None) -> float:
+    """Full jitter: uniform in [0, min(60, 1 * 2**attempt)] seconds (attempt counts from 0)."""
+    ceiling = min(BACKOFF_CAP, BACKOFF_FIRST * 2 ** min(attempt, 16))
+    return (rng or random).uniform(0, ceiling)
+
+
+def retry_delay(
+    attempt: int, retry_after: float | None, *, spread: bool = True, rng: random.Random | None = None
+) -> float:
+    """Seconds until the next attempt after `attempt` failed ones: the backoff; and when the gateway
+    asked for `retry_after` seconds, no sooner than that. `spread` spreads that wait over as long again,
+    and keeps the backoff when it is the longer wait: a fleet told to wait together (a flow report's
+    `Retry-After: 1` when the gateway has no room for its body) does not come back together. Without
+    it, the wait is exactly what the gateway asked for (the stream's: the gateway draws it at random
+    for each answer already)."""
+    if retry_after is not None and not spread:
+        return retry_after
+    delay = backoff_delay(attempt, rng)
+    if retry_after is not None:
+        delay = max(delay, retry_after * (rng or random).uniform(1, 2))
+    return delay
