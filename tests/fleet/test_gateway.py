@@ -543,6 +543,7 @@ def test_a_stream_without_its_database_closes_with_4503_not_an_exception(caplog)
     assert any("database unavailable: cannot serve agent streams" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.postgres
 @pytest.mark.django_db(transaction=True)
 def test_a_gateway_thread_idle_through_an_outage_drops_its_dead_connection_before_using_it():
     """Its connection was ended by the server (here: terminated, as a stopping server ends them all);
