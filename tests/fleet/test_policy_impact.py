@@ -36,11 +36,13 @@ def _labelled(hostname, address, labels):
     return workload
 
 
-def _ingest(workload, groups):
-    windows = windows_between(clock.now() - timedelta(minutes=10), 1)
-    windows[0]["groups"] = [{**windows[0]["groups"][0], **group} for group in groups]
-    answer = flow_report_ingest(workload_id=str(workload.id), data=flow_report("p1", next(_uptimes), windows))
-    assert all(r["result"] == "accepted" for r in answer["windows"]), answer
+def _ingest(workload, groups, gaps=()):
+    windows = windows_between(clock.now() - timedelta(minutes=10), 1) if groups else []
+    if groups:
+        windows[0]["groups"] = [{**windows[0]["groups"][0], **group} for group in groups]
+    report = {**flow_report("p1", next(_uptimes), windows), "gaps": list(gaps)}
+    answer = flow_report_ingest(workload_id=str(workload.id), data=report)
+    assert all(r["result"] == "accepted" for r in answer["windows"] + answer["gaps"]), answer
 
 
 def _policy(api):
@@ -203,3 +205,15 @@ def test_manage_py_policy_impact_calls_the_same_function(api, db, monkeypatch, t
 def test_impact_runs_on_the_heavy_pool():
     # Its work grows with the range, the fleet and the draft, as the dry-run's does.
     assert "/api/v1/policies/impact" in HEAVY_PATHS
+
+
+def test_an_evidence_gap_makes_the_impact_incomplete_and_is_named(api, db):
+    _, db_host, _, draft = _scenario(api)
+    gap = {"id": "8c1d2e3f-4a5b-4c6d-8e7f-9a0b1c2d3e4f", "kind": "source_restart", "source": "conntrack",
+           "start": windows_between(clock.now() - timedelta(minutes=5), 1)[0]["start"],
+           "end": windows_between(clock.now() - timedelta(minutes=4), 1)[0]["start"], "lost": {}}  # fmt: skip
+    _ingest(db_host, [], [gap])
+    impact = policy_impact(data={**draft, **_range(), "workload": [str(db_host.id)]})
+    assert impact["coverage"]["complete"] is False and impact["coverage"]["gap_count"] == 1
+    assert [(g["id"], g["kind"]) for g in impact["coverage"]["gaps"]] == [(gap["id"], "source_restart")]
+    assert impact["newly_refused_summary"]["connection_count"] == 7  # the evidence there is still counts
