@@ -132,14 +132,23 @@ def policy_impact(*, data: Any) -> dict:
     rules_now, rules_draft = _rules_by_number(now), _rules_by_number(draft)
     refused: list[dict] = []
     admitted: list[dict] = []
+    # A workload's labels decide which rulesets apply to it: workloads with the same labels judge a
+    # connection alike, and a fleet has far fewer label sets than keys.
+    outcomes: dict[tuple, tuple[int | None, int | None]] = {}
     for row in rows:
         workload = inputs.get(str(row["workload_id"]))
         connection = _connection(row)
         if workload is None or connection is None:
             continue
-        judged = _judged(workload)
-        before = classify(judged, now.rulesets, now.groups, fleet, connection).rule
-        after = classify(judged, draft.rulesets, draft.groups, fleet, connection).rule
+        key = (workload.labels, connection)
+        found = outcomes.get(key)
+        if found is None:
+            judged = _judged(workload)
+            found = outcomes[key] = (
+                classify(judged, now.rulesets, now.groups, fleet, connection).rule,
+                classify(judged, draft.rulesets, draft.groups, fleet, connection).rule,
+            )
+        before, after = found
         if (before is None) == (after is None):
             continue
         entry = {

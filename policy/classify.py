@@ -132,7 +132,7 @@ def classify(
         )
     if workload.mode == "visibility":
         return Outcome(DECISION_NAMES[DECISION_OBSERVED])
-    rule = admitting_rule(workload, rulesets, groups, fleet, connection)
+    rule = _first_rule(workload, rulesets, groups, fleet, connection, family, address)
     if rule is not None:
         return Outcome(DECISION_NAMES[DECISION_ALLOWED], rule)
     if workload.mode == "enforced":
@@ -152,16 +152,30 @@ def admitting_rule(
     Rules only: the baseline and the workload's mode are ``classify``'s business.
     """
     peer = parse_host_address(connection.peer)
-    family, address = peer.version, int(peer)
+    return _first_rule(workload, rulesets, groups, fleet, connection, peer.version, int(peer))
+
+
+def _first_rule(
+    workload: WorkloadInput,
+    rulesets: Sequence[RulesetInput],
+    groups: Mapping[str, AddressGroupInput],
+    fleet: FleetIndex,
+    connection: Connection,
+    family: int,
+    address: int,
+) -> int | None:
     protocol, port = connection.protocol, connection.port
+    ported = protocol in PORT_PROTOCOLS
     for ruleset in _applicable(workload, rulesets, fleet):
         for rule, compiled in _compiled_ruleset(ruleset, fleet):
+            # "meta l4proto . th dport @svc_...": the same set on each of the rule's lines.
+            in_service_set = ported and any(
+                p == protocol and low <= port <= high  # type: ignore[operator]  # tcp/udp have one
+                for p, low, high in compiled.service_ranges
+            )
             for line in compiled.lines:
                 if line.uses_service_set:
-                    if protocol not in PORT_PROTOCOLS or not any(
-                        p == protocol and low <= port <= high  # type: ignore[operator]  # tcp/udp have one
-                        for p, low, high in compiled.service_ranges
-                    ):
+                    if not in_service_set:
                         continue
                 elif line.l4proto != protocol:
                     continue
