@@ -194,7 +194,7 @@ def _rule_definitions(policy: PolicyInputs) -> dict[str, tuple]:
     return out
 
 
-def _unmatched_selectors(specs, fleet) -> list[dict]:
+def unmatched_selectors(specs, fleet) -> list[dict]:
     flagged = []
     for r_index, spec in enumerate(specs):
         checks = [(pointer("rulesets", r_index, "scope"), spec.scope)]
@@ -214,13 +214,11 @@ def _unmatched_selectors(specs, fleet) -> list[dict]:
     return flagged
 
 
-def render_dryrun(*, data: Any) -> dict:
-    """Render the whole fleet under a hypothetical policy: `rulesets` replaces every stored ruleset;
-    `services` and `address_groups` replace or add objects by name. Reports each workload whose
-    document would change, with the rules it would gain, lose or see changed."""
-    data = require_object(data)
-    findings = Findings()
-    reject_unknown(data, {"rulesets", "services", "address_groups"}, findings)
+def hypothetical_policy(*, data: dict, findings: Findings, more_keys: frozenset[str] = frozenset()):
+    """The hypothetical policy of a dry-run's body (`rulesets`, `services`, `address_groups`) as the
+    renderer's inputs, and the parsed ruleset specs; `more_keys` are the caller's own keys of the body,
+    whose findings are in `findings` already (all are raised together)."""
+    reject_unknown(data, {"rulesets", "services", "address_groups", *more_keys}, findings)
     if "rulesets" not in data:
         findings.add(
             "/rulesets", "required", "rulesets is required: the complete hypothetical set of rulesets."
@@ -234,7 +232,14 @@ def render_dryrun(*, data: Any) -> dict:
         rulesets=tuple(_hypothetical_rulesets(specs, catalogue, findings)), groups=catalogue.group_inputs
     )
     findings.raise_if_any()
+    return specs, hypothetical
 
+
+def render_dryrun(*, data: Any) -> dict:
+    """Render the whole fleet under a hypothetical policy: `rulesets` replaces every stored ruleset;
+    `services` and `address_groups` replace or add objects by name. Reports each workload whose
+    document would change, with the rules it would gain, lose or see changed."""
+    specs, hypothetical = hypothetical_policy(data=require_object(data), findings=Findings())
     fleet, inputs = fleet_load()
     current_policy = policy_inputs_load()
     before_rules, after_rules = _rule_definitions(current_policy), _rule_definitions(hypothetical)
@@ -274,5 +279,5 @@ def render_dryrun(*, data: Any) -> dict:
         "unchanged_count": len(inputs) - len(changed),
         "changed": changed[:MAX_REPORTED],
         "truncated": len(changed) > MAX_REPORTED,
-        "warnings": _unmatched_selectors(specs, fleet),
+        "warnings": unmatched_selectors(specs, fleet),
     }

@@ -487,6 +487,12 @@ def _summed(planned: FlowRange, columns: list[str], **filters) -> list[dict]:
     return _summed_by_spans(planned, columns, **filters)
 
 
+def flow_keys_summed(planned: FlowRange, columns: list[str]) -> list[dict]:
+    """Every group of the planned range summed by `columns` (whatever their decision or rule), read as
+    the rollup reads them: for the impact of a draft policy (fleet/impact.py)."""
+    return _summed(planned, columns)
+
+
 def _review_decisions(planned: FlowRange, elsewhere_ids: set) -> tuple[list, list]:
     """In one read of the range: its would-block groups by workload, peer and service, most connections
     first; and per workload and decision, the connections that the table of a workload in simulation

@@ -44,10 +44,11 @@ of one document back to rulesets and rules.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import ipaddress
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from policy.grammar import Selector
 from policy.render_inputs import (
@@ -246,6 +247,7 @@ class _Line:
     family: int  # 4 or 6: which of the source's sets the line reads (ignored for "any")
     match: str  # the nftables match, without the verdict
     uses_service_set: bool
+    l4proto: str | None = None  # "icmp"/"icmpv6" for the ICMP lines (policy.classify reads it)
 
 
 @dataclass(frozen=True)
@@ -255,6 +257,8 @@ class _CompiledRule:
     group_ids: tuple[str, ...]  # of the "grp" sources
     service_set: tuple[str, str] | None  # (name, definition)
     comment: str  # ' comment "..."'
+    # The service set's elements as (protocol, first port, last port), for policy.classify.
+    service_ranges: tuple[tuple[str, int, int], ...] = ()
 
 
 def _compiled_ruleset(ruleset: RulesetInput, fleet: FleetIndex) -> list[tuple[RuleInput, _CompiledRule]]:
@@ -267,26 +271,28 @@ def _compiled_ruleset(ruleset: RulesetInput, fleet: FleetIndex) -> list[tuple[Ru
 
 
 def _compile_rule(ruleset: RulesetInput, rule: RuleInput) -> _CompiledRule:
-    service_set = _service_set(rule.entries)
+    service_ranges = _service_ranges(rule.entries)
+    service_set = _service_set(service_ranges)
     protocols = {e.protocol for e in rule.entries}
-    matches = []  # (family, match after the source part, reads the service set)
+    # (family, match after the source part, reads the service set, ICMP protocol)
+    matches: list[tuple[int, str, bool, str | None]] = []
     if service_set is not None:
         service_match = f"meta l4proto . th dport @{service_set[0]}"
-        matches += [(4, service_match, True), (6, service_match, True)]
+        matches += [(4, service_match, True, None), (6, service_match, True, None)]
     if "icmp" in protocols:
-        matches.append((4, "meta l4proto icmp", False))
+        matches.append((4, "meta l4proto icmp", False, "icmp"))
     if "icmpv6" in protocols:
-        matches.append((6, "meta l4proto ipv6-icmp", False))
+        matches.append((6, "meta l4proto ipv6-icmp", False, "icmpv6"))
 
     lines: list[_Line] = []
     selectors: dict[str, Selector] = {}
     if any(s.kind == "any" for s in rule.sources):
         # "any" admits every source address, so the rule's other sources add nothing.
         seen = set()
-        for family, match, uses_service in matches:
+        for family, match, uses_service, l4proto in matches:
             if match not in seen:
                 seen.add(match)
-                lines.append(_Line(None, family, match, uses_service))
+                lines.append(_Line(None, family, match, uses_service, l4proto))
     else:
         sources: set[tuple[str, str]] = set()
         for s in rule.sources:
@@ -297,14 +303,23 @@ def _compile_rule(ruleset: RulesetInput, rule: RuleInput) -> _CompiledRule:
                 sources.add(("grp", s.address_group_id))
         for source in sorted(sources):
             base = _set_base(source)
-            for family, match, uses_service in matches:
+            for family, match, uses_service, l4proto in matches:
                 saddr = "ip saddr" if family == 4 else "ip6 saddr"
-                lines.append(_Line(source, family, f"{saddr} @{base}_v{family} {match}", uses_service))
+                lines.append(
+                    _Line(source, family, f"{saddr} @{base}_v{family} {match}", uses_service, l4proto)
+                )
     description = f"{ruleset.name} #{rule.position}" + (f": {rule.description}" if rule.description else "")
     group_ids = tuple(
         sorted({key for kind, key in (line.source for line in lines if line.source) if kind == "grp"})
     )
-    return _CompiledRule(tuple(lines), selectors, group_ids, service_set, f" comment {_comment(description)}")
+    return _CompiledRule(
+        tuple(lines),
+        selectors,
+        group_ids,
+        service_set,
+        f" comment {_comment(description)}",
+        tuple((protocol, low, high) for protocol, ranges in service_ranges for low, high in ranges),
+    )
 
 
 def _ruleset_block(
@@ -382,6 +397,20 @@ def _resolved(
 class _SourceSets:
     sets: dict[int, tuple[str, str]]  # family -> (set name, definition)
     has: dict[int, bool]  # family -> the set has elements
+    # What the elements hold, for policy.classify: family -> sorted, disjoint (first, last)
+    # address intervals (a group's collapsed networks), or the addresses themselves (a selector's).
+    intervals: dict[int, tuple[tuple[int, int], ...]] = field(default_factory=dict)
+    addresses: dict[int, frozenset[int]] = field(default_factory=dict)
+
+    def contains(self, family: int, address: int) -> bool:
+        if family in self.addresses:
+            return address in self.addresses[family]
+        intervals = self.intervals.get(family, ())
+        at = bisect.bisect_right(intervals, (address, _NO_ADDRESS)) - 1
+        return at >= 0 and intervals[at][0] <= address <= intervals[at][1]
+
+
+_NO_ADDRESS = 1 << 128  # above every address: bisects to the last interval starting at or below one
 
 
 def _set_base(source: tuple[str, str]) -> str:
@@ -427,7 +456,7 @@ def _selector_sets(selector: Selector, fleet: FleetIndex) -> _SourceSets:
         name = f"{base}_v{family}"
         definition = _set_definition(name, family, label, _host_elements(values, family))
         found[family] = (name, _claimed(fleet, name, ("sel", selector_text), definition))
-    return _SourceSets(found, {4: bool(four), 6: bool(six)})
+    return _SourceSets(found, {4: bool(four), 6: bool(six)}, addresses={4: four, 6: six})
 
 
 def _group_sets(group: AddressGroupInput, fleet: FleetIndex) -> _SourceSets:
@@ -441,12 +470,15 @@ def _group_sets(group: AddressGroupInput, fleet: FleetIndex) -> _SourceSets:
     label = f"address group {group.name}"
     base = _set_base(("grp", group.id))
     found = {}
+    intervals = {}
     for family in (4, 6):
         name = f"{base}_v{family}"
-        elements = [_network_text(n) for n in ipaddress.collapse_addresses(networks[family])]
+        collapsed = list(ipaddress.collapse_addresses(networks[family]))
+        elements = [_network_text(n) for n in collapsed]
         definition = _set_definition(name, family, label, elements)
         found[family] = (name, _claimed(fleet, name, ("grp", group.id), definition))
-    return _SourceSets(found, {4: bool(networks[4]), 6: bool(networks[6])})
+        intervals[family] = tuple((int(n.network_address), int(n.broadcast_address)) for n in collapsed)
+    return _SourceSets(found, {4: bool(networks[4]), 6: bool(networks[6])}, intervals=intervals)
 
 
 def _host_elements(values: Iterable[int], family: int) -> list[str]:
@@ -479,16 +511,15 @@ def _elements_text(elements: list[str]) -> str:
     return "\t\telements = { " + ",\n\t\t\t     ".join(rows) + " }\n"
 
 
-def _service_set(entries: Iterable[PortEntry]) -> tuple[str, str] | None:
+def _service_ranges(entries: Iterable[PortEntry]) -> list[tuple[str, list[list[int]]]]:
+    """The tcp/udp entries as (protocol, merged [first, last] port ranges), sorted."""
     ranges: dict[str, list[tuple[int, int]]] = {}
     for entry in entries:
         if entry.protocol in PORT_PROTOCOLS:
             if entry.port_from is None or entry.port_to is None:
                 raise ValueError(f"{entry.protocol} entry without ports")
             ranges.setdefault(entry.protocol, []).append((entry.port_from, entry.port_to))
-    if not ranges:
-        return None
-    elements = []
+    found = []
     for protocol in sorted(ranges):
         # Interval sets of concatenations do not merge overlaps themselves: merge here.
         merged: list[list[int]] = []
@@ -497,6 +528,15 @@ def _service_set(entries: Iterable[PortEntry]) -> tuple[str, str] | None:
                 merged[-1][1] = max(merged[-1][1], high)
             else:
                 merged.append([low, high])
+        found.append((protocol, merged))
+    return found
+
+
+def _service_set(service_ranges: list[tuple[str, list[list[int]]]]) -> tuple[str, str] | None:
+    if not service_ranges:
+        return None
+    elements = []
+    for protocol, merged in service_ranges:
         for low, high in merged:
             elements.append(f"{protocol} . {low}" if low == high else f"{protocol} . {low}-{high}")
     name = f"svc_{_short_hash(','.join(elements))}"

@@ -13,4 +13,5 @@ urlpatterns = [
     path("mode-changes", views.ModeChangeView.as_view()),
     path("selectors/preview", views.SelectorPreviewView.as_view()),
     path("policies/render-dryrun", views.RenderDryrunView.as_view()),
+    path("policies/impact", views.PolicyImpactView.as_view()),
 ]

@@ -15,7 +15,7 @@ from controlplane.api.schema import (
     WRITE_ERRORS,
     problem,
 )
-from fleet import credentials, dryrun, selectors, services
+from fleet import credentials, dryrun, impact, selectors, services
 from fleet.api import schemas
 from fleet.choices import SyncState
 from fleet.representations import labels_data, mode_change_data, rendered_policy_data, workload_data
@@ -168,3 +168,13 @@ class RenderDryrunView(APIView):
     )
     def post(self, request):
         return Response(dryrun.render_dryrun(data=request.data))
+
+
+class PolicyImpactView(APIView):
+    @extend_schema(
+        operation_id="policies_impact",
+        request=schemas.ImpactRequest,
+        responses={200: schemas.ImpactSerializer, **WRITE_ERRORS},
+    )
+    def post(self, request):
+        return Response(impact.policy_impact(data=request.data))

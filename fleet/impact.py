@@ -1,0 +1,191 @@
+"""What a draft policy would have done to past traffic. Nothing here writes.
+
+Each stored flow key (workload, peer, service) of a range of the selected workloads is classified
+twice, by the policy in force now and by the draft, as the workload's table would judge a new
+inbound connection (policy/classify.py, the renderer's own semantics: selectors resolve to the
+fleet's addresses now). The answer lists the keys whose outcome changes: newly refused (admitted by
+a rule now, by none in the draft: `enforced` would block them) and newly admitted, with the range's
+coverage as the rollup states it, so that "nothing would change" never reads as complete when the
+evidence is not.
+
+Keys are judged as a table in `simulation` or `enforced` judges them, whatever the workload's mode
+now: a workload in `visibility` has no rules, and the question is what its rules would do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from controlplane.clock import rfc3339
+from controlplane.problems import Finding, ValidationFailed
+from controlplane.validation import Findings, require_object
+from fleet.dryrun import hypothetical_policy, unmatched_selectors
+from fleet.rendering import fleet_load
+from fleet.selectors import label_filters_parse
+from flows.representations import coverage_data
+from flows.selectors import coverage, flow_keys_summed, flow_range_plan, workloads_selected
+from flows.validation import flow_range_parse
+from policy.classify import Connection, classify
+from policy.render_inputs import PROTOCOLS, WorkloadInput, parse_host_address
+from policy.selectors import PolicyInputs, policy_inputs_load
+
+MAX_LISTED = 1000
+KEY_COLUMNS = ["workload_id", "peer", "peer_workload_id", "protocol", "port"]
+BODY_KEYS = frozenset({"from", "to", "label", "workload"})
+
+
+def _body_path(finding: Finding) -> Finding:
+    """A query parameter's finding (`?from`, `?label[2]`) as the body's pointer (`/from`, `/label/2`)."""
+    path = finding.path
+    if path.startswith("?"):
+        name, _, index = path[1:].partition("[")
+        path = f"/{name}" + (f"/{index.rstrip(']')}" if index else "")
+    return Finding(path, finding.rule, finding.message)
+
+
+def _strings(data: dict, key: str, findings: Findings) -> list[str]:
+    items = data.get(key, [])
+    if not isinstance(items, list) or not all(isinstance(item, str) for item in items):
+        findings.add(f"/{key}", "type", f"{key} must be a list of strings.")
+        return []
+    return items
+
+
+def _selection(data: dict, findings: Findings):
+    start = end = None
+    labels: list = []
+    try:
+        start, end = flow_range_parse(start=_text(data.get("from")), end=_text(data.get("to")))
+    except ValidationFailed as failed:
+        findings.extend([_body_path(f) for f in failed.findings])
+    try:
+        labels = label_filters_parse(_strings(data, "label", findings))
+    except ValidationFailed as failed:
+        findings.extend([_body_path(f) for f in failed.findings])
+    return start, end, labels, _strings(data, "workload", findings)
+
+
+def _text(value: Any) -> str | None:
+    # A non-string is refused as a malformed instant, not as a missing one.
+    return value if isinstance(value, str) or value is None else repr(value)
+
+
+def _connection(row: dict) -> Connection | None:
+    """A flow key as the first packet of a new connection; None for what no rule can admit (a
+    protocol other than tcp, udp, icmp and icmpv6, a scoped address)."""
+    protocol = row["protocol"]
+    if protocol not in PROTOCOLS:
+        return None
+    try:
+        peer = parse_host_address(row["peer"])
+        # icmp keys carry no type (0): echo and the other queries that open a connection.
+        port = row["port"] if protocol in ("tcp", "udp") else None
+        return Connection(row["peer"], protocol, port, loopback=peer.is_loopback)
+    except ValueError:
+        return None
+
+
+def _rules_by_number(policy: PolicyInputs) -> dict[int, dict]:
+    return {
+        rule.number: {
+            "number": rule.number,
+            "ruleset_id": ruleset.id,
+            "ruleset_name": ruleset.name,
+            "rule_id": rule.id,
+            "position": rule.position,
+        }
+        for ruleset in policy.rulesets
+        for rule in ruleset.rules
+    }
+
+
+def _judged(workload: WorkloadInput) -> WorkloadInput:
+    return workload if workload.mode != "visibility" else dataclasses.replace(workload, mode="simulation")
+
+
+def _summary(entries: list[dict]) -> dict:
+    return {
+        "count": len(entries),
+        "connection_count": sum(e["connection_count"] for e in entries),
+        "peer_count": len({e["peer"] for e in entries}),
+        "service_count": len({(e["protocol"], e["port"]) for e in entries}),
+        "workload_count": len({e["workload_id"] for e in entries}),
+    }
+
+
+def policy_impact(*, data: Any) -> dict:
+    """The keys of the range whose outcome the draft (a render dry-run's body) changes; see the module."""
+    data = require_object(data)
+    findings = Findings()
+    start, end, labels, workload_ids = _selection(data, findings)
+    specs, draft = hypothetical_policy(data=data, findings=findings, more_keys=BODY_KEYS)
+    assert start is not None and end is not None  # noqa: S101  # else hypothetical_policy raised
+
+    selected = workloads_selected(workload_ids=workload_ids, labels=labels)
+    planned = flow_range_plan(selected=selected, start=start, end=end)
+    covered = coverage(selected, start, end, lookback=planned.lookback)
+    rows = flow_keys_summed(planned, KEY_COLUMNS)
+
+    fleet, inputs = fleet_load()
+    now = policy_inputs_load()
+    rules_now, rules_draft = _rules_by_number(now), _rules_by_number(draft)
+    refused: list[dict] = []
+    admitted: list[dict] = []
+    # A workload's labels decide which rulesets apply to it: workloads with the same labels judge a
+    # connection alike, and a fleet has far fewer label sets than keys.
+    outcomes: dict[tuple, tuple[int | None, int | None]] = {}
+    for row in rows:
+        workload = inputs.get(str(row["workload_id"]))
+        connection = _connection(row)
+        if workload is None or connection is None:
+            continue
+        key = (workload.labels, connection)
+        found = outcomes.get(key)
+        if found is None:
+            judged = _judged(workload)
+            found = outcomes[key] = (
+                classify(judged, now.rulesets, now.groups, fleet, connection).rule,
+                classify(judged, draft.rulesets, draft.groups, fleet, connection).rule,
+            )
+        before, after = found
+        if (before is None) == (after is None):
+            continue
+        entry = {
+            "workload_id": str(row["workload_id"]),
+            "mode": workload.mode,
+            "peer": row["peer"],
+            "peer_workload_id": str(row["peer_workload_id"]) if row["peer_workload_id"] else None,
+            "protocol": row["protocol"],
+            "port": row["port"],
+            "connection_count": row["connection_count"],
+            "first_seen": rfc3339(row["first_seen"]),
+            "last_seen": rfc3339(row["last_seen"]),
+            "rule_now": rules_now.get(before) if before is not None else None,
+            "rule_draft": rules_draft.get(after) if after is not None else None,
+        }
+        (refused if after is None else admitted).append(entry)
+
+    def order(entry: dict) -> tuple:
+        return (
+            -entry["connection_count"],
+            entry["workload_id"],
+            entry["peer"],
+            entry["protocol"],
+            entry["port"],
+        )
+
+    refused.sort(key=order)
+    admitted.sort(key=order)
+    return {
+        "from": rfc3339(start),
+        "to": rfc3339(end),
+        "keys_classified": len(rows),
+        "newly_refused_summary": _summary(refused),
+        "newly_refused": refused[:MAX_LISTED],
+        "newly_admitted_summary": _summary(admitted),
+        "newly_admitted": admitted[:MAX_LISTED],
+        "truncated": len(refused) > MAX_LISTED or len(admitted) > MAX_LISTED,
+        "coverage": coverage_data(covered),
+        "warnings": unmatched_selectors(specs, fleet),
+    }

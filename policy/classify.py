@@ -1,0 +1,189 @@
+"""Which rule of a workload's table admits a connection: the renderer's semantics as a function.
+
+``classify`` answers for one inbound connection what the table ``render`` produces for the
+same inputs would do with its first packet, and with which ct mark:
+
+* the baseline allowances, checked in the table's order before any rule: ``established``
+  (and ``related``: replies and ICMP errors about admitted connections), ``invalid``
+  (accepted unmarked in simulation, dropped unmarked in enforced), ``loopback``,
+  ``icmpv6-discovery`` (neighbour/router discovery, multicast listeners), ``dhcp``. These set
+  no mark: the outcome carries the allowance's name and neither decision nor rule;
+* in ``visibility`` every other connection is ``observed``;
+* otherwise the first rule with a line that matches (rulesets by name then id, rules by
+  position then id, as the chain lists them): ``allowed`` with the rule's lifetime number,
+  which is what ``decode_mark`` reads from the conntrack entry; no rule: ``would_block`` in
+  simulation, ``blocked`` in enforced.
+
+It walks the renderer's own compiled rules and source sets (``_applicable``,
+``_compiled_ruleset``, ``_source_sets``, memoised in the fleet index like a render), so the
+two cannot disagree about order, selectors resolved to the fleet's addresses now, address
+groups, services, ranges, ICMP and ``any``. Pure: no Django, no I/O.
+
+A line the renderer leaves out (a source with addresses of the other family only) would
+match nothing here either: its set is empty.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from policy.render_inputs import (
+    PORT_PROTOCOLS,
+    PROTOCOLS,
+    AddressGroupInput,
+    FleetIndex,
+    RulesetInput,
+    WorkloadInput,
+    parse_host_address,
+)
+from policy.renderer import (
+    DECISION_ALLOWED,
+    DECISION_BLOCKED,
+    DECISION_NAMES,
+    DECISION_OBSERVED,
+    DECISION_WOULD_BLOCK,
+    _applicable,
+    _compiled_ruleset,
+    _source_sets,
+)
+
+STATES = ("new", "established", "related", "invalid")
+# The ICMPv6 types of the baseline's discovery line (nd-router-advert ... mld2-listener-report).
+ICMPV6_DISCOVERY_TYPES = frozenset({134, 135, 136, 137, 130, 131, 132, 143})
+_LINK_LOCAL_V6 = ipaddress.ip_network("fe80::/10")
+
+
+@dataclass(frozen=True)
+class Connection:
+    """The first packet of an inbound connection, as the input hook sees it."""
+
+    peer: str  # the source address; its family picks IPv4 or IPv6
+    protocol: str  # tcp, udp, icmp, icmpv6
+    port: int | None = None  # tcp/udp destination port; icmp/icmpv6 type (None: not a discovery type)
+    state: str = "new"  # the conntrack state of the packet
+    loopback: bool = False  # arrived on "lo"
+    source_port: int | None = None  # tcp/udp; only the DHCP allowances read it
+
+    def __post_init__(self) -> None:
+        if self.protocol not in PROTOCOLS:
+            raise ValueError(f"unknown protocol {self.protocol!r}")
+        if self.state not in STATES:
+            raise ValueError(f"unknown connection state {self.state!r}")
+        if self.protocol in PORT_PROTOCOLS and (type(self.port) is not int or not 0 <= self.port <= 65535):
+            raise ValueError(f"{self.protocol} needs a destination port in 0-65535, not {self.port!r}")
+        parse_host_address(self.peer)  # raises ValueError
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What the table does: ``decision``/``rule`` as ``decode_mark`` reads the ct mark, or the
+    baseline allowance that accepted the packet without a mark."""
+
+    decision: str | None  # observed, allowed, would_block, blocked; None under a baseline allowance
+    rule: int | None = None  # the admitting rule's lifetime number, for "allowed"
+    baseline: str | None = None  # established, invalid, loopback, icmpv6-discovery, dhcp
+    admitted: bool = True  # the packet gets through (False: enforced drops it)
+
+
+def _baseline(connection: Connection, family: int, address: int) -> str | None:
+    """The baseline allowance (in the table's order) that accepts the packet, if any."""
+    if connection.state in ("established", "related"):
+        return "established"
+    if connection.state == "invalid":
+        return "invalid"
+    if connection.loopback:
+        return "loopback"
+    if connection.protocol == "icmpv6" and connection.port in ICMPV6_DISCOVERY_TYPES:
+        return "icmpv6-discovery"
+    if connection.protocol == "udp":
+        if connection.source_port == 67 and connection.port == 68:
+            return "dhcp"
+        if (
+            family == 6
+            and connection.source_port == 547
+            and connection.port == 546
+            and address in _LINK_LOCAL_RANGE
+        ):
+            return "dhcp"
+    return None
+
+
+_LINK_LOCAL_RANGE = range(int(_LINK_LOCAL_V6.network_address), int(_LINK_LOCAL_V6.broadcast_address) + 1)
+
+
+def classify(
+    workload: WorkloadInput,
+    rulesets: Sequence[RulesetInput],
+    groups: Mapping[str, AddressGroupInput],
+    fleet: FleetIndex,
+    connection: Connection,
+) -> Outcome:
+    """How ``render(workload, rulesets, groups, fleet)``'s table judges ``connection``."""
+    peer = parse_host_address(connection.peer)
+    family, address = peer.version, int(peer)
+    baseline = _baseline(connection, family, address)
+    if baseline is not None:
+        # Enforced drops invalid packets, unmarked and unlogged; the other modes accept them
+        # unmarked (visibility has no invalid line: they are not "new", so never observed).
+        return Outcome(
+            None, None, baseline, admitted=not (baseline == "invalid" and workload.mode == "enforced")
+        )
+    if workload.mode == "visibility":
+        return Outcome(DECISION_NAMES[DECISION_OBSERVED])
+    rule = _first_rule(workload, rulesets, groups, fleet, connection, family, address)
+    if rule is not None:
+        return Outcome(DECISION_NAMES[DECISION_ALLOWED], rule)
+    if workload.mode == "enforced":
+        return Outcome(DECISION_NAMES[DECISION_BLOCKED], admitted=False)
+    return Outcome(DECISION_NAMES[DECISION_WOULD_BLOCK])
+
+
+def admitting_rule(
+    workload: WorkloadInput,
+    rulesets: Sequence[RulesetInput],
+    groups: Mapping[str, AddressGroupInput],
+    fleet: FleetIndex,
+    connection: Connection,
+) -> int | None:
+    """The lifetime number of the first rule that admits a new ``connection``, or None.
+
+    Rules only: the baseline and the workload's mode are ``classify``'s business.
+    """
+    peer = parse_host_address(connection.peer)
+    return _first_rule(workload, rulesets, groups, fleet, connection, peer.version, int(peer))
+
+
+def _first_rule(
+    workload: WorkloadInput,
+    rulesets: Sequence[RulesetInput],
+    groups: Mapping[str, AddressGroupInput],
+    fleet: FleetIndex,
+    connection: Connection,
+    family: int,
+    address: int,
+) -> int | None:
+    protocol, port = connection.protocol, connection.port
+    ported = protocol in PORT_PROTOCOLS
+    for ruleset in _applicable(workload, rulesets, fleet):
+        for rule, compiled in _compiled_ruleset(ruleset, fleet):
+            # "meta l4proto . th dport @svc_...": the same set on each of the rule's lines.
+            in_service_set = ported and any(
+                p == protocol and low <= port <= high  # type: ignore[operator]  # tcp/udp have one
+                for p, low, high in compiled.service_ranges
+            )
+            for line in compiled.lines:
+                if line.uses_service_set:
+                    if not in_service_set:
+                        continue
+                elif line.l4proto != protocol:
+                    continue
+                if line.source is not None:
+                    # "ip saddr @..." / "ip6 saddr @...": only packets of the line's family.
+                    if family != line.family:
+                        continue
+                    if not _source_sets(line.source, compiled, groups, fleet).contains(family, address):
+                        continue
+                return rule.number
+    return None

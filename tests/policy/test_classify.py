@@ -1,0 +1,184 @@
+"""The classifier: which rule of a workload's rendered table admits a new inbound connection.
+
+tests/dataplane/test_classifier_against_kernel.py checks the same function against the
+kernel's ct marks; these pin the semantics case by case.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from policy.classify import Connection, Outcome, admitting_rule, classify
+from policy.grammar import parse_selector
+from policy.render_inputs import (
+    AddressGroupInput,
+    FleetIndex,
+    PortEntry,
+    RuleInput,
+    RulesetInput,
+    SourceInput,
+    WorkloadInput,
+)
+from policy.renderer import render
+
+S = parse_selector
+ANY = SourceInput("any")
+
+
+def sel(text: str) -> SourceInput:
+    return SourceInput("selector", S(text))
+
+
+def grp(group_id: str) -> SourceInput:
+    return SourceInput("address_group", address_group_id=group_id)
+
+
+def rule(number, position, sources, entries, id=None) -> RuleInput:
+    return RuleInput(id or f"r{number}", position, "", tuple(sources), tuple(entries), number=number)
+
+
+WORKLOADS = [
+    WorkloadInput("srv", {"role": "server"}, ("10.0.0.1", "2001:db8::1"), "visibility"),
+    WorkloadInput("c1", {"role": "client"}, ("10.0.1.1", "2001:db8::11"), "visibility"),
+    WorkloadInput("c2", {"role": "client", "env": "prod"}, ("10.0.1.2",), "visibility"),
+    WorkloadInput("m1", {"role": "monitor"}, ("10.0.2.1",), "visibility"),
+]
+GROUPS = {
+    "g-office": AddressGroupInput(
+        "g-office", "office", ("192.168.10.0/24", "192.168.12.7", "2001:db8:1::/48")
+    ),
+    "g-empty": AddressGroupInput("g-empty", "empty", ()),
+}
+RULESETS = [
+    # Listed out of order: the table orders rulesets by name, rules by position.
+    RulesetInput(
+        "rs-web",
+        "web",
+        S("role=server"),
+        (
+            rule(7, 20, [sel("role=monitor")], [PortEntry("tcp", 8080), PortEntry("icmp")]),
+            rule(
+                3,
+                10,
+                [sel("role=client"), grp("g-office")],
+                [PortEntry("tcp", 8000, 8100), PortEntry("udp", 53)],
+            ),
+            rule(9, 30, [sel("env=prod")], [PortEntry("tcp", 8080)]),
+        ),
+    ),
+    RulesetInput(
+        "rs-base", "base", S("role"), (rule(12, 5, [ANY, sel("role=nobody")], [PortEntry("icmpv6")]),)
+    ),
+    RulesetInput("rs-db", "db", S("role=db"), (rule(20, 1, [ANY], [PortEntry("tcp", 5432)]),)),
+    RulesetInput("rs-all", "z-all", S(""), (rule(30, 1, [grp("g-empty")], [PortEntry("tcp", 1, 65535)]),)),
+]
+
+
+def judge(peer, protocol, port=None, mode="enforced", rulesets=RULESETS, **connection) -> Outcome:
+    workload = WorkloadInput("srv", {"role": "server"}, ("10.0.0.1", "2001:db8::1"), mode)
+    fleet = FleetIndex.build(WORKLOADS)
+    return classify(workload, rulesets, GROUPS, fleet, Connection(peer, protocol, port, **connection))
+
+
+def rule_of(peer, protocol, port=None) -> int | None:
+    outcome = judge(peer, protocol, port)
+    return outcome.rule
+
+
+@pytest.mark.parametrize(
+    ("peer", "protocol", "port", "number"),
+    [
+        ("10.0.1.1", "tcp", 8000, 3),  # selector, range start
+        ("10.0.1.1", "tcp", 8100, 3),  # range end
+        ("10.0.1.1", "tcp", 8101, None),
+        ("10.0.1.2", "tcp", 8080, 3),  # rule 3 (position 10) before rule 9 (position 30)
+        ("10.0.1.1", "udp", 53, 3),
+        ("10.0.1.1", "tcp", 53, None),  # udp entry, tcp connection
+        ("2001:db8::11", "tcp", 8050, 3),  # the selector's IPv6 address
+        ("192.168.10.200", "udp", 53, 3),  # group CIDR
+        ("192.168.11.1", "udp", 53, None),
+        ("192.168.12.7", "tcp", 8001, 3),  # group host
+        ("2001:db8:1:ffff::9", "tcp", 8001, 3),  # group IPv6 CIDR
+        ("10.0.2.1", "tcp", 8080, 7),
+        ("10.0.2.1", "icmp", 8, 7),  # icmp echo from the monitor
+        ("10.0.1.1", "icmp", 8, None),
+        ("2001:db8:99::1", "icmpv6", 128, 12),  # "any" beats the selector beside it; base before web
+        ("10.9.9.9", "icmp", 8, None),  # the icmpv6 rule is not an icmp rule
+        ("10.9.9.9", "tcp", 5432, None),  # rs-db does not apply to a server
+        ("10.9.9.9", "tcp", 1234, None),  # an empty group admits nothing
+        ("10.0.0.1", "tcp", 8080, None),  # the workload itself is not a client
+    ],
+)
+def test_first_matching_rule_in_table_order(peer, protocol, port, number):
+    assert rule_of(peer, protocol, port) == number
+
+
+def test_decisions_per_mode_are_what_the_mark_says():
+    assert judge("10.0.1.1", "tcp", 8080, mode="enforced") == Outcome("allowed", 3)
+    assert judge("10.0.1.1", "tcp", 8080, mode="simulation") == Outcome("allowed", 3)
+    assert judge("10.0.1.1", "tcp", 8080, mode="visibility") == Outcome("observed")
+    assert judge("10.9.9.9", "tcp", 22, mode="simulation") == Outcome("would_block")
+    blocked = judge("10.9.9.9", "tcp", 22, mode="enforced")
+    assert blocked == Outcome("blocked", admitted=False) and not blocked.admitted
+
+
+@pytest.mark.parametrize("mode", ["visibility", "simulation", "enforced"])
+def test_baseline_allowances_come_before_any_rule_and_set_no_mark(mode):
+    def baseline(*args, **kwargs):
+        outcome = judge(*args, mode=mode, **kwargs)
+        assert (outcome.decision, outcome.rule) == (None, None)
+        return outcome.baseline
+
+    assert baseline("10.9.9.9", "tcp", 22, state="established") == "established"
+    assert baseline("10.9.9.9", "icmp", 3, state="related") == "established"
+    assert baseline("127.0.0.1", "tcp", 22, loopback=True) == "loopback"
+    assert baseline("10.0.1.1", "tcp", 8080, loopback=True) == "loopback"  # before rule 3
+    assert baseline("fe80::1", "icmpv6", 135) == "icmpv6-discovery"
+    assert baseline("10.9.9.9", "udp", 68, source_port=67) == "dhcp"
+    assert baseline("fe80::1", "udp", 546, source_port=547) == "dhcp"
+    assert judge("2001:db8::5", "udp", 546, source_port=547, mode=mode).baseline is None  # not link-local
+    assert judge("fe80::1", "icmpv6", 128, mode=mode).baseline is None  # echo is no discovery
+
+    invalid = judge("10.9.9.9", "tcp", 22, state="invalid", mode=mode)
+    assert (invalid.baseline, invalid.admitted) == ("invalid", mode != "enforced")
+
+
+def test_selectors_resolve_to_the_fleet_now():
+    workload = WorkloadInput("srv", {"role": "server"}, ("10.0.0.1",), "enforced")
+    moved = [*WORKLOADS[:1], WorkloadInput("c1", {"role": "monitor"}, ("10.0.1.1",), "visibility")]
+    connection = Connection("10.0.1.1", "tcp", 8080)
+    assert classify(workload, RULESETS, GROUPS, FleetIndex.build(WORKLOADS), connection).rule == 3
+    assert classify(workload, RULESETS, GROUPS, FleetIndex.build(moved), connection).rule == 7
+
+
+def test_the_same_rule_numbers_the_rendered_table_marks():
+    workload = WorkloadInput("srv", {"role": "server"}, ("10.0.0.1",), "enforced")
+    fleet = FleetIndex.build(WORKLOADS)
+    document = render(workload, RULESETS, GROUPS, fleet)
+    seen = {
+        admitting_rule(workload, RULESETS, GROUPS, fleet, Connection(peer, protocol, port))
+        for peer in ("10.0.1.1", "10.0.2.1", "192.168.10.1", "2001:db8::11", "10.5.5.5")
+        for protocol, port in (("tcp", 8080), ("udp", 53), ("icmp", 0), ("icmpv6", 128), ("tcp", 9))
+    }
+    assert seen - {None} == {3, 7, 12}
+    assert seen - {None} <= set(document.rule_index)
+
+
+def test_bad_connections_and_missing_groups_are_value_errors():
+    for bad in (
+        dict(peer="10.0.0.300", protocol="tcp", port=1),
+        dict(peer="10.0.0.3", protocol="sctp", port=1),
+        dict(peer="10.0.0.3", protocol="tcp", port=None),
+        dict(peer="10.0.0.3", protocol="udp", port=70000),
+        dict(peer="10.0.0.3", protocol="tcp", port=1, state="syn"),
+    ):
+        with pytest.raises(ValueError):
+            Connection(**bad)
+    with pytest.raises(ValueError, match="g-office"):
+        classify(
+            WorkloadInput("srv", {"role": "server"}, (), "enforced"),
+            RULESETS,
+            {},
+            FleetIndex.build(WORKLOADS),
+            Connection("10.9.9.9", "tcp", 8080),
+        )
