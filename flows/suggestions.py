@@ -1,0 +1,310 @@
+"""Suggested rules: a draft ruleset proposed from the stored flows that no rule admitted (issue 25,
+item 2). A read: it saves nothing; the operator saves the draft with the ordinary writes.
+
+The evidence is the selected workloads' keys (workload, peer, peer workload, protocol, port) decided
+`observed`, `would_block` or `blocked` in the range, summed in SQL as the rollup sums them
+(flows/selectors.py). The stored port is the workload's own (local) port of an inbound connection
+(agent/flowwindow.py), so a service is never a client's ephemeral port.
+
+How the evidence becomes rules, never wider than what was seen:
+- the scope of a ruleset is the protected workload's values for `label_keys` (one ruleset per scope);
+- a peer that is a workload of the fleet becomes a selector of its values for `label_keys`; a peer
+  outside the fleet becomes a member of an address group of exactly the addresses seen (or, when
+  asked, of the CIDRs of a given prefix length that hold them, with the count of unseen addresses
+  that admits);
+- within a scope, the sources that were seen on exactly the same set of services share one rule: a
+  rule admits every source on every service, so sources seen on different services get their own.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections import defaultdict
+from datetime import datetime
+
+from controlplane.clock import rfc3339
+from controlplane.problems import Finding, ValidationFailed
+from fleet.models import Workload
+from flows.choices import Decision
+from flows.representations import coverage_data
+from flows.selectors import _summed, coverage, flow_range_plan
+from policy.grammar import GrammarError, Requirement, Selector, validate_label_key
+from policy.models import AddressGroup, Ruleset, Service
+from policy.validation import MAX_NAME, MAX_RULES_PER_RULESET, MAX_SOURCES_PER_RULE
+
+# `app` alone: it names what a workload runs, the group that rules are written for
+# (docs/labels-and-selectors.md). Every key must be on both ends of a connection for it to be
+# generalised, so a second default key (`role`) would leave every workload without it out of the
+# proposal; operators whose fleets label roles ask for both.
+DEFAULT_LABEL_KEYS = ("app",)
+UNADMITTED = (Decision.OBSERVED, Decision.WOULD_BLOCK, Decision.BLOCKED)
+KEY_COLUMNS = ["workload_id", "peer", "peer_workload_id", "protocol", "port"]
+
+
+def label_keys_check(label_keys: list[str]) -> list[str]:
+    findings = []
+    for index, key in enumerate(label_keys):
+        try:
+            validate_label_key(key)
+        except GrammarError as error:
+            findings.append(Finding(f"/label_keys/{index}", error.rule, error.message))
+    if not label_keys:
+        findings.append(Finding("/label_keys", "empty", "label_keys needs at least one label key."))
+    if findings:
+        raise ValidationFailed(findings)
+    return list(dict.fromkeys(label_keys))
+
+
+def _values_selector(labels: dict, label_keys: list[str]) -> tuple[str | None, list[str]]:
+    """The selector of `labels`' values for `label_keys`, or None and the keys it lacks."""
+    missing = [key for key in label_keys if key not in labels]
+    if missing:
+        return None, missing
+    return str(Selector(tuple(Requirement(key, "=", (labels[key],)) for key in label_keys))), []
+
+
+def _service_entry(protocol: str, port: int) -> dict:
+    return {"protocol": protocol, "port": port} if protocol in ("tcp", "udp") else {"protocol": protocol}
+
+
+def _aggregated(addresses: list[str], prefix: int | None, prefix_v6: int | None) -> tuple[list[str], int]:
+    """The members for `addresses`: themselves, or the networks of the prefix lengths asked for that
+    hold them; and how many addresses those networks admit beyond the ones seen."""
+    members: set[str] = set()
+    for text in addresses:
+        address = ipaddress.ip_address(text)
+        length = prefix if address.version == 4 else prefix_v6
+        if length is None or length >= address.max_prefixlen:
+            members.add(str(address))
+        else:
+            members.add(str(ipaddress.ip_network(f"{address}/{length}", strict=False)))
+    admitted = sum(ipaddress.ip_network(m).num_addresses for m in members)
+    ordered = sorted(members, key=lambda m: (ipaddress.ip_network(m).version, ipaddress.ip_network(m)))
+    return ordered, admitted - len(set(addresses))
+
+
+class _Names:
+    """Names for the draft's objects that no stored object (nor an earlier one of the draft) has."""
+
+    def __init__(self, model) -> None:
+        self.taken = set(model.objects.values_list("name", flat=True))
+
+    def take(self, wanted: str) -> str:
+        base, n = wanted[: MAX_NAME - 4], 1
+        name = base
+        while name in self.taken:
+            n += 1
+            name = f"{base} {n}"
+        self.taken.add(name)
+        return name
+
+
+def _span(rows: list[dict]) -> dict:
+    return {
+        "connection_count": sum(r["connection_count"] for r in rows),
+        "first_seen": rfc3339(min(r["first_seen"] for r in rows)),
+        "last_seen": rfc3339(max(r["last_seen"] for r in rows)),
+    }
+
+
+def _incomplete_intervals(covered: dict, start: datetime, end: datetime) -> list[dict]:
+    """The intervals of the range the suggestion could not learn from, workload by workload."""
+    intervals = [
+        {"workload_id": str(g.workload_id), "start": rfc3339(max(g.start, start)),
+         "end": rfc3339(min(g.end, end)), "reason": f"evidence gap ({g.kind})"}
+        for g in covered["gaps"]
+    ]  # fmt: skip
+    intervals += [
+        {"workload_id": str(w), "start": rfc3339(start), "end": rfc3339(end),
+         "reason": "no flow window in the range"}
+        for w in covered["workloads_without_reports"]
+    ]  # fmt: skip
+    for listed, reason in (
+        ("silent_workloads", "agent silent"),
+        ("pending_workloads", "flow evidence not delivered yet"),
+    ):
+        intervals += [
+            {"workload_id": str(w["workload_id"]), "start": rfc3339(max(w["since"], start)),
+             "end": rfc3339(end), "reason": reason}
+            for w in covered[listed]
+        ]  # fmt: skip
+    if covered["begins_before_retention"]:
+        intervals.append(
+            {"workload_id": None, "start": rfc3339(start), "end": rfc3339(covered["retained_from"]),
+             "reason": "before the retention: removed"}
+        )  # fmt: skip
+    return intervals
+
+
+def policy_suggest(
+    *,
+    selected,
+    start: datetime,
+    end: datetime,
+    label_keys: list[str] | None = None,
+    aggregate_prefix: int | None = None,
+    aggregate_prefix_v6: int | None = None,
+) -> dict:
+    """Rules proposed from the selected workloads' (`selected` as flows.selectors.workloads_selected
+    gives it; None: the whole fleet) unadmitted connections in [start, end), with their evidence, the
+    connections that could not be generalised, and the range's coverage. Saves nothing."""
+    label_keys = label_keys_check(list(label_keys) if label_keys is not None else list(DEFAULT_LABEL_KEYS))
+    planned = flow_range_plan(selected=selected, start=start, end=end)
+    covered = coverage(selected, start, end, lookback=planned.lookback)
+    rows = _summed(planned, KEY_COLUMNS, decision__in=list(UNADMITTED))
+    ids = {r["workload_id"] for r in rows} | {r["peer_workload_id"] for r in rows if r["peer_workload_id"]}
+    workloads = {w.id: w for w in Workload.objects.filter(id__in=ids).only("id", "hostname", "labels")}
+
+    # scope -> source -> (protocol, port) -> rows
+    seen: dict[str, dict[tuple, dict[tuple, list]]] = defaultdict(
+        lambda: defaultdict(lambda: defaultdict(list))
+    )
+    scope_workloads: dict[str, set] = defaultdict(set)
+    not_generalised = []
+    for row in rows:
+        workload = workloads[row["workload_id"]]
+        scope, missing = _values_selector(workload.labels, label_keys)
+        reason = None
+        if scope is None:
+            reason = f"the workload {workload.hostname} has no label {', '.join(missing)}"
+        elif row["peer_workload_id"] is not None:
+            peer = workloads.get(row["peer_workload_id"])
+            selector, missing = _values_selector(peer.labels if peer else {}, label_keys)
+            source = ("selector", selector)
+            if selector is None:
+                reason = (
+                    f"the peer workload {peer.hostname} has no label {', '.join(missing)}"
+                    if peer
+                    else "the peer workload no longer exists"
+                )
+        else:
+            source = ("address", row["peer"])
+        if reason is not None:
+            not_generalised.append({**_row_data(row), "reason": reason})
+            continue
+        seen[scope][source][(row["protocol"], row["port"])].append(row)  # type: ignore[index]
+        scope_workloads[scope].add(str(workload.id))
+
+    rulesets, groups, evidence = [], [], []
+    ruleset_names, group_names = _Names(Ruleset), _Names(AddressGroup)
+    named_groups = {tuple(g.members): g.name for g in AddressGroup.objects.all()}
+    named_services = _single_entry_services()
+    for scope in sorted(seen):
+        # sources by the exact set of services they were seen on: one rule each
+        by_services: dict[tuple, list] = defaultdict(list)
+        for source, services in seen[scope].items():
+            by_services[tuple(sorted(services))].append(source)
+        rules, rules_evidence = [], []
+        for services_key, sources in sorted(by_services.items(), key=lambda i: (i[0], sorted(i[1]))):
+            selectors = sorted(value for kind, value in sources if kind == "selector")
+            addresses = sorted(
+                (value for kind, value in sources if kind == "address"),
+                key=lambda a: (ipaddress.ip_address(a).version, ipaddress.ip_address(a)),
+            )
+            rule_sources: list[dict] = [{"selector": s} for s in selectors]
+            group_name = ""
+            if addresses:
+                members, unseen = _aggregated(addresses, aggregate_prefix, aggregate_prefix_v6)
+                name = named_groups.get(tuple(members))
+                if name is None:
+                    name = group_names.take(f"suggested {scope} peers")
+                    named_groups[tuple(members)] = name
+                    groups.append(
+                        {"name": name, "description": f"Peers seen by {scope} in the suggested range.",
+                         "members": members, "addresses_seen": len(addresses), "unseen_addresses_admitted": unseen}
+                    )  # fmt: skip
+                rule_sources.append({"address_group": name})
+                group_name = name
+            rule_services = [named_services.get(k) or _service_entry(*k) for k in services_key]
+            # A rule holds at most so many sources: more sources of the same services, more rules.
+            for first in range(0, len(rule_sources), MAX_SOURCES_PER_RULE):
+                part = rule_sources[first : first + MAX_SOURCES_PER_RULE]
+                rules.append({"description": "Suggested from observed traffic.", "sources": part,
+                              "services": rule_services})  # fmt: skip
+                covered_sources = [s for s in sources if _draft_source(s, group_name) in part]
+                every = [r for s in covered_sources for k in services_key for r in seen[scope][s][k]]
+                rules_evidence.append(_rule_evidence(every, services_key))
+        for index in range(0, len(rules), MAX_RULES_PER_RULESET):
+            ruleset_name = ruleset_names.take(f"suggested {scope}")
+            rulesets.append({"name": ruleset_name, "description": "Suggested from observed traffic.",
+                             "enabled": True, "scope": scope, "rules": rules[index: index + MAX_RULES_PER_RULESET]})  # fmt: skip
+            evidence.append({"ruleset": ruleset_name, "workloads": sorted(scope_workloads[scope]),
+                             "rules": rules_evidence[index: index + MAX_RULES_PER_RULESET]})  # fmt: skip
+    intervals = _incomplete_intervals(covered, start, end)
+    return {
+        "from": rfc3339(start),
+        "to": rfc3339(end),
+        "label_keys": label_keys,
+        "complete": covered["complete"],
+        "warning": None
+        if covered["complete"]
+        else (
+            "The range is incomplete: the suggestion did not learn from the intervals listed in "
+            "incomplete_intervals, and traffic seen only then is missing from it."
+        ),
+        # The draft: one ruleset body as POST /rulesets takes it when the evidence has one scope (the
+        # usual selection: the workloads of one group); `rulesets` has every scope's.
+        "draft": rulesets[0] if len(rulesets) == 1 else None,
+        "rulesets": rulesets,
+        "address_groups": [{k: g[k] for k in ("name", "description", "members")} for g in groups],
+        "services": [],
+        "address_group_evidence": [
+            {
+                "name": g["name"],
+                "addresses_seen": g["addresses_seen"],
+                "unseen_addresses_admitted": g["unseen_addresses_admitted"],
+            }
+            for g in groups
+        ],  # fmt: skip
+        "evidence": evidence,
+        "not_generalised": not_generalised,
+        "coverage": coverage_data(covered),
+        "incomplete_intervals": intervals,
+    }
+
+
+def _single_entry_services() -> dict[tuple, dict]:
+    """Stored services of exactly one single-port entry, by (protocol, port): what a suggested service
+    reuses by name (the first by name when several match)."""
+    found: dict[tuple, dict] = {}
+    for service in Service.objects.prefetch_related("entries").order_by("name"):
+        entries = list(service.entries.all())
+        if len(entries) == 1 and entries[0].port_to is None:
+            key = (entries[0].protocol, entries[0].port or 0)
+            found.setdefault(key, {"service": service.name})
+    return found
+
+
+def _row_data(row: dict) -> dict:
+    return {
+        "workload_id": str(row["workload_id"]),
+        "peer": row["peer"],
+        "peer_workload_id": str(row["peer_workload_id"]) if row["peer_workload_id"] else None,
+        "service": {"protocol": row["protocol"], "port": row["port"]},
+        "connection_count": row["connection_count"],
+        "first_seen": rfc3339(row["first_seen"]),
+        "last_seen": rfc3339(row["last_seen"]),
+    }
+
+
+def _draft_source(source: tuple, group_name: str) -> dict:
+    """The draft's source that holds this source of the evidence (an address: the rule's group)."""
+    kind, value = source
+    return {"selector": value} if kind == "selector" else {"address_group": group_name}
+
+
+def _rule_evidence(rows: list[dict], services_key: tuple) -> dict:
+    by_peer: dict[tuple, list] = defaultdict(list)
+    by_service: dict[tuple, list] = defaultdict(list)
+    for row in rows:
+        by_peer[(row["peer"], row["peer_workload_id"])].append(row)
+        by_service[(row["protocol"], row["port"])].append(row)
+    return {
+        **_span(rows),
+        "peers": [
+            {"peer": peer, "peer_workload_id": str(pw) if pw else None, **_span(by_peer[(peer, pw)])}
+            for peer, pw in sorted(by_peer, key=lambda k: k[0])
+        ],
+        "services": [{"protocol": p, "port": n, **_span(by_service[(p, n)])} for p, n in services_key],
+        "workload_ids": sorted({str(r["workload_id"]) for r in rows}),
+    }
