@@ -26,7 +26,9 @@ POOL_THREADS = int(os.environ.get("PALISADE_HTTP_THREADS", 4))
 # Requests whose work grows with the body and the fleet (a 400 KB render dry-run takes seconds of CPU)
 # run on their own small pool, and only so many may wait: sixteen of them at once held every pool
 # thread, and `GET /me` waited seconds behind them.
-HEAVY_PATHS = frozenset({"/api/v1/policies/render-dryrun", "/api/v1/selectors/preview"})
+HEAVY_PATHS = frozenset(
+    {"/api/v1/policies/render-dryrun", "/api/v1/selectors/preview", "/api/v1/policies/suggestions"}
+)
 HEAVY_THREADS = int(os.environ.get("PALISADE_HEAVY_THREADS", 2))
 HEAVY_WAITING = 8
 # Agents' flow reports run on a pool of their own: a busy fleet's reports never hold the threads the

@@ -19,15 +19,20 @@ How the evidence becomes rules, never wider than what was seen:
 from __future__ import annotations
 
 import ipaddress
+import re
 from collections import defaultdict
 from datetime import datetime
+from typing import Any
 
 from controlplane.clock import rfc3339
-from controlplane.problems import Finding, ValidationFailed
+from controlplane.problems import Finding, ValidationFailed, pointer
+from controlplane.validation import Findings, parsed_together, reject_unknown, require_object
 from fleet.models import Workload
+from fleet.selectors import label_filters_parse
 from flows.choices import Decision
 from flows.representations import coverage_data
-from flows.selectors import _summed, coverage, flow_range_plan
+from flows.selectors import _summed, coverage, flow_range_plan, workloads_selected
+from flows.validation import flow_range_parse
 from policy.grammar import GrammarError, Requirement, Selector, validate_label_key
 from policy.models import AddressGroup, Ruleset, Service
 from policy.validation import MAX_NAME, MAX_RULES_PER_RULESET, MAX_SOURCES_PER_RULE
@@ -261,6 +266,71 @@ def policy_suggest(
         "coverage": coverage_data(covered),
         "incomplete_intervals": intervals,
     }
+
+
+REQUEST_FIELDS = ("label", "workload", "from", "to", "label_keys", "aggregate_prefix", "aggregate_prefix_v6")
+
+
+def _strings(data, name: str, findings: Findings) -> list[str]:
+    value = data.get(name, [])
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        findings.add(pointer(name), "type", f"{name} must be a list of strings.")
+        return []
+    return value
+
+
+def _prefix(data, name: str, longest: int, findings: Findings) -> int | None:
+    value = data.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= longest:
+        findings.add(pointer(name), "out-of-range", f"{name} is a prefix length from 0 to {longest}.")
+        return None
+    return value
+
+
+def _at_body(failed: ValidationFailed) -> list[Finding]:
+    """A query parameter parser's findings at the body's pointers: `?from` -> `/from`, `?label[1]` ->
+    `/label/1`."""
+    path = lambda p: re.sub(r"\[(\d+)\]$", r"/\1", "/" + p[1:]) if p.startswith("?") else p  # noqa: E731
+    return [Finding(path(f.path), f.rule, f.message) for f in failed.findings]
+
+
+def policy_suggest_request(*, data: Any) -> dict:
+    """POST /policies/suggestions (and `manage.py policy suggest`): the body parsed, every finding at
+    once, then `policy_suggest`. The body: `label` (selectors, ANDed) and `workload` (ids) select the
+    workloads to protect (neither: the whole fleet), `from` and `to` the range (as the rollup's),
+    `label_keys`, and optionally `aggregate_prefix` (IPv4) and `aggregate_prefix_v6`."""
+    data = require_object(data)
+    findings = Findings()
+    reject_unknown(data, REQUEST_FIELDS, findings)
+    labels, workload_ids = _strings(data, "label", findings), _strings(data, "workload", findings)
+    keys = _strings(data, "label_keys", findings) if "label_keys" in data else list(DEFAULT_LABEL_KEYS)
+    prefix = _prefix(data, "aggregate_prefix", 32, findings)
+    prefix_v6 = _prefix(data, "aggregate_prefix_v6", 128, findings)
+    parsed = [None, None, None]
+    try:
+        parsed = parsed_together(
+            lambda: flow_range_parse(start=_text(data.get("from")), end=_text(data.get("to"))),
+            lambda: label_filters_parse(labels),
+            lambda: label_keys_check(keys),
+        )
+    except ValidationFailed as failed:
+        findings.extend(_at_body(failed))
+    findings.raise_if_any()
+    (start, end), selectors, label_keys = parsed  # type: ignore[misc]
+    return policy_suggest(
+        selected=workloads_selected(workload_ids=workload_ids, labels=selectors),
+        start=start,
+        end=end,
+        label_keys=label_keys,
+        aggregate_prefix=prefix,
+        aggregate_prefix_v6=prefix_v6,
+    )
+
+
+def _text(value) -> str | None:
+    return value if isinstance(value, str) else None
 
 
 def _single_entry_services() -> dict[tuple, dict]:

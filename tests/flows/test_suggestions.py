@@ -19,6 +19,7 @@ from policy import services
 from policy.grammar import parse_selector
 from policy.representations import ruleset_data
 from tests.support.flow_evidence import enrolled, flow_report, windows_between
+from tests.support.helpers import assert_problem
 
 _uptimes = itertools.count(100)
 OUTSIDE = "198.51.100.7"
@@ -206,3 +207,58 @@ def test_every_selector_proposed_parses(fleet):
         for source in rule["sources"]:
             if "selector" in source:
                 assert str(parse_selector(source["selector"])) == source["selector"]
+
+
+# --- POST /api/v1/policies/suggestions ---
+
+
+def _body(**extra):
+    start, end = _range()
+    text = lambda t: t.strftime("%Y-%m-%dT%H:%M:%SZ")  # noqa: E731
+    return {"from": text(start), "to": text(end), **extra}
+
+
+def test_the_endpoint_answers_the_same_proposal_and_the_draft_posts_unchanged(api, fleet):
+    server, clients = fleet
+    counts = _scenario(server, clients)
+    response = api.post(
+        "/api/v1/policies/suggestions", _body(label=["app=db"], label_keys=["app"]), format="json"
+    )
+    assert response.status_code == 200, response.content
+    answer = response.json()
+    assert [len(r["rules"]) for r in answer["rulesets"]] == [2]
+    assert sum(r["connection_count"] for r in answer["evidence"][0]["rules"]) == counts["db"] + counts["ssh"]
+    for group in answer["address_groups"]:
+        assert api.post("/api/v1/address-groups", group, format="json").status_code == 201
+    saved = api.post("/api/v1/rulesets", answer["draft"], format="json")
+    assert saved.status_code == 201, saved.content
+    assert [r["services"] for r in saved.json()["rules"]] == [r["services"] for r in answer["draft"]["rules"]]
+    # by workload id too, and nothing was saved by asking
+    again = api.post("/api/v1/policies/suggestions", _body(workload=[str(server.id)]), format="json").json()
+    assert again["label_keys"] == ["app"] and again["draft"]["scope"] == "app=db"
+
+
+def test_bad_bodies_are_validation_problems_with_every_finding(api, db):
+    body = assert_problem(
+        api.post(
+            "/api/v1/policies/suggestions",
+            {"from": "yesterday", "label": ["app in ()"], "label_keys": ["a b"], "aggregate_prefix": 33, "x": 1},
+            format="json",
+        ),
+        422,
+        "validation",
+    )
+    paths = {f["path"] for f in body["errors"]}
+    assert paths == {"/x", "/from", "/to", "/label/0", "/label_keys/0", "/aggregate_prefix"}, body
+    assert_problem(api.post("/api/v1/policies/suggestions", [], format="json"), 422, "validation")
+    assert_problem(
+        api.post("/api/v1/policies/suggestions", _body(workload=[str(uuid.uuid4())]), format="json"),
+        404,
+        "not-found",
+    )
+
+
+def test_the_endpoint_runs_on_the_heavy_pool():
+    from controlplane.http_threads import HEAVY_PATHS
+
+    assert "/api/v1/policies/suggestions" in HEAVY_PATHS
