@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import uuid
 from datetime import timedelta
 
@@ -19,7 +20,7 @@ from policy import services
 from policy.grammar import parse_selector
 from policy.representations import ruleset_data
 from tests.support.flow_evidence import enrolled, flow_report, windows_between
-from tests.support.helpers import assert_problem
+from tests.support.helpers import assert_problem, run_command
 
 _uptimes = itertools.count(100)
 OUTSIDE = "198.51.100.7"
@@ -242,7 +243,13 @@ def test_bad_bodies_are_validation_problems_with_every_finding(api, db):
     body = assert_problem(
         api.post(
             "/api/v1/policies/suggestions",
-            {"from": "yesterday", "label": ["app in ()"], "label_keys": ["a b"], "aggregate_prefix": 33, "x": 1},
+            {
+                "from": "yesterday",
+                "label": ["app in ()"],
+                "label_keys": ["a b"],
+                "aggregate_prefix": 33,
+                "x": 1,
+            },
             format="json",
         ),
         422,
@@ -262,3 +269,70 @@ def test_the_endpoint_runs_on_the_heavy_pool():
     from controlplane.http_threads import HEAVY_PATHS
 
     assert "/api/v1/policies/suggestions" in HEAVY_PATHS
+
+
+# --- manage.py policy suggest ---
+
+
+def _cli_range():
+    body = _body()
+    return ["--from", body["from"], "--to", body["to"]]
+
+
+def test_suggest_json_is_a_draft_that_ruleset_create_reads_from_stdin(api, fleet, monkeypatch):
+    server, clients = fleet
+    _scenario(server, clients, minutes=3)
+    args = ["policy", "suggest", *_cli_range(), "--label", "app=db", "--label-key", "app"]
+    code, out, _ = run_command(*args, "--answer")
+    assert code == 0
+    for group in json.loads(out)["address_groups"]:
+        code, _, err = run_command(
+            "address-group", "create", "-", stdin_text=json.dumps(group), monkeypatch=monkeypatch
+        )
+        assert code == 0, err
+    code, draft, err = run_command(*args, "--json")
+    assert code == 0 and err == "", err
+    code, created, err = run_command(
+        "ruleset", "create", "-", "--json", stdin_text=draft, monkeypatch=monkeypatch
+    )
+    assert code == 0, err
+    saved = api.get(f"/api/v1/rulesets/{json.loads(created)['id']}").json()
+    assert saved["scope"] == "app=db"
+    assert [r["services"] for r in saved["rules"]] == [
+        [{"protocol": "tcp", "port": 22}],
+        [{"protocol": "tcp", "port": 5432}],
+    ]
+
+
+def test_suggest_in_words_and_its_refusals(fleet):
+    server, clients = fleet
+    _scenario(server, clients, minutes=2)
+    code, out, err = run_command("policy", "suggest", *_cli_range(), "--workload", str(server.id))
+    assert code == 0 and err == ""
+    assert "ruleset suggested app=db  scope app=db" in out
+    assert "from app=web to tcp/5432: 12 connections from 3 peers" in out
+    code, _, err = run_command("policy", "suggest", *_cli_range(), "--label-key", "nope key")
+    assert code == 2 and err.startswith("error: /label_keys/0: ") and len(err.strip().splitlines()) == 1
+    # nothing generalises (the server has no tier): a one-line error, after the coverage warning
+    only_server = ["--workload", str(server.id), "--label-key", "app", "--label-key", "tier"]
+    code, _, err = run_command("policy", "suggest", *_cli_range(), "--json", *only_server)
+    assert code == 1 and err.splitlines()[-1].startswith("error: nothing to propose"), err
+    # two scopes, one draft asked for: a one-line error naming them
+    cache = _labelled("cache1", "10.50.0.40", {"app": "cache"})
+    _ingest(cache, _traffic(1, lambda _m: [{"peer": "10.50.0.20", "port": 6379}]))
+    code, _, err = run_command("policy", "suggest", *_cli_range(), "--json", "--label", "app in (cache,db)")
+    assert code == 1
+    assert (
+        err.splitlines()[-1]
+        == "error: the evidence has 2 scopes (app=cache, app=db): select one with --label"
+    )
+
+
+def test_suggest_says_prominently_when_the_range_is_incomplete(fleet):
+    server, clients = fleet
+    _scenario(server, clients, minutes=1)
+    # the clients sent no window: the whole fleet's range is incomplete
+    code, out, err = run_command("policy", "suggest", *_cli_range(), "--json")
+    assert code == 0 and json.loads(out)["scope"] == "app=db"
+    assert err.startswith("warning: The range is incomplete")
+    assert f"{clients[0].id}: no flow window in the range" in err
