@@ -172,6 +172,28 @@ def test_aggregation_is_only_when_asked_and_says_what_it_admits_unseen(fleet):
     assert wide["address_group_evidence"][0]["unseen_addresses_admitted"] == 254
 
 
+def test_ipv6_peers_icmp_and_a_named_service_of_exactly_the_port(fleet):
+    server, clients = fleet
+    services.service_create(
+        actor=CLI_ACTOR, data={"name": "https", "entries": [{"protocol": "tcp", "port": 443}]}
+    )
+    services.service_create(
+        actor=CLI_ACTOR,
+        data={"name": "web", "entries": [{"protocol": "tcp", "port": 80}, {"protocol": "tcp", "port": 443}]},
+    )
+    _ingest(server, _traffic(1, lambda _m: [
+        {"peer": "2001:db8::9", "port": 443}, {"peer": "2001:db8::a", "port": 443},
+        {"peer": "2001:db8::9", "protocol": "icmpv6", "port": 0}, {"peer": "2001:db8::a", "protocol": "icmpv6", "port": 0},
+    ]))  # fmt: skip
+    answer = _suggest(server, label_keys=["app"])
+    [rule] = answer["draft"]["rules"]
+    assert rule["services"] == [{"protocol": "icmpv6"}, {"service": "https"}]
+    assert answer["address_groups"][0]["members"] == ["2001:db8::9", "2001:db8::a"]
+    wide = _suggest(server, label_keys=["app"], aggregate_prefix=8, aggregate_prefix_v6=64)
+    assert wide["address_groups"][0]["members"] == ["2001:db8::/64"]
+    assert wide["address_group_evidence"][0]["unseen_addresses_admitted"] == 2**64 - 2
+
+
 def test_a_gap_in_the_range_makes_it_incomplete_and_names_the_gap(fleet):
     server, clients = fleet
     _scenario(server, clients, minutes=3)
