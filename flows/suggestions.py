@@ -35,6 +35,8 @@ from flows.selectors import _summed, coverage, flow_range_plan, workloads_select
 from flows.validation import flow_range_parse
 from policy.grammar import GrammarError, Requirement, Selector, validate_label_key
 from policy.models import AddressGroup, Ruleset, Service
+from policy.render_inputs import PortEntry, RuleInput
+from policy.selectors import PolicyInputs, policy_inputs_load
 from policy.validation import MAX_NAME, MAX_RULES_PER_RULESET, MAX_SOURCES_PER_RULE
 
 # `app` alone: it names what a workload runs, the group that rules are written for
@@ -160,6 +162,9 @@ def policy_suggest(
     ids = {r["workload_id"] for r in rows} | {r["peer_workload_id"] for r in rows if r["peer_workload_id"]}
     workloads = {w.id: w for w in Workload.objects.filter(id__in=ids).only("id", "hostname", "labels")}
 
+    in_force = policy_inputs_load()
+    rules_of: dict = {}
+    admitted_now = []
     # scope -> source -> (protocol, port) -> rows
     seen: dict[str, dict[tuple, dict[tuple, list]]] = defaultdict(
         lambda: defaultdict(lambda: defaultdict(list))
@@ -168,6 +173,12 @@ def policy_suggest(
     not_generalised = []
     for row in rows:
         workload = workloads[row["workload_id"]]
+        if workload.id not in rules_of:
+            rules_of[workload.id] = _rules_in_force(in_force, workload.labels)
+        peer_workload = workloads.get(row["peer_workload_id"])
+        if _admitted(rules_of[workload.id], in_force, row, peer_workload.labels if peer_workload else None):
+            admitted_now.append(_row_data(row))
+            continue
         scope, missing = _values_selector(workload.labels, label_keys)
         reason = None
         if scope is None:
@@ -263,6 +274,7 @@ def policy_suggest(
         ],  # fmt: skip
         "evidence": evidence,
         "not_generalised": not_generalised,
+        "admitted_now": admitted_now,
         "coverage": coverage_data(covered),
         "incomplete_intervals": intervals,
     }
@@ -331,6 +343,44 @@ def policy_suggest_request(*, data: Any) -> dict:
 
 def _text(value) -> str | None:
     return value if isinstance(value, str) else None
+
+
+def _rules_in_force(inputs: PolicyInputs, labels: dict) -> list[RuleInput]:
+    """The rules of the enabled rulesets whose scope selects these labels."""
+    return [rule for ruleset in inputs.rulesets if ruleset.scope.matches(labels) for rule in ruleset.rules]
+
+
+def _admitted(rules: list[RuleInput], inputs: PolicyInputs, row: dict, peer_labels: dict | None) -> bool:
+    """Whether a rule in force now admits the key: a workload in `visibility` records as `observed`
+    what its rules would admit, and a rule added since may admit what was refused. As the table
+    decides a new inbound connection (policy/renderer.py): a selector source is the addresses of the
+    workloads it selects (here: the key's peer workload's labels), an address group its members, ICMP
+    of its own family. The impact classifier (issue 25, item 1) is the exact one; this is its subset
+    for allow-only rules, where any admitting rule is enough and their order does not matter."""
+    address = ipaddress.ip_address(row["peer"])
+    for rule in rules:
+        if not any(
+            _entry_admits(entry, row["protocol"], row["port"], address.version) for entry in rule.entries
+        ):
+            continue
+        for source in rule.sources:
+            if source.kind == "any":
+                return True
+            if source.kind == "selector" and peer_labels is not None and source.selector.matches(peer_labels):  # type: ignore[union-attr]
+                return True
+            if source.kind == "address_group":
+                group = inputs.groups.get(source.address_group_id or "")
+                if group and any(address in ipaddress.ip_network(m) for m in group.members):
+                    return True
+    return False
+
+
+def _entry_admits(entry: PortEntry, protocol: str, port: int, version: int) -> bool:
+    if entry.protocol != protocol:
+        return False
+    if protocol in ("icmp", "icmpv6"):
+        return version == (4 if protocol == "icmp" else 6)
+    return entry.port_from <= port <= entry.port_to  # type: ignore[operator]
 
 
 def _single_entry_services() -> dict[tuple, dict]:

@@ -246,11 +246,14 @@ class AddressGroupEvidenceSerializer(serializers.Serializer):
     )
 
 
-class NotGeneralisedSerializer(SuggestedSpanSerializer):
+class SuggestionKeySerializer(SuggestedSpanSerializer):
     workload_id = serializers.UUIDField()
     peer = serializers.CharField()
     peer_workload_id = serializers.UUIDField(allow_null=True)
     service = ServiceKeySerializer()
+
+
+class NotGeneralisedSerializer(SuggestionKeySerializer):
     reason = serializers.CharField()
 
 
@@ -279,6 +282,10 @@ class SuggestionSerializer(serializers.Serializer):
     address_group_evidence = AddressGroupEvidenceSerializer(many=True)
     evidence = SuggestedRulesetEvidenceSerializer(many=True)
     not_generalised = NotGeneralisedSerializer(many=True)
+    admitted_now = SuggestionKeySerializer(
+        many=True,
+        help_text="Keys decided unadmitted in the range that a rule in force now admits: not proposed.",
+    )
     coverage = CoverageSerializer()
     incomplete_intervals = IncompleteIntervalSerializer(many=True)
 

@@ -111,7 +111,7 @@ def test_the_issues_scenario_gives_two_rules_of_the_listening_ports_with_the_cou
     assert answer["address_group_evidence"][0]["unseen_addresses_admitted"] == 0
     ports = {s["port"] for ruleset in answer["rulesets"] for r in ruleset["rules"] for s in r["services"]}
     assert ports == {22, 5432}  # only the listening ports: no client's port, nothing allowed
-    assert answer["not_generalised"] == []
+    assert answer["not_generalised"] == [] and answer["admitted_now"] == []
 
 
 def test_the_draft_saved_as_it_is_reads_back_as_proposed(fleet):
@@ -129,10 +129,41 @@ def test_the_draft_saved_as_it_is_reads_back_as_proposed(fleet):
         for rule in saved["rules"]
     ]  # fmt: skip
     assert read == [{"sources": r["sources"], "services": r["services"]} for r in answer["draft"]["rules"]]
-    # Asked again, the names proposed are free ones: the saved objects' names are taken.
+    # Saved, it admits exactly what it was learnt from: asked again, nothing is left to propose.
     again = _suggest(server, label_keys=["app"])
-    assert again["draft"]["name"] != answer["draft"]["name"]
-    assert again["address_groups"] == []  # the saved group holds exactly these addresses: reused
+    assert again["rulesets"] == [] and again["not_generalised"] == []
+    total = sum(r["connection_count"] for r in answer["evidence"][0]["rules"])
+    assert sum(row["connection_count"] for row in again["admitted_now"]) == total
+
+
+def test_names_proposed_are_free_and_a_group_of_exactly_the_addresses_is_reused(fleet):
+    server, clients = fleet
+    _scenario(server, clients, minutes=1)
+    services.ruleset_create(actor=CLI_ACTOR, data={"name": "suggested app=db", "scope": "app=other"})
+    services.address_group_create(actor=CLI_ACTOR, data={"name": "bastion", "members": [OUTSIDE]})
+    services.address_group_create(
+        actor=CLI_ACTOR, data={"name": "suggested app=db peers", "members": ["10.0.0.1"]}
+    )
+    answer = _suggest(server, label_keys=["app"])
+    assert answer["draft"]["name"] == "suggested app=db 2"
+    assert answer["address_groups"] == []
+    assert answer["draft"]["rules"][0]["sources"] == [{"address_group": "bastion"}]
+
+
+def test_what_a_rule_in_force_admits_now_is_not_proposed_again(fleet):
+    server, clients = fleet
+    counts = _scenario(server, clients, minutes=2)
+    # in visibility every connection is `observed`, whether a rule would admit it or not
+    services.ruleset_create(
+        actor=CLI_ACTOR,
+        data={"name": "db", "scope": "app=db", "rules": [
+            {"sources": [{"selector": "app=web"}], "services": [{"protocol": "tcp", "port": 5000, "port_to": 6000}]}
+        ]},
+    )  # fmt: skip
+    answer = _suggest(server, label_keys=["app"])
+    assert [r["services"] for r in answer["draft"]["rules"]] == [[{"protocol": "tcp", "port": 22}]]
+    assert sum(row["connection_count"] for row in answer["admitted_now"]) == counts["db"]
+    assert answer["evidence"][0]["rules"][0]["connection_count"] == counts["ssh"]
 
 
 def test_a_workload_without_a_label_key_is_listed_with_its_reason(fleet):
@@ -256,9 +287,10 @@ def test_the_endpoint_answers_the_same_proposal_and_the_draft_posts_unchanged(ap
     saved = api.post("/api/v1/rulesets", answer["draft"], format="json")
     assert saved.status_code == 201, saved.content
     assert [r["services"] for r in saved.json()["rules"]] == [r["services"] for r in answer["draft"]["rules"]]
-    # by workload id too, and nothing was saved by asking
+    # by workload id too: saved, the draft admits everything it was learnt from
     again = api.post("/api/v1/policies/suggestions", _body(workload=[str(server.id)]), format="json").json()
-    assert again["label_keys"] == ["app"] and again["draft"]["scope"] == "app=db"
+    assert again["label_keys"] == ["app"] and again["draft"] is None
+    assert sum(row["connection_count"] for row in again["admitted_now"]) == counts["db"] + counts["ssh"]
 
 
 def test_bad_bodies_are_validation_problems_with_every_finding(api, db):
