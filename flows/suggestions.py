@@ -21,6 +21,7 @@ from __future__ import annotations
 import ipaddress
 import re
 from collections import defaultdict
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -44,6 +45,8 @@ from policy.validation import MAX_NAME, MAX_RULES_PER_RULESET, MAX_SOURCES_PER_R
 # generalised, so a second default key (`role`) would leave every workload without it out of the
 # proposal; operators whose fleets label roles ask for both.
 DEFAULT_LABEL_KEYS = ("app",)
+DESCRIPTION = "Suggested from observed traffic."
+KEYS_LISTED = 1000
 UNADMITTED = (Decision.OBSERVED, Decision.WOULD_BLOCK, Decision.BLOCKED)
 KEY_COLUMNS = ["workload_id", "peer", "peer_workload_id", "protocol", "port"]
 
@@ -143,6 +146,125 @@ def _incomplete_intervals(covered: dict, start: datetime, end: datetime) -> list
     return intervals
 
 
+@dataclass
+class _SortedOut:
+    """The range's unadmitted keys sorted out: by scope, source and service those that generalise."""
+
+    seen: dict = field(default_factory=lambda: defaultdict(lambda: defaultdict(lambda: defaultdict(list))))
+    scope_workloads: dict = field(default_factory=lambda: defaultdict(set))
+    not_generalised: list = field(default_factory=list)
+    admitted_now: list = field(default_factory=list)
+
+
+def _sorted_out(rows: list[dict], workloads: dict, label_keys: list[str]) -> _SortedOut:
+    """Each key: admitted now by a rule in force, not generalised (and why), or seen[scope][source]
+    [(protocol, port)], a source being ("selector", text) or ("address", peer)."""
+    in_force, out = _InForce(), _SortedOut()
+    for row in rows:
+        workload, peer = workloads[row["workload_id"]], workloads.get(row["peer_workload_id"])
+        if in_force.admits(workload, row, peer):
+            out.admitted_now.append(_row_data(row))
+            continue
+        scope, missing = _values_selector(workload.labels, label_keys)
+        reason, source = None, ("address", row["peer"])
+        if scope is None:
+            reason = f"the workload {workload.hostname} has no label {', '.join(missing)}"
+        elif row["peer_workload_id"] is not None:
+            selector, missing = _values_selector(peer.labels if peer else {}, label_keys)
+            source = ("selector", selector)
+            if peer is None:
+                reason = "the peer workload no longer exists"
+            elif selector is None:
+                reason = f"the peer workload {peer.hostname} has no label {', '.join(missing)}"
+        if reason is not None:
+            out.not_generalised.append({**_row_data(row), "reason": reason})
+            continue
+        out.seen[scope][source][(row["protocol"], row["port"])].append(row)
+        out.scope_workloads[scope].add(str(workload.id))
+    return out
+
+
+class _Proposal:
+    """The draft's rulesets (one per scope, more past 500 rules), the address groups to create, and
+    the evidence of each rule, built scope by scope."""
+
+    def __init__(self, prefix: int | None, prefix_v6: int | None) -> None:
+        self.prefix, self.prefix_v6 = prefix, prefix_v6
+        self.rulesets: list[dict] = []
+        self.groups: list[dict] = []
+        self.group_evidence: dict[str, dict] = {}
+        self.evidence: list[dict] = []
+        self.ruleset_names, self.group_names = _Names(Ruleset), _Names(AddressGroup)
+        self.named_groups = {tuple(g.members): g.name for g in AddressGroup.objects.all()}
+        self.named_services = _single_entry_services()
+
+    def add_scope(self, scope: str, seen: dict, workload_ids: list[str]) -> None:
+        # Sources by the exact set of services they were seen on: a rule admits every source on every
+        # service, so one rule per set is as small as the evidence allows and never wider.
+        by_services: dict[tuple, list] = defaultdict(list)
+        for source, services in seen.items():
+            by_services[tuple(sorted(services))].append(source)
+        rules, rules_evidence = [], []
+        for services_key, sources in sorted(by_services.items(), key=lambda i: (i[0], sorted(i[1]))):
+            rule_sources = [{"selector": value} for kind, value in sorted(sources) if kind == "selector"]
+            addresses = sorted((value for kind, value in sources if kind == "address"), key=_address_order)
+            group_name = self._group(scope, addresses) if addresses else ""
+            if group_name:
+                rule_sources.append({"address_group": group_name})
+            rule_services = [self.named_services.get(k) or _service_entry(*k) for k in services_key]
+            # A rule holds at most so many sources: more sources of the same services, more rules.
+            for first in range(0, len(rule_sources), MAX_SOURCES_PER_RULE):
+                part = rule_sources[first : first + MAX_SOURCES_PER_RULE]
+                rules.append({"description": DESCRIPTION, "sources": part, "services": rule_services})
+                held = [s for s in sources if _draft_source(s, group_name) in part]
+                every = [row for s in held for k in services_key for row in seen[s][k]]
+                rules_evidence.append(_rule_evidence(every, services_key))
+        for first in range(0, len(rules), MAX_RULES_PER_RULESET):
+            name = self.ruleset_names.take(f"suggested {scope}")
+            last = first + MAX_RULES_PER_RULESET
+            self.rulesets.append(
+                {
+                    "name": name,
+                    "description": DESCRIPTION,
+                    "enabled": True,
+                    "scope": scope,
+                    "rules": rules[first:last],
+                }
+            )
+            self.evidence.append(
+                {"ruleset": name, "workloads": workload_ids, "rules": rules_evidence[first:last]}
+            )
+
+    def _group(self, scope: str, addresses: list[str]) -> str:
+        """The name of the address group for these outside peers: a stored or proposed group of exactly
+        the members, else a new one proposed."""
+        members, unseen = _aggregated(addresses, self.prefix, self.prefix_v6)
+        name = self.named_groups.get(tuple(members))
+        if name is None:
+            name = self.group_names.take(f"suggested {scope} peers")
+            self.named_groups[tuple(members)] = name
+            self.groups.append(
+                {
+                    "name": name,
+                    "description": f"Peers seen by {scope} in the suggested range.",
+                    "members": members,
+                }
+            )
+        self.group_evidence.setdefault(
+            name, {"name": name, "addresses_seen": 0, "unseen_addresses_admitted": unseen}
+        )["addresses_seen"] += len(addresses)
+        return name
+
+
+def _most(rows: list[dict]) -> list[dict]:
+    return sorted(rows, key=lambda r: -r["connection_count"])[:KEYS_LISTED]
+
+
+def _address_order(text: str) -> tuple:
+    address = ipaddress.ip_address(text)
+    return (address.version, address)
+
+
 def policy_suggest(
     *,
     selected,
@@ -162,90 +284,10 @@ def policy_suggest(
     ids = {r["workload_id"] for r in rows} | {r["peer_workload_id"] for r in rows if r["peer_workload_id"]}
     workloads = {w.id: w for w in Workload.objects.filter(id__in=ids).only("id", "hostname", "labels")}
 
-    in_force = policy_inputs_load()
-    rules_of: dict = {}
-    admitted_now = []
-    # scope -> source -> (protocol, port) -> rows
-    seen: dict[str, dict[tuple, dict[tuple, list]]] = defaultdict(
-        lambda: defaultdict(lambda: defaultdict(list))
-    )
-    scope_workloads: dict[str, set] = defaultdict(set)
-    not_generalised = []
-    for row in rows:
-        workload = workloads[row["workload_id"]]
-        if workload.id not in rules_of:
-            rules_of[workload.id] = _rules_in_force(in_force, workload.labels)
-        peer_workload = workloads.get(row["peer_workload_id"])
-        if _admitted(rules_of[workload.id], in_force, row, peer_workload.labels if peer_workload else None):
-            admitted_now.append(_row_data(row))
-            continue
-        scope, missing = _values_selector(workload.labels, label_keys)
-        reason = None
-        if scope is None:
-            reason = f"the workload {workload.hostname} has no label {', '.join(missing)}"
-        elif row["peer_workload_id"] is not None:
-            peer = workloads.get(row["peer_workload_id"])
-            selector, missing = _values_selector(peer.labels if peer else {}, label_keys)
-            source = ("selector", selector)
-            if selector is None:
-                reason = (
-                    f"the peer workload {peer.hostname} has no label {', '.join(missing)}"
-                    if peer
-                    else "the peer workload no longer exists"
-                )
-        else:
-            source = ("address", row["peer"])
-        if reason is not None:
-            not_generalised.append({**_row_data(row), "reason": reason})
-            continue
-        seen[scope][source][(row["protocol"], row["port"])].append(row)  # type: ignore[index]
-        scope_workloads[scope].add(str(workload.id))
-
-    rulesets, groups, evidence = [], [], []
-    ruleset_names, group_names = _Names(Ruleset), _Names(AddressGroup)
-    named_groups = {tuple(g.members): g.name for g in AddressGroup.objects.all()}
-    named_services = _single_entry_services()
-    for scope in sorted(seen):
-        # sources by the exact set of services they were seen on: one rule each
-        by_services: dict[tuple, list] = defaultdict(list)
-        for source, services in seen[scope].items():
-            by_services[tuple(sorted(services))].append(source)
-        rules, rules_evidence = [], []
-        for services_key, sources in sorted(by_services.items(), key=lambda i: (i[0], sorted(i[1]))):
-            selectors = sorted(value for kind, value in sources if kind == "selector")
-            addresses = sorted(
-                (value for kind, value in sources if kind == "address"),
-                key=lambda a: (ipaddress.ip_address(a).version, ipaddress.ip_address(a)),
-            )
-            rule_sources: list[dict] = [{"selector": s} for s in selectors]
-            group_name = ""
-            if addresses:
-                members, unseen = _aggregated(addresses, aggregate_prefix, aggregate_prefix_v6)
-                name = named_groups.get(tuple(members))
-                if name is None:
-                    name = group_names.take(f"suggested {scope} peers")
-                    named_groups[tuple(members)] = name
-                    groups.append(
-                        {"name": name, "description": f"Peers seen by {scope} in the suggested range.",
-                         "members": members, "addresses_seen": len(addresses), "unseen_addresses_admitted": unseen}
-                    )  # fmt: skip
-                rule_sources.append({"address_group": name})
-                group_name = name
-            rule_services = [named_services.get(k) or _service_entry(*k) for k in services_key]
-            # A rule holds at most so many sources: more sources of the same services, more rules.
-            for first in range(0, len(rule_sources), MAX_SOURCES_PER_RULE):
-                part = rule_sources[first : first + MAX_SOURCES_PER_RULE]
-                rules.append({"description": "Suggested from observed traffic.", "sources": part,
-                              "services": rule_services})  # fmt: skip
-                covered_sources = [s for s in sources if _draft_source(s, group_name) in part]
-                every = [r for s in covered_sources for k in services_key for r in seen[scope][s][k]]
-                rules_evidence.append(_rule_evidence(every, services_key))
-        for index in range(0, len(rules), MAX_RULES_PER_RULESET):
-            ruleset_name = ruleset_names.take(f"suggested {scope}")
-            rulesets.append({"name": ruleset_name, "description": "Suggested from observed traffic.",
-                             "enabled": True, "scope": scope, "rules": rules[index: index + MAX_RULES_PER_RULESET]})  # fmt: skip
-            evidence.append({"ruleset": ruleset_name, "workloads": sorted(scope_workloads[scope]),
-                             "rules": rules_evidence[index: index + MAX_RULES_PER_RULESET]})  # fmt: skip
+    sorted_out = _sorted_out(rows, workloads, label_keys)
+    proposal = _Proposal(aggregate_prefix, aggregate_prefix_v6)
+    for scope in sorted(sorted_out.seen):
+        proposal.add_scope(scope, sorted_out.seen[scope], sorted(sorted_out.scope_workloads[scope]))
     intervals = _incomplete_intervals(covered, start, end)
     return {
         "from": rfc3339(start),
@@ -260,21 +302,18 @@ def policy_suggest(
         ),
         # The draft: one ruleset body as POST /rulesets takes it when the evidence has one scope (the
         # usual selection: the workloads of one group); `rulesets` has every scope's.
-        "draft": rulesets[0] if len(rulesets) == 1 else None,
-        "rulesets": rulesets,
-        "address_groups": [{k: g[k] for k in ("name", "description", "members")} for g in groups],
+        "draft": proposal.rulesets[0] if len(proposal.rulesets) == 1 else None,
+        "rulesets": proposal.rulesets,
+        "address_groups": proposal.groups,
         "services": [],
-        "address_group_evidence": [
-            {
-                "name": g["name"],
-                "addresses_seen": g["addresses_seen"],
-                "unseen_addresses_admitted": g["unseen_addresses_admitted"],
-            }
-            for g in groups
-        ],  # fmt: skip
-        "evidence": evidence,
-        "not_generalised": not_generalised,
-        "admitted_now": admitted_now,
+        "address_group_evidence": list(proposal.group_evidence.values()),
+        "evidence": proposal.evidence,
+        # Listed up to a bound, most connections first, and counted exactly: a fleet's day may hold
+        # many thousands of keys that rules admit already.
+        "not_generalised_count": len(sorted_out.not_generalised),
+        "not_generalised": _most(sorted_out.not_generalised),
+        "admitted_now_count": len(sorted_out.admitted_now),
+        "admitted_now": _most(sorted_out.admitted_now),
         "coverage": coverage_data(covered),
         "incomplete_intervals": intervals,
     }
@@ -345,34 +384,54 @@ def _text(value) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _rules_in_force(inputs: PolicyInputs, labels: dict) -> list[RuleInput]:
-    """The rules of the enabled rulesets whose scope selects these labels."""
-    return [rule for ruleset in inputs.rulesets if ruleset.scope.matches(labels) for rule in ruleset.rules]
+class _InForce:
+    """The policy in force now, for `admits`: the enabled rulesets and address groups, read once, and
+    per workload the rules of the rulesets whose scope selects it, per group its members as networks
+    (a group holds up to 10,000), each worked out once per suggestion."""
 
+    def __init__(self) -> None:
+        self.inputs: PolicyInputs = policy_inputs_load()
+        self.rules_of: dict = {}
+        self.networks: dict[str, list] = {}
 
-def _admitted(rules: list[RuleInput], inputs: PolicyInputs, row: dict, peer_labels: dict | None) -> bool:
-    """Whether a rule in force now admits the key: a workload in `visibility` records as `observed`
-    what its rules would admit, and a rule added since may admit what was refused. As the table
-    decides a new inbound connection (policy/renderer.py): a selector source is the addresses of the
-    workloads it selects (here: the key's peer workload's labels), an address group its members, ICMP
-    of its own family. The impact classifier (issue 25, item 1) is the exact one; this is its subset
-    for allow-only rules, where any admitting rule is enough and their order does not matter."""
-    address = ipaddress.ip_address(row["peer"])
-    for rule in rules:
-        if not any(
-            _entry_admits(entry, row["protocol"], row["port"], address.version) for entry in rule.entries
-        ):
-            continue
-        for source in rule.sources:
-            if source.kind == "any":
-                return True
-            if source.kind == "selector" and peer_labels is not None and source.selector.matches(peer_labels):  # type: ignore[union-attr]
-                return True
-            if source.kind == "address_group":
-                group = inputs.groups.get(source.address_group_id or "")
-                if group and any(address in ipaddress.ip_network(m) for m in group.members):
+    def _rules(self, workload: Workload) -> list[RuleInput]:
+        if workload.id not in self.rules_of:
+            self.rules_of[workload.id] = [
+                rule
+                for ruleset in self.inputs.rulesets
+                if ruleset.scope.matches(workload.labels)
+                for rule in ruleset.rules
+            ]
+        return self.rules_of[workload.id]
+
+    def _members(self, group_id: str) -> list:
+        if group_id not in self.networks:
+            group = self.inputs.groups.get(group_id)
+            self.networks[group_id] = [ipaddress.ip_network(m) for m in group.members] if group else []
+        return self.networks[group_id]
+
+    def admits(self, workload: Workload, row: dict, peer: Workload | None) -> bool:
+        """Whether a rule in force now admits the key: a workload in `visibility` records as `observed`
+        what its rules would admit, and a rule added since may admit what was refused. As the table
+        decides a new inbound connection (policy/renderer.py): a selector source is the addresses of
+        the workloads it selects (here: the labels of the key's peer workload), an address group its
+        members, ICMP of its own family. The impact classifier (issue 25, item 1) is the exact one;
+        this is its subset for allow-only rules, where any admitting rule is enough and their order
+        does not matter."""
+        address = ipaddress.ip_address(row["peer"])
+        for rule in self._rules(workload):
+            if not any(_entry_admits(e, row["protocol"], row["port"], address.version) for e in rule.entries):
+                continue
+            for source in rule.sources:
+                if source.kind == "any":
                     return True
-    return False
+                if source.kind == "selector" and peer is not None and source.selector.matches(peer.labels):  # type: ignore[union-attr]
+                    return True
+                if source.kind == "address_group" and any(
+                    address in network for network in self._members(source.address_group_id or "")
+                ):
+                    return True
+        return False
 
 
 def _entry_admits(entry: PortEntry, protocol: str, port: int, version: int) -> bool:

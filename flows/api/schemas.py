@@ -281,10 +281,15 @@ class SuggestionSerializer(serializers.Serializer):
     services = serializers.ListField(child=serializers.DictField(), help_text="Services to create first.")
     address_group_evidence = AddressGroupEvidenceSerializer(many=True)
     evidence = SuggestedRulesetEvidenceSerializer(many=True)
-    not_generalised = NotGeneralisedSerializer(many=True)
+    not_generalised_count = serializers.IntegerField()
+    not_generalised = NotGeneralisedSerializer(
+        many=True, help_text="The first 1,000, most connections first."
+    )
+    admitted_now_count = serializers.IntegerField()
     admitted_now = SuggestionKeySerializer(
         many=True,
-        help_text="Keys decided unadmitted in the range that a rule in force now admits: not proposed.",
+        help_text="Keys decided unadmitted in the range that a rule in force now admits, not proposed: "
+        "the first 1,000, most connections first.",
     )
     coverage = CoverageSerializer()
     incomplete_intervals = IncompleteIntervalSerializer(many=True)
