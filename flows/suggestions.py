@@ -160,17 +160,24 @@ def _sorted_out(rows: list[dict], workloads: dict, label_keys: list[str]) -> _So
     """Each key: admitted now by a rule in force, not generalised (and why), or seen[scope][source]
     [(protocol, port)], a source being ("selector", text) or ("address", peer)."""
     in_force, out = _InForce(), _SortedOut()
+    named: dict = {}  # a workload's selector of label_keys (or the keys it lacks), worked out once
+
+    def selector_of(workload: Workload) -> tuple[str | None, list[str]]:
+        if workload.id not in named:
+            named[workload.id] = _values_selector(workload.labels, label_keys)
+        return named[workload.id]
+
     for row in rows:
         workload, peer = workloads[row["workload_id"]], workloads.get(row["peer_workload_id"])
         if in_force.admits(workload, row, peer):
             out.admitted_now.append(_row_data(row))
             continue
-        scope, missing = _values_selector(workload.labels, label_keys)
+        scope, missing = selector_of(workload)
         reason, source = None, ("address", row["peer"])
         if scope is None:
             reason = f"the workload {workload.hostname} has no label {', '.join(missing)}"
         elif row["peer_workload_id"] is not None:
-            selector, missing = _values_selector(peer.labels if peer else {}, label_keys)
+            selector, missing = selector_of(peer) if peer else _values_selector({}, label_keys)
             source = ("selector", selector)
             if peer is None:
                 reason = "the peer workload no longer exists"
