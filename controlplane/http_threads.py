@@ -27,7 +27,12 @@ POOL_THREADS = int(os.environ.get("PALISADE_HTTP_THREADS", 4))
 # run on their own small pool, and only so many may wait: sixteen of them at once held every pool
 # thread, and `GET /me` waited seconds behind them.
 HEAVY_PATHS = frozenset(
-    {"/api/v1/policies/render-dryrun", "/api/v1/policies/impact", "/api/v1/selectors/preview"}
+    {
+        "/api/v1/policies/render-dryrun",
+        "/api/v1/policies/impact",
+        "/api/v1/policies/suggestions",
+        "/api/v1/selectors/preview",
+    }
 )
 HEAVY_THREADS = int(os.environ.get("PALISADE_HEAVY_THREADS", 2))
 HEAVY_WAITING = 8

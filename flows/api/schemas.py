@@ -182,3 +182,117 @@ class ReviewSerializer(serializers.Serializer):
             "The first 100."
         ),
     )
+
+
+class SuggestionRequestSerializer(serializers.Serializer):
+    label = serializers.ListField(
+        child=serializers.CharField(),
+        required=False,
+        help_text="Label selectors, ANDed: the workloads to protect.",
+    )
+    workload = serializers.ListField(child=serializers.UUIDField(), required=False)
+    # `from` is a keyword: declared below.
+    to = serializers.DateTimeField(help_text="RFC 3339; at most 31 days after `from`.")
+    label_keys = serializers.ListField(
+        child=serializers.CharField(),
+        required=False,
+        help_text='The label keys that name a group of workloads; default ["app"].',
+    )
+    aggregate_prefix = serializers.IntegerField(
+        required=False,
+        min_value=0,
+        max_value=32,
+        help_text="Aggregate outside IPv4 peers into CIDRs of this length.",
+    )
+    aggregate_prefix_v6 = serializers.IntegerField(required=False, min_value=0, max_value=128)
+
+
+SuggestionRequestSerializer._declared_fields["from"] = serializers.DateTimeField(help_text="RFC 3339.")
+
+
+class SuggestedSpanSerializer(serializers.Serializer):
+    connection_count = serializers.IntegerField()
+    first_seen = serializers.DateTimeField()
+    last_seen = serializers.DateTimeField()
+
+
+class SuggestedPeerSerializer(SuggestedSpanSerializer):
+    peer = serializers.CharField()
+    peer_workload_id = serializers.UUIDField(allow_null=True)
+
+
+class SuggestedServiceSerializer(SuggestedSpanSerializer):
+    protocol = serializers.CharField()
+    port = serializers.IntegerField()
+
+
+class SuggestedRuleEvidenceSerializer(SuggestedSpanSerializer):
+    peers = SuggestedPeerSerializer(many=True)
+    services = SuggestedServiceSerializer(many=True)
+    workload_ids = serializers.ListField(child=serializers.UUIDField())
+
+
+class SuggestedRulesetEvidenceSerializer(serializers.Serializer):
+    ruleset = serializers.CharField(help_text="The proposed ruleset's name.")
+    workloads = serializers.ListField(child=serializers.UUIDField())
+    rules = SuggestedRuleEvidenceSerializer(many=True, help_text="In the order of the ruleset's rules.")
+
+
+class AddressGroupEvidenceSerializer(serializers.Serializer):
+    name = serializers.CharField()
+    addresses_seen = serializers.IntegerField()
+    unseen_addresses_admitted = serializers.IntegerField(
+        help_text="Addresses the members admit beyond those seen: 0 unless aggregation was asked for."
+    )
+
+
+class SuggestionKeySerializer(SuggestedSpanSerializer):
+    workload_id = serializers.UUIDField()
+    peer = serializers.CharField()
+    peer_workload_id = serializers.UUIDField(allow_null=True)
+    service = ServiceKeySerializer()
+
+
+class NotGeneralisedSerializer(SuggestionKeySerializer):
+    reason = serializers.CharField()
+
+
+class IncompleteIntervalSerializer(serializers.Serializer):
+    workload_id = serializers.UUIDField(allow_null=True)
+    start = serializers.DateTimeField()
+    end = serializers.DateTimeField()
+    reason = serializers.CharField()
+
+
+class SuggestionSerializer(serializers.Serializer):
+    to = serializers.DateTimeField()
+    label_keys = serializers.ListField(child=serializers.CharField())
+    complete = serializers.BooleanField(help_text="The range's coverage is complete.")
+    warning = serializers.CharField(allow_null=True, help_text="Set when the range is incomplete.")
+    draft = serializers.DictField(
+        allow_null=True,
+        help_text="The one ruleset body, as POST /rulesets takes it, when the evidence has one scope.",
+    )
+    rulesets = serializers.ListField(child=serializers.DictField(), help_text="A ruleset body per scope.")
+    address_groups = serializers.ListField(
+        child=serializers.DictField(),
+        help_text="Address group bodies to create first (POST /address-groups).",
+    )
+    services = serializers.ListField(child=serializers.DictField(), help_text="Services to create first.")
+    address_group_evidence = AddressGroupEvidenceSerializer(many=True)
+    evidence = SuggestedRulesetEvidenceSerializer(many=True)
+    not_generalised_count = serializers.IntegerField()
+    not_generalised = NotGeneralisedSerializer(
+        many=True, help_text="The first 1,000, most connections first."
+    )
+    admitted_now_count = serializers.IntegerField()
+    admitted_now = SuggestionKeySerializer(
+        many=True,
+        help_text="Keys decided unadmitted in the range that a rule in force now admits, not proposed: "
+        "the first 1,000, most connections first.",
+    )
+    coverage = CoverageSerializer()
+    incomplete_intervals = IncompleteIntervalSerializer(many=True)
+
+
+SuggestionSerializer._declared_fields["from"] = serializers.DateTimeField()

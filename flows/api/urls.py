@@ -1,10 +1,17 @@
 from django.urls import path
 
-from flows.api.views import EvidenceGapListView, FlowRollupView, FlowWindowListView, SimulationReviewView
+from flows.api.views import (
+    EvidenceGapListView,
+    FlowRollupView,
+    FlowWindowListView,
+    PolicySuggestionsView,
+    SimulationReviewView,
+)
 
 urlpatterns = [
     path("flows", FlowWindowListView.as_view(), name="flows"),
     path("flows/gaps", EvidenceGapListView.as_view(), name="flows-gaps"),
     path("flows/rollup", FlowRollupView.as_view(), name="flows-rollup"),
     path("flows/review", SimulationReviewView.as_view(), name="flows-review"),
+    path("policies/suggestions", PolicySuggestionsView.as_view(), name="policies-suggestions"),
 ]

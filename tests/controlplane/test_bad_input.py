@@ -17,6 +17,7 @@ JSON_ENDPOINTS = [
     "/api/v1/rulesets",
     "/api/v1/selectors/preview",
     "/api/v1/policies/render-dryrun",
+    "/api/v1/policies/suggestions",
     "/api/v1/mode-changes",
 ]
 

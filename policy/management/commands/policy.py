@@ -1,19 +1,124 @@
-"""Policy from evidence: the same domain functions as POST /api/v1/policies/impact. One action per
-method `do_<action>`."""
+"""Policy from evidence: the same domain functions as POST /api/v1/policies/suggestions and
+POST /api/v1/policies/impact. One action per method `do_<action>`."""
 
 from __future__ import annotations
 
+import json
+
+from django.core.management.base import CommandError
+
 from controlplane.management.base import PalisadeCommand
+from controlplane.text import visible
+from flows.suggestions import policy_suggest_request
 from policy.management.impact import add_impact_action, run_impact
 
 
 class Command(PalisadeCommand):
-    help = "Policy from evidence: the impact of a draft policy over stored flows."
+    help = "Policy from evidence: suggest rules from the stored flows no rule admitted, and the impact of a draft over them."
 
     def add_arguments(self, parser):
         super().add_arguments(parser)
         actions = self.add_actions(parser)
         add_impact_action(actions)
+        suggest = actions.add_parser(
+            "suggest",
+            help="propose rules from the range's unadmitted flows; --json prints the draft ruleset alone "
+            "(for `ruleset create -`), --answer the whole answer",
+        )
+        suggest.add_argument("--from", dest="start", required=True, help="RFC 3339")
+        suggest.add_argument("--to", dest="end", required=True, help="RFC 3339")
+        suggest.add_argument(
+            "--label", action="append", default=[], help="selector of the workloads to protect"
+        )
+        suggest.add_argument("--workload", action="append", default=[], help="a workload id to protect")
+        suggest.add_argument(
+            "--label-key",
+            action="append",
+            dest="label_keys",
+            help="a label key naming a group (default: app)",
+        )
+        suggest.add_argument(
+            "--aggregate-prefix", type=int, help="aggregate outside IPv4 peers to this prefix"
+        )
+        suggest.add_argument(
+            "--aggregate-prefix-v6", type=int, help="aggregate outside IPv6 peers to this prefix"
+        )
+        suggest.add_argument("--answer", action="store_true", help="print the whole answer as JSON")
+
+    def do_suggest(self, o):
+        body = {"from": o["start"], "to": o["end"], "label": o["label"], "workload": o["workload"]}
+        if o["label_keys"]:
+            body["label_keys"] = o["label_keys"]
+        for name in ("aggregate_prefix", "aggregate_prefix_v6"):
+            if o[name] is not None:
+                body[name] = o[name]
+        answer = policy_suggest_request(data=body)
+        if o["answer"]:
+            self.stdout.write(json.dumps(answer, indent=2))
+            return
+        if not answer["complete"]:
+            # Prominent whatever is printed: on standard error, where a pipe does not swallow it.
+            self.stderr.write(f"warning: {answer['warning']}")
+            for interval in answer["incomplete_intervals"]:
+                self.stderr.write(
+                    f"  {interval['start']} .. {interval['end']}  "
+                    f"{interval['workload_id'] or 'every workload'}: {interval['reason']}"
+                )
+        if self.as_json:
+            if answer["draft"] is None:
+                raise CommandError(_no_single_draft(answer))
+            self.stdout.write(json.dumps(answer["draft"], indent=2))
+            for group in answer["address_groups"]:
+                self.stderr.write(
+                    f"note: the draft names the address group {group['name']!r}: create it first "
+                    "(--answer prints its body)"
+                )
+            return
+        self.stdout.write(_text(answer))
+
+
+def _no_single_draft(answer: dict) -> str:
+    if not answer["rulesets"]:
+        left = len(answer["not_generalised"])
+        return f"nothing to propose: no unadmitted connection in the range could be generalised ({left} could not)"
+    scopes = ", ".join(r["scope"] for r in answer["rulesets"])
+    return f"the evidence has {len(answer['rulesets'])} scopes ({scopes}): select one with --label"
+
+
+def _service_text(service: dict) -> str:
+    if "service" in service:
+        return visible(service["service"])
+    return f"{service['protocol']}/{service['port']}" if "port" in service else service["protocol"]
+
+
+def _text(answer: dict) -> str:
+    lines = [f"label keys: {', '.join(answer['label_keys'])}; range {answer['from']} .. {answer['to']}"]
+    if not answer["complete"]:
+        lines.append("INCOMPLETE RANGE: see the warning above; the proposal may lack traffic.")
+    for group in answer["address_groups"]:
+        lines.append(f"address group to create: {visible(group['name'])}: {', '.join(group['members'])}")
+    for unseen in answer["address_group_evidence"]:
+        if unseen["unseen_addresses_admitted"]:
+            lines.append(
+                f"  {visible(unseen['name'])} admits {unseen['unseen_addresses_admitted']} addresses never seen"
+            )
+    for ruleset, evidence in zip(answer["rulesets"], answer["evidence"], strict=True):
+        lines.append(f"ruleset {visible(ruleset['name'])}  scope {visible(ruleset['scope'])}")
+        for rule, seen in zip(ruleset["rules"], evidence["rules"], strict=True):
+            sources = ", ".join(visible(next(iter(s.values()))) for s in rule["sources"])
+            services = ", ".join(_service_text(s) for s in rule["services"])
+            lines.append(
+                f"  from {sources} to {services}: {seen['connection_count']} connections from "
+                f"{len(seen['peers'])} peers, {seen['first_seen']} .. {seen['last_seen']}"
+            )
+    for row in answer["not_generalised"]:
+        lines.append(
+            f"not generalised: {row['peer']} -> {row['service']['protocol']}/{row['service']['port']} "
+            f"({row['connection_count']} connections): {visible(row['reason'])}"
+        )
+    if not answer["rulesets"]:
+        lines.append("no rule proposed")
+    return "\n".join(lines)
 
     def do_impact(self, o):
         run_impact(self, o)
