@@ -76,6 +76,9 @@ class Command(PalisadeCommand):
             return
         self.stdout.write(_text(answer))
 
+    def do_impact(self, o):
+        run_impact(self, o)
+
 
 def _no_single_draft(answer: dict) -> str:
     if not answer["rulesets"]:
@@ -119,6 +122,3 @@ def _text(answer: dict) -> str:
     if not answer["rulesets"]:
         lines.append("no rule proposed")
     return "\n".join(lines)
-
-    def do_impact(self, o):
-        run_impact(self, o)
