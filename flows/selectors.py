@@ -487,10 +487,11 @@ def _summed(planned: FlowRange, columns: list[str], **filters) -> list[dict]:
     return _summed_by_spans(planned, columns, **filters)
 
 
-def flow_keys_summed(planned: FlowRange, columns: list[str]) -> list[dict]:
-    """Every group of the planned range summed by `columns` (whatever their decision or rule), read as
-    the rollup reads them: for the impact of a draft policy (fleet/impact.py)."""
-    return _summed(planned, columns)
+def flow_keys_summed(planned: FlowRange, columns: list[str], **filters) -> list[dict]:
+    """Every group of the planned range summed by `columns` (`filters` narrow them by key columns),
+    read as the rollup reads them: for the impact of a draft policy (fleet/impact.py) and suggested
+    rules (flows/suggestions.py)."""
+    return _summed(planned, columns, **filters)
 
 
 def _review_decisions(planned: FlowRange, elsewhere_ids: set) -> tuple[list, list]:

@@ -32,7 +32,7 @@ from fleet.models import Workload
 from fleet.selectors import label_filters_parse
 from flows.choices import Decision
 from flows.representations import coverage_data
-from flows.selectors import _summed, coverage, flow_range_plan, workloads_selected
+from flows.selectors import coverage, flow_keys_summed, flow_range_plan, workloads_selected
 from flows.validation import flow_range_parse
 from policy.grammar import GrammarError, Requirement, Selector, validate_label_key
 from policy.models import AddressGroup, Ruleset, Service
@@ -287,7 +287,7 @@ def policy_suggest(
     label_keys = label_keys_check(list(label_keys) if label_keys is not None else list(DEFAULT_LABEL_KEYS))
     planned = flow_range_plan(selected=selected, start=start, end=end)
     covered = coverage(selected, start, end, lookback=planned.lookback)
-    rows = _summed(planned, KEY_COLUMNS, decision__in=list(UNADMITTED))
+    rows = flow_keys_summed(planned, KEY_COLUMNS, decision__in=list(UNADMITTED))
     ids = {r["workload_id"] for r in rows} | {r["peer_workload_id"] for r in rows if r["peer_workload_id"]}
     workloads = {w.id: w for w in Workload.objects.filter(id__in=ids).only("id", "hostname", "labels")}
 
