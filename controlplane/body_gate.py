@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -60,6 +61,7 @@ LOGIN = "login"  # the budget of login bodies on the operator listener
 LOGIN_BODY_BYTES = 16 * 1024  # a password, as JSON or a form
 LOGIN_BUDGET_BYTES = 1024 * 1024
 LINGER_SECONDS = 2.0
+TIDY_SECONDS = 10.0
 
 HeadersCheck = Callable[[Mapping[str, str]], object]
 
@@ -101,6 +103,7 @@ class _Claim:
 
 
 _budgets: dict[str, BodyBudget] = {}
+_check_thread = threading.local()
 _checks: ThreadPoolExecutor | None = None
 
 
@@ -157,21 +160,26 @@ passed_headers = PassedHeaders()
 
 
 def headers_refusal(check: HeadersCheck, headers: Mapping[str, str]) -> Problem | None:
-    """Run on a check thread: the Problem `check` raises, None when it passes. Database connections are
-    kept between checks as Django keeps them between requests. The database away is the 503 with
-    Retry-After that the view would answer, logged as the outage is (controlplane/outage.py)."""
-    close_old_connections()
+    """Run on a check thread: the Problem `check` raises, None when it passes. The database away is the
+    503 with Retry-After that the view would answer, logged as the outage is (controlplane/outage.py).
+
+    The thread keeps its database connection as Django keeps one between requests, but tidies it (its
+    age, its health: a `SELECT 1` with CONN_HEALTH_CHECKS) once every TIDY_SECONDS and after a failure,
+    not around every check: that round trip cost as much as the check's own query."""
+    now = time.monotonic()
+    if now - getattr(_check_thread, "tidied_at", -TIDY_SECONDS) >= TIDY_SECONDS:
+        close_old_connections()
+        _check_thread.tidied_at = now
     try:
         check(headers)
     except Problem as problem:
         return problem
     except Exception as error:  # noqa: BLE001 - refused, never let through unchecked
+        _check_thread.tidied_at = -TIDY_SECONDS  # look at the connection before the next check
         if database_failed("check requests' headers", error, log):
             return service_unavailable()  # the database away: one throttled line, no traceback
         log.exception("checking a request's headers failed")
         return Problem("internal")
-    finally:
-        close_old_connections()
     return None
 
 
