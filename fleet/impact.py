@@ -9,26 +9,24 @@ coverage as the rollup states it, so that "nothing would change" never reads as 
 evidence is not.
 
 Keys are judged as a table in `simulation` or `enforced` judges them, whatever the workload's mode
-now: a workload in `visibility` has no rules, and the question is what its rules would do.
+now: a workload in `visibility` has no rules, and the question is what its rules would do. The
+classifier's inputs are built in fleet/key_classifier.py, which the suggestions share.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from controlplane.clock import rfc3339
 from controlplane.problems import Finding, ValidationFailed
 from controlplane.validation import Findings, require_object
 from fleet.dryrun import hypothetical_policy, unmatched_selectors
-from fleet.rendering import fleet_load
+from fleet.key_classifier import FlowKeyClassifier
 from fleet.selectors import label_filters_parse
 from flows.representations import coverage_data
 from flows.selectors import coverage, flow_keys_summed, flow_range_plan, workloads_selected
 from flows.validation import flow_range_parse
-from policy.classify import Connection, classify
-from policy.render_inputs import PROTOCOLS, WorkloadInput, parse_host_address
-from policy.selectors import PolicyInputs, policy_inputs_load
+from policy.selectors import PolicyInputs
 
 MAX_LISTED = 1000
 KEY_COLUMNS = ["workload_id", "peer", "peer_workload_id", "protocol", "port"]
@@ -71,21 +69,6 @@ def _text(value: Any) -> str | None:
     return value if isinstance(value, str) or value is None else repr(value)
 
 
-def _connection(row: dict) -> Connection | None:
-    """A flow key as the first packet of a new connection; None for what no rule can admit (a
-    protocol other than tcp, udp, icmp and icmpv6, a scoped address)."""
-    protocol = row["protocol"]
-    if protocol not in PROTOCOLS:
-        return None
-    try:
-        peer = parse_host_address(row["peer"])
-        # icmp keys carry no type (0): echo and the other queries that open a connection.
-        port = row["port"] if protocol in ("tcp", "udp") else None
-        return Connection(row["peer"], protocol, port, loopback=peer.is_loopback)
-    except ValueError:
-        return None
-
-
 def _rules_by_number(policy: PolicyInputs) -> dict[int, dict]:
     return {
         rule.number: {
@@ -98,10 +81,6 @@ def _rules_by_number(policy: PolicyInputs) -> dict[int, dict]:
         for ruleset in policy.rulesets
         for rule in ruleset.rules
     }
-
-
-def _judged(workload: WorkloadInput) -> WorkloadInput:
-    return workload if workload.mode != "visibility" else dataclasses.replace(workload, mode="simulation")
 
 
 def _summary(entries: list[dict]) -> dict:
@@ -127,27 +106,14 @@ def policy_impact(*, data: Any) -> dict:
     covered = coverage(selected, start, end, lookback=planned.lookback)
     rows = flow_keys_summed(planned, KEY_COLUMNS)
 
-    fleet, inputs = fleet_load()
-    now = policy_inputs_load()
-    rules_now, rules_draft = _rules_by_number(now), _rules_by_number(draft)
+    judge = FlowKeyClassifier(drafts=[draft])
+    rules_now, rules_draft = _rules_by_number(judge.now), _rules_by_number(draft)
     refused: list[dict] = []
     admitted: list[dict] = []
-    # A workload's labels decide which rulesets apply to it: workloads with the same labels judge a
-    # connection alike, and a fleet has far fewer label sets than keys.
-    outcomes: dict[tuple, tuple[int | None, int | None]] = {}
     for row in rows:
-        workload = inputs.get(str(row["workload_id"]))
-        connection = _connection(row)
-        if workload is None or connection is None:
+        workload, found = judge.workload(row), judge.rules(row)
+        if workload is None or found is None:
             continue
-        key = (workload.labels, connection)
-        found = outcomes.get(key)
-        if found is None:
-            judged = _judged(workload)
-            found = outcomes[key] = (
-                classify(judged, now.rulesets, now.groups, fleet, connection).rule,
-                classify(judged, draft.rulesets, draft.groups, fleet, connection).rule,
-            )
         before, after = found
         if (before is None) == (after is None):
             continue
@@ -187,5 +153,5 @@ def policy_impact(*, data: Any) -> dict:
         "newly_admitted": admitted[:MAX_LISTED],
         "truncated": len(refused) > MAX_LISTED or len(admitted) > MAX_LISTED,
         "coverage": coverage_data(covered),
-        "warnings": unmatched_selectors(specs, fleet),
+        "warnings": unmatched_selectors(specs, judge.fleet),
     }

@@ -28,6 +28,7 @@ from typing import Any
 from controlplane.clock import rfc3339
 from controlplane.problems import Finding, ValidationFailed, pointer
 from controlplane.validation import Findings, parsed_together, reject_unknown, require_object
+from fleet.key_classifier import FlowKeyClassifier
 from fleet.models import Workload
 from fleet.selectors import label_filters_parse
 from flows.choices import Decision
@@ -36,8 +37,6 @@ from flows.selectors import coverage, flow_keys_summed, flow_range_plan, workloa
 from flows.validation import flow_range_parse
 from policy.grammar import GrammarError, Requirement, Selector, validate_label_key
 from policy.models import AddressGroup, Ruleset, Service
-from policy.render_inputs import PortEntry, RuleInput
-from policy.selectors import PolicyInputs, policy_inputs_load
 from policy.validation import MAX_NAME, MAX_RULES_PER_RULESET, MAX_SOURCES_PER_RULE
 
 # `app` alone: it names what a workload runs, the group that rules are written for
@@ -158,8 +157,13 @@ class _SortedOut:
 
 def _sorted_out(rows: list[dict], workloads: dict, label_keys: list[str]) -> _SortedOut:
     """Each key: admitted now by a rule in force, not generalised (and why), or seen[scope][source]
-    [(protocol, port)], a source being ("selector", text) or ("address", peer)."""
-    in_force, out = _InForce(), _SortedOut()
+    [(protocol, port)], a source being ("selector", text) or ("address", peer).
+
+    Admitted now is the impact's classifier on the policy in force now (fleet/key_classifier.py): a
+    workload in `visibility` records as `observed` what its rules would admit, and a rule added since
+    may admit what was refused; the key is judged as its workload's table in `simulation` or
+    `enforced` would judge a new inbound connection, selectors resolved to the fleet's addresses now."""
+    in_force, out = FlowKeyClassifier(), _SortedOut()
     named: dict = {}  # a workload's selector of label_keys (or the keys it lacks), worked out once
 
     def selector_of(workload: Workload) -> tuple[str | None, list[str]]:
@@ -169,7 +173,7 @@ def _sorted_out(rows: list[dict], workloads: dict, label_keys: list[str]) -> _So
 
     for row in rows:
         workload, peer = workloads[row["workload_id"]], workloads.get(row["peer_workload_id"])
-        if in_force.admits(workload, row, peer):
+        if in_force.admitted_now(row):
             out.admitted_now.append(_row_data(row))
             continue
         scope, missing = selector_of(workload)
@@ -389,64 +393,6 @@ def policy_suggest_request(*, data: Any) -> dict:
 
 def _text(value) -> str | None:
     return value if isinstance(value, str) else None
-
-
-class _InForce:
-    """The policy in force now, for `admits`: the enabled rulesets and address groups, read once, and
-    per workload the rules of the rulesets whose scope selects it, per group its members as networks
-    (a group holds up to 10,000), each worked out once per suggestion."""
-
-    def __init__(self) -> None:
-        self.inputs: PolicyInputs = policy_inputs_load()
-        self.rules_of: dict = {}
-        self.networks: dict[str, list] = {}
-
-    def _rules(self, workload: Workload) -> list[RuleInput]:
-        if workload.id not in self.rules_of:
-            self.rules_of[workload.id] = [
-                rule
-                for ruleset in self.inputs.rulesets
-                if ruleset.scope.matches(workload.labels)
-                for rule in ruleset.rules
-            ]
-        return self.rules_of[workload.id]
-
-    def _members(self, group_id: str) -> list:
-        if group_id not in self.networks:
-            group = self.inputs.groups.get(group_id)
-            self.networks[group_id] = [ipaddress.ip_network(m) for m in group.members] if group else []
-        return self.networks[group_id]
-
-    def admits(self, workload: Workload, row: dict, peer: Workload | None) -> bool:
-        """Whether a rule in force now admits the key: a workload in `visibility` records as `observed`
-        what its rules would admit, and a rule added since may admit what was refused. As the table
-        decides a new inbound connection (policy/renderer.py): a selector source is the addresses of
-        the workloads it selects (here: the labels of the key's peer workload), an address group its
-        members, ICMP of its own family. The impact classifier (issue 25, item 1) is the exact one;
-        this is its subset for allow-only rules, where any admitting rule is enough and their order
-        does not matter."""
-        address = ipaddress.ip_address(row["peer"])
-        for rule in self._rules(workload):
-            if not any(_entry_admits(e, row["protocol"], row["port"], address.version) for e in rule.entries):
-                continue
-            for source in rule.sources:
-                if source.kind == "any":
-                    return True
-                if source.kind == "selector" and peer is not None and source.selector.matches(peer.labels):  # type: ignore[union-attr]
-                    return True
-                if source.kind == "address_group" and any(
-                    address in network for network in self._members(source.address_group_id or "")
-                ):
-                    return True
-        return False
-
-
-def _entry_admits(entry: PortEntry, protocol: str, port: int, version: int) -> bool:
-    if entry.protocol != protocol:
-        return False
-    if protocol in ("icmp", "icmpv6"):
-        return version == (4 if protocol == "icmp" else 6)
-    return entry.port_from <= port <= entry.port_to  # type: ignore[operator]
 
 
 def _single_entry_services() -> dict[tuple, dict]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import uuid
@@ -392,3 +393,109 @@ def test_suggest_says_prominently_when_the_range_is_incomplete(fleet):
     assert code == 0 and json.loads(out)["scope"] == "app=db"
     assert err.startswith("warning: The range is incomplete")
     assert f"{clients[0].id}: no flow window in the range" in err
+
+
+# --- "admitted now" is the classifier's judgement (fleet/key_classifier.py) ---
+
+
+def test_a_selector_source_admits_by_the_fleets_addresses_now_as_the_table_does(fleet):
+    server, clients = fleet
+    late = "10.50.0.30"
+    # seen before any workload had the address: stored without a peer workload
+    _ingest(server, _traffic(2, lambda _m: [{"peer": late, "port": 5432, "connection_count": 3}]))
+    _labelled("web9", late, {"app": "web"})
+    services.ruleset_create(
+        actor=CLI_ACTOR,
+        data={"name": "db", "scope": "app=db", "rules": [
+            {"sources": [{"selector": "app=web"}], "services": [{"protocol": "tcp", "port": 5432}]}
+        ]},
+    )  # fmt: skip
+    answer = _suggest(server, label_keys=["app"])
+    # the server's table now admits the address by the selector (it is web9's): nothing to propose,
+    # where a match on the key's recorded peer workload (none) would propose the address again
+    assert answer["rulesets"] == [] and answer["address_groups"] == []
+    [key] = answer["admitted_now"]
+    assert (key["peer"], key["peer_workload_id"], key["connection_count"]) == (late, None, 6)
+
+
+def _random_policy(rng, outside):
+    """A few rulesets of random scopes, sources (selectors, address groups of hosts and CIDRs, any)
+    and services (ports, ranges, icmp, icmpv6), some disabled."""
+    groups = []
+    for i in range(2):
+        members = rng.sample([*outside, "198.51.100.0/28", "2001:db8:5::/64", "10.50.0.0/30"], 2)
+        groups.append(
+            services.address_group_create(actor=CLI_ACTOR, data={"name": f"g{i}", "members": members})
+        )
+    entries = [
+        {"protocol": "tcp", "port": 5432}, {"protocol": "tcp", "port": 20, "port_to": 25},
+        {"protocol": "udp", "port": 53}, {"protocol": "icmp"}, {"protocol": "icmpv6"},
+        {"protocol": "tcp", "port": 1000, "port_to": 6000},
+    ]  # fmt: skip
+    sources = [
+        {"selector": "app=web"},
+        {"selector": "tier=t1"},
+        {"selector": "app in (web,db)"},
+        {"any": True},
+        *({"address_group": g.name} for g in groups),
+    ]
+    for i in range(rng.randint(1, 3)):
+        rules = [
+            {
+                "sources": rng.sample(sources, rng.randint(1, 3)),
+                "services": rng.sample(entries, rng.randint(1, 3)),
+            }
+            for _ in range(rng.randint(1, 4))
+        ]
+        scope = rng.choice(["app=db", "", "app=web", "app in (db,web)"])
+        services.ruleset_create(
+            actor=CLI_ACTOR,
+            data={"name": f"r{i}", "scope": scope, "enabled": rng.random() < 0.8, "rules": rules},
+        )
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_admitted_now_is_what_the_classifier_admits_for_every_key(fleet, seed):
+    """Random keys (IPv4 and IPv6, tcp, udp, icmp, icmpv6; a peer whose address became a workload's
+    after the keys were stored) under a random policy: the keys left out as admitted now are exactly
+    those the server's table, in `simulation`, would admit by a rule."""
+    import random
+
+    from fleet.rendering import fleet_load
+    from policy.classify import Connection, classify
+    from policy.selectors import policy_inputs_load
+
+    rng = random.Random(seed)
+    server, clients = fleet
+    _labelled("web6", "2001:db8::20", {"app": "web", "tier": "t1"})
+    outside = ["198.51.100.3", "198.51.100.77", "2001:db8:5::9", "2001:db8:7::1"]
+    late = "10.50.0.31"  # a workload's address only after the keys were stored: no peer workload
+    peers4 = [f"10.50.0.{20 + i}" for i in range(3)] + [late] + outside[:2]
+    peers6 = ["2001:db8::20", *outside[2:]]
+    keys = set()
+    for _ in range(30):
+        protocol = rng.choice(["tcp", "tcp", "udp", "icmp", "icmpv6"])
+        peer = rng.choice(
+            peers6 if protocol == "icmpv6" else peers4 if protocol == "icmp" else peers4 + peers6
+        )
+        port = 0 if protocol.startswith("icmp") else rng.choice([22, 23, 53, 443, 5432, 6379, 8080])
+        keys.add((peer, protocol, port))
+    _ingest(
+        server, _traffic(1, lambda _m: [{"peer": p, "protocol": pr, "port": n} for p, pr, n in sorted(keys)])
+    )
+    _labelled("web-late", late, {"app": "web"})
+    _random_policy(rng, outside)
+
+    fleet_index, inputs = fleet_load()
+    now = policy_inputs_load()
+    assert inputs[str(server.id)].mode == "visibility"  # no rules installed: judged as its rules would
+    judged = dataclasses.replace(inputs[str(server.id)], mode="simulation")
+
+    def admits(peer, protocol, port):
+        connection = Connection(peer, protocol, port if protocol in ("tcp", "udp") else None)
+        return classify(judged, now.rulesets, now.groups, fleet_index, connection).rule is not None
+
+    answer = _suggest(server, label_keys=["app"])
+    listed = {(k["peer"], k["service"]["protocol"], k["service"]["port"]) for k in answer["admitted_now"]}
+    assert answer["admitted_now_count"] == len(listed)
+    assert listed == {key for key in keys if admits(*key)}

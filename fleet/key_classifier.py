@@ -1,0 +1,77 @@
+"""Stored flow keys judged by the classifier: the one place that builds policy/classify.py's inputs
+from the database, for the impact of a draft (fleet/impact.py) and for what suggestions leave out as
+admitted now (flows/suggestions.py). Nothing here writes.
+
+The inputs are a render's: the fleet's workloads and addresses now (selectors resolve to them, as in
+the table) and the enabled policy in force now, plus any hypothetical policies the caller judges
+beside it. A key is judged as a table in `simulation` or `enforced` judges a new inbound connection,
+whatever the workload's mode now: a workload in `visibility` has no rules, and the question is what
+its rules would do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from fleet.rendering import fleet_load
+from policy.classify import Connection, classify
+from policy.render_inputs import PROTOCOLS, WorkloadInput, parse_host_address
+from policy.selectors import PolicyInputs, policy_inputs_load
+
+
+def flow_key_connection(row: dict) -> Connection | None:
+    """A stored flow key (`peer`, `protocol`, `port`) as the first packet of a new connection; None
+    for what no rule can admit (a protocol other than tcp, udp, icmp and icmpv6, a scoped address)."""
+    protocol = row["protocol"]
+    if protocol not in PROTOCOLS:
+        return None
+    try:
+        peer = parse_host_address(row["peer"])
+        # icmp keys carry no type (0): echo and the other queries that open a connection.
+        port = row["port"] if protocol in ("tcp", "udp") else None
+        return Connection(row["peer"], protocol, port, loopback=peer.is_loopback)
+    except ValueError:
+        return None
+
+
+def _judged(workload: WorkloadInput) -> WorkloadInput:
+    return workload if workload.mode != "visibility" else dataclasses.replace(workload, mode="simulation")
+
+
+class FlowKeyClassifier:
+    """The fleet and the policy in force now (`now`), loaded once, and `drafts` beside it: for a key,
+    the rule of each policy that admits it (`rules`)."""
+
+    def __init__(self, *, drafts: Sequence[PolicyInputs] = ()) -> None:
+        self.fleet, self.workloads = fleet_load()
+        self.now = policy_inputs_load()
+        self.policies = (self.now, *drafts)
+        # A workload's labels decide which rulesets apply to it: workloads with the same labels judge
+        # a connection alike, and a fleet has far fewer label sets than keys.
+        self._outcomes: dict[tuple, tuple[int | None, ...]] = {}
+
+    def workload(self, row: dict) -> WorkloadInput | None:
+        return self.workloads.get(str(row["workload_id"]))
+
+    def rules(self, row: dict) -> tuple[int | None, ...] | None:
+        """The lifetime number of the rule of each policy (now first, then the drafts) that admits the
+        key (`workload_id`, `peer`, `protocol`, `port`), None where none does; None for a key that no
+        table can judge (its workload gone, a connection no rule can admit)."""
+        workload, connection = self.workload(row), flow_key_connection(row)
+        if workload is None or connection is None:
+            return None
+        key = (workload.labels, connection)
+        found = self._outcomes.get(key)
+        if found is None:
+            judged = _judged(workload)
+            found = self._outcomes[key] = tuple(
+                classify(judged, policy.rulesets, policy.groups, self.fleet, connection).rule
+                for policy in self.policies
+            )
+        return found
+
+    def admitted_now(self, row: dict) -> bool:
+        """Whether a rule in force now admits the key, as the workload's table would."""
+        found = self.rules(row)
+        return found is not None and found[0] is not None
