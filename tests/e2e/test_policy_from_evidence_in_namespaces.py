@@ -18,8 +18,9 @@ from datetime import UTC, datetime
 
 import pytest
 
-from tests.support.lab import TCP_SERVER, AgentProcess, NamespacedServe
+from tests.support.lab import TCP_SERVER, AgentProcess, NamespacedServe, via_unix_socket
 from tests.support.netns import Lab, require_namespace_lab
+from tests.support.serve_process import throwaway_database
 
 pytestmark = [pytest.mark.e2e, pytest.mark.root, pytest.mark.timeout(600)]
 
@@ -94,6 +95,12 @@ def _next_window() -> datetime:
     return boundary
 
 
+def _range_end() -> datetime:
+    """The end of a range that holds the connections just made: a window boundary at least a second
+    after them, so that one whose event the agent reads late (a loaded host) is still inside."""
+    return _boundary_after(time.time() + 1)
+
+
 def _span(start: datetime, end: datetime) -> dict:
     return {"from": _text(start), "to": _text(end)}
 
@@ -141,12 +148,20 @@ def _applied(api, db_id: str, change) -> None:
     api.wait_converged(db_id)
 
 
+@pytest.fixture
+def database_url():
+    """PostgreSQL when the run has it (suggestions and impact sum the evidence in SQL), else SQLite."""
+    with throwaway_database() as url:
+        yield via_unix_socket(url)
+
+
 def test_suggested_rules_admit_the_traffic_they_were_learnt_from_and_the_impact_predicts_the_kernel(
-    lab, tmp_path
+    lab, database_url, tmp_path
 ):
     serve = NamespacedServe(
-        lab, "cp", tmp_path / "cp", operator_listen=f"{CP}:8080", gateway_listen=f"{CP}:8443"
-    ).start()
+        lab, "cp", tmp_path / "cp", database_url=database_url,
+        operator_listen=f"{CP}:8080", gateway_listen=f"{CP}:8443",
+    ).start()  # fmt: skip
     db = AgentProcess(lab, "db", tmp_path / "db")
     ports = _source_ports()
     try:
@@ -165,18 +180,23 @@ def test_suggested_rules_admit_the_traffic_they_were_learnt_from_and_the_impact_
         # 1. Watched in visibility, then rules suggested from that range.
         start1 = _next_window()
         sources = _round(lab, ports)
-        end1 = _boundary_after(time.time())
+        end1 = _range_end()
         _counted(api, db_id, start1, end1, {
             (WEB1, 5432, "observed", None): 3, (WEB2, 5432, "observed", None): 5, (OUTSIDE, 22, "observed", None): 4,
         })  # fmt: skip
         assert len(set(sources)) == 12 and max(sources) - min(sources) > len(EPHEMERAL) // 2
-        answer = api.post(
-            "/policies/suggestions", {"label": ["app=db"], **_span(start1, end1), "label_keys": ["app"]}
-        )
-        assert answer.status_code == 200, answer.text
-        suggested = answer.json()
-        assert suggested["complete"] is True and suggested["warning"] is None, suggested
-        assert suggested["incomplete_intervals"] == [] and suggested["coverage"]["complete"] is True
+
+        def suggestion():
+            answer = api.post(
+                "/policies/suggestions", {"label": ["app=db"], **_span(start1, end1), "label_keys": ["app"]}
+            )
+            assert answer.status_code == 200, answer.text
+            return answer.json()
+
+        # Complete once the heartbeat after the range's last window says nothing is held back.
+        suggested = _awaited(api, "a complete suggestion", suggestion, lambda answer: answer["complete"])
+        assert suggested["warning"] is None and suggested["incomplete_intervals"] == [], suggested
+        assert suggested["coverage"]["complete"] is True
         assert (suggested["not_generalised_count"], suggested["admitted_now_count"]) == (0, 0), suggested
         draft = suggested["draft"]
         assert draft["scope"] == "app=db" and len(draft["rules"]) == 2, draft
@@ -213,7 +233,7 @@ def test_suggested_rules_admit_the_traffic_they_were_learnt_from_and_the_impact_
 
         start2 = _next_window()
         _round(lab, ports)
-        end2 = _boundary_after(time.time())
+        end2 = _range_end()
         _counted(api, db_id, start2, end2, {
             (WEB1, 5432, "allowed", rule_5432["id"]): 3, (WEB2, 5432, "allowed", rule_5432["id"]): 5,
             (OUTSIDE, 22, "allowed", rule_22["id"]): 4,
@@ -224,14 +244,18 @@ def test_suggested_rules_admit_the_traffic_they_were_learnt_from_and_the_impact_
         assert {g["decision"]: g["connection_count"] for g in decisions["items"]} == {"allowed": 12}, (
             decisions
         )
-        review = api.get("/flows/review", params={"workload": db_id, **_span(start2, end2)})
-        assert review["verdict"] == "pass" and review["reasons"] == [], review
+        review = _awaited(
+            api, "the review to pass",
+            lambda: api.get("/flows/review", params={"workload": db_id, **_span(start2, end2)}),
+            lambda answer: answer["verdict"] == "pass",
+        )  # fmt: skip
+        assert review["reasons"] == [], review
         assert (review["workload_count"], review["would_block_count"]) == (1, 0), review
 
         # Nothing wider than what was seen: a new service would be blocked.
         start3 = end2
         _connect(lab, "web1", 6379, 1, ports)
-        end3 = _boundary_after(time.time())
+        end3 = _range_end()
         _counted(api, db_id, start3, end3, {(WEB1, 6379, "would_block", None): 1})
 
         # 3. A draft without the tcp/5432 rule: its impact over the second range, then the kernel's.
@@ -259,7 +283,7 @@ def test_suggested_rules_admit_the_traffic_they_were_learnt_from_and_the_impact_
         _applied(api, db_id, lambda: _expect(replaced(), 200))
         start4 = _next_window()
         _round(lab, ports)
-        end4 = _boundary_after(time.time())
+        end4 = _range_end()
         found = _counted(api, db_id, start4, end4, {
             (WEB1, 5432, "would_block", None): 3, (WEB2, 5432, "would_block", None): 5,
             (OUTSIDE, 22, "allowed", rule_22["id"]): 4,
@@ -272,6 +296,20 @@ def test_suggested_rules_admit_the_traffic_they_were_learnt_from_and_the_impact_
         db.kill()
         assert serve.stop() == 0
     assert "Traceback" not in db.log(), db.log()
+
+
+def _awaited(api, what: str, read, ok) -> dict:
+    """Polls read() until ok(answer); fails with the last answer."""
+    last: list = [None]
+
+    def poll():
+        last[0] = read()
+        return ok(last[0]) and last[0]
+
+    try:
+        return api.wait_for(what, poll, timeout=30)
+    except AssertionError as error:
+        raise AssertionError(f"{error}: {last[0]}") from None
 
 
 def _expect(response, status: int):
