@@ -252,11 +252,17 @@ def test_suggested_rules_admit_the_traffic_they_were_learnt_from_and_the_impact_
         assert review["reasons"] == [], review
         assert (review["workload_count"], review["would_block_count"]) == (1, 0), review
 
-        # Nothing wider than what was seen: a new service would be blocked.
+        # Nothing wider than what was seen: a new service would be blocked, and so would each source on
+        # the service that only the other was seen on.
         start3 = end2
         _connect(lab, "web1", 6379, 1, ports)
+        _connect(lab, "web1", 22, 1, ports)
+        _connect(lab, "outside", 5432, 1, ports)
         end3 = _range_end()
-        _counted(api, db_id, start3, end3, {(WEB1, 6379, "would_block", None): 1})
+        _counted(api, db_id, start3, end3, {
+            (WEB1, 6379, "would_block", None): 1, (WEB1, 22, "would_block", None): 1,
+            (OUTSIDE, 5432, "would_block", None): 1,
+        })  # fmt: skip
 
         # 3. A draft without the tcp/5432 rule: its impact over the second range, then the kernel's.
         without_5432 = {
