@@ -18,6 +18,7 @@ from controlplane import clock
 from controlplane.auth.actor import CLI_ACTOR
 from fleet.services import workload_labels_replace
 from flows.services import flow_report_ingest
+from policy import services as policy_services
 from tests.support.flow_evidence import enrolled, flow_report, windows_between
 
 pytestmark = pytest.mark.django_db
@@ -147,3 +148,68 @@ def test_bad_input_to_suggest_is_shown_next_to_the_field(browser, server):
     response = _suggested(browser, server, label_keys="app", aggregate_prefix="99")
     assert response.status_code == 422
     assert 'id="aggregate_prefix-errors"' in text(response)
+
+
+def test_a_rule_edit_shows_its_impact_over_past_traffic_in_words_before_saving(browser, server):
+    _ingest(server)
+    ruleset = policy_services.ruleset_create(
+        actor=CLI_ACTOR,
+        data={"name": "db", "scope": "app=db", "enabled": True, "rules": [
+            {"description": "web to postgres", "sources": [{"selector": "app=web"}],
+             "services": [{"protocol": "tcp", "port": 5432}]},
+        ]},
+    )  # fmt: skip
+    rule = ruleset.rules.get()
+    edit = f"/policy/rulesets/{ruleset.id}/rules/{rule.id}"
+    form = text(browser.get(edit))
+    assert "Impact over past traffic" in form and '<option value="7d" selected>' in form
+
+    # Moving the rule from tcp/5432 to tcp/5433 refuses what it admitted, and admits nothing seen.
+    response = browser.post(
+        edit,
+        {"sources": "app=web", "services": "tcp/5433", "version": str(rule.version), "action": "impact"},
+    )
+    page = text(response)
+    assert response.status_code == 200, page[:2000]
+    assert (
+        f"Over the last 7 days this change would have refused {3 * MINUTES} connections from 2 peers "
+        "to 1 service." in page
+    )
+    assert "data-newly-refused" in page and "data-newly-admitted" not in page and "web0" in page
+    assert "Nothing was saved" in page and "data-impact-incomplete" not in page
+    assert "tcp/5432" in text(browser.get(f"/policy/rulesets/{ruleset.id}"))  # and nothing was
+
+    # Admitting anyone on tcp/22 instead: newly admitted, said after the refused.
+    both = text(
+        browser.post(
+            edit,
+            {
+                "sources": "any",
+                "services": "tcp/22",
+                "version": str(rule.version),
+                "action": "impact",
+                "impact_range": "1h",
+            },
+        )
+    )
+    assert (
+        "Over the last hour this change would have refused 60 connections from 2 peers to 1 service, " in both
+    )
+    assert f"and would have admitted {2 * MINUTES} connections from 1 peer to 1 service" in both
+
+
+def test_the_impact_over_a_range_with_a_gap_says_it_is_a_lower_bound(browser, server):
+    at = clock.now() - timedelta(minutes=25)
+    instant = lambda t: t.strftime("%Y-%m-%dT%H:%M:%S.%fZ")  # noqa: E731
+    gap = {"id": str(uuid.uuid4()), "kind": "source_restart", "source": "conntrack",
+           "start": instant(at), "end": instant(at + timedelta(seconds=30)), "lost": {}}  # fmt: skip
+    _ingest(server, gaps=[gap])
+    created = browser.post("/policy/rulesets/new", {"name": "db", "scope": "app=db", "enabled": "on"})
+    page = text(
+        browser.post(
+            f"{created['Location']}/rules/new",
+            {"sources": "app=web", "services": "tcp/5432", "action": "impact"},
+        )
+    )
+    assert f"would have admitted {3 * MINUTES} connections from 2 peers to 1 service" in page
+    assert "data-impact-incomplete" in page and "Incomplete:" in page

@@ -7,7 +7,8 @@ from django.views.decorators.http import require_GET, require_http_methods, requ
 
 from controlplane.console import policy_forms as forms
 from controlplane.console.confirm import Confirmation, ask, confirmed, scope_reach
-from controlplane.console.pages import go, lines, operator_page, page
+from controlplane.console.impact import impact_span, impact_words, with_hostnames
+from controlplane.console.pages import RANGES, go, lines, operator_page, page
 from controlplane.console.views.fleet import not_found
 
 
@@ -146,12 +147,14 @@ def _dryrun_rulesets(api, ruleset_id: str, rule_id: str | None, rule: dict) -> l
 @operator_page
 def rule_edit(request, api, ruleset_id: str, rule_id: str | None = None):
     """Add a rule (rule_id None) or edit one; the `dryrun` button renders the fleet under the form's
-    rule and shows what would change, saving nothing."""
+    rule and shows what would change, `impact` what the change would have done to the stored traffic
+    of a past range; both save nothing."""
     found = api.get(f"/rulesets/{ruleset_id}")
     if not found.ok:
         return not_found(request, f"ruleset {ruleset_id}")
     services, groups = _names(api, "/services", "services"), _names(api, "/address-groups", "address_groups")
-    context: dict = {"ruleset": found.data, "rule_id": rule_id}
+    span = impact_span(request.POST if request.method == "POST" else request.GET)
+    context: dict = {"ruleset": found.data, "rule_id": rule_id, "impact_span": span, "ranges": list(RANGES)}
     status = 200
     if request.method == "GET":
         if rule_id is None:
@@ -178,13 +181,26 @@ def rule_edit(request, api, ruleset_id: str, rule_id: str | None = None):
         )
         if result.ok:
             context["dryrun"] = _with_hostnames(api, result.data)
+    elif request.POST.get("action") == "impact":
+        # A rule reaches only the workloads of its ruleset's scope: the impact (and its coverage) is
+        # theirs, not the whole fleet's.
+        scope = found.data["scope"]
+        draft = {
+            "rulesets": _dryrun_rulesets(api, ruleset_id, rule_id, body),
+            "label": [scope] if scope else [],
+        }
+        result = api.post("/policies/impact", {**draft, "from": span["from"], "to": span["to"]})
+        if result.ok:
+            context.update(
+                impact=with_hostnames(api, result.data), impact_words=impact_words(result.data, span)
+            )
     elif rule_id is None:
         result = api.post(f"/rulesets/{ruleset_id}/rules", body)
     else:
         result = api.put(
             f"/rulesets/{ruleset_id}/rules/{rule_id}", body, if_match=request.POST.get("version", "")
         )
-    if result.ok and request.POST.get("action") != "dryrun":
+    if result.ok and request.POST.get("action") not in ("dryrun", "impact"):
         return go(request, f"/policy/rulesets/{ruleset_id}")
     if not result.ok:
         status = result.status
