@@ -59,3 +59,51 @@ def with_hostnames(api, impact: dict) -> dict:
         entry["hostname"] = names.get(entry["workload_id"], entry["workload_id"])
         entry["peer_hostname"] = names.get(entry["peer_workload_id"] or "", "")
     return impact
+
+
+# What enforcing would refuse, asked of POST /policies/impact: the policy in force plus a ruleset that
+# admits everything. A key that only the added ruleset admits is one no rule in force admits, which the
+# impact lists as "newly admitted"; in `enforced` the table would refuse it.
+ADMIT_EVERYTHING = {
+    "name": "console: everything (comparison, never saved)",
+    "description": "",
+    "scope": "",
+    "enabled": True,
+    "rules": [
+        {
+            "description": "",
+            "sources": [{"any": True}],
+            "services": [
+                {"protocol": "tcp", "port": 1, "port_to": 65535},
+                {"protocol": "udp", "port": 1, "port_to": 65535},
+                {"protocol": "icmp"},
+                {"protocol": "icmpv6"},
+            ],
+        }
+    ],
+}
+
+
+def refused_when_enforced(api, selection: dict, span: dict) -> tuple[dict | None, dict | None]:
+    """The selection's keys of the range that no rule in force admits (the impact's answer, with the
+    refused keys in `newly_admitted`), or the API's problem."""
+    rulesets = api.get("/rulesets").data["rulesets"]
+    body = {
+        "rulesets": [*rulesets, ADMIT_EVERYTHING],
+        "label": selection["label"],
+        "workload": selection["workload"],
+        "from": span["from"],
+        "to": span["to"],
+    }
+    result = api.post("/policies/impact", body)
+    if not result.ok:
+        return None, result.problem
+    return with_hostnames(api, result.data), None
+
+
+def refused_words(impact: dict, span: dict) -> str:
+    period = SPANS.get(span["key"]) or f"{short_instant(span['from'])} – {short_instant(span['to'])}"
+    summary = impact["newly_admitted_summary"]
+    if not summary["count"]:
+        return f"Over {period} the policy in force admits every connection these workloads saw."
+    return f"Over {period} the policy in force would have refused {_what(summary)} to these workloads once enforced."

@@ -213,3 +213,25 @@ def test_the_impact_over_a_range_with_a_gap_says_it_is_a_lower_bound(browser, se
     )
     assert f"would have admitted {3 * MINUTES} connections from 2 peers to 1 service" in page
     assert "data-impact-incomplete" in page and "Incomplete:" in page
+
+
+def test_moving_to_enforced_shows_what_the_policy_in_force_would_refuse_beside_the_review(browser, server):
+    _ingest(server)
+    query = f"/mode-changes?workloads={server.id}&mode=enforced&range=1h"
+    page = text(browser.get(query))
+    assert "Verdict:" in page and "data-enforced-impact" in page
+    assert (
+        f"Over the last hour the policy in force would have refused {5 * MINUTES} connections from 3 peers "
+        "to 2 services to these workloads once enforced." in page
+    )
+    policy_services.ruleset_create(
+        actor=CLI_ACTOR,
+        data={"name": "db", "scope": "app=db", "enabled": True, "rules": [
+            {"description": "", "sources": [{"selector": "app=web"}],
+             "services": [{"protocol": "tcp", "port": 5432}]},
+        ]},
+    )  # fmt: skip
+    page = text(browser.get(query))
+    assert f"would have refused {2 * MINUTES} connections from 1 peer to 1 service" in page
+    assert OUTSIDE in page and "data-refused-when-enforced" in page
+    assert "data-enforced-impact" not in text(browser.get(query.replace("enforced", "simulation")))
