@@ -235,3 +235,23 @@ def test_moving_to_enforced_shows_what_the_policy_in_force_would_refuse_beside_t
     assert f"would have refused {2 * MINUTES} connections from 1 peer to 1 service" in page
     assert OUTSIDE in page and "data-refused-when-enforced" in page
     assert "data-enforced-impact" not in text(browser.get(query.replace("enforced", "simulation")))
+
+
+def test_a_ruleset_edit_shows_its_impact_before_saving(browser, server):
+    _ingest(server)
+    ruleset = policy_services.ruleset_create(
+        actor=CLI_ACTOR,
+        data={"name": "db", "scope": "app=db", "enabled": True, "rules": [
+            {"description": "", "sources": [{"selector": "app=web"}],
+             "services": [{"protocol": "tcp", "port": 5432}]},
+        ]},
+    )  # fmt: skip
+    url = f"/policy/rulesets/{ruleset.id}"
+    assert "Impact over past traffic" in text(browser.get(url))
+    disabled = {"name": "db", "scope": "app=db", "version": str(ruleset.version), "action": "impact"}
+    page = text(browser.post(url, disabled))  # `enabled` unchecked
+    assert f"Over the last 7 days this change would have refused {3 * MINUTES} connections" in page
+    assert "Saved." not in page
+    bad = browser.post(url, {**disabled, "enabled": "on", "scope": "app in ("})
+    assert bad.status_code == 422 and 'id="scope-errors"' in text(bad)
+    assert "Nothing would change" not in text(bad) and "data-impact" not in text(bad)

@@ -73,9 +73,22 @@ def ruleset_detail(request, api, ruleset_id: str):
     if not found.ok:
         return not_found(request, f"ruleset {ruleset_id}")
     ruleset = found.data
-    context: dict = {"ruleset": ruleset, "form": ruleset, "version": ruleset["version"]}
+    span = impact_span(request.POST if request.method == "POST" else request.GET)
+    context: dict = {"ruleset": ruleset, "form": ruleset, "version": ruleset["version"], "impact_span": span,
+                     "ranges": list(RANGES)}  # fmt: skip
     status = 200
-    if request.method == "POST":
+    if request.method == "POST" and request.POST.get("action") == "impact":
+        edited = {**_ruleset_form(request.POST), "rules": ruleset["rules"]}
+        context.update(form=edited, version=request.POST.get("version", ""))
+        result = _ruleset_impact(api, ruleset, edited, span)
+        if result.ok:
+            context.update(
+                impact=with_hostnames(api, result.data), impact_words=impact_words(result.data, span)
+            )
+        else:
+            status = result.status
+            context.update(problem=result.problem, errors=_ruleset_errors(result))
+    elif request.method == "POST":
         # The rules go back as they are now; If-Match carries the version the form was opened at, so a
         # rule changed meanwhile makes the save a 412 rather than a silent overwrite.
         body = {**_ruleset_form(request.POST), "rules": ruleset["rules"]}
@@ -92,6 +105,33 @@ def ruleset_detail(request, api, ruleset_id: str):
     context["rules"] = _rule_rows(context["ruleset"], services, groups)
     context["rule_form"] = {}
     return page(request, "console/ruleset.html", context, status=status)
+
+
+def _ruleset_errors(result) -> dict:
+    """An impact's findings point into the whole set (`/rulesets/2/scope`): next to the form's field."""
+    errors: dict[str, list[str]] = {}
+    for finding in (result.problem or {}).get("errors") or []:
+        steps = str(finding.get("path", "")).strip("/").split("/")
+        field = steps[2] if steps[:1] == ["rulesets"] and len(steps) >= 3 else steps[0]
+        errors.setdefault(field, []).append(str(finding.get("message", "")))
+    return errors
+
+
+def _ruleset_impact(api, stored: dict, edited: dict, span: dict):
+    """The impact of the ruleset form's edit over past traffic. The same scope: its workloads; a
+    changed scope reaches workloads of both, which one selection cannot name: the whole fleet."""
+    rulesets = [
+        ({**r, **edited, "id": r["id"]} if r["id"] == stored["id"] else r)
+        for r in api.get("/rulesets").data["rulesets"]
+    ]
+    same = edited["scope"].strip() == stored["scope"] and stored["scope"]
+    body = {
+        "rulesets": rulesets,
+        "label": [stored["scope"]] if same else [],
+        "from": span["from"],
+        "to": span["to"],
+    }
+    return api.post("/policies/impact", body)
 
 
 @require_http_methods(["GET", "POST"])
