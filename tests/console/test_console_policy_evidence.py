@@ -19,6 +19,7 @@ from controlplane.auth.actor import CLI_ACTOR
 from fleet.services import workload_labels_replace
 from flows.services import flow_report_ingest
 from policy import services as policy_services
+from policy.models import AddressGroup
 from tests.support.flow_evidence import enrolled, flow_report, windows_between
 
 pytestmark = pytest.mark.django_db
@@ -255,3 +256,27 @@ def test_a_ruleset_edit_shows_its_impact_before_saving(browser, server):
     bad = browser.post(url, {**disabled, "enabled": "on", "scope": "app in ("})
     assert bad.status_code == 422 and 'id="scope-errors"' in text(bad)
     assert "Nothing would change" not in text(bad) and "data-impact" not in text(bad)
+
+
+def test_an_address_group_edit_shows_its_impact_before_saving(browser, server):
+    _ingest(server)
+    group = policy_services.address_group_create(
+        actor=CLI_ACTOR, data={"name": "outside", "members": [OUTSIDE]}
+    )
+    policy_services.ruleset_create(
+        actor=CLI_ACTOR,
+        data={"name": "db", "scope": "app=db", "enabled": True, "rules": [
+            {"description": "", "sources": [{"address_group": "outside"}],
+             "services": [{"protocol": "tcp", "port": 22}]},
+        ]},
+    )  # fmt: skip
+    url = f"/policy/address-groups/{group.id}"
+    assert "Impact over past traffic" in text(browser.get(url))
+    edited = {"name": "outside", "text": "198.51.100.8", "version": str(group.version), "action": "impact"}
+    page = text(browser.post(url, edited))
+    assert (
+        f"Over the last 7 days this change would have refused {2 * MINUTES} connections from 1 peer" in page
+    )
+    assert AddressGroup.objects.get(id=group.id).members == [OUTSIDE]  # nothing saved
+    bad = browser.post(url, {**edited, "text": "not an address"})
+    assert bad.status_code == 422 and 'id="text-errors"' in text(bad)

@@ -108,11 +108,13 @@ def ruleset_detail(request, api, ruleset_id: str):
 
 
 def _ruleset_errors(result) -> dict:
-    """An impact's findings point into the whole set (`/rulesets/2/scope`): next to the form's field."""
+    """An impact's findings point into the whole set (`/rulesets/2/scope`, `/address_groups/0/members/1`):
+    next to the form's field."""
     errors: dict[str, list[str]] = {}
     for finding in (result.problem or {}).get("errors") or []:
         steps = str(finding.get("path", "")).strip("/").split("/")
-        field = steps[2] if steps[:1] == ["rulesets"] and len(steps) >= 3 else steps[0]
+        whole_set = steps[0] in ("rulesets", "services", "address_groups") and len(steps) >= 3
+        field = steps[2] if whole_set else steps[0]
         errors.setdefault(field, []).append(str(finding.get("message", "")))
     return errors
 
@@ -333,6 +335,7 @@ def named_edit(request, api, kind: str, object_id: str | None = None):
             return not_found(request, f"{spec['title'].lower()} {object_id}")
         context["form"] = {"name": found.data["name"], "text": spec["to_text"](found.data[spec["field"]]),
                            "version": found.data["version"]}  # fmt: skip
+    context.update(impact_span=impact_span(request.POST or request.GET), ranges=list(RANGES))
     if request.method == "GET":
         return page(request, "console/named.html", context)
     body = {
@@ -340,7 +343,23 @@ def named_edit(request, api, kind: str, object_id: str | None = None):
         spec["field"]: spec["to_json"](request.POST.get("text", "")),
     }
     version = request.POST.get("version", "")
+    stored_name = context["form"]["name"]
     context["form"] = {"name": body["name"], "text": request.POST.get("text", ""), "version": version}
+    if object_id is not None and request.POST.get("action") == "impact":
+        # The hypothetical set replaces a service or group by name: the stored name, since a rename
+        # changes no traffic and the rules name the stored one.
+        key = "services" if kind == "services" else "address_groups"
+        span = context["impact_span"]
+        draft = {"rulesets": api.get("/rulesets").data["rulesets"], key: [{**body, "name": stored_name}]}
+        result = api.post("/policies/impact", {**draft, "from": span["from"], "to": span["to"]})
+        if result.ok:
+            context.update(
+                impact=with_hostnames(api, result.data), impact_words=impact_words(result.data, span)
+            )
+            return page(request, "console/named.html", context)
+        errors = _ruleset_errors(result)
+        context.update(problem=result.problem, errors={"text": errors.pop(spec["field"], []), **errors})
+        return page(request, "console/named.html", context, status=result.status)
     if object_id is None:
         result = api.post(spec["api"], body)
     else:
