@@ -676,6 +676,17 @@ def test_suggesting_rules_from_the_flows_then_saving_them_and_going_to_simulatio
     assert {"suggested app=web peers": ["192.0.2.9"]}.items() <= {
         g["name"]: g["members"] for g in groups
     }.items()
+    # The saved rule's edit form: its impact over past traffic, before saving a change to it.
+    page = logged_in.goto("/policy")
+    page.get_by_role("link", name="suggested app=web", exact=True).click()
+    page.get_by_role("link", name="Edit").first.click()
+    page.get_by_label("Services").fill("tcp/23")
+    page.get_by_role("button", name="Impact over past traffic").click()
+    headline = page.locator("[data-impact-headline]")
+    headline.wait_for()
+    assert "this change would have refused" in headline.inner_text()
+    assert "from 1 peer to 1 service" in headline.inner_text()
+    logged_in.shot("rule-impact")
     logged_in.check()
 
 
