@@ -2,7 +2,7 @@
 
 from django.urls import path, re_path
 
-from controlplane.console.views import evidence, fleet, policy, session, tokens
+from controlplane.console.views import evidence, fleet, policy, session, suggest, tokens
 
 urlpatterns = [
     path("login", session.login),
@@ -13,6 +13,7 @@ urlpatterns = [
     path("workloads/<str:workload_id>/resend-snapshot", fleet.workload_resend),
     path("workloads/<str:workload_id>/revoke-credential", fleet.workload_revoke_credential),
     path("policy", policy.policy_index),
+    path("policy/suggest", suggest.suggest),
     path("policy/rulesets/new", policy.ruleset_new),
     path("policy/rulesets/<str:ruleset_id>", policy.ruleset_detail),
     path("policy/rulesets/<str:ruleset_id>/delete", policy.ruleset_delete),

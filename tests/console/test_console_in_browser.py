@@ -644,6 +644,52 @@ def test_revoking_a_workloads_credential_asks_first(logged_in, lab):
     logged_in.check()
 
 
+def test_suggesting_rules_from_the_flows_then_saving_them_and_going_to_simulation(logged_in, lab):
+    """web-1's stored flows hold a would-block key (192.0.2.9 to tcp/22) and a gap: the proposal names
+    the gap, saved it creates the address group and the ruleset, and the link prefills simulation."""
+    page = logged_in.goto(f"/workloads/{lab.ids['web-1']}")
+    page.get_by_label("One key=value per line").fill("app=web")
+    page.get_by_role("button", name="Save labels").click()
+    page.get_by_text("Labels saved").wait_for()
+    page = logged_in.goto("/policy")
+    page.get_by_role("link", name="Suggest rules…").click()
+    page.wait_for_url(re.compile(r"/policy/suggest$"))
+    page.get_by_label("Workload ids").fill(lab.ids["web-1"])
+    page.get_by_label("last 1h").check()
+    page.get_by_role("button", name="Suggest rules").click()
+    page.locator("[data-proposal]").wait_for()
+    assert "evidence gap (buffer_overflow)" in page.locator("[data-incomplete]").inner_text()
+    proposed = page.locator("[data-proposed-rule]")
+    assert proposed.count() == 1
+    assert "group:suggested app=web peers" in proposed.inner_text() and "tcp/22" in proposed.inner_text()
+    assert "192.0.2.9" in proposed.inner_text()
+    logged_in.shot("suggest-proposal")
+    page.get_by_role("button", name="Save as ruleset").click()
+    page.locator("[data-created]").wait_for()
+    assert "suggested app=web" in page.locator("[data-created]").inner_text()
+    logged_in.shot("suggest-saved")
+    page.locator("[data-simulation]").click()
+    page.wait_for_url(re.compile(r"/mode-changes\?"))
+    assert page.get_by_label("simulation").is_checked()
+    assert "1 workload selected" in page.locator("#mode-change").inner_text()
+    groups = lab.http.get("/api/v1/address-groups").json()["address_groups"]
+    assert {"suggested app=web peers": ["192.0.2.9"]}.items() <= {
+        g["name"]: g["members"] for g in groups
+    }.items()
+    # The saved rule's edit form: its impact over past traffic, before saving a change to it.
+    page = logged_in.goto("/policy")
+    page.get_by_role("link", name="suggested app=web", exact=True).click()
+    page.get_by_role("link", name="Edit").first.click()
+    page.get_by_label("Services").fill("tcp/23")
+    page.get_by_role("button", name="Impact over past traffic").click()
+    headline = page.locator("[data-impact-headline]")
+    headline.wait_for()
+    assert "this change would have refused" in headline.inner_text()
+    assert "from 1 peer to 1 service" in headline.inner_text()
+    logged_in.shot("rule-impact")
+    logged_in.check()
+
+
 def test_logout_ends_the_session(logged_in, lab):
     page = logged_in.goto("/")
     page.get_by_role("button", name="Log out").click()

@@ -7,6 +7,7 @@ from django.views.decorators.http import require_GET, require_http_methods
 
 from controlplane.console.chips import workload_chips
 from controlplane.console.client import PAGE_LIMIT
+from controlplane.console.impact import refused_when_enforced, refused_words
 from controlplane.console.pages import RANGES, chosen_range, lines, operator_page, page
 from controlplane.console.plots import connections_plot
 from flows.csv_rows import GAP_COLUMNS, csv_text, rollup_columns, rollup_row
@@ -58,6 +59,10 @@ def mode_changes(request, api):
         review = review_of(api, form, span)
         context["review"] = review.data if review.ok else None
         context["review_problem"] = review.problem
+        refused, problem = refused_when_enforced(api, selection_query(form), span)
+        context.update(enforced_impact=refused, enforced_impact_problem=problem)
+        if refused is not None:
+            context["enforced_words"] = refused_words(refused, span)
     if request.method == "POST" and not context.get("problem"):
         failing = form["mode"] == "enforced" and (context.get("review") or {}).get("verdict") != "pass"
         if failing and params.get("confirm") != "enforce-despite-review":

@@ -7,7 +7,8 @@ from django.views.decorators.http import require_GET, require_http_methods, requ
 
 from controlplane.console import policy_forms as forms
 from controlplane.console.confirm import Confirmation, ask, confirmed, scope_reach
-from controlplane.console.pages import go, lines, operator_page, page
+from controlplane.console.impact import impact_span, impact_words, with_hostnames
+from controlplane.console.pages import RANGES, go, lines, operator_page, page
 from controlplane.console.views.fleet import not_found
 
 
@@ -72,9 +73,22 @@ def ruleset_detail(request, api, ruleset_id: str):
     if not found.ok:
         return not_found(request, f"ruleset {ruleset_id}")
     ruleset = found.data
-    context: dict = {"ruleset": ruleset, "form": ruleset, "version": ruleset["version"]}
+    span = impact_span(request.POST if request.method == "POST" else request.GET)
+    context: dict = {"ruleset": ruleset, "form": ruleset, "version": ruleset["version"], "impact_span": span,
+                     "ranges": list(RANGES)}  # fmt: skip
     status = 200
-    if request.method == "POST":
+    if request.method == "POST" and request.POST.get("action") == "impact":
+        edited = {**_ruleset_form(request.POST), "rules": ruleset["rules"]}
+        context.update(form=edited, version=request.POST.get("version", ""))
+        result = _ruleset_impact(api, ruleset, edited, span)
+        if result.ok:
+            context.update(
+                impact=with_hostnames(api, result.data), impact_words=impact_words(result.data, span)
+            )
+        else:
+            status = result.status
+            context.update(problem=result.problem, errors=_ruleset_errors(result))
+    elif request.method == "POST":
         # The rules go back as they are now; If-Match carries the version the form was opened at, so a
         # rule changed meanwhile makes the save a 412 rather than a silent overwrite.
         body = {**_ruleset_form(request.POST), "rules": ruleset["rules"]}
@@ -91,6 +105,35 @@ def ruleset_detail(request, api, ruleset_id: str):
     context["rules"] = _rule_rows(context["ruleset"], services, groups)
     context["rule_form"] = {}
     return page(request, "console/ruleset.html", context, status=status)
+
+
+def _ruleset_errors(result) -> dict:
+    """An impact's findings point into the whole set (`/rulesets/2/scope`, `/address_groups/0/members/1`):
+    next to the form's field."""
+    errors: dict[str, list[str]] = {}
+    for finding in (result.problem or {}).get("errors") or []:
+        steps = str(finding.get("path", "")).strip("/").split("/")
+        whole_set = steps[0] in ("rulesets", "services", "address_groups") and len(steps) >= 3
+        field = steps[2] if whole_set else steps[0]
+        errors.setdefault(field, []).append(str(finding.get("message", "")))
+    return errors
+
+
+def _ruleset_impact(api, stored: dict, edited: dict, span: dict):
+    """The impact of the ruleset form's edit over past traffic. The same scope: its workloads; a
+    changed scope reaches workloads of both, which one selection cannot name: the whole fleet."""
+    rulesets = [
+        ({**r, **edited, "id": r["id"]} if r["id"] == stored["id"] else r)
+        for r in api.get("/rulesets").data["rulesets"]
+    ]
+    same = edited["scope"].strip() == stored["scope"] and stored["scope"]
+    body = {
+        "rulesets": rulesets,
+        "label": [stored["scope"]] if same else [],
+        "from": span["from"],
+        "to": span["to"],
+    }
+    return api.post("/policies/impact", body)
 
 
 @require_http_methods(["GET", "POST"])
@@ -146,12 +189,14 @@ def _dryrun_rulesets(api, ruleset_id: str, rule_id: str | None, rule: dict) -> l
 @operator_page
 def rule_edit(request, api, ruleset_id: str, rule_id: str | None = None):
     """Add a rule (rule_id None) or edit one; the `dryrun` button renders the fleet under the form's
-    rule and shows what would change, saving nothing."""
+    rule and shows what would change, `impact` what the change would have done to the stored traffic
+    of a past range; both save nothing."""
     found = api.get(f"/rulesets/{ruleset_id}")
     if not found.ok:
         return not_found(request, f"ruleset {ruleset_id}")
     services, groups = _names(api, "/services", "services"), _names(api, "/address-groups", "address_groups")
-    context: dict = {"ruleset": found.data, "rule_id": rule_id}
+    span = impact_span(request.POST if request.method == "POST" else request.GET)
+    context: dict = {"ruleset": found.data, "rule_id": rule_id, "impact_span": span, "ranges": list(RANGES)}
     status = 200
     if request.method == "GET":
         if rule_id is None:
@@ -178,13 +223,26 @@ def rule_edit(request, api, ruleset_id: str, rule_id: str | None = None):
         )
         if result.ok:
             context["dryrun"] = _with_hostnames(api, result.data)
+    elif request.POST.get("action") == "impact":
+        # A rule reaches only the workloads of its ruleset's scope: the impact (and its coverage) is
+        # theirs, not the whole fleet's.
+        scope = found.data["scope"]
+        draft = {
+            "rulesets": _dryrun_rulesets(api, ruleset_id, rule_id, body),
+            "label": [scope] if scope else [],
+        }
+        result = api.post("/policies/impact", {**draft, "from": span["from"], "to": span["to"]})
+        if result.ok:
+            context.update(
+                impact=with_hostnames(api, result.data), impact_words=impact_words(result.data, span)
+            )
     elif rule_id is None:
         result = api.post(f"/rulesets/{ruleset_id}/rules", body)
     else:
         result = api.put(
             f"/rulesets/{ruleset_id}/rules/{rule_id}", body, if_match=request.POST.get("version", "")
         )
-    if result.ok and request.POST.get("action") != "dryrun":
+    if result.ok and request.POST.get("action") not in ("dryrun", "impact"):
         return go(request, f"/policy/rulesets/{ruleset_id}")
     if not result.ok:
         status = result.status
@@ -277,6 +335,7 @@ def named_edit(request, api, kind: str, object_id: str | None = None):
             return not_found(request, f"{spec['title'].lower()} {object_id}")
         context["form"] = {"name": found.data["name"], "text": spec["to_text"](found.data[spec["field"]]),
                            "version": found.data["version"]}  # fmt: skip
+    context.update(impact_span=impact_span(request.POST or request.GET), ranges=list(RANGES))
     if request.method == "GET":
         return page(request, "console/named.html", context)
     body = {
@@ -284,7 +343,23 @@ def named_edit(request, api, kind: str, object_id: str | None = None):
         spec["field"]: spec["to_json"](request.POST.get("text", "")),
     }
     version = request.POST.get("version", "")
+    stored_name = context["form"]["name"]
     context["form"] = {"name": body["name"], "text": request.POST.get("text", ""), "version": version}
+    if object_id is not None and request.POST.get("action") == "impact":
+        # The hypothetical set replaces a service or group by name: the stored name, since a rename
+        # changes no traffic and the rules name the stored one.
+        key = "services" if kind == "services" else "address_groups"
+        span = context["impact_span"]
+        draft = {"rulesets": api.get("/rulesets").data["rulesets"], key: [{**body, "name": stored_name}]}
+        result = api.post("/policies/impact", {**draft, "from": span["from"], "to": span["to"]})
+        if result.ok:
+            context.update(
+                impact=with_hostnames(api, result.data), impact_words=impact_words(result.data, span)
+            )
+            return page(request, "console/named.html", context)
+        errors = _ruleset_errors(result)
+        context.update(problem=result.problem, errors={"text": errors.pop(spec["field"], []), **errors})
+        return page(request, "console/named.html", context, status=result.status)
     if object_id is None:
         result = api.post(spec["api"], body)
     else:
