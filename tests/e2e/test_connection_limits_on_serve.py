@@ -24,7 +24,7 @@ import pytest
 
 from agent.enrol import enrol
 from agent.flowreport import report_body
-from agent.protocol import FLOWS_PATH, STREAM_PATH
+from agent.protocol import STREAM_PATH
 from agent.state import StateDir
 from tests.support.flow_reports import post_flow_report
 from tests.support.scripted_agent import ScriptedStreams
@@ -91,10 +91,11 @@ def _slow_connections(targets: list[tuple[str, int]], sources: list[str]):
 
 
 @contextmanager
-def _started_requests(serve, sources: list[str], count: int, kinds: slice = slice(None)):
+def _started_requests(serve, sources: list[str], count: int, kinds: slice = slice(None), token: str = ""):
     """TLS connections from each source in turn that each start something and never finish it: a
-    request head on the operator listener, a websocket upgrade that never authenticates and a flow
-    report's body at ten bytes in all on the gateway."""
+    request head on the operator listener, a websocket upgrade that never authenticates, and a body at
+    ten bytes in all: a write with the operator's token (its body admitted: a body without a credential
+    is refused before it is read, controlplane/body_gate.py)."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     context.check_hostname = False
     context.verify_mode = ssl.CERT_NONE
@@ -102,7 +103,8 @@ def _started_requests(serve, sources: list[str], count: int, kinds: slice = slic
         ("operator", b"GET /api/v1/me HTTP/1.1\r\nHost: palisade\r\nUser-Agent: slo"),
         ("gateway", b"GET " + STREAM_PATH.encode() + b" HTTP/1.1\r\nHost: palisade\r\nUpgrade: websocket\r\n"
          b"Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"),
-        ("gateway", b"POST " + FLOWS_PATH.encode() + b" HTTP/1.1\r\nHost: palisade\r\nContent-Length: 100000\r\n\r\n0123456789"),
+        ("operator", b"POST /api/v1/services HTTP/1.1\r\nHost: palisade\r\nAuthorization: Bearer " + token.encode()
+         + b"\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n0123456789"),
     ][kinds]  # fmt: skip
     held = []
     try:
@@ -189,7 +191,7 @@ def _others_are_answered(serve, token: str, bundle: str, reporter, root, name: s
 def test_one_address_with_1100_slow_connections_silences_nobody(limited):
     serve, token, bundle, reporter, root = limited
     targets = [serve.address("operator"), serve.address("gateway")]
-    with _started_requests(serve, ["127.0.0.2"], 120), _slow_connections(targets, ["127.0.0.2"]):
+    with _started_requests(serve, ["127.0.0.2"], 120, token=token), _slow_connections(targets, ["127.0.0.2"]):
         held = _open_descriptors(serve)
         _others_are_answered(serve, token, bundle, reporter, root, "during-one")
     serve.wait_for_stderr(r"connections refused or closed: .*over the per-address cap of 256")
@@ -226,7 +228,7 @@ def test_addresses_with_an_unauthenticated_websocket_or_a_slow_body_each_silence
     serve, token, bundle, root = short
     reporter = limited[3]  # enrolled on this site; both serves present the same gateway certificate
     sources = [f"127.0.{3 + i // 250}.{1 + i % 250}" for i in range(SHORT_CAP + 100)]
-    with _started_requests(serve, sources, len(sources), kinds=slice(1, 3)):
+    with _started_requests(serve, sources, len(sources), kinds=slice(1, 3), token=token):
         _others_are_answered(serve, token, bundle, reporter, root, "during-streams")
     # At the cap, with no connection waiting for a head, the youngest streams and slowest bodies made
     # room: for the rest of the attackers, and for the three above (logged once every 10 s at most).
