@@ -106,13 +106,22 @@ def draft(rules: int) -> dict:
             if n == 0:
                 sources, services = [{"address_group": "edge"}], [{"protocol": "tcp", "port": 443}]
             elif n % 10 == 1 and r < 5:
-                sources, services = [{"address_group": "peers"}], [{"protocol": "tcp", "port": 445, "port_to": 446}]
+                sources, services = (
+                    [{"address_group": "peers"}],
+                    [{"protocol": "tcp", "port": 445, "port_to": 446}],
+                )
             elif n % 3 == 0:
-                sources, services = [{"selector": f"app=svc-{n % APPS}"}], [{"protocol": "tcp", "port": 5000 + n}]
+                sources, services = (
+                    [{"selector": f"app=svc-{n % APPS}"}],
+                    [{"protocol": "tcp", "port": 5000 + n}],
+                )
             elif n % 3 == 1:
                 sources, services = [{"address_group": "office"}], [{"protocol": "udp", "port": 6000 + n}]
             else:
-                sources, services = [{"any": True}], [{"protocol": "tcp", "port": 7000 + n, "port_to": 7010 + n}]
+                sources, services = (
+                    [{"any": True}],
+                    [{"protocol": "tcp", "port": 7000 + n, "port_to": 7010 + n}],
+                )
             body.append({"sources": sources, "services": services})
         made += len(body)
         rulesets.append({"name": f"draft-{r}", "scope": f"group=rollup, app in ({apps})", "rules": body})
@@ -146,10 +155,14 @@ def bench_reads(hours: int, rules: int, samples: int) -> dict:
 
     def rollup():
         selected = workloads_selected(workload_ids=[], labels=label_filters_parse(SELECTION))
-        read = flow_rollup_read(
-            selected=selected, group_by=["workload", "peer", "service"], start=start, end=end, cursor=None, limit=None
+        return flow_rollup_read(
+            selected=selected,
+            group_by=["workload", "peer", "service"],
+            start=start,
+            end=end,
+            cursor=None,
+            limit=None,
         )
-        return read
 
     def suggest():
         return policy_suggest_request(data={"label": SELECTION, **span, "label_keys": ["app"]})
@@ -200,7 +213,9 @@ def bench_reads(hours: int, rules: int, samples: int) -> dict:
             "p95_ms": round(figure, 1),
             "p50_ms": round(statistics.median(times[name]) * 1e3, 1),
             "sql_p50_ms": round(statistics.median(sql[name]) * 1e3, 1),
-            "python_p50_ms": round(statistics.median(t - s for t, s in zip(times[name], sql[name])) * 1e3, 1),
+            "python_p50_ms": round(
+                statistics.median(t - s for t, s in zip(times[name], sql[name], strict=True)) * 1e3, 1
+            ),
             "queries": queries[name],
             "ratio_over_rollup": round(figure / base, 2),
         }
