@@ -110,12 +110,19 @@ def test_ipv6_ipv4_and_icmp_connections_are_counted_with_the_peer_workload(lab, 
         except AssertionError as error:
             raise AssertionError(f"{error}; expected {expected}") from None
 
-        # The review before enforcing names exactly what enforcement would block, and fails on it.
-        review = api.get(
-            "/flows/review",
-            params={"workload": web_id, "from": began.strftime("%Y-%m-%dT%H:%M:%SZ"),
-                    "to": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")},
-        )  # fmt: skip
+        # The review before enforcing names exactly what enforcement would block, and fails on it. The
+        # windows are counted before the agent's next heartbeat says it holds nothing more of the range
+        # (flow_backlog_since): until then the review also fails on evidence not delivered yet.
+        to = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+        def reviewed():
+            review = api.get(
+                "/flows/review",
+                params={"workload": web_id, "from": began.strftime("%Y-%m-%dT%H:%M:%SZ"), "to": to},
+            )
+            return None if any("not delivered yet" in reason for reason in review["reasons"]) else review
+
+        review = api.wait_for("the agent's evidence of the range to be delivered", reviewed, timeout=30)
         assert review["verdict"] == "fail"
         assert review["reasons"] == ["2 would-block groups: enforcing would block them"], review
         assert sorted(
