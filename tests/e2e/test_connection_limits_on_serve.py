@@ -207,8 +207,9 @@ def test_1100_addresses_with_a_slow_connection_each_silence_nobody(limited):
         _others_are_answered(serve, token, bundle, reporter, root, "during-many")
     cap = int(serve.wait_for_stderr(r"connections: at most (\d+)")[1])
     # Every connection up to the cap, then the longest waiting for a head made room for each newcomer;
-    # the rest of the descriptors stayed free for the database and serve's files.
-    assert cap - 100 < held < cap + 100 < DESCRIPTORS, (held, cap)
+    # descriptors stayed free for the database and serve's files. Connections cut for room close on the
+    # reactor's next turn, so a busy machine sees up to a couple of hundred still open beside the cap.
+    assert cap - 100 < held < DESCRIPTORS - 32, (held, cap)
 
 
 @pytest.fixture(scope="module")
