@@ -226,9 +226,6 @@ class BodyGate:
     _gate_continue = False  # answer `Expect: 100-continue` once the body is admitted
     _gate_path = ""
 
-    def refuse(self, problem: Problem, *, instance: str | None = None) -> None:
-        raise NotImplementedError
-
     def allHeadersReceived(self):
         request = self.requests[-1]
         # Twisted answers 100-continue here; a body that may be refused is not asked for yet.

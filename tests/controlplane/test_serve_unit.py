@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+from tests.support.requirements import require
 
 UNIT = Path(__file__).resolve().parents[2] / "deploy" / "palisade-serve.service"
 
@@ -44,8 +44,7 @@ def test_serve_runs_unprivileged_with_a_raised_descriptor_limit_and_hardening():
 
 def test_systemd_accepts_the_unit(tmp_path):
     analyze = shutil.which("systemd-analyze")
-    if analyze is None:
-        pytest.skip("systemd-analyze is not installed")
+    require(analyze is not None, "systemd-analyze is not installed (apt install systemd)")
     # verify checks that ExecStart's program exists: point it at this interpreter.
     unit = tmp_path / UNIT.name
     unit.write_text(UNIT.read_text().replace("/opt/palisade/.venv/bin/python", sys.executable))

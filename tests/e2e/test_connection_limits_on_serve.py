@@ -27,6 +27,7 @@ from agent.flowreport import report_body
 from agent.protocol import STREAM_PATH
 from agent.state import StateDir
 from tests.support.flow_reports import post_flow_report
+from tests.support.requirements import require
 from tests.support.scripted_agent import ScriptedStreams
 from tests.support.serve_process import Site
 
@@ -54,8 +55,10 @@ def _partial_client_hello() -> bytes:
 def _slow_connections(targets: list[tuple[str, int]], sources: list[str]):
     """One connection from each source address in turn to each target in turn, all held open."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard != resource.RLIM_INFINITY and hard < ATTACKERS + 200:
-        pytest.skip(f"this test needs {ATTACKERS + 200} descriptors; the hard limit is {hard}")
+    require(
+        hard == resource.RLIM_INFINITY or hard >= ATTACKERS + 200,
+        f"this test needs {ATTACKERS + 200} descriptors; the hard limit is {hard}",
+    )
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     hello = _partial_client_hello()
     sockets = []
@@ -146,8 +149,7 @@ def _open_descriptors(serve) -> int:
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory):
-    if shutil.which("prlimit") is None:
-        pytest.skip("prlimit (util-linux) is not installed")
+    require(shutil.which("prlimit") is not None, "prlimit (util-linux) is not installed")
     root = tmp_path_factory.mktemp("limits")
     with Site.fresh(root / "data") as site:
         yield site, root
