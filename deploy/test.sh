@@ -5,7 +5,8 @@
 # Extra arguments go to pytest.
 source "$(dirname "${BASH_SOURCE[0]}")/bootstrap.sh"
 # chromium: the console tests drive Debian's browser (Playwright launches it by path).
-apt_install nftables python3-nftables conntrack iproute2 iputils-ping openssl chromium faketime
+# prometheus: promtool checks the shipped alerting rules and a real Prometheus scrapes serve.
+apt_install nftables python3-nftables conntrack iproute2 iputils-ping openssl chromium faketime prometheus
 ensure_venv test
 link_debian_nftables
 cd "$ROOT"
