@@ -50,8 +50,11 @@ def _random_windows(rng: random.Random, begin, count: int, minutes: int = 240) -
             rule = rng.choice([None, 7]) if decision == "allowed" else None
             groups[(peer, port, decision, rule)] = {
                 "peer": peer, "protocol": "tcp", "port": port, "decision": decision, "rule": rule,
-                "connection_count": rng.randrange(1, 9), "first_seen": _instant(start + timedelta(seconds=1)),
-                "last_seen": _instant(start + timedelta(seconds=rng.randrange(1, 60))), "bytes_in": 0, "bytes_out": 0,
+                # Instants to the microsecond: a read of the sums must not round them.
+                "connection_count": rng.randrange(1, 9),
+                "first_seen": _instant(start + timedelta(seconds=1, microseconds=rng.randrange(10**6))),
+                "last_seen": _instant(start + timedelta(seconds=rng.randrange(2, 60), microseconds=rng.randrange(10**6))),
+                "bytes_in": 0, "bytes_out": 0,
             }  # fmt: skip
         windows.append({"id": str(uuid.uuid4()), "start": _instant(start), "end": _instant(start + timedelta(minutes=1)),
                         "policy_version": "v", "accounting": False, "groups": list(groups.values())})  # fmt: skip
@@ -191,7 +194,9 @@ def test_windows_whose_sums_leave_their_columns_range_stay_unsummed_and_the_rest
     begin = (clock.now() - timedelta(hours=5)).replace(minute=0, second=0, microsecond=0)
     flooded, _, _ = enrolled("flooded", "10.50.0.1")
     other, _, _ = enrolled("other", "10.50.0.2")
-    huge = _random_windows(rng, begin, 2)
+    # In one ten-minute block (so one hour and quarter too), wherever the clock stands: two windows an
+    # hour apart fell in two quarters when the hour began at 4, 10, 16 or 22 UTC, and nothing overflowed.
+    huge = _random_windows(rng, begin, 2, minutes=2)
     for window in huge:
         window["groups"] = [
             {**window["groups"][0], "peer": "10.9.9.9", "port": 22, "decision": "observed", "rule": None}
