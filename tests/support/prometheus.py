@@ -62,15 +62,21 @@ test_rules.__test__ = False  # type: ignore[attr-defined]  # a helper, not a tes
 
 
 class PrometheusServer:
-    """`prometheus` with a config of one scrape job, its own storage, on a free loopback port."""
+    """`prometheus` with the scrape jobs given (a job's config, or a list of them), its own storage,
+    on a free loopback port."""
 
-    def __init__(self, root: Path, *, scrape: dict[str, Any], scrape_interval: str = "1s"):
+    def __init__(
+        self, root: Path, *, scrape: dict[str, Any] | list[dict[str, Any]], scrape_interval: str = "1s"
+    ):
         self.root = Path(root)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.config = {
             "global": {"scrape_interval": scrape_interval, "evaluation_interval": scrape_interval},
-            "scrape_configs": [{"scrape_interval": scrape_interval, **scrape}],
+            "scrape_configs": [
+                {"scrape_interval": scrape_interval, **job}
+                for job in ([scrape] if isinstance(scrape, dict) else scrape)
+            ],
         }
         self.process: subprocess.Popen | None = None
 
