@@ -5,13 +5,20 @@ in five states; `promtool check metrics` finds nothing to say of the exposition.
 
 from __future__ import annotations
 
+import math
 import ssl
+import time
 
 import httpx
 import pytest
 
+from agent import protocol
 from agent.enrol import enrol
+from agent.flowbuffer import gap_record, window_record
+from agent.flowreport import report_body
+from agent.flowwindow import FlowKey, Windows
 from agent.state import StateDir
+from tests.support.flow_reports import post_flow_report
 from tests.support.prometheus import PrometheusServer, check_metrics
 from tests.support.scripted_agent import ScriptedStreams
 from tests.support.serve_process import Site, pinned_context
@@ -26,6 +33,25 @@ def _vector(prometheus: PrometheusServer, expr: str, label: str | None = None) -
         (sample["metric"].get(label) if label else None): float(sample["value"][1])
         for sample in prometheus.query(expr)
     }
+
+
+def _exposed(operator) -> dict[str, float]:
+    """The exposition's samples by name and labels, as the text format writes them."""
+    text = operator.get("/metrics", headers={"Accept": "text/plain"}).text
+    return {
+        line.rpartition(" ")[0]: float(line.rpartition(" ")[2])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
+
+
+def _report_body() -> bytes:
+    now = time.time()
+    windows = Windows(length=60, max_keys=100, accounting=False)
+    windows.connection_opened(FlowKey("10.70.0.2", "tcp", 443, "observed", None), now - 120)
+    closed, gaps = windows.close_due(math.inf, "v-metrics")
+    records = [window_record(window) for window in closed], [gap_record(gap) for gap in gaps]
+    return report_body(*records, now=now, process_start_id="p1", uptime_seconds=300.0, window_seconds=60)
 
 
 def test_prometheus_scrapes_serve_and_stores_what_the_counts_say(tmp_path):
@@ -49,6 +75,25 @@ def test_prometheus_scrapes_serve_and_stores_what_the_counts_say(tmp_path):
                 "sync_state": {"synced": 1, "pending": 1, "degraded": 1, "offline": 1},
                 "removed": 1,
             }
+
+            # A flow report lands; one tampered with after signing is refused once read, one whose
+            # credential header is not the workload's is refused before its body is read.
+            agent = StateDir(root / "synced").load_enrolment()
+            before = _exposed(operator)
+            body = _report_body()
+            assert post_flow_report(serve, agent, body).status_code == 200
+            assert (
+                post_flow_report(serve, agent, body, sent=body.replace(b"10.70", b"10.71")).status_code == 401
+            )
+            wrong = {protocol.HEADER_CREDENTIAL: "not-the-credential"}
+            assert post_flow_report(serve, agent, body, **wrong).status_code == 401
+            moved = {name: value - before.get(name, 0.0) for name, value in _exposed(operator).items()}
+            assert moved["palisade_flow_reports_ingested_total"] == 1
+            assert moved["palisade_flow_windows_ingested_total"] == 1
+            assert moved["palisade_flow_group_rows_ingested_total"] == 1
+            assert moved['palisade_flow_reports_refused_total{reason="unauthenticated"}'] == 2
+            assert moved['palisade_http_responses_total{listener="gateway",status_class="4xx"}'] == 2
+            assert moved['palisade_http_responses_total{listener="gateway",status_class="2xx"}'] == 1
 
             # The exposition, as Prometheus's text format parser and linter read it.
             exposition = operator.get("/metrics", headers={"Accept": "text/plain"})
@@ -83,7 +128,17 @@ def test_prometheus_scrapes_serve_and_stores_what_the_counts_say(tmp_path):
                     None: counts["removed"]
                 }
                 assert _vector(prometheus, 'palisade_workloads{job="palisade"}') == {None: counts["total"]}
-                assert _vector(prometheus, "up", "job") == {"palisade": 1.0, "no-token": 0.0}
+                up = prometheus.wait_for(
+                    lambda: len(_vector(prometheus, "up", "job")) == 2 and _vector(prometheus, "up", "job"),
+                    what="both jobs scraped",
+                )
+                assert up == {"palisade": 1.0, "no-token": 0.0}
+                health = [w["health"] for w in operator.get("/api/v1/workloads").json()["items"]]
+                assert (
+                    _vector(prometheus, 'palisade_workloads_telemetry_live{job="palisade"}')
+                    == {None: sum(h["telemetry_live"] for h in health)}
+                    == {None: 1}
+                )
                 (without_token,) = [t for t in prometheus.targets() if t["labels"]["job"] == "no-token"]
                 assert "401" in without_token["lastError"], without_token
                 # This process's own figures: the streams it holds, the acknowledgements it timed
