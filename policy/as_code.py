@@ -299,11 +299,14 @@ def _prefixed(error: ValidationFailed, base: str) -> list[Finding]:
 
 
 def _items(data: Mapping, key: str, maximum: int, findings: Findings) -> list:
-    items = data.get(key, [])
-    if items is None:
+    # Required, even empty: with --prune a list left out (a truncated file) would delete every object
+    # of its kind.
+    if key not in data:
+        findings.add(pointer(key), "required", f"{key} is required ([] for none).")
         return []
+    items = data[key]
     if not isinstance(items, list):
-        findings.add(pointer(key), "type", f"{key} must be a list.")
+        findings.add(pointer(key), "type", f"{key} must be a list ([] for none).")
         return []
     if len(items) > maximum:
         findings.add(pointer(key), "too-many", f"{key} may have at most {maximum} items.")
@@ -435,20 +438,29 @@ def _resolve_rulesets(
 
 
 def _match_rules(old: list[dict], new: list[dict]) -> list[int | None]:
-    """For each new rule, the stored rule it keeps (its index) or None for a new one: first an
-    identical stored rule not taken yet, else the stored rule at the same position if it is free."""
+    """For each new rule, the stored rule it keeps (its index) or None for a new one: an identical
+    stored rule not taken yet; else one with the same sources or the same services (an edit of one
+    side); else the stored rule at the same position, if free."""
     taken: set[int] = set()
     matched: list[int | None] = [None] * len(new)
-    for i, rule in enumerate(new):
-        for j, candidate in enumerate(old):
-            if j not in taken and candidate == rule:
-                matched[i] = j
-                taken.add(j)
-                break
-    for i in range(len(new)):
-        if matched[i] is None and i < len(old) and i not in taken:
-            matched[i] = i
-            taken.add(i)
+
+    def match(alike) -> None:
+        for i, rule in enumerate(new):
+            if matched[i] is not None:
+                continue
+            for j, candidate in enumerate(old):
+                if j not in taken and alike(i, rule, j, candidate):
+                    matched[i] = j
+                    taken.add(j)
+                    break
+
+    match(lambda i, rule, j, candidate: candidate == rule)
+    match(
+        lambda i, rule, j, candidate: (
+            candidate["sources"] == rule["sources"] or candidate["services"] == rule["services"]
+        )
+    )
+    match(lambda i, rule, j, candidate: i == j)
     return matched
 
 
@@ -467,7 +479,7 @@ def _rule_changes(old: list[dict], new: list[dict], matched: list[int | None]) -
     kept = {j for j in matched if j is not None}
     for j, rule in enumerate(old):
         if j not in kept:
-            changes.append({"field": f"rules[{j}]", "action": "remove", "old": rule})
+            changes.append({"field": f"rules[{j}]", "action": "remove", "old": rule})  # its stored place
     order = [j for j in matched if j is not None]
     if order != sorted(order):
         changes.append(
@@ -633,13 +645,14 @@ def policy_plan(
 
 
 def _file_warnings(warnings: list[dict], plan: _Plan) -> list[dict]:
-    """The dry-run's warnings (pointers into its own body) as pointers into the file; a ruleset the
-    file does not name is not the plan's concern."""
+    """The dry-run's warnings (pointers into its own body) as pointers into the file, for the rulesets
+    the plan creates or changes: the others are not the plan's concern."""
+    touched = {s.name for s in plan.steps if s.kind == "ruleset" and s.action != "delete"}
     out = []
     for warning in warnings:
         _, _, index, tail = (warning["path"].split("/", 3) + [""])[:4]
         name = plan.dryrun_rulesets[int(index)]["name"]
-        if name in plan.ruleset_paths:
+        if name in touched and name in plan.ruleset_paths:
             out.append({**warning, "path": plan.ruleset_paths[name] + ("/" + tail if tail else "")})
     return out
 

@@ -151,7 +151,7 @@ def _field(change: dict) -> str:
     if action == "add":
         return f"{name}: added: {_rule(change['new'])}"
     if action == "remove":
-        return f"{name}: removed: {_rule(change['old'])}"
+        return f"{name} (stored): removed: {_rule(change['old'])}"
     if action == "reorder":
         return f"rules reordered: the kept rules, by old position, now run {change['new']}"
     if name == "members":
@@ -160,7 +160,9 @@ def _field(change: dict) -> str:
             [m for m in change["new"] if m not in old],
             [m for m in change["old"] if m not in new],
         )
-        return f"members: +{len(added)} {', '.join(added[:20])}  -{len(removed)} {', '.join(removed[:20])}"
+        parts = [f"+{m}" for m in added[:20]] + [f"-{m}" for m in removed[:20]]
+        more = len(added) + len(removed) - len(parts)
+        return f"members: {' '.join(parts)}" + (f" (and {more} more)" if more else "")
     return f"{name}: {_value(name, change['old'])} -> {_value(name, change['new'])}"
 
 

@@ -296,6 +296,29 @@ def test_plan_lists_changes_field_by_field_and_apply_does_exactly_that(fleet):
     assert policy_plan(data=data)["changes"] == []
 
 
+def test_reordered_and_edited_rules_keep_their_numbers(fleet):
+    _messy_policy()
+    data = policy_file_load(text=policy_export(format="yaml"), source="p.yaml")
+    numbers = [r.number for r in Rule.objects.filter(ruleset__name="frontend").order_by("position")]
+    rules = data["rulesets"][1]["rules"]
+    rules.reverse()
+    rules[0]["services"] = [{"protocol": "icmpv6"}, {"protocol": "icmp"}]  # was the last: icmpv6 alone
+    fields = policy_plan(data=data)["changes"][0]["fields"]
+    assert fields == [
+        {
+            "field": "rules[0].services",
+            "action": "change",
+            "old": [{"protocol": "icmpv6"}],
+            "new": [{"protocol": "icmpv6"}, {"protocol": "icmp"}],
+        },
+        {"field": "rules", "action": "reorder", "old": [0, 1, 2], "new": [2, 1, 0]},
+    ]
+    _apply(data)
+    after = [r.number for r in Rule.objects.filter(ruleset__name="frontend").order_by("position")]
+    assert after == list(reversed(numbers))
+    assert policy_plan(data=data)["changes"] == []
+
+
 def test_each_change_is_an_audit_event_naming_the_file(fleet):
     _messy_policy()
     data = policy_file_load(text=policy_export(format="yaml"), source="p.yaml")
@@ -447,8 +470,12 @@ def test_a_file_that_is_not_valid_yaml_is_one_line_naming_the_place(db, tmp_path
 def test_the_file_format_is_checked(db):
     for data, expected in [
         ([], [("", "type")]),
-        ({"services": []}, [("/version", "format-version")]),
-        ({"version": 2, "rulesets": {}}, [("/version", "format-version"), ("/rulesets", "type")]),
+        ({**EMPTY, "version": "1"}, [("/version", "format-version")]),
+        (
+            {"version": 2, "services": [], "rulesets": {}},
+            [("/version", "format-version"), ("/address_groups", "required"), ("/rulesets", "type")],
+        ),
+        ({**EMPTY, "services": None}, [("/services", "type")]),
         ({**EMPTY, "policy_version": "3"}, [("/policy_version", "unknown-field")]),
         (
             {
