@@ -93,13 +93,14 @@ def run_apply(command, o) -> None:
         source=source,
     )
     if answer["applied"]:
-        text = (
+        lines = change_lines(answer)
+        lines.append(
             f"applied {answer['applied']} changes from {visible(source)}: policy version "
             f"{answer['policy_version_before']} -> {answer['policy_version']}"
         )
     else:
-        text = f"no changes: policy version {answer['policy_version']}"
-    command.emit(answer, text)
+        lines = [f"no changes: policy version {answer['policy_version']}"]
+    command.emit(answer, "\n".join(lines))
 
 
 def findings_text(problem) -> list[str]:
@@ -169,7 +170,7 @@ def _field(change: dict) -> str:
 _SIGNS = {"create": "+", "change": "~", "delete": "-"}
 
 
-def plan_text(answer: dict, path: str, *, prune: bool) -> str:
+def change_lines(answer: dict) -> list[str]:
     lines = []
     for change in answer["changes"]:
         kind = change["type"].replace("_", " ")
@@ -177,6 +178,11 @@ def plan_text(answer: dict, path: str, *, prune: bool) -> str:
             f"{_SIGNS[change['action']]} {change['action']} {kind} {visible(json.dumps(change['name']))}"
         )
         lines += [f"    {_field(f)}" for f in change["fields"]]
+    return lines
+
+
+def plan_text(answer: dict, path: str, *, prune: bool) -> str:
+    lines = change_lines(answer)
     for kept in answer["kept"]:
         lines.append(
             f"  kept, not in file: {kept['type'].replace('_', ' ')} {visible(json.dumps(kept['name']))}"

@@ -525,7 +525,11 @@ def test_commands_export_plan_apply_and_their_exit_codes(fleet, tmp_path):
     code, _, err = run("policy", "apply", str(path), "--expect-policy-version", "1")
     assert code == 1 and err.count("\n") == 1 and "[precondition-failed]" in err
     code, out, _ = run("policy", "apply", str(path), "--expect-policy-version", version)
-    assert code == 0 and out.startswith("applied 1 changes from ")
+    assert code == 0 and out.startswith('~ change ruleset "zz-database"\n')
+    assert (
+        out.strip().splitlines()[-1]
+        == f"applied 1 changes from {path}: policy version {version} -> {int(version) + 1}"
+    )
     code, out, _ = run("policy", "plan", str(path))
     assert code == 0 and out.startswith("no changes")
     code, out, _ = run("policy", "plan", str(path), "--json")
@@ -560,3 +564,43 @@ def test_apply_racing_an_edit_applies_against_one_state(transactional_db):
         else:
             # Applied first: the prune ran before the edit committed, so the edit survives it.
             assert names == {"ntp", f"edit-{attempt}"}
+
+
+def test_names_and_texts_yaml_would_misread_round_trip(db):
+    odd = [
+        "yes",
+        "null",
+        "123",
+        "0x1f",
+        "a: b",
+        "# not a comment",
+        "- dash",
+        "~",
+        "'quoted'",
+        'é"x',
+        " padded ",
+    ]
+    for index, text in enumerate(odd):
+        writes.service_create(
+            actor=CLI_ACTOR,
+            data={
+                "name": text.strip() or f"s{index}",
+                "description": text,
+                "entries": [{"protocol": "icmp"}],
+            },
+        )
+    writes.ruleset_create(
+        actor=CLI_ACTOR,
+        data={
+            "name": "on",
+            "description": 'two  spaces, é and "quotes"',
+            "scope": "env in (prod, staging),!legacy",
+            "rules": [{"sources": [{"any": True}], "services": [{"service": t.strip()} for t in odd]}],
+        },
+    )
+    for format in ("yaml", "json"):
+        text = policy_export(format=format)
+        assert text.isascii()
+        data = policy_file_load(text=text, source=f"policy.{format}")
+        assert policy_plan(data=data, prune=True)["changes"] == []
+        assert [s["name"] for s in data["services"]] == sorted(t.strip() for t in odd)
