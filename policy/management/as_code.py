@@ -56,7 +56,11 @@ def add_as_code_actions(actions) -> None:
 def _read(path: str):
     source = "standard input" if path == "-" else path
     try:
-        text = sys.stdin.read() if path == "-" else open(path, "rb").read()  # noqa: SIM115
+        if path == "-":
+            text = sys.stdin.read()
+        else:
+            with open(path, "rb") as file:
+                text = file.read()
     except OSError as error:
         raise CommandError(f"cannot read {path}: {error.strerror}") from None
     return policy_file_load(text=text, source=source), source

@@ -6,6 +6,7 @@ import json
 import re
 
 import pytest
+from django.core.management import CommandError
 from django.db import connection
 
 from controlplane.auth.actor import CLI_ACTOR
@@ -536,7 +537,7 @@ def test_commands_export_plan_apply_and_their_exit_codes(fleet, tmp_path):
     assert code == 0 and json.loads(out)["changes"] == []
     code, _, err = run("policy", "plan", str(tmp_path / "missing.yaml"))
     assert code == 1 and err.startswith("error: cannot read ") and err.count("\n") == 1
-    with pytest.raises(Exception, match="expect-policy-version"):
+    with pytest.raises(CommandError, match="expect-policy-version"):
         run("policy", "apply", str(path))
 
 
