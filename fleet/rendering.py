@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from django.db import connection
 
-from controlplane import clock
+from controlplane import clock, metrics
 from fleet.choices import Mode
 from fleet.models import RenderedPolicy, Workload
 from fleet.sync import latest_version_moved
@@ -51,6 +51,7 @@ class Rerendered:
     changed: tuple[str, ...]
 
 
+@metrics.RENDER_FANOUT_SECONDS.time()
 def workloads_rerender(
     *,
     workload_ids: Iterable[str] | None = None,
@@ -73,7 +74,8 @@ def workloads_rerender(
     rendered_by_version: dict[str, object] = {}
     moved: dict[str, str] = {}
     for workload_id in targets:
-        result = render(inputs[workload_id], policy.rulesets, policy.groups, fleet)
+        with metrics.RENDER_DOCUMENT_SECONDS.time():
+            result = render(inputs[workload_id], policy.rulesets, policy.groups, fleet)
         if current.get(workload_id) != result.version:
             moved[workload_id] = result.version
             rendered_by_version[result.version] = result

@@ -28,7 +28,7 @@ from twisted.logger import (
 )
 
 from agent.protocol import CLOSE_SHUTDOWN, MAX_MESSAGE_BYTES
-from controlplane import connection_limits, runtime, tls
+from controlplane import connection_limits, metrics, runtime, tls
 from controlplane.data_dir import data_dir_check
 from controlplane.database import database_migrate, pending_migrations
 from controlplane.http_limits import limited_channel_protocol
@@ -78,6 +78,7 @@ class _Server(daphne.server.Server):
         reactor.callWhenRunning(lambda: notify_streams_on(asyncio.get_event_loop()))
         if self.limiter is not None:
             reactor.callWhenRunning(self.limiter.start)
+        metrics.housekeeping_steps(STEPS)
         for step in STEPS:
             loop = task.LoopingCall(_scheduled, step)
             loop.start(step.every_seconds, now=False).addErrback(
@@ -139,7 +140,9 @@ def _scheduled(step):
         async def sweep():
             try:
                 await step.run_async()
+                metrics.housekeeping_succeeded(step)
             except Exception as error:  # noqa: BLE001 - the database away: the next round tries again
+                metrics.housekeeping_failed(step)
                 if not database_failed(step.name, error, log):
                     log.warning("cannot %s: %s", step.name, _first_line(error))
 
@@ -148,10 +151,13 @@ def _scheduled(step):
     def run():
         try:
             step.run()
+            metrics.housekeeping_succeeded(step)
         except DatabaseError as error:
+            metrics.housekeeping_failed(step)
             if not database_failed(step.name, error, log):
                 log.warning("cannot %s: %s", step.name, _first_line(error))
         except Exception:  # a fault of ours: its traceback, and the step still runs next period
+            metrics.housekeeping_failed(step)
             log.exception("%s failed; it runs again in %d s", step.name, step.every_seconds)
         finally:
             connections.close_all()
