@@ -278,6 +278,7 @@ class Command(PalisadeCommand):
             gateway_address(),
         )
         self._record_gateway_identity(certs["gateway"].fingerprint)
+        self._refresh_stale_documents()
         self._hint_operator_password()
         if options["verbosity"] < 2:  # from 2 on, daphne passes twisted's whole log to the logging module
             _show_twisted_errors()
@@ -361,6 +362,22 @@ class Command(PalisadeCommand):
 
     def _pending_migrations(self) -> list:
         return pending_migrations()
+
+    def _refresh_stale_documents(self) -> None:
+        from fleet.rendering import documents_refresh_if_stale
+
+        try:
+            refreshed = documents_refresh_if_stale()
+        except DatabaseError as error:
+            raise CommandError(f"cannot use the database: {_first_line(error)}") from None
+        finally:
+            connections.close_all()
+        if refreshed is not None:
+            log.info(
+                "this release renders documents differently: re-rendered %d workloads, %d documents changed",
+                refreshed.considered,
+                len(refreshed.changed),
+            )
 
     def _record_gateway_identity(self, fingerprint: str) -> None:
         """What provisioning bundles carry and agents bind their proofs to; commands run outside
