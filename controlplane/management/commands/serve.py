@@ -372,7 +372,7 @@ class Command(PalisadeCommand):
             raise CommandError(f"cannot use the database: {_first_line(error)}") from None
         finally:
             connections.close_all()
-        if refreshed is not None:
+        if refreshed is not None and refreshed.considered:
             log.info(
                 "this release renders documents differently: re-rendered %d workloads, %d documents changed",
                 refreshed.considered,
