@@ -93,6 +93,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     if args.heartbeat_seconds <= 0:
         raise AgentError("--heartbeat-seconds must be positive")
+    metrics = _metrics_textfile(args)
     check_root("run")
     state = StateDir(args.state_dir)
     state.load_identity()  # not enrolled: say so before touching anything else
@@ -119,6 +120,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             watcher=watcher,
             log=log,
             flows=None if args.no_flows else _flow_reporter(args, state, log),
+            metrics=metrics(log) if metrics is not None else None,
         )
 
         async def main() -> None:
@@ -131,6 +133,23 @@ def cmd_run(args: argparse.Namespace) -> int:
     finally:
         worker.close()
     return 0
+
+
+def _metrics_textfile(args: argparse.Namespace):
+    """The metrics file's writer, given the log (checked before anything starts), or None."""
+    if args.metrics_textfile is None:
+        return None
+    if not args.metrics_textfile.endswith(".prom"):
+        # Any other name would be written faithfully and never read.
+        raise AgentError(
+            f"--metrics-textfile {args.metrics_textfile} must end in .prom "
+            "(node_exporter's textfile collector reads only *.prom files)"
+        )
+    if args.metrics_interval_seconds <= 0:
+        raise AgentError("--metrics-interval-seconds must be positive")
+    from agent.metrics import MetricsTextfile
+
+    return lambda log: MetricsTextfile(args.metrics_textfile, log=log, interval=args.metrics_interval_seconds)
 
 
 def _flow_reporter(args: argparse.Namespace, state, log):
@@ -297,6 +316,18 @@ def build_parser() -> argparse.ArgumentParser:
     run = command("run", cmd_run, "run the agent daemon (root)")
     state_dir(run)
     run.add_argument("--heartbeat-seconds", type=float, default=15.0, help="default 15")
+    run.add_argument(
+        "--metrics-textfile",
+        metavar="PATH",
+        help="write metrics for node_exporter's textfile collector to PATH (*.prom; e.g. "
+        "/var/lib/prometheus/node-exporter/palisade-agent.prom)",
+    )
+    run.add_argument(
+        "--metrics-interval-seconds",
+        type=float,
+        default=15.0,
+        help="rewrite the metrics file this often, and soon after a notable change (default 15)",
+    )
     _flow_arguments(run)
 
     status = command("status", cmd_status, "show what the agent last saw")

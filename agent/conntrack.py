@@ -295,6 +295,7 @@ class ConntrackCounter:
         self.ended: dict[tuple, FlowKey] = {}
         self.last_event_at: float | None = None
         self.overruns = 0
+        self.events_read = 0  # events of marked connections (the others are dropped unparsed)
 
     def _count(self, entry: Entry, at: float) -> FlowKey | None:
         identity = _identity(entry)
@@ -325,6 +326,7 @@ class ConntrackCounter:
     def events(self, entries: list[Entry], at: float) -> None:
         """A batch of events read at `at` (possibly none marked: unmarked ones are dropped unparsed)."""
         self.last_event_at = at
+        self.events_read += len(entries)
         with self.windows.lock:
             for entry in entries:
                 self.event(entry, at)

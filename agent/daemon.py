@@ -47,6 +47,7 @@ from agent.worker import DataplaneWorker
 
 if TYPE_CHECKING:
     from agent.flowreporter import FlowReporter
+    from agent.metrics import MetricsTextfile
 
 # Straight to the gateway, as enrolment does: websockets >= 15 would otherwise follow HTTPS_PROXY
 # (older versions, still allowed by the agent's dependencies, have no proxy support at all).
@@ -97,6 +98,7 @@ class Agent:
         log: EventLog | None = None,
         compression: str | None = "deflate",
         flows: Callable[[Agent], FlowReporter] | None = None,
+        metrics: MetricsTextfile | None = None,
     ) -> None:
         self.state = state
         self.dataplane = dataplane
@@ -107,6 +109,7 @@ class Agent:
         self.process_start_id = uuid.uuid4().hex
         self.started = time.monotonic()
         self.applied_version: str | None = None
+        self.apply_failures = 0
         self.force_apply = True  # the first snapshot of a process, and the one after a resend, always apply
         self.owned_table = UNKNOWN
         self.renewal_due_at: datetime | None = None
@@ -133,6 +136,9 @@ class Agent:
             log=self.log,
         )
         self.renewal_due_at = _instant(self.status.renewal_due_at)
+        self.metrics = metrics
+        if metrics is not None:
+            self.status.on_change = metrics.changed
         # Flow evidence runs beside the stream, not inside it: reports still go while the stream is down.
         self.flows = flows(self) if flows is not None else None
 
@@ -225,6 +231,7 @@ class Agent:
             self.watcher.attach(asyncio.get_running_loop(), self.table_event)
         await self._check_table(initial=True)
         flow_task = asyncio.ensure_future(self.flows.run(self._stop)) if self.flows is not None else None
+        metrics_task = asyncio.ensure_future(self.metrics.run(self)) if self.metrics is not None else None
         attempt = 0
         try:
             while not self._stop.is_set():
@@ -252,6 +259,11 @@ class Agent:
                 self._stop.set()
                 await flow_task  # closes the open window and keeps it in the buffer
             self.status.stream("disconnected")
+            if self.metrics is not None and metrics_task is not None:
+                self.metrics.stop()
+                # Its last write done, so that the final one is the last; whatever ended it.
+                await asyncio.gather(metrics_task, return_exceptions=True)
+                self.metrics.final(self)
             self.log("stopped")
 
     def stop(self, reason: str = "signal") -> None:
@@ -499,6 +511,7 @@ class Agent:
             await self.dataplane.apply(snapshot.document)
         except Exception as error:  # noqa: BLE001 - whatever refused the document, report it
             text = (getattr(error, "message", None) or str(error) or type(error).__name__)[:MAX_ERROR_CHARS]
+            self.apply_failures += 1
             self.log("apply failed", version=snapshot.version, error=text)
             self.status.error(f"applying version {snapshot.version} failed: {text}")
             await self._send(ws, p.Failed(version=snapshot.version, error=text))

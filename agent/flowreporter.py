@@ -119,6 +119,7 @@ class SourceThread:
         self.restart_gaps: list[Gap] = []
         self.subscribed = False
         self.down_reason: str | None = None  # why it is down, while it is
+        self.restarts = 0  # times it went down (each then retried until it subscribes again)
         self.last_read_at: float | None = None
         self.thread = threading.Thread(target=self._run, name=f"flow-{name}", daemon=True)
 
@@ -144,6 +145,8 @@ class SourceThread:
                 reason = error.strerror or str(error)
                 if reason != self.down_reason:  # once per failure, not once per retry
                     self.log("flow source failed", source=self.name, error=reason)
+                if down_since is None:
+                    self.restarts += 1
                 self.source.close()
                 self.subscribed, self.down_reason = False, reason
                 down_since = down_since or getattr(error, "since", None) or self.clock()
@@ -152,6 +155,9 @@ class SourceThread:
 
     def overruns(self) -> int:
         return int(getattr(getattr(self.source, "counter", None), "overruns", 0))
+
+    def events_read(self) -> int:
+        return int(getattr(getattr(self.source, "counter", None), "events_read", 0))
 
     def take_gaps(self) -> list[Gap]:
         """The gaps recorded since the last call (the source thread only appends)."""

@@ -120,9 +120,11 @@ class BlockedCounter:
         self.attempts: OrderedDict[tuple, float] = OrderedDict()
         self.last_packet_at: float | None = None
         self.overruns = 0
+        self.events_read = 0  # logged packets
 
     def packet(self, payload: bytes, at: float) -> None:
         self.last_packet_at = at
+        self.events_read += 1
         found = packet_tuple(payload)
         if found is None:
             return

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -117,6 +118,11 @@ def to_json(doc: dict[str, Any]) -> str:
     return json.dumps(doc, indent=2, sort_keys=True)
 
 
+def _source_states(flows: dict[str, Any] | None) -> dict[str, tuple[Any, Any]]:
+    sources = (flows or {}).get("sources") or {}
+    return {name: (source.get("subscribed"), source.get("overruns")) for name, source in sources.items()}
+
+
 class DaemonStatus:
     """status.json as the running daemon keeps it: rewritten (atomically) at every change."""
 
@@ -125,6 +131,7 @@ class DaemonStatus:
     ) -> None:
         self.state = state
         self.log = log
+        self.on_change: Callable[[], None] | None = None  # the metrics textfile writes soon after
         now = now_instant()
         self.data: dict[str, Any] = {
             "pid": os.getpid(),
@@ -168,12 +175,14 @@ class DaemonStatus:
     def renewal_due_at(self) -> str | None:
         return self.data["credential"].get("renewal_due_at")
 
-    def save(self) -> None:
+    def save(self, *, notable: bool = True) -> None:
         self.data["updated_at"] = now_instant()
         try:
             self.state.write_status(self.data)
         except AgentError as error:
             self.log("status write failed", error=error.message)
+        if notable and self.on_change is not None:
+            self.on_change()
 
     def stream(self, state: str) -> None:
         if self.data["stream"]["state"] != state:
@@ -200,8 +209,11 @@ class DaemonStatus:
 
     def flows(self, flows: dict[str, Any]) -> None:
         if self.data.get("flows") != flows:
+            before = _source_states(self.data.get("flows"))
             self.data["flows"] = flows
-            self.save()
+            # A source down, back or overrun is news; its last event's time, moving every few seconds
+            # under traffic, is not.
+            self.save(notable=_source_states(flows) != before)
 
     def workload(self, workload_id: str) -> None:
         self.data["workload_id"] = workload_id

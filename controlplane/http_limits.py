@@ -29,9 +29,11 @@ import weakref
 
 from twisted.web import http
 
+from controlplane import metrics
 from controlplane.api.errors import PROBLEM_CONTENT_TYPE
 from controlplane.body_gate import BodyGate
 from controlplane.connection_limits import MAX_SPILLED_BODIES, LimitedConnection
+from controlplane.listeners import listener_for_port
 from controlplane.problems import Problem
 from controlplane.response_headers import STRICT_TRANSPORT_SECURITY
 
@@ -136,20 +138,18 @@ class LimitedHTTPChannel(BodyGate, http.HTTPChannel):
         super().requestDone(request)
 
     def refuse(self, problem: Problem, *, instance: str | None = None) -> None:
+        metrics.answered_unread(listener_for_port(self.transport.getHost().port), problem, path=instance)
         self.transport.write(_problem_bytes(problem, instance=instance))
         self.loseConnection()
 
     def lineLengthExceeded(self, line):
-        self.transport.write(
-            _problem_bytes(
-                Problem(
-                    "header-too-large",
-                    f"The request line or a header is longer than {self.MAX_LENGTH} bytes.",
-                    max_bytes=self.MAX_LENGTH,
-                )
+        self.refuse(
+            Problem(
+                "header-too-large",
+                f"The request line or a header is longer than {self.MAX_LENGTH} bytes.",
+                max_bytes=self.MAX_LENGTH,
             )
         )
-        self.loseConnection()
 
     def _respondToBadRequestAndDisconnect(self):
         if self._receivedHeaderSize > self.totalHeadersSize:
@@ -160,8 +160,7 @@ class LimitedHTTPChannel(BodyGate, http.HTTPChannel):
             )
         else:
             problem = Problem("malformed-request", "The request line or a header is malformed.")
-        self.transport.write(_problem_bytes(problem))
-        self.loseConnection()
+        self.refuse(problem)
 
 
 def limited_channel_protocol() -> http._GenericHTTPChannelProtocol:

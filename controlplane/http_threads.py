@@ -18,6 +18,7 @@ from asgiref.wsgi import WsgiToAsgiInstance
 from django.core.handlers.wsgi import WSGIHandler
 
 from agent.protocol import FLOWS_PATH
+from controlplane import metrics
 from controlplane.listeners import body_limit
 from controlplane.problems import Problem
 from controlplane.response_headers import with_transport_security
@@ -143,6 +144,7 @@ class ThreadPoolHttp:
                 environ[LISTENER_KEY] = scope.get("palisade_listener", "operator")
                 environ["REMOTE_ADDR"] = _client_address(scope)
                 status, headers, content = await self._run(environ)
+        metrics.http_answered(scope.get("palisade_listener", "operator"), status)
         await send(
             {
                 "type": "http.response.start",

@@ -1,10 +1,11 @@
-"""The operator listener: the API under /api/v1 and the console at /."""
+"""The operator listener: the API under /api/v1, Prometheus metrics at /metrics and the console at /."""
 
 from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView, SpectacularSwaggerView
 
 from controlplane.api.audit import AuditEventListView
 from controlplane.api.errors import handler400, handler403, handler404, handler500  # noqa: F401
+from controlplane.api.metrics import MetricsView
 from controlplane.api.operator_tokens import OperatorTokenListView, OperatorTokenView
 from controlplane.api.session import MeView, SessionView
 
@@ -25,5 +26,6 @@ api_v1 = [
 
 urlpatterns = [
     path("api/v1/", include(api_v1)),
+    path("metrics", MetricsView.as_view(), name="metrics"),  # Prometheus's default path; docs/metrics.md
     path("", include("controlplane.console.urls")),
 ]

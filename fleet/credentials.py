@@ -33,6 +33,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from django.conf import settings
 from django.db import transaction
+from django.db.models import Q
 
 from agent.credential import (
     CredentialError,
@@ -156,6 +157,22 @@ def credential_state(workload: Workload, now: datetime | None = None) -> str:
     if now >= workload.credential_expires_at:
         return EXPIRED
     return RENEWAL_FAILED if workload.credential_renewal_failed else RENEWS
+
+
+def credential_state_filters(now: datetime) -> dict[str, Q]:
+    """credential_state as database filters, one per state (the fleet's counts; a test keeps the two
+    equal, tests/fleet/test_metrics_collector.py)."""
+    valid = Q(credential_expires_at__gt=now)
+    return {
+        RENEWS: valid & Q(credential_renewal_failed=False),
+        RENEWAL_FAILED: valid & Q(credential_renewal_failed=True),
+        EXPIRED: ~valid,
+    }
+
+
+def credential_beyond_grace_filter(now: datetime) -> Q:
+    """credential_beyond_grace as a database filter."""
+    return Q(credential_expires_at__lte=now - credential_grace())
 
 
 def credential_start(workload: Workload, *, now: datetime, serial: int) -> None:

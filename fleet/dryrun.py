@@ -68,13 +68,14 @@ class _Catalogue:
         self.services = {
             s.name: tuple(PortEntry(e.protocol, e.port, e.port_to) for e in s.entries) for s in services
         }
-        self.groups = {g.name: AddressGroupInput(f"hypothetical:{g.name}", g.name, g.members) for g in groups}
-        stored_groups = {str(g.id): g for g in AddressGroup.objects.all()}
+        # Groups are known to the renderer by name (policy/selectors.py): the body's replace the
+        # stored ones of the same name.
+        stored_groups = list(AddressGroup.objects.all())
         self.group_inputs = {
-            gid: AddressGroupInput(gid, g.name, tuple(g.members)) for gid, g in stored_groups.items()
+            g.name: AddressGroupInput(g.name, g.name, tuple(g.members)) for g in stored_groups
         }
-        self.group_inputs.update({g.id: g for g in self.groups.values()})
-        self._stored_group_by_name = {g.name: gid for gid, g in stored_groups.items()}
+        self.group_inputs.update({g.name: AddressGroupInput(g.name, g.name, g.members) for g in groups})
+        self._name_of_id = {str(g.id): g.name for g in stored_groups}
 
     def service_entries(self, reference: str, findings: Findings, path: str):
         if reference in self.services:
@@ -89,13 +90,9 @@ class _Catalogue:
         return tuple(PortEntry(e.protocol, e.port, e.port_to) for e in service.entries.all())
 
     def group_id(self, reference: str, findings: Findings, path: str) -> str:
-        if reference in self.groups:
-            return self.groups[reference].id
-        if reference in self.group_inputs:
-            name = self.group_inputs[reference].name
-            return self.groups[name].id if name in self.groups else reference
-        if reference in self._stored_group_by_name:
-            return self.group_id(self._stored_group_by_name[reference], findings, path)
+        name = self._name_of_id.get(reference, reference)
+        if name in self.group_inputs:
+            return name
         findings.add(path, "unknown-reference", f"No address group {quoted(reference)}.")
         return reference
 

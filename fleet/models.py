@@ -50,6 +50,9 @@ class Workload(models.Model):
     # When the current mode was chosen (a mode change's instant); null: since enrolment.
     mode_since = models.DateTimeField(null=True)
     latest_policy = models.ForeignKey(RenderedPolicy, on_delete=models.PROTECT, null=True, related_name="+")
+    # When the latest version last moved: the time to the agent's first acknowledgement of it is a
+    # metric (controlplane/metrics.py). Null: before this was recorded.
+    latest_version_at = models.DateTimeField(null=True)
     applied_version = models.CharField(max_length=80, blank=True)
     agent_version = models.CharField(max_length=64, blank=True)
 

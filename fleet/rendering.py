@@ -18,13 +18,14 @@ import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from django.db import connection
+from django.db import connection, transaction
 
-from controlplane import clock
+from controlplane import clock, metrics
 from fleet.choices import Mode
 from fleet.models import RenderedPolicy, Workload
 from fleet.sync import latest_version_moved
 from policy.grammar import Selector, parse_selector
+from policy.models import PolicyState
 from policy.render_inputs import (
     FleetIndex,
     WorkloadInput,
@@ -51,6 +52,7 @@ class Rerendered:
     changed: tuple[str, ...]
 
 
+@metrics.RENDER_FANOUT_SECONDS.time()
 def workloads_rerender(
     *,
     workload_ids: Iterable[str] | None = None,
@@ -73,7 +75,8 @@ def workloads_rerender(
     rendered_by_version: dict[str, object] = {}
     moved: dict[str, str] = {}
     for workload_id in targets:
-        result = render(inputs[workload_id], policy.rulesets, policy.groups, fleet)
+        with metrics.RENDER_DOCUMENT_SECONDS.time():
+            result = render(inputs[workload_id], policy.rulesets, policy.groups, fleet)
         if current.get(workload_id) != result.version:
             moved[workload_id] = result.version
             rendered_by_version[result.version] = result
@@ -81,6 +84,21 @@ def workloads_rerender(
         _store_documents(rendered_by_version.values())
         latest_version_moved(moved)
     return Rerendered(considered=len(targets), changed=tuple(moved))
+
+
+def documents_refresh_if_stale() -> Rerendered | None:
+    """Re-render every workload when an upgrade's migration marked the stored documents stale (its
+    renderer writes them differently), so agents converge on the new documents at once and dry-runs
+    do not count every workload as changed. serve calls it before it listens; None when not stale."""
+    with transaction.atomic():
+        # The policy writes' lock: no policy write interleaves with this render.
+        state = PolicyState.objects.select_for_update().filter(id=1, documents_stale=True).first()
+        if state is None:
+            return None
+        rerendered = workloads_rerender()
+        state.documents_stale = False
+        state.save(update_fields=["documents_stale"])
+    return rerendered
 
 
 def _store_documents(results) -> None:

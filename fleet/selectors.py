@@ -17,6 +17,7 @@ from controlplane.problems import Finding, ValidationFailed
 from controlplane.validation import quoted
 from fleet.choices import OwnedTableState, SyncState
 from fleet.models import Workload
+from flows import health as flow_health
 from policy.grammar import GrammarError, Selector, parse_selector
 
 # As many ids as a mode change's selection may name (fleet.services uses the same bound).
@@ -154,6 +155,33 @@ def workload_counts() -> dict:
         elif sync_state in counts["sync_state"]:
             counts["sync_state"][sync_state] += n
     return counts
+
+
+# A workload shows a clock skew while its latest report's clock was off by over two windows
+# (flows/services.py sets the offset then, and clears it on a report within them).
+CLOCK_SKEWED = Q(clock_skew_seconds__isnull=False)
+
+
+def telemetry_live_filter(*, now) -> Q:
+    """fleet/representations.py's `telemetry_live` as a database filter: a report within two of the
+    workload's own flow windows (flows/health.py), one condition per window length the fleet reports."""
+    lengths = Workload.objects.order_by().values_list("flow_window_seconds", flat=True).distinct()
+    live = Q(pk__isnull=True)  # no workload: nothing is live
+    for seconds in lengths:
+        since = flow_health.telemetry_live_since(window=workload_flow_window(seconds=seconds), now=now)
+        live |= Q(flow_window_seconds=seconds, last_flow_report_at__gte=since)
+    return live
+
+
+def offline_for_more_than_filter(*, seconds: int, now) -> Q:
+    """Counted offline in /workloads/counts (stored offline, enforcement not removed) and not heard
+    from for more than `seconds`: since its stream ended, or since enrolment if it never connected."""
+    before = now - timedelta(seconds=seconds)
+    return (
+        Q(sync_state=SyncState.OFFLINE)
+        & ~Q(owned_table_state=OwnedTableState.ABSENT)
+        & (Q(last_heard_from__lt=before) | Q(last_heard_from__isnull=True, enrolled_at__lt=before))
+    )
 
 
 def workload_get(*, workload_id, for_update: bool = False, missing: str = "") -> Workload:

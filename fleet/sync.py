@@ -25,7 +25,7 @@ from datetime import datetime, timedelta
 from django.db import connection, transaction
 from django.db.models import Case, Value, When
 
-from controlplane import clock
+from controlplane import clock, metrics
 from controlplane.problems import Problem
 from controlplane.text import visible
 from fleet.choices import OwnedTableState, SyncState
@@ -81,16 +81,17 @@ def _set_latest_versions(moved: dict[str, str]) -> None:
         table = Workload._meta.db_table
         with connection.cursor() as cursor:
             cursor.execute(
-                f"UPDATE {table} AS w SET latest_policy_id = m.version "  # noqa: S608
+                f"UPDATE {table} AS w SET latest_policy_id = m.version, latest_version_at = %s "  # noqa: S608
                 "FROM unnest(%s::uuid[], %s::text[]) AS m(id, version) WHERE w.id = m.id",
-                [list(moved), list(moved.values())],
+                [clock.now(), list(moved), list(moved.values())],
             )
         return
     by_version: dict[str, list[str]] = defaultdict(list)
     for workload_id, version in moved.items():
         by_version[version].append(workload_id)
+    now = clock.now()
     for version, ids in by_version.items():
-        Workload.objects.filter(id__in=ids).update(latest_policy_id=version)
+        Workload.objects.filter(id__in=ids).update(latest_policy_id=version, latest_version_at=now)
 
 
 def workload_stream_opened(*, workload_id, stream_id: str, agent_version: str = "") -> Workload:
@@ -120,22 +121,43 @@ def workload_applied(*, workload_id, stream_id: str, version: str) -> None:
     # compare. A version we rendered (hex) is unchanged by it.
     version = visible(version)[:80]
     table = Workload._meta.db_table
+    key = workload_column_value("id", uuid.UUID(str(workload_id)))
     becomes_synced = "sync_state = %s AND latest_policy_id = %s"
+    # What was applied before, and when the latest version moved: the time to a first acknowledgement
+    # is a metric. PostgreSQL reads them in the same statement (the FROM sees the row before the
+    # update); SQLite, which cannot return a FROM's columns, just before it.
+    postgresql = connection.vendor == "postgresql"
+    prior = f"FROM (SELECT applied_version AS was FROM {table} WHERE id = %s) AS prior " if postgresql else ""  # noqa: S608
+    returning = " RETURNING prior.was, latest_policy_id, latest_version_at" if postgresql else ""
     with connection.cursor() as cursor:
+        before = None
+        if not postgresql:
+            cursor.execute(
+                f"SELECT applied_version, latest_policy_id, latest_version_at FROM {table} WHERE id = %s",  # noqa: S608
+                [key],
+            )
+            before = cursor.fetchone()
         cursor.execute(
             f"UPDATE {table} SET applied_version = %s, last_heard_from = %s, "  # noqa: S608
             f"sync_state = CASE WHEN {becomes_synced} THEN %s ELSE sync_state END, "
             f"rank = CASE WHEN {becomes_synced} AND owned_table_state <> %s THEN %s ELSE rank END "
-            "WHERE id = %s AND stream_id = %s",
+            f"{prior}WHERE id = %s AND stream_id = %s{returning}",
             [
                 version,
                 workload_column_value("last_heard_from", clock.now()),
                 SyncState.PENDING, version, SyncState.SYNCED,
                 SyncState.PENDING, version, OwnedTableState.ABSENT, Workload.RANK_SYNCED,
-                workload_column_value("id", uuid.UUID(str(workload_id))),
+                *([key] if postgresql else []),
+                key,
                 stream_id,
             ],
         )  # fmt: skip
+        if postgresql:
+            before = cursor.fetchone()
+        elif cursor.rowcount != 1:
+            before = None
+    if before is not None:
+        metrics.policy_applied(version=version, before=before)
 
 
 def workload_apply_failed(*, workload_id, stream_id: str, version: str, error: str) -> Workload:

@@ -15,6 +15,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from agent import protocol
+from controlplane import metrics
 from controlplane.problems import Problem
 from controlplane.strict_json import json_loads_strict
 from fleet.report_auth import ReportSender, report_sender_authenticate, report_signature_verify
@@ -54,3 +55,7 @@ class FlowReportView(APIView):
         )
         data = json_loads_strict(body, what="the flow report")
         return Response(flow_report_ingest(workload_id=str(sender.workload_id), data=data))
+
+    def finalize_response(self, request, response, *args, **kwargs):
+        metrics.flow_report_answered(response)  # a refusal, by its problem type; stored ones count at commit
+        return super().finalize_response(request, response, *args, **kwargs)

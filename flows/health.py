@@ -26,9 +26,15 @@ def limit(window: timedelta) -> timedelta:
     return LIMIT_WINDOWS * window
 
 
+def telemetry_live_since(*, window: timedelta, now: datetime) -> datetime:
+    """The earliest flow report that keeps telemetry live at `now`: two flow windows before it (the
+    fleet's counts select on it in SQL, fleet/metrics_collector.py)."""
+    return now - limit(window)
+
+
 def telemetry_live(*, last_report_at: datetime | None, window: timedelta, now: datetime) -> bool:
     """Telemetry counted as live: a flow report arrived within two flow windows of the read."""
-    return last_report_at is not None and now - last_report_at <= limit(window)
+    return last_report_at is not None and last_report_at >= telemetry_live_since(window=window, now=now)
 
 
 def clock_skewed(*, agent_clock: datetime, now: datetime, window: timedelta) -> bool:

@@ -17,7 +17,7 @@ from typing import Any
 
 from django.db import DataError, connection, transaction
 
-from controlplane import clock
+from controlplane import clock, metrics
 from controlplane.problems import Problem
 from fleet.models import Workload
 from fleet.selectors import workload_get
@@ -492,6 +492,7 @@ def _reports_write(items: list[SubmittedReport], *, skip_locked: bool) -> list[d
         _rows_insert(UnsummedWindow, [_unsummed_row(window) for window in windows])
         EvidenceGap.objects.bulk_create(gaps)
         _workloads_update(touched)
+        metrics.flow_reports_stored(items, outcomes, windows=len(windows), groups=len(groups), gaps=gaps)
     return outcomes
 
 

@@ -18,6 +18,9 @@ class PolicyState(models.Model):
     version = models.PositiveBigIntegerField(default=1)
     # The next rule's lifetime number (Rule.number): only ever increases, so a number is never reused.
     next_rule_number = models.PositiveIntegerField(default=1)
+    # Set by a migration whose release renders documents differently from stored ones (an upgrade);
+    # serve re-renders every workload before it listens and clears it (fleet.rendering).
+    documents_stale = models.BooleanField(default=False)
 
 
 class Service(models.Model):

@@ -95,6 +95,11 @@ def policy_inputs_load() -> PolicyInputs:
         )
     )
     rule_ids = [r[0] for r in rules]
+    # The renderer knows a group by its name, unique like its id but the same on every control plane:
+    # its set's name derives from it, so a policy exported and applied elsewhere (policy/as_code.py)
+    # renders the same document.
+    group_rows = list(AddressGroup.objects.values_list("id", "name", "members"))
+    group_names = {gid: name for gid, name, _ in group_rows}
     sources = defaultdict(list)
     for rule_id, _, kind, selector, group_id in (
         RuleSource.objects.filter(rule_id__in=rule_ids)
@@ -104,7 +109,9 @@ def policy_inputs_load() -> PolicyInputs:
         if kind == SourceKind.SELECTOR:
             sources[rule_id].append(SourceInput(SourceKind.SELECTOR, selector=parse_selector(selector)))
         elif kind == SourceKind.ADDRESS_GROUP:
-            sources[rule_id].append(SourceInput(SourceKind.ADDRESS_GROUP, address_group_id=str(group_id)))
+            sources[rule_id].append(
+                SourceInput(SourceKind.ADDRESS_GROUP, address_group_id=group_names[group_id])
+            )
         else:
             sources[rule_id].append(SourceInput(SourceKind.ANY))
     service_entries = defaultdict(list)
@@ -134,10 +141,7 @@ def policy_inputs_load() -> PolicyInputs:
                 number=number,
             )
         )
-    groups = {
-        str(gid): AddressGroupInput(str(gid), name, tuple(members))
-        for gid, name, members in AddressGroup.objects.values_list("id", "name", "members")
-    }
+    groups = {name: AddressGroupInput(name, name, tuple(members)) for _, name, members in group_rows}
     return PolicyInputs(
         rulesets=tuple(
             RulesetInput(id=str(rid), name=name, scope=parse_selector(scope), rules=tuple(rules_of[rid]))

@@ -123,9 +123,17 @@ def _save_unique(obj) -> None:
 _AUDITED_TYPES = {Service: "service", AddressGroup: "address_group", Ruleset: "ruleset", Rule: "rule"}
 
 
-def _audit(verb: str, obj: Service | AddressGroup | Ruleset | Rule, *, actor: Actor, detail=None) -> None:
+def _audit(
+    verb: str,
+    obj: Service | AddressGroup | Ruleset | Rule,
+    *,
+    actor: Actor,
+    detail=None,
+    audit_detail: Mapping[str, Any] | None = None,
+) -> None:
     """Record the create, replace or delete of an authored object in its write's transaction: after
-    a create, before a replace moves the version (the new one is the next), before a delete."""
+    a create, before a replace moves the version (the new one is the next), before a delete.
+    `audit_detail` is the caller's context (policy as code names the file it applies)."""
     object_type = _AUDITED_TYPES[type(obj)]
     versions = {
         "create": {"version_after": obj.version},
@@ -138,7 +146,7 @@ def _audit(verb: str, obj: Service | AddressGroup | Ruleset | Rule, *, actor: Ac
         object_type=object_type,
         object_id=obj.id,
         object_name="" if isinstance(obj, Rule) else obj.name,  # a rule is named by its ruleset and number
-        detail=detail,
+        detail={**(detail or {}), **(audit_detail or {})},
         **versions,
     )
 
@@ -151,7 +159,9 @@ def _write_service_entries(service: Service, entries) -> None:
     )
 
 
-def service_create(*, actor: Actor, data: Mapping[str, Any]) -> Service:
+def service_create(
+    *, actor: Actor, data: Mapping[str, Any], audit_detail: Mapping[str, Any] | None = None
+) -> Service:
     spec = service_input(data)
     with transaction.atomic():
         state = _lock_policy()
@@ -163,13 +173,18 @@ def service_create(*, actor: Actor, data: Mapping[str, Any]) -> Service:
         service = Service(name=spec.name, description=spec.description, created_at=now, updated_at=now)
         _save_unique(service)
         _write_service_entries(service, spec.entries)
-        _audit("create", service, actor=actor)
+        _audit("create", service, actor=actor, audit_detail=audit_detail)
         _policy_changed(state)
     return service
 
 
 def service_replace(
-    *, actor: Actor, service_id: str, expected_version: str, data: Mapping[str, Any]
+    *,
+    actor: Actor,
+    service_id: str,
+    expected_version: str,
+    data: Mapping[str, Any],
+    audit_detail: Mapping[str, Any] | None = None,
 ) -> Service:
     _get(Service, service_id, "service")
     spec = service_input(data)
@@ -182,7 +197,7 @@ def service_replace(
         _check_unique_name(Service, spec.name, findings, exclude_id=service.id)
         findings.raise_if_any()
         service.name, service.description = spec.name, spec.description
-        _audit("replace", service, actor=actor)
+        _audit("replace", service, actor=actor, audit_detail=audit_detail)
         service.version += 1
         service.updated_at = clock.now()
         _save_unique(service)
@@ -211,7 +226,9 @@ def _refuse_if_used(obj, rules, what: str) -> None:
         )
 
 
-def service_delete(*, actor: Actor, service_id: str, expected_version: str) -> None:
+def service_delete(
+    *, actor: Actor, service_id: str, expected_version: str, audit_detail: Mapping[str, Any] | None = None
+) -> None:
     _get(Service, service_id, "service")
     with transaction.atomic():
         state = _lock_policy()
@@ -220,7 +237,7 @@ def service_delete(*, actor: Actor, service_id: str, expected_version: str) -> N
         )
         rules = Rule.objects.filter(services__service=service).select_related("ruleset").distinct()
         _refuse_if_used(service, rules, "service")
-        _audit("delete", service, actor=actor)
+        _audit("delete", service, actor=actor, audit_detail=audit_detail)
         service.delete()
         _policy_changed(state)
 
@@ -228,7 +245,9 @@ def service_delete(*, actor: Actor, service_id: str, expected_version: str) -> N
 # --- address groups ---
 
 
-def address_group_create(*, actor: Actor, data: Mapping[str, Any]) -> AddressGroup:
+def address_group_create(
+    *, actor: Actor, data: Mapping[str, Any], audit_detail: Mapping[str, Any] | None = None
+) -> AddressGroup:
     spec = address_group_input(data)
     with transaction.atomic():
         state = _lock_policy()
@@ -245,13 +264,18 @@ def address_group_create(*, actor: Actor, data: Mapping[str, Any]) -> AddressGro
             updated_at=now,
         )
         _save_unique(group)
-        _audit("create", group, actor=actor)
+        _audit("create", group, actor=actor, audit_detail=audit_detail)
         _policy_changed(state)
     return group
 
 
 def address_group_replace(
-    *, actor: Actor, group_id: str, expected_version: str, data: Mapping[str, Any]
+    *,
+    actor: Actor,
+    group_id: str,
+    expected_version: str,
+    data: Mapping[str, Any],
+    audit_detail: Mapping[str, Any] | None = None,
 ) -> AddressGroup:
     _get(AddressGroup, group_id, "address group")
     spec = address_group_input(data)
@@ -264,7 +288,7 @@ def address_group_replace(
         _check_unique_name(AddressGroup, spec.name, findings, exclude_id=group.id)
         findings.raise_if_any()
         group.name, group.description, group.members = spec.name, spec.description, list(spec.members)
-        _audit("replace", group, actor=actor)
+        _audit("replace", group, actor=actor, audit_detail=audit_detail)
         group.version += 1
         group.updated_at = clock.now()
         _save_unique(group)
@@ -273,7 +297,9 @@ def address_group_replace(
     return group
 
 
-def address_group_delete(*, actor: Actor, group_id: str, expected_version: str) -> None:
+def address_group_delete(
+    *, actor: Actor, group_id: str, expected_version: str, audit_detail: Mapping[str, Any] | None = None
+) -> None:
     _get(AddressGroup, group_id, "address group")
     with transaction.atomic():
         state = _lock_policy()
@@ -282,7 +308,7 @@ def address_group_delete(*, actor: Actor, group_id: str, expected_version: str) 
         )
         rules = Rule.objects.filter(sources__address_group=group).select_related("ruleset").distinct()
         _refuse_if_used(group, rules, "address group")
-        _audit("delete", group, actor=actor)
+        _audit("delete", group, actor=actor, audit_detail=audit_detail)
         group.delete()
         _policy_changed(state)
 
@@ -345,7 +371,9 @@ def _current_rule_content(rule: Rule) -> list:
     return _rule_content(list(rule.sources.all()), list(rule.services.all()))
 
 
-def ruleset_create(*, actor: Actor, data: Mapping[str, Any]) -> Ruleset:
+def ruleset_create(
+    *, actor: Actor, data: Mapping[str, Any], audit_detail: Mapping[str, Any] | None = None
+) -> Ruleset:
     spec = ruleset_input(data)
     with transaction.atomic():
         state = _lock_policy()
@@ -379,13 +407,18 @@ def ruleset_create(*, actor: Actor, data: Mapping[str, Any]) -> Ruleset:
                 updated_at=now,
             )
             _write_rule(row, sources, services)
-        _audit("create", ruleset, actor=actor, detail={"rules": len(spec.rules)})
+        _audit("create", ruleset, actor=actor, detail={"rules": len(spec.rules)}, audit_detail=audit_detail)
         _policy_changed(state, scopes=[ruleset.scope])
     return ruleset
 
 
 def ruleset_replace(
-    *, actor: Actor, ruleset_id: str, expected_version: str, data: Mapping[str, Any]
+    *,
+    actor: Actor,
+    ruleset_id: str,
+    expected_version: str,
+    data: Mapping[str, Any],
+    audit_detail: Mapping[str, Any] | None = None,
 ) -> Ruleset:
     """Replace a ruleset whole: rules whose ids the body carries are kept (their version moves only if
     they changed), rules without an id are added, and the ruleset's other rules are removed."""
@@ -436,7 +469,7 @@ def ruleset_replace(
         scope_before = ruleset.scope
         ruleset.name, ruleset.description = spec.name, spec.description
         ruleset.enabled, ruleset.scope = spec.enabled, spec.scope
-        _audit("replace", ruleset, actor=actor, detail={"rules": len(spec.rules)})
+        _audit("replace", ruleset, actor=actor, detail={"rules": len(spec.rules)}, audit_detail=audit_detail)
         ruleset.version += 1
         ruleset.updated_at = now
         _save_unique(ruleset)
@@ -444,14 +477,16 @@ def ruleset_replace(
     return ruleset
 
 
-def ruleset_delete(*, actor: Actor, ruleset_id: str, expected_version: str) -> None:
+def ruleset_delete(
+    *, actor: Actor, ruleset_id: str, expected_version: str, audit_detail: Mapping[str, Any] | None = None
+) -> None:
     _get(Ruleset, ruleset_id, "ruleset")
     with transaction.atomic():
         state = _lock_policy()
         ruleset = locked_for_write(
             Ruleset.objects, pk=ruleset_id, expected_version=expected_version, what="ruleset"
         )
-        _audit("delete", ruleset, actor=actor)
+        _audit("delete", ruleset, actor=actor, audit_detail=audit_detail)
         ruleset.delete()
         _policy_changed(state, scopes=[ruleset.scope])
 

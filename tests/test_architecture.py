@@ -32,6 +32,34 @@ def test_agent_has_its_own_packaging_metadata():
     assert not any("django" in dep.lower() for dep in meta["project"]["dependencies"])
 
 
+def test_the_agents_own_dependencies_cover_what_it_imports():
+    """`pip install ./agent` must give the agent everything it imports: each third-party module of
+    agent/ is a dependency in agent/pyproject.toml (nftables comes from Debian's python3-nftables)."""
+    import re
+    import tomllib
+    from importlib.metadata import packages_distributions
+
+    declared = {
+        re.split(r"[<>=!~ \[;]", dep, maxsplit=1)[0].lower().replace("_", "-")
+        for dep in tomllib.loads((ROOT / "agent" / "pyproject.toml").read_text())["project"]["dependencies"]
+    }
+    imported = set()
+    for path in (ROOT / "agent").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                imported.add(node.module.split(".")[0])
+    third_party = imported - set(sys.stdlib_module_names) - {"agent", "__future__", "nftables"}
+    distributions = packages_distributions()
+    missing = {
+        module
+        for module in third_party
+        if not {d.lower().replace("_", "-") for d in distributions.get(module, [module])} & declared
+    }
+    assert "prometheus_client" in third_party and missing == set(), missing
+
+
 def test_the_plain_copies_of_the_vocabulary_agree_with_the_choices():
     """The renderer and the agent import no Django, so they keep plain copies of the choices."""
     from agent.protocol import OWNED_TABLE_STATES

@@ -30,6 +30,7 @@ def problem_response(problem: Problem, *, instance: str | None = None) -> HttpRe
     )
     for name, value in problem.headers.items():
         response[name] = value
+    response.problem_name = problem.name  # type: ignore[attr-defined]  # the metrics' reason of a refusal
     if problem.name == "service-unavailable":
         _said_by_the_outage_log(response)
     return response

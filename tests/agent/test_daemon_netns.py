@@ -5,17 +5,20 @@ in the same namespace, on its loopback."""
 from __future__ import annotations
 
 import json
+import os
 import queue
 import signal
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
-from tests.support.agent_helpers import REPO, document, run_cli
+from tests.support.agent_helpers import REPO, document, metric_value, run_cli
 from tests.support.netns import Lab, require_namespace_lab
+from tests.support.requirements import require
 
 pytestmark = pytest.mark.root
 
@@ -157,6 +160,103 @@ def test_run_in_a_namespace(tmp_path):
             assert (
                 lab.run("wl", ["nft", "list", "table", "inet", "palisade"]).returncode == 0
             )  # still fail static
+        finally:
+            if daemon is not None and daemon.poll() is None:
+                daemon.kill()
+                daemon.wait(10)
+            gateway.kill()
+            gateway.wait(10)
+
+
+PROMTOOL = "/usr/bin/promtool"
+
+
+def _promtool_check(path: Path) -> None:
+    """`promtool check metrics`: the exposition parses and follows Prometheus's naming rules."""
+    with open(path, "rb") as handle:
+        checked = subprocess.run(
+            [PROMTOOL, "check", "metrics"], stdin=handle, capture_output=True, timeout=30
+        )
+    assert checked.returncode == 0, (checked.stdout + checked.stderr).decode() + path.read_text()
+
+
+def _file_until(path: Path, predicate, process: subprocess.Popen, timeout: float = 20.0) -> str:
+    deadline = time.monotonic() + timeout
+    while True:
+        text = path.read_text() if path.exists() else ""
+        if text and predicate(text):
+            return text
+        assert process.poll() is None, f"the daemon exited with {process.returncode}"
+        assert time.monotonic() < deadline, f"not within {timeout} s; the file holds:\n{text}"
+        time.sleep(0.05)
+
+
+def test_run_writes_the_metrics_textfile_promtool_accepts(tmp_path):
+    """The real daemon, real nftables and flow sources, `--metrics-textfile`: the file shows the applied
+    version and the table, follows a delete, says the agent stopped at SIGTERM, and passes promtool."""
+    require_namespace_lab()
+    require(os.path.exists(PROMTOOL), f"{PROMTOOL} is missing: install Debian's prometheus (deploy/test.sh)")
+    state = str(tmp_path / "state")
+    textfile = tmp_path / "node-exporter" / "palisade-agent.prom"
+    textfile.parent.mkdir()
+    with Lab.create({"wl": (None, None)}) as lab:
+        ns = lab.ns("wl")
+        gateway = lab.popen_python("wl", GATEWAY, str(tmp_path / "gateway"))
+        daemon = None
+        try:
+            gateway_out = Lines(gateway.stdout)
+            ready = json.loads(gateway_out.wait(lambda line: line.startswith('{"ready"')))
+            enrolled = run_cli("enrol", "--bundle", ready["bundle"], "--state-dir", state, netns=ns)
+            assert enrolled.returncode == 0, enrolled.stderr
+            workload = json.loads((tmp_path / "state" / "identity.json").read_text())["workload_id"]
+            gateway.stdin.write(
+                json.dumps(
+                    {"op": "snapshot", "workload": workload, "version": "v1", "document": document("v1")}
+                )
+                + "\n"
+            )
+            gateway.stdin.flush()
+            gateway_out.wait(lambda line: json.loads(line).get("kind") == "done")
+
+            daemon = subprocess.Popen(
+                ["ip", "netns", "exec", ns, sys.executable, "-m", "agent", "run", "--state-dir", state,
+                 "--heartbeat-seconds", "1", "--metrics-textfile", str(textfile)],
+                stderr=subprocess.PIPE, text=True, cwd=REPO, env={"PYTHONPATH": str(REPO), "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
+            )  # fmt: skip
+            Lines(daemon.stderr)  # keeps the pipe drained
+
+            def ready_and_applied(text: str) -> bool:
+                return (
+                    metric_value(text, "palisade_agent_applied_version_info", version="v1", mode="enforced")
+                    == 1
+                    and metric_value(text, "palisade_agent_owned_table", state="present") == 1
+                    and metric_value(text, "palisade_agent_stream_connected") == 1
+                )
+
+            text = _file_until(textfile, ready_and_applied, daemon)
+            assert metric_value(text, "palisade_agent_running") == 1
+            assert metric_value(text, "palisade_agent_apply_failures_total") == 0
+            for source in ("conntrack", "nflog"):  # the real sources, counted
+                assert (
+                    metric_value(text, "palisade_agent_flow_source_events_total", source=source) is not None
+                )
+            _promtool_check(textfile)
+
+            assert lab.run("wl", ["nft", "delete", "table", "inet", "palisade"]).returncode == 0
+            _file_until(
+                textfile, lambda t: metric_value(t, "palisade_agent_owned_table", state="absent") == 1, daemon
+            )
+
+            daemon.send_signal(signal.SIGTERM)
+            assert daemon.wait(15) == 0
+            text = textfile.read_text()
+            assert metric_value(text, "palisade_agent_running") == 0
+            assert metric_value(text, "palisade_agent_stream_connected") == 0
+            assert (
+                metric_value(text, "palisade_agent_applied_version_info", version="v1", mode="enforced") == 1
+            )
+            _promtool_check(textfile)
+            assert sorted(p.name for p in textfile.parent.iterdir()) == ["palisade-agent.prom"]
         finally:
             if daemon is not None and daemon.poll() is None:
                 daemon.kill()

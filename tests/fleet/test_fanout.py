@@ -184,3 +184,28 @@ def test_render_dryrun_reports_changes_and_persists_nothing(api, db):
         "validation",
     )
     assert problem["errors"][0]["path"] == "/rulesets/0/scope"
+
+
+def test_documents_marked_stale_by_an_upgrade_are_rerendered_once(api, db):
+    """A release whose renderer writes documents differently marks them stale in a migration; serve
+    re-renders every workload before it listens, then never again until the next such release."""
+    from fleet.rendering import documents_refresh_if_stale
+    from policy.models import PolicyState
+
+    make_workload(hostname="web", labels={"app": "web"}, mode="enforced")
+    make_workload(hostname="db", labels={"app": "db"}, mode="enforced")
+    client_rule_ruleset(api)
+    rendered = versions()
+    # What the previous release stored: a document this renderer would not write.
+    Workload.objects.filter(hostname="web").update(latest_policy_id=rendered["db"])
+    PolicyState.objects.filter(id=1).update(documents_stale=False)
+    assert documents_refresh_if_stale() is None
+    assert versions()["web"] == rendered["db"]
+
+    PolicyState.objects.filter(id=1).update(documents_stale=True)
+    refreshed = documents_refresh_if_stale()
+    assert refreshed is not None and refreshed.considered == 2
+    assert [Workload.objects.get(id=i).hostname for i in refreshed.changed] == ["web"]
+    assert versions() == rendered
+    assert not PolicyState.objects.get(id=1).documents_stale
+    assert documents_refresh_if_stale() is None

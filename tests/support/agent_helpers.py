@@ -30,6 +30,22 @@ def document(comment: str = "v1", port: int = 22) -> str:
     )
 
 
+def metric_samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """{(name, sorted labels): value} of a Prometheus exposition (the agent's metrics textfile)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def metric_value(text: str, name: str, **labels: str) -> float | None:
+    """One sample's value in an exposition; None when it has no such sample."""
+    return metric_samples(text).get((name, tuple(sorted(labels.items()))))
+
+
 def run_cli(
     *args: str, input: str | None = None, timeout: float = 60, netns: str | None = None
 ) -> subprocess.CompletedProcess:

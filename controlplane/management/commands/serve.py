@@ -28,7 +28,7 @@ from twisted.logger import (
 )
 
 from agent.protocol import CLOSE_SHUTDOWN, MAX_MESSAGE_BYTES
-from controlplane import connection_limits, runtime, tls
+from controlplane import connection_limits, metrics, runtime, tls
 from controlplane.data_dir import data_dir_check
 from controlplane.database import database_migrate, pending_migrations
 from controlplane.http_limits import limited_channel_protocol
@@ -78,6 +78,7 @@ class _Server(daphne.server.Server):
         reactor.callWhenRunning(lambda: notify_streams_on(asyncio.get_event_loop()))
         if self.limiter is not None:
             reactor.callWhenRunning(self.limiter.start)
+        metrics.housekeeping_steps(STEPS)
         for step in STEPS:
             loop = task.LoopingCall(_scheduled, step)
             loop.start(step.every_seconds, now=False).addErrback(
@@ -139,7 +140,9 @@ def _scheduled(step):
         async def sweep():
             try:
                 await step.run_async()
+                metrics.housekeeping_succeeded(step)
             except Exception as error:  # noqa: BLE001 - the database away: the next round tries again
+                metrics.housekeeping_failed(step)
                 if not database_failed(step.name, error, log):
                     log.warning("cannot %s: %s", step.name, _first_line(error))
 
@@ -148,10 +151,13 @@ def _scheduled(step):
     def run():
         try:
             step.run()
+            metrics.housekeeping_succeeded(step)
         except DatabaseError as error:
+            metrics.housekeeping_failed(step)
             if not database_failed(step.name, error, log):
                 log.warning("cannot %s: %s", step.name, _first_line(error))
         except Exception:  # a fault of ours: its traceback, and the step still runs next period
+            metrics.housekeeping_failed(step)
             log.exception("%s failed; it runs again in %d s", step.name, step.every_seconds)
         finally:
             connections.close_all()
@@ -272,6 +278,7 @@ class Command(PalisadeCommand):
             gateway_address(),
         )
         self._record_gateway_identity(certs["gateway"].fingerprint)
+        self._refresh_stale_documents()
         self._hint_operator_password()
         if options["verbosity"] < 2:  # from 2 on, daphne passes twisted's whole log to the logging module
             _show_twisted_errors()
@@ -355,6 +362,22 @@ class Command(PalisadeCommand):
 
     def _pending_migrations(self) -> list:
         return pending_migrations()
+
+    def _refresh_stale_documents(self) -> None:
+        from fleet.rendering import documents_refresh_if_stale
+
+        try:
+            refreshed = documents_refresh_if_stale()
+        except DatabaseError as error:
+            raise CommandError(f"cannot use the database: {_first_line(error)}") from None
+        finally:
+            connections.close_all()
+        if refreshed is not None and refreshed.considered:
+            log.info(
+                "this release renders documents differently: re-rendered %d workloads, %d documents changed",
+                refreshed.considered,
+                len(refreshed.changed),
+            )
 
     def _record_gateway_identity(self, fingerprint: str) -> None:
         """What provisioning bundles carry and agents bind their proofs to; commands run outside

@@ -1,5 +1,6 @@
-"""Policy from evidence: the same domain functions as POST /api/v1/policies/suggestions and
-POST /api/v1/policies/impact. One action per method `do_<action>`."""
+"""Policy from evidence (the same domain functions as POST /api/v1/policies/suggestions and
+POST /api/v1/policies/impact) and policy as code (export, plan, apply: policy/as_code.py). One action
+per method `do_<action>`."""
 
 from __future__ import annotations
 
@@ -8,18 +9,30 @@ import json
 from django.core.management.base import CommandError
 
 from controlplane.management.base import PalisadeCommand
+from controlplane.problems import ValidationFailed
 from controlplane.text import visible
 from flows.suggestions import policy_suggest_request
+from policy.management.as_code import (
+    add_as_code_actions,
+    findings_text,
+    run_apply,
+    run_export,
+    run_plan,
+)
 from policy.management.impact import add_impact_action, run_impact
 
 
 class Command(PalisadeCommand):
-    help = "Policy from evidence: suggest rules from the stored flows no rule admitted, and the impact of a draft over them."
+    help = (
+        "Policy from evidence: suggest rules from the stored flows no rule admitted, and the impact of a "
+        "draft over them. Policy as code: export the policy as a file, plan and apply a file."
+    )
 
     def add_arguments(self, parser):
         super().add_arguments(parser)
         actions = self.add_actions(parser)
         add_impact_action(actions)
+        add_as_code_actions(actions)
         suggest = actions.add_parser(
             "suggest",
             help="propose rules from the range's unadmitted flows; --json prints the draft ruleset alone "
@@ -78,6 +91,27 @@ class Command(PalisadeCommand):
 
     def do_impact(self, o):
         run_impact(self, o)
+
+    def do_export(self, o):
+        run_export(self, o)
+
+    def do_plan(self, o):
+        self._file_paths = True
+        run_plan(self, o)
+
+    def do_apply(self, o):
+        self._file_paths = True
+        run_apply(self, o)
+
+    _file_paths = False
+
+    def report_problem(self, problem):
+        # A policy file's findings name places in the file (`rulesets[2].rules[0]...`), not pointers.
+        if self._file_paths and not self.as_json and isinstance(problem, ValidationFailed):
+            for line in findings_text(problem):
+                self.stderr.write(line)
+            return
+        super().report_problem(problem)
 
 
 def _no_single_draft(answer: dict) -> str:

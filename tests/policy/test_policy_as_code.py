@@ -1,0 +1,607 @@
+"""Policy as code: export, plan and apply (policy/as_code.py, `manage.py policy export|plan|apply`)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from django.core.management import CommandError
+from django.db import connection
+
+from controlplane.auth.actor import CLI_ACTOR
+from controlplane.models import AuditEvent
+from controlplane.problems import Problem
+from fleet.models import RenderedPolicy, Workload
+from policy import services as writes
+from policy.as_code import PolicyFileInvalid, policy_apply, policy_export, policy_file_load, policy_plan
+from policy.models import AddressGroup, PolicyState, Rule, Ruleset, Service
+from policy.renderer import decode_mark
+from policy.selectors import policy_version
+from tests.support.helpers import race
+from tests.support.helpers import run_command as run
+from tests.support.requirements import require
+from tests.support.workloads import make_workload
+
+EMPTY = {"version": 1, "services": [], "address_groups": [], "rulesets": []}
+
+
+@pytest.fixture
+def fleet(db):
+    """Workloads with IPv4 and IPv6 addresses, in every mode, that the policy's selectors pick."""
+    specs = [
+        ("web-1", {"app": "web", "env": "prod"}, ["10.0.1.1", "2001:db8:1::1"], "enforced"),
+        ("web-2", {"app": "web", "env": "staging"}, ["10.0.1.2"], "simulation"),
+        ("db-1", {"app": "db", "env": "prod"}, ["10.0.2.1", "2001:db8:2::1"], "enforced"),
+        ("client-1", {"role": "client"}, ["10.0.3.1", "2001:db8:3::1"], "simulation"),
+        ("monitor-1", {"role": "monitor"}, ["fd00::4"], "enforced"),
+        ("quiet-1", {"app": "web"}, ["10.0.5.1"], "visibility"),
+    ]
+    return [make_workload(hostname=h, labels=labels, addresses=a, mode=m) for h, labels, a, m in specs]
+
+
+def _messy_policy():
+    """A policy with a history: rules added, removed and reordered, so lifetime numbers have gaps and
+    are not in ruleset-name order."""
+    actor = CLI_ACTOR
+    writes.service_create(
+        actor=actor,
+        data={
+            "name": "web",
+            "description": 'HTTP(S) and the "app" range, Büro',
+            "entries": [
+                {"protocol": "tcp", "port": 443},
+                {"protocol": "tcp", "port": 80},
+                {"protocol": "tcp", "port": 8000, "port_to": 8100},
+            ],
+        },
+    )
+    writes.service_create(
+        actor=actor,
+        data={"name": "dns", "entries": [{"protocol": "udp", "port": 53}, {"protocol": "tcp", "port": 53}]},
+    )
+    writes.service_create(
+        actor=actor, data={"name": "ping", "entries": [{"protocol": "icmp"}, {"protocol": "icmpv6"}]}
+    )
+    writes.address_group_create(
+        actor=actor,
+        data={"name": "office", "members": ["192.0.2.0/24", "2001:db8:ff::/48", "198.51.100.7"]},
+    )
+    writes.address_group_create(actor=actor, data={"name": "legacy", "members": ["203.0.113.0/24"]})
+    db = writes.ruleset_create(
+        actor=actor,
+        data={
+            "name": "zz-database",
+            "scope": "app=db",
+            "rules": [
+                {"sources": [{"selector": "app=web"}], "services": [{"protocol": "tcp", "port": 5432}]},
+                {"sources": [{"address_group": "office"}], "services": [{"service": "ping"}]},
+            ],
+        },
+    )
+    frontend = writes.ruleset_create(
+        actor=actor,
+        data={
+            "name": "frontend",
+            "description": "who may reach the web tier",
+            "scope": "app=web",
+            "rules": [
+                {
+                    "description": "clients",
+                    "sources": [{"selector": "role=client"}],
+                    "services": [{"service": "web"}],
+                },
+                {"sources": [{"any": True}], "services": [{"protocol": "icmpv6"}]},
+            ],
+        },
+    )
+    writes.rule_add(
+        actor=actor,
+        ruleset_id=str(frontend.id),
+        data={
+            "sources": [{"address_group": "office"}, {"selector": "role=monitor"}],
+            "services": [{"service": "dns"}, {"protocol": "udp", "port": 161, "port_to": 162}],
+        },
+    )
+    doomed = writes.rule_add(
+        actor=actor,
+        ruleset_id=str(frontend.id),
+        data={"sources": [{"any": True}], "services": [{"protocol": "icmp"}]},
+    )
+    frontend.refresh_from_db()
+    writes.rule_delete(
+        actor=actor, ruleset_id=str(frontend.id), rule_id=str(doomed.id), expected_version=str(doomed.version)
+    )
+    # Reordered: the last rule first.
+    current = [r for r in Rule.objects.filter(ruleset=frontend).order_by("position")]
+    frontend.refresh_from_db()
+    writes.ruleset_replace(
+        actor=actor,
+        ruleset_id=str(frontend.id),
+        expected_version=str(frontend.version),
+        data={
+            "name": "frontend",
+            "description": "who may reach the web tier",
+            "scope": "app=web",
+            "rules": [{"id": str(current[-1].id), **_rule_body(current[-1])}]
+            + [{"id": str(r.id), **_rule_body(r)} for r in current[:-1]],
+        },
+    )
+    writes.ruleset_create(
+        actor=actor,
+        data={
+            "name": "break-glass",
+            "enabled": False,
+            "scope": "",
+            "rules": [{"sources": [{"any": True}], "services": [{"protocol": "tcp", "port": 22}]}],
+        },
+    )
+    assert db.rules.count() == 2
+
+
+def _rule_body(rule):
+    from policy.representations import rule_data
+
+    data = rule_data(rule)
+    return {k: data[k] for k in ("description", "sources", "services")}
+
+
+def _documents() -> dict[str, tuple[str, dict]]:
+    rows = Workload.objects.values_list("hostname", "latest_policy_id")
+    stored = {p.version: p for p in RenderedPolicy.objects.filter(version__in=[v for _, v in rows])}
+    return {host: (stored[v].document, stored[v].rule_index) for host, v in rows}
+
+
+def _without_rule_numbers(document: str, rule_index: dict) -> str:
+    """The document with each rule's lifetime number (a ct mark's low bits) replaced by the ruleset
+    name and position it stands for: the numbers belong to one control plane, not to the file."""
+
+    def name(match):
+        decision, number = decode_mark(int(match.group(0), 16))
+        if number is None:
+            return match.group(0)
+        entry = rule_index[str(number)]
+        return f"<{decision} {entry['ruleset_name']}#{entry['position']}>"
+
+    return re.sub(r"0x[0-9a-f]{8}", name, document)
+
+
+def _apply(data, *, prune=False, source="policy.yaml"):
+    return policy_apply(
+        actor=CLI_ACTOR, data=data, prune=prune, expected_version=str(policy_version()), source=source
+    )
+
+
+def _counts():
+    return (
+        Service.objects.count(),
+        AddressGroup.objects.count(),
+        Ruleset.objects.count(),
+        Rule.objects.count(),
+    )
+
+
+def test_export_prune_everything_apply_gives_every_workload_the_same_document(fleet):
+    _messy_policy()
+    original = _documents()
+    assert any("@grp_" in doc for doc, _ in original.values()) and any(
+        "ip6 saddr" in doc for doc, _ in original.values()
+    )
+    exported = policy_export(format="yaml")
+    assert "id:" not in exported and "version: 1\n" == exported.splitlines(True)[0]
+    assert "created_at" not in exported and "number" not in exported
+
+    emptied = _apply(EMPTY, prune=True)
+    assert _counts() == (0, 0, 0, 0) and emptied["applied"] == 8
+    protected = {h for h, (_, rule_index) in original.items() if rule_index}
+    assert protected == {"web-1", "web-2", "db-1"}
+    assert all(original[h][0] != _documents()[h][0] for h in protected)
+
+    _apply(policy_file_load(text=exported, source="policy.yaml"))
+    again = _documents()
+    assert again.keys() == original.keys()
+    for host, (document, rule_index) in original.items():
+        assert _without_rule_numbers(*again[host]) == _without_rule_numbers(document, rule_index), host
+    assert policy_export(format="yaml") == exported
+    assert policy_plan(data=policy_file_load(text=exported, source="p.yaml"), prune=True)["changes"] == []
+
+
+def test_on_a_fresh_control_plane_the_documents_are_byte_identical(fleet):
+    """A policy whose rules were numbered in file order (as a fresh control plane numbers them)
+    renders to the same bytes after export, an emptied control plane and apply."""
+    _messy_policy()
+    exported = policy_export(format="json")
+    _apply(EMPTY, prune=True)
+    PolicyState.objects.filter(id=1).update(next_rule_number=1)  # as a new control plane starts
+    _apply(policy_file_load(text=exported, source="policy.json"))
+    original = {host: doc for host, (doc, _) in _documents().items()}
+    _apply(EMPTY, prune=True)
+    PolicyState.objects.filter(id=1).update(next_rule_number=1)
+    _apply(policy_file_load(text=exported, source="policy.json"))
+    assert {host: doc for host, (doc, _) in _documents().items()} == original
+    assert dict(Workload.objects.values_list("hostname", "latest_policy_id")) == {
+        h: RenderedPolicy.objects.get(document=d).version for h, d in original.items()
+    }
+    assert policy_export(format="json") == exported
+
+
+def test_export_is_sorted_named_and_byte_identical(fleet):
+    _messy_policy()
+    first, second = policy_export(format="yaml"), policy_export(format="yaml")
+    assert first == second
+    data = policy_file_load(text=policy_export(format="json"), source="p.json")
+    assert data == policy_file_load(text=first, source="p.yaml")
+    assert list(data) == ["version", "services", "address_groups", "rulesets"]
+    assert [s["name"] for s in data["services"]] == ["dns", "ping", "web"]
+    assert [r["name"] for r in data["rulesets"]] == ["break-glass", "frontend", "zz-database"]
+    frontend = data["rulesets"][1]
+    assert frontend["rules"][0]["sources"] == [{"address_group": "office"}, {"selector": "role=monitor"}]
+    assert frontend["rules"][0]["services"] == [
+        {"service": "dns"},
+        {"protocol": "udp", "port": 161, "port_to": 162},
+    ]
+    assert frontend["rules"][1]["description"] == "clients"
+    assert data["services"][2]["entries"][2] == {"protocol": "tcp", "port": 8000, "port_to": 8100}
+    assert first.isascii()  # other characters escaped: safe on a terminal, stable in any tool
+
+
+def test_plan_lists_changes_field_by_field_and_apply_does_exactly_that(fleet):
+    _messy_policy()
+    data = policy_file_load(text=policy_export(format="yaml"), source="p.yaml")
+    rules_before = {r.description: r.number for r in Rule.objects.filter(ruleset__name="frontend")}
+    frontend = data["rulesets"][1]
+    frontend["scope"] = "app=web,env=prod"
+    frontend["rules"].insert(
+        0, {"sources": [{"selector": "role=monitor"}], "services": [{"protocol": "tcp", "port": 9100}]}
+    )
+    frontend["rules"].pop()  # the icmpv6 rule
+    data["address_groups"][1]["members"] = ["192.0.2.0/24", "2001:db8:ff::/48", "198.51.100.8"]
+    data["services"].append({"name": "ntp", "entries": [{"protocol": "udp", "port": 123}]})
+    documents_before = dict(Workload.objects.values_list("hostname", "latest_policy_id"))
+
+    plan = policy_plan(data=data)
+    summary = [(c["action"], c["type"], c["name"]) for c in plan["changes"]]
+    assert summary == [
+        ("create", "service", "ntp"),
+        ("change", "address_group", "office"),
+        ("change", "ruleset", "frontend"),
+    ]
+    fields = {f["field"]: f for f in plan["changes"][2]["fields"]}
+    assert fields["scope"]["old"] == "app=web" and fields["scope"]["new"] == "app=web,env=prod"
+    assert fields["rules[0]"]["action"] == "add"
+    assert fields["rules[2]"]["action"] == "remove" and fields["rules[2]"]["old"]["services"] == [
+        {"protocol": "icmpv6"}
+    ]
+    assert plan["changes"][1]["fields"] == [
+        {
+            "field": "members",
+            "action": "change",
+            "old": ["192.0.2.0/24", "198.51.100.7", "2001:db8:ff::/48"],
+            "new": ["192.0.2.0/24", "198.51.100.8", "2001:db8:ff::/48"],
+        }
+    ]
+    assert plan["kept"] == [] and plan["policy_version"] == str(policy_version())
+    assert plan["impact"]["coverage"] is not None and "newly_refused_summary" in plan["impact"]
+
+    applied = policy_apply(
+        actor=CLI_ACTOR, data=data, expected_version=plan["policy_version"], source="repo/policy.yaml"
+    )
+    assert applied["changes"] == plan["changes"]
+    moved = {
+        h for h, v in Workload.objects.values_list("hostname", "latest_policy_id") if documents_before[h] != v
+    }
+    assert len(moved) == plan["render"]["changed_count"] > 0
+    # The rules the file kept keep their lifetime numbers (flow evidence stays attributed to them).
+    rules_after = {r.description: r.number for r in Rule.objects.filter(ruleset__name="frontend")}
+    assert rules_after["clients"] == rules_before["clients"]
+    assert policy_plan(data=data)["changes"] == []
+
+
+def test_reordered_and_edited_rules_keep_their_numbers(fleet):
+    _messy_policy()
+    data = policy_file_load(text=policy_export(format="yaml"), source="p.yaml")
+    numbers = [r.number for r in Rule.objects.filter(ruleset__name="frontend").order_by("position")]
+    rules = data["rulesets"][1]["rules"]
+    rules.reverse()
+    rules[0]["services"] = [{"protocol": "icmpv6"}, {"protocol": "icmp"}]  # was the last: icmpv6 alone
+    fields = policy_plan(data=data)["changes"][0]["fields"]
+    assert fields == [
+        {
+            "field": "rules[0].services",
+            "action": "change",
+            "old": [{"protocol": "icmpv6"}],
+            "new": [{"protocol": "icmpv6"}, {"protocol": "icmp"}],
+        },
+        {"field": "rules", "action": "reorder", "old": [0, 1, 2], "new": [2, 1, 0]},
+    ]
+    _apply(data)
+    after = [r.number for r in Rule.objects.filter(ruleset__name="frontend").order_by("position")]
+    assert after == list(reversed(numbers))
+    assert policy_plan(data=data)["changes"] == []
+
+
+def test_each_change_is_an_audit_event_naming_the_file(fleet):
+    _messy_policy()
+    data = policy_file_load(text=policy_export(format="yaml"), source="p.yaml")
+    data["services"][0]["description"] = "resolvers"
+    data["rulesets"][0]["enabled"] = True
+    data["address_groups"] = [g for g in data["address_groups"] if g["name"] != "legacy"]
+    seen = AuditEvent.objects.count()
+    answer = _apply(data, prune=True, source="git/policy.yaml")
+    events = list(AuditEvent.objects.order_by("id")[seen:])
+    assert [(e.action, e.object_name) for e in events] == [
+        ("service.replace", "dns"),
+        ("ruleset.replace", "break-glass"),
+        ("address_group.delete", "legacy"),
+    ]
+    assert answer["applied"] == 3
+    assert all(e.detail["source"] == "git/policy.yaml" and e.actor_kind == "cli" for e in events)
+
+
+def test_without_prune_absent_objects_are_kept_and_listed_with_prune_deleted(fleet):
+    _messy_policy()
+    data = policy_file_load(text=policy_export(format="yaml"), source="p.yaml")
+    # A rename is a delete and a create: "dns" becomes "domain" and the rule follows it.
+    data["services"][0]["name"] = "domain"
+    data["rulesets"][1]["rules"][0]["services"][0] = {"service": "domain"}
+    data["rulesets"] = [r for r in data["rulesets"] if r["name"] != "zz-database"]
+    data["address_groups"] = [g for g in data["address_groups"] if g["name"] != "legacy"]
+
+    kept = policy_plan(data=data)
+    assert [(c["action"], c["name"]) for c in kept["changes"]] == [
+        ("create", "domain"),
+        ("change", "frontend"),
+    ]
+    assert kept["kept"] == [
+        {"type": "service", "name": "dns"},
+        {"type": "address_group", "name": "legacy"},
+        {"type": "ruleset", "name": "zz-database"},
+    ]
+    _apply(data)
+    assert set(Service.objects.values_list("name", flat=True)) == {"dns", "domain", "ping", "web"}
+    assert Ruleset.objects.filter(name="zz-database").exists()
+
+    pruned = policy_plan(data=data, prune=True)
+    assert [(c["action"], c["type"], c["name"]) for c in pruned["changes"]] == [
+        ("delete", "service", "dns"),
+        ("delete", "address_group", "legacy"),
+        ("delete", "ruleset", "zz-database"),
+    ]
+    _apply(data, prune=True)
+    assert set(Service.objects.values_list("name", flat=True)) == {"domain", "ping", "web"}
+    assert set(Ruleset.objects.values_list("name", flat=True)) == {"break-glass", "frontend"}
+    assert policy_plan(data=data, prune=True)["changes"] == [] and policy_plan(data=data)["kept"] == []
+
+
+def test_a_concurrent_edit_between_plan_and_apply_is_refused_and_nothing_is_written(fleet):
+    _messy_policy()
+    data = policy_file_load(text=policy_export(format="yaml"), source="p.yaml")
+    data["services"].append({"name": "ntp", "entries": [{"protocol": "udp", "port": 123}]})
+    planned = policy_plan(data=data)["policy_version"]
+    writes.service_create(
+        actor=CLI_ACTOR, data={"name": "smtp", "entries": [{"protocol": "tcp", "port": 25}]}
+    )
+    before, events = _counts(), AuditEvent.objects.count()
+    with pytest.raises(Problem) as refused:
+        policy_apply(actor=CLI_ACTOR, data=data, expected_version=planned, source="p.yaml")
+    assert refused.value.name == "precondition-failed" and "plan again" in refused.value.detail
+    assert _counts() == before and AuditEvent.objects.count() == events
+    assert not Service.objects.filter(name="ntp").exists()
+
+
+BAD_FILE = """\
+version: 1
+services:
+  - name: web
+    id: 0b6a3f0e-0000-4000-8000-000000000000
+    entries: [{protocol: tcp, port: 0}]
+  - name: web
+    entries: [{protocol: udp, port: 53}]
+  - name: fine
+    entries: [{protocol: udp, port: 123}]
+address_groups:
+  - {name: g, members: ["10.0.0.1/8"], colour: red}
+rulesets:
+  - name: a
+    scope: "app in ("
+  - name: b
+    scope: app=db
+    rules:
+      - sources: [{address_group: nope}]
+        services: [{service: pgsql}, {protocol: tcp}]
+        number: 3
+"""
+
+BAD_FINDINGS = [
+    "services[0].id: unknown-field",
+    "services[0].entries[0].port: out-of-range",
+    "services[1].name: duplicate-name",
+    "address_groups[0].colour: unknown-field",
+    "address_groups[0].members[0]: cidr-host-bits",
+    "rulesets[0].scope: selector-syntax",
+    "rulesets[1].rules[0].number: unknown-field",
+    "rulesets[1].rules[0].services[1].port: port-required",
+    "rulesets[1].rules[0].sources[0].address_group: unknown-reference",
+    "rulesets[1].rules[0].services[0].service: unknown-reference",
+]
+
+
+def test_a_bad_file_gets_every_finding_with_its_path_and_nothing_is_written(db, tmp_path):
+    from policy.as_code import file_path
+
+    data = policy_file_load(text=BAD_FILE, source="bad.yaml")
+    for call in (
+        lambda: policy_plan(data=data, prune=True),
+        lambda: policy_apply(actor=CLI_ACTOR, data=data, expected_version=str(policy_version()), source="b"),
+    ):
+        with pytest.raises(PolicyFileInvalid) as invalid:
+            call()
+        assert [f"{file_path(f.path)}: {f.rule}" for f in invalid.value.findings] == BAD_FINDINGS
+    assert _counts() == (0, 0, 0, 0)
+
+    path = tmp_path / "bad.yaml"
+    path.write_text(BAD_FILE)
+    code, _, err = run("policy", "apply", str(path), "--expect-policy-version", str(policy_version()))
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == len(BAD_FINDINGS)
+    assert lines[-1] == (
+        "error: rulesets[1].rules[0].services[0].service: no service named 'pgsql' in the file or stored. "
+        "[unknown-reference]"
+    )
+    assert _counts() == (0, 0, 0, 0) and AuditEvent.objects.filter(action__startswith="service").count() == 0
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("version: 1\nservices:\n  - name: a\n  name: b\n", "line 4 column 3"),
+        ("version: 1\nservices: []\nservices: []\n", "line 3 column 1: the key 'services' is given twice"),
+        ("version: 1\nx: &a [1]\ny: *a\n", "aliases"),
+        ("version: 1\n1: 2\n", "a key must be a string"),
+        ('version: 1\nservices: [{name: "a\\0b"}]\n', "NUL"),
+    ],
+)
+def test_a_file_that_is_not_valid_yaml_is_one_line_naming_the_place(db, tmp_path, text, message):
+    path = tmp_path / "policy.yaml"
+    path.write_text(text)
+    code, _, err = run("policy", "plan", str(path))
+    assert code == 1 and len(err.strip().splitlines()) == 1 and message in err and "malformed-request" in err
+
+
+def test_the_file_format_is_checked(db):
+    for data, expected in [
+        ([], [("", "type")]),
+        ({**EMPTY, "version": "1"}, [("/version", "format-version")]),
+        (
+            {"version": 2, "services": [], "rulesets": {}},
+            [("/version", "format-version"), ("/address_groups", "required"), ("/rulesets", "type")],
+        ),
+        ({**EMPTY, "services": None}, [("/services", "type")]),
+        ({**EMPTY, "policy_version": "3"}, [("/policy_version", "unknown-field")]),
+        (
+            {
+                **EMPTY,
+                "rulesets": [
+                    {
+                        "name": "r",
+                        "scope": "",
+                        "version": "4",
+                        "rules": [
+                            {"id": "x", "sources": [{"any": True}], "services": [{"protocol": "icmp"}]}
+                        ],
+                    }
+                ],
+            },
+            [
+                ("/rulesets/0/version", "unknown-field"),
+                ("/rulesets/0/rules/0/id", "unknown-field"),
+                ("/rulesets/0/rules/0/id", "type"),
+            ],
+        ),
+    ]:
+        with pytest.raises(PolicyFileInvalid) as invalid:
+            policy_plan(data=data)
+        assert [(f.path, f.rule) for f in invalid.value.findings] == expected, data
+
+
+def test_commands_export_plan_apply_and_their_exit_codes(fleet, tmp_path):
+    _messy_policy()
+    path = tmp_path / "policy.yaml"
+    code, out, _ = run("policy", "export")
+    assert code == 0 and out == policy_export(format="yaml")
+    code, _, _ = run("policy", "export", "--format", "json", "-o", str(path.with_suffix(".json")))
+    assert code == 0 and path.with_suffix(".json").read_text() == policy_export(format="json")
+    code, _, _ = run("policy", "export", "-o", str(path))
+    assert code == 0 and path.read_text() == out
+
+    path.write_text(out.replace("scope: app=db", "scope: app=db,env=prod"))
+    code, plan, _ = run("policy", "plan", str(path))
+    version = str(policy_version())
+    assert code == 0
+    assert '~ change ruleset "zz-database"' in plan and '    scope: "app=db" -> "app=db,env=prod"' in plan
+    assert "render dry-run: 0 workloads' documents change" in plan  # db-1 is in prod: it keeps its rules
+    assert "impact over " in plan
+    assert plan.strip().endswith(f"manage.py policy apply {path} --expect-policy-version {version}")
+
+    code, _, err = run("policy", "apply", str(path), "--expect-policy-version", "1")
+    assert code == 1 and err.count("\n") == 1 and "[precondition-failed]" in err
+    code, out, _ = run("policy", "apply", str(path), "--expect-policy-version", version)
+    assert code == 0 and out.startswith('~ change ruleset "zz-database"\n')
+    assert (
+        out.strip().splitlines()[-1]
+        == f"applied 1 changes from {path}: policy version {version} -> {int(version) + 1}"
+    )
+    code, out, _ = run("policy", "plan", str(path))
+    assert code == 0 and out.startswith("no changes")
+    code, out, _ = run("policy", "plan", str(path), "--json")
+    assert code == 0 and json.loads(out)["changes"] == []
+    code, _, err = run("policy", "plan", str(tmp_path / "missing.yaml"))
+    assert code == 1 and err.startswith("error: cannot read ") and err.count("\n") == 1
+    with pytest.raises(CommandError, match="expect-policy-version"):
+        run("policy", "apply", str(path))
+
+
+@pytest.mark.postgres
+def test_apply_racing_an_edit_applies_against_one_state(transactional_db):
+    """Whichever commits first, apply either sees the edit's version and refuses, or holds the policy
+    lock and the edit waits: never a plan applied to a policy that moved under it."""
+    require(connection.vendor == "postgresql", "needs PostgreSQL: set DATABASE_URL=postgresql://...")
+    data = {**EMPTY, "services": [{"name": "ntp", "entries": [{"protocol": "udp", "port": 123}]}]}
+    for attempt in range(5):
+        version = str(policy_version())
+        apply_result, edit_result = race(
+            lambda: policy_apply(
+                actor=CLI_ACTOR, data=data, prune=True, expected_version=version, source="p"
+            ),
+            lambda: writes.service_create(
+                actor=CLI_ACTOR, data={"name": f"edit-{attempt}", "entries": [{"protocol": "tcp", "port": 1}]}
+            ),
+        )
+        assert isinstance(edit_result, Service)
+        names = set(Service.objects.values_list("name", flat=True))
+        if isinstance(apply_result, Problem):
+            assert apply_result.name == "precondition-failed"
+            assert f"edit-{attempt}" in names
+        else:
+            # Applied first: the prune ran before the edit committed, so the edit survives it.
+            assert names == {"ntp", f"edit-{attempt}"}
+
+
+def test_names_and_texts_yaml_would_misread_round_trip(db):
+    odd = [
+        "yes",
+        "null",
+        "123",
+        "0x1f",
+        "a: b",
+        "# not a comment",
+        "- dash",
+        "~",
+        "'quoted'",
+        'é"x',
+        " padded ",
+    ]
+    for index, text in enumerate(odd):
+        writes.service_create(
+            actor=CLI_ACTOR,
+            data={
+                "name": text.strip() or f"s{index}",
+                "description": text,
+                "entries": [{"protocol": "icmp"}],
+            },
+        )
+    writes.ruleset_create(
+        actor=CLI_ACTOR,
+        data={
+            "name": "on",
+            "description": 'two  spaces, é and "quotes"',
+            "scope": "env in (prod, staging),!legacy",
+            "rules": [{"sources": [{"any": True}], "services": [{"service": t.strip()} for t in odd]}],
+        },
+    )
+    for format in ("yaml", "json"):
+        text = policy_export(format=format)
+        assert text.isascii()
+        data = policy_file_load(text=text, source=f"policy.{format}")
+        assert policy_plan(data=data, prune=True)["changes"] == []
+        assert [s["name"] for s in data["services"]] == sorted(t.strip() for t in odd)
