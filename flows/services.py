@@ -19,6 +19,7 @@ from django.db import DataError, connection, transaction
 
 from controlplane import clock
 from controlplane.problems import Problem
+from controlplane.webhooks.outbox import Event, webhook_events_record, workload_event
 from fleet.models import Workload
 from fleet.selectors import workload_get
 from flows import health
@@ -337,6 +338,29 @@ def _sums_add_in_postgresql(sums: Span, windows: list[tuple[uuid.UUID, uuid.UUID
         )
 
 
+def _webhook_events(workload: Workload, changes: dict, new_gaps: list[EvidenceGap]) -> list[Event]:
+    """An evidence gap recorded (each new one), and clock skew detected (it was not skewed before)."""
+    events = [
+        workload_event(
+            "workload.evidence_gap",
+            workload,
+            gap={
+                "id": str(gap.id),
+                "kind": gap.kind,
+                "source": gap.source,
+                "start": clock.rfc3339(gap.start),
+                "end": clock.rfc3339(gap.end),
+                "lost": gap.lost,
+            },
+        )
+        for gap in new_gaps
+    ]
+    skew = changes.get("clock_skew_seconds")
+    if skew is not None and workload.clock_skew_seconds is None:
+        events.append(workload_event("workload.clock_skew", workload, offset_seconds=skew))
+    return events
+
+
 WORKLOAD_FLOW_FIELDS = (
     "flow_window_seconds_longest",
     "flow_window_seconds",
@@ -438,6 +462,7 @@ def _reports_write(items: list[SubmittedReport], *, skip_locked: bool) -> list[d
         groups: list[dict] = []
         gaps: list[EvidenceGap] = []
         touched: list[Workload] = []
+        events: list[Event] = []
         for item in items:
             workload = locked.get(item.workload_id)
             if workload is None:
@@ -483,6 +508,7 @@ def _reports_write(items: list[SubmittedReport], *, skip_locked: bool) -> list[d
                 **(newer or {}),
                 **_latest_gap_fields(workload, new_gaps),
             }
+            events.extend(_webhook_events(workload, changes, new_gaps))
             for name, value in changes.items():
                 setattr(workload, name, value)
             touched.append(workload)
@@ -492,6 +518,7 @@ def _reports_write(items: list[SubmittedReport], *, skip_locked: bool) -> list[d
         _rows_insert(UnsummedWindow, [_unsummed_row(window) for window in windows])
         EvidenceGap.objects.bulk_create(gaps)
         _workloads_update(touched)
+        webhook_events_record(events)
     return outcomes
 
 
