@@ -1,0 +1,177 @@
+"""The sender in process: order per workload, the backoff schedule and giving up, and real HTTP
+attempts against a receiver in this process (signature, redirects refused, bounded time)."""
+
+import http.server
+import random
+import threading
+import time
+from contextlib import contextmanager
+from datetime import timedelta
+
+import pytest
+from standardwebhooks.webhooks import Webhook as Verifier
+
+from controlplane import clock
+from controlplane.auth.actor import CLI_ACTOR
+from controlplane.webhooks.models import WebhookAttempt, WebhookDelivery
+from controlplane.webhooks.sender import Answer, http_post, retry_delay, webhook_deliveries_send
+from controlplane.webhooks.services import webhook_create
+from fleet import sync
+from tests.support.workloads import connect, make_workload
+
+
+def test_full_jitter_backoff_grows_exponentially_to_its_cap():
+    rng = random.Random(7)
+    for attempts in range(1, 30):
+        ceiling = min(3600, 5 * 2 ** (attempts - 1))
+        draws = [retry_delay(attempts, base=5, cap=3600, rng=rng) for _ in range(200)]
+        assert all(0 <= d <= ceiling for d in draws)
+        assert max(draws) > ceiling * 0.9  # spread over the whole range: full jitter, not a fixed step
+    assert retry_delay(10_000, base=5, cap=3600, rng=rng) <= 3600  # no overflow however many attempts
+
+
+class Recorder:
+    """A fake transport: answers from a script per URL, records what was sent."""
+
+    def __init__(self, script=None):
+        self.script = script or {}
+        self.sent = []
+
+    def __call__(self, url, *, body, headers, timeout):
+        self.sent.append((url, headers["webhook-id"], body))
+        answers = self.script.get(url, [])
+        status = answers.pop(0) if answers else 200
+        return Answer(status, "" if 200 <= status < 300 else f"HTTP {status}", 3)
+
+
+def offline_events(workloads, rounds):
+    """`rounds` offline events per workload, interleaved."""
+    for _ in range(rounds):
+        for workload in workloads:
+            connect(workload, stream_id="s")
+            sync.workload_stream_ended(workload_id=workload.id, stream_id="s")
+
+
+def test_events_of_a_workload_wait_for_the_one_before_them_and_other_workloads_do_not(db, settings):
+    settings.PALISADE_WEBHOOK_RETRY_BASE_SECONDS = 600
+    hook = webhook_create(
+        actor=CLI_ACTOR, data={"url": "https://a.example/", "events": ["workload.offline"]}
+    ).webhook
+    one, two = make_workload(), make_workload()
+    offline_events([one, two], rounds=3)
+    send = Recorder({"https://a.example/": [500]})  # the very first attempt fails
+
+    def keys_sent():
+        keys = [WebhookDelivery.objects.get(event__id=event_id).order_key for _, event_id, _ in send.sent]
+        send.sent.clear()
+        return keys
+
+    webhook_deliveries_send(post=send)
+    assert keys_sent() == [str(one.id)]  # and the round stops trying a failing webhook
+    webhook_deliveries_send(post=send)  # one's first waits for its retry; one's later events wait for it
+    assert keys_sent() == [str(two.id)] * 3
+    WebhookDelivery.objects.filter(webhook=hook, state="pending").update(next_attempt_at=clock.now())
+    webhook_deliveries_send(post=send)
+    assert keys_sent() == [str(one.id)] * 3
+    delivered = WebhookDelivery.objects.filter(state="delivered")
+    assert delivered.count() == 6
+    by_key = {}
+    for delivery in delivered.order_by("finished_at", "id"):
+        by_key.setdefault(delivery.order_key, []).append(delivery.event_seq)
+    assert all(seqs == sorted(seqs) for seqs in by_key.values())
+
+
+def test_a_delivery_failing_past_the_give_up_period_is_given_up_and_the_next_goes(db, settings, clock_at):
+    settings.PALISADE_WEBHOOK_RETRY_BASE_SECONDS = 1
+    settings.PALISADE_WEBHOOK_RETRY_CAP_SECONDS = 3600
+    webhook_create(actor=CLI_ACTOR, data={"url": "https://down.example/", "events": ["workload.offline"]})
+    workload = make_workload()
+    offline_events([workload], rounds=2)
+    send = Recorder({"https://down.example/": [503] * 1000})
+    elapsed = timedelta(0)
+    while elapsed <= timedelta(hours=24):
+        webhook_deliveries_send(post=send)
+        step = timedelta(hours=1)
+        clock_at(step)
+        elapsed += step
+    first = WebhookDelivery.objects.order_by("event_seq").first()
+    assert first.state == "gave_up" and first.attempts >= 20  # retried all along, at most an hour apart
+    outcomes = list(
+        WebhookAttempt.objects.filter(delivery=first).order_by("id").values_list("outcome", flat=True)
+    )
+    assert outcomes[-1] == "gave_up" and set(outcomes[:-1]) == {"retrying"}
+    send.script = {}
+    webhook_deliveries_send(post=send)
+    assert WebhookDelivery.objects.order_by("event_seq").last().state == "delivered"
+
+
+class _Receiver(http.server.BaseHTTPRequestHandler):
+    answers: list = []
+    received: list = []
+
+    def do_POST(self):  # noqa: N802 - http.server's name
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        type(self).received.append((self.path, dict(self.headers), body))
+        status, headers, delay = type(self).answers.pop(0) if type(self).answers else (204, {}, 0)
+        time.sleep(delay)
+        self.send_response(status)
+        for name, value in headers.items():
+            self.send_header(name, value)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+@contextmanager
+def receiver(answers=()):
+    handler = type("Receiver", (_Receiver,), {"answers": list(answers), "received": []})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", handler
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_real_delivery_is_signed_the_standard_webhooks_way(db):
+    with receiver() as (url, handler):
+        created = webhook_create(
+            actor=CLI_ACTOR, data={"url": f"{url}/hook?x=1", "events": ["webhook.created"]}
+        )
+        assert webhook_deliveries_send() == 1
+    ((path, headers, body),) = handler.received
+    assert path == "/hook?x=1" and headers["Content-Type"] == "application/json"
+    payload = Verifier(created.secret).verify(body, headers)
+    assert payload["type"] == "webhook.created" and payload["id"] == headers["webhook-id"]
+    assert payload["data"]["webhook"]["id"] == str(created.webhook.id)
+    with pytest.raises(Exception, match="signature"):
+        Verifier(created.secret).verify(body.replace(b"created", b"deleted"), headers)
+    (attempt,) = WebhookAttempt.objects.all()
+    assert (attempt.status_code, attempt.outcome) == (204, "delivered")
+
+
+def test_a_redirect_is_a_failure_and_is_not_followed():
+    with receiver([(302, {"Location": "/elsewhere"}, 0)]) as (url, handler):
+        answer = http_post(f"{url}/hook", body=b"{}", headers={}, timeout=5)
+    assert not answer.delivered and answer.status_code == 302
+    assert answer.error == "redirect not followed (Location: /elsewhere)"
+    assert [path for path, _, _ in handler.received] == ["/hook"]  # /elsewhere never asked
+
+
+def test_an_attempt_is_bounded_in_time():
+    with receiver([(200, {}, 3)]) as (url, _):
+        started = time.monotonic()
+        answer = http_post(url, body=b"{}", headers={}, timeout=0.5)
+        took = time.monotonic() - started
+    assert not answer.delivered and "0.5 s" in answer.error and took < 2
+
+
+def test_a_refused_connection_is_a_failure_with_its_reason():
+    with receiver() as (url, _):
+        pass  # closed again: nothing listens there now
+    answer = http_post(url, body=b"{}", headers={}, timeout=2)
+    assert answer.status_code is None and "ConnectionRefused" in answer.error
