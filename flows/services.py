@@ -533,7 +533,9 @@ def _workloads_lock(ids: list[uuid.UUID], *, skip_locked: bool) -> dict[uuid.UUI
         return {}
     table, pk = Workload._meta.db_table, Workload._meta.pk
     columns = ", ".join(
-        f'"{Workload._meta.get_field(name).column}"' for name in ("id", *WORKLOAD_FLOW_FIELDS)
+        # hostname and labels name the workload in webhook events (no deferred load per workload)
+        f'"{Workload._meta.get_field(name).column}"'
+        for name in ("id", "hostname", "labels", *WORKLOAD_FLOW_FIELDS)
     )
     lock = (
         connection.ops.for_update_sql(skip_locked=skip_locked)
