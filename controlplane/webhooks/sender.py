@@ -23,6 +23,8 @@ import socket
 import ssl
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from urllib.parse import urlsplit
@@ -91,19 +93,46 @@ def _tls_context() -> ssl.SSLContext:
     return context
 
 
+# Name lookups run here, so that one that hangs is abandoned at the attempt's deadline (getaddrinfo
+# itself cannot be interrupted); a few threads, so that hung lookups cannot pile up without bound.
+_resolver = ThreadPoolExecutor(max_workers=4, thread_name_prefix="webhook-resolve")
+
+
+def _connected(host: str, port: int, deadline: float) -> socket.socket:
+    """A TCP connection to `host` made before `deadline` (monotonic), the name lookup included."""
+    lookup = _resolver.submit(socket.getaddrinfo, host, port, type=socket.SOCK_STREAM)
+    try:
+        addresses = lookup.result(timeout=max(deadline - time.monotonic(), 0.001))
+    except FutureTimeout:
+        raise TimeoutError(f"no address for {host} in time") from None
+    failure: OSError = OSError(f"no address for {host}")
+    for family, kind, protocol, _, address in addresses:
+        sock = socket.socket(family, kind, protocol)
+        try:
+            sock.settimeout(max(deadline - time.monotonic(), 0.001))
+            sock.connect(address)
+            return sock
+        except OSError as error:
+            sock.close()
+            failure = error
+    raise failure
+
+
 def http_post(url: str, *, body: bytes, headers: dict[str, str], timeout: float) -> Answer:
     """One bounded POST. http.client never follows a redirect; a 3xx is reported as the failure it is.
-    A watchdog shuts the socket down at the deadline, so a receiver that answers a byte at a time
-    cannot hold the sender past it."""
+    The name lookup and the connection share the deadline, and a watchdog shuts the socket down at
+    it, so a receiver that answers a byte at a time cannot hold the sender past it either."""
     started = time.monotonic()
+    deadline = started + timeout
     parts = urlsplit(url)
     host = parts.hostname or ""
+    secure = parts.scheme == "https"
+    port = parts.port or (443 if secure else 80)
     path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-    conn: http.client.HTTPConnection
-    if parts.scheme == "https":
-        conn = http.client.HTTPSConnection(host, parts.port, timeout=timeout, context=_tls_context())
-    else:
-        conn = http.client.HTTPConnection(host, parts.port, timeout=timeout)
+    # The connection is made below (bounded); the class only gives the Host header its default port.
+    conn = (http.client.HTTPSConnection if secure else http.client.HTTPConnection)(
+        host, port, timeout=timeout
+    )
 
     def cut() -> None:
         sock = conn.sock
@@ -119,6 +148,9 @@ def http_post(url: str, *, body: bytes, headers: dict[str, str], timeout: float)
     status: int | None = None
     error = ""
     try:
+        conn.sock = sock = _connected(host, port, deadline)  # the watchdog can cut the handshake too
+        if secure:
+            conn.sock = _tls_context().wrap_socket(sock, server_hostname=host)
         conn.request(
             "POST",
             path,

@@ -175,3 +175,15 @@ def test_a_refused_connection_is_a_failure_with_its_reason():
         pass  # closed again: nothing listens there now
     answer = http_post(url, body=b"{}", headers={}, timeout=2)
     assert answer.status_code is None and "ConnectionRefused" in answer.error
+
+
+def test_a_tls_handshake_that_never_completes_is_bounded_too():
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # connects (the backlog), never answers
+        started = time.monotonic()
+        answer = http_post(
+            f"https://127.0.0.1:{silent.getsockname()[1]}/", body=b"{}", headers={}, timeout=0.5
+        )
+        took = time.monotonic() - started
+    assert not answer.delivered and answer.status_code is None and took < 2
