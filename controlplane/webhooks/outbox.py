@@ -15,7 +15,9 @@ from typing import Any
 from django.db import transaction
 
 from controlplane import clock
-from controlplane.webhooks.models import Webhook, WebhookDelivery, WebhookEvent
+from controlplane.webhooks.models import Webhook, WebhookDelivery, WebhookEvent, WebhookWatermark
+
+FLEET_ORDER = "fleet-events"  # the row fleet-wide events' writers lock (made by migration 0002)
 
 EVENT_TYPES = (
     "workload.degraded",
@@ -73,6 +75,11 @@ def webhook_events_record(events: Iterable[Event]) -> int:
     wanted = [event for event in events if subscribers.get(event.type)]
     if not wanted:
         return 0
+    if any(event.workload_id is None for event in wanted):
+        # Fleet-wide events are ordered among themselves: their writers take turns, so that an event
+        # numbered later cannot commit (and be sent) before one numbered earlier. A workload's events
+        # are ordered by the workload's row lock, which every state change of it holds.
+        WebhookWatermark.objects.select_for_update().filter(name=FLEET_ORDER).first()
     now = clock.now()
     deliveries = []
     for event in wanted:

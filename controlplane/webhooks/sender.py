@@ -195,7 +195,7 @@ def _claim(now: datetime, limit: int, *, skipping: set) -> list[WebhookDelivery]
     return list(due[:limit])
 
 
-def webhook_deliveries_send(*, budget_seconds: float = 30.0, post=http_post) -> int:
+def webhook_deliveries_send(*, budget_seconds: float = 10.0, post=http_post) -> int:
     """Send due deliveries until none is due or the budget is spent; returns the attempts made.
 
     A webhook that failed once in a round gets no further attempt in that round (its other deliveries

@@ -125,9 +125,12 @@ class CreatedWebhook:
 
 
 def webhook_ref(webhook: Webhook) -> dict[str, Any]:
+    """How events name a webhook: the URL's origin only, since many receivers carry their own secret
+    in the path (e.g. chat services' incoming-webhook URLs) and events go to other receivers."""
+    parts = urlsplit(webhook.url)
     return {
         "id": str(webhook.id),
-        "url": webhook.url,
+        "origin": f"{parts.scheme}://{parts.netloc}",
         "events": list(webhook.events),
         "description": webhook.description,
     }
@@ -168,15 +171,15 @@ def webhook_delete(*, actor: Actor, webhook_id: str) -> Webhook:
     to `webhook.deleted` are told."""
     with transaction.atomic():
         webhook = get_or_not_found(Webhook, webhook_id, what="webhook", for_update=True)
-        ref = webhook_ref(webhook)
+        ref, webhook_pk = webhook_ref(webhook), webhook.id
         webhook.delete()
-        webhook.id = ref["id"]
+        webhook.id = webhook_pk
         audit_record(
             actor=actor,
             action="webhook.delete",
             object_type="webhook",
-            object_id=ref["id"],
-            object_name=ref["url"],
+            object_id=webhook_pk,
+            object_name=webhook.url,
             detail={"events": ref["events"], "description": ref["description"]},
         )
         webhook_events_record([Event(type="webhook.deleted", data={"webhook": ref, "actor": actor.label})])
