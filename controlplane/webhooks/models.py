@@ -79,7 +79,9 @@ class WebhookAttempt(models.Model):
 
     id = models.BigAutoField(primary_key=True)
     delivery = models.ForeignKey(WebhookDelivery, on_delete=models.CASCADE, related_name="+")
-    webhook = models.ForeignKey(Webhook, on_delete=models.CASCADE, related_name="+")
+    # Not a foreign key: a sender recording an attempt must not need the webhook row's lock, which a
+    # delete holds while it waits for that sender's deliveries (services.webhook_delete).
+    webhook_id = models.UUIDField()
     event_id = models.CharField(max_length=40)
     event_type = models.CharField(max_length=64)
     number = models.PositiveIntegerField()  # 1 for the first attempt of the delivery
@@ -91,7 +93,7 @@ class WebhookAttempt(models.Model):
     next_attempt_at = models.DateTimeField(null=True)
 
     class Meta:
-        indexes = [models.Index(fields=["webhook", "at", "id"], name="webhook_attempt_order")]
+        indexes = [models.Index(fields=["webhook_id", "at", "id"], name="webhook_attempt_order")]
 
 
 class WebhookWatermark(models.Model):

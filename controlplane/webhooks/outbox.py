@@ -7,12 +7,13 @@ vocabulary a webhook may subscribe to)."""
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from django.db import transaction
+from django.db import connection, transaction
 
 from controlplane import clock
 from controlplane.webhooks.models import Webhook, WebhookDelivery, WebhookEvent, WebhookWatermark
@@ -56,6 +57,17 @@ def webhook_event_record(type: str, data: Mapping[str, Any], *, workload_id: Any
     webhook_events_record([Event(type=type, data=data, workload_id=workload_id)])
 
 
+def _webhooks_held() -> list[tuple[uuid.UUID, list[str]]]:
+    """The webhooks and the types they subscribe to. On PostgreSQL their rows are held FOR KEY SHARE
+    to the end of the transaction: a concurrent delete waits for it (or, first, is not seen), so it can
+    never leave this state change a delivery to a webhook that is gone (which would fail the change)."""
+    if connection.vendor != "postgresql":
+        return list(Webhook.objects.values_list("id", "events"))
+    with connection.cursor() as cursor:
+        cursor.execute(f'SELECT "id", "events" FROM "{Webhook._meta.db_table}" FOR KEY SHARE')  # noqa: S608
+        return [(uuid.UUID(str(i)), json.loads(e) if isinstance(e, str) else e) for i, e in cursor.fetchall()]
+
+
 def webhook_events_record(events: Iterable[Event]) -> int:
     """Write `events` to the outbox with a delivery to each subscribed webhook; call it inside the
     transaction of the state change. An event no webhook subscribes to is not written (nobody could
@@ -69,7 +81,7 @@ def webhook_events_record(events: Iterable[Event]) -> int:
         if event.type not in EVENT_TYPES:
             raise ValueError(f"unknown webhook event type {event.type!r}")
     subscribers: dict[str, list[uuid.UUID]] = {}
-    for webhook_id, types in Webhook.objects.values_list("id", "events"):
+    for webhook_id, types in _webhooks_held():
         for type in types:
             subscribers.setdefault(type, []).append(webhook_id)
     wanted = [event for event in events if subscribers.get(event.type)]

@@ -31,7 +31,7 @@ def webhook_attempts_list(*, webhook_id: Any, cursor: str | None, limit: int) ->
     """Its delivery attempts, newest first."""
     webhook = webhook_get(webhook_id=webhook_id)
     return paginate(
-        WebhookAttempt.objects.filter(webhook=webhook),
+        WebhookAttempt.objects.filter(webhook_id=webhook.id),
         order=ATTEMPT_ORDER,
         cursor=cursor,
         limit=limit,

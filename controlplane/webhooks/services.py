@@ -170,8 +170,13 @@ def webhook_delete(*, actor: Actor, webhook_id: str) -> Webhook:
     """Delete the webhook with its pending deliveries and their history; the other webhooks subscribed
     to `webhook.deleted` are told."""
     with transaction.atomic():
+        # The webhook's row first: new deliveries to it wait (the outbox reads webhooks FOR KEY SHARE).
+        # Then its deliveries: a sender holding some finishes its attempts first, and sends no more.
         webhook = get_or_not_found(Webhook, webhook_id, what="webhook", for_update=True)
+        list(WebhookDelivery.objects.select_for_update().filter(webhook=webhook).values_list("id", flat=True))
         ref, webhook_pk = webhook_ref(webhook), webhook.id
+        WebhookAttempt.objects.filter(webhook_id=webhook_pk).delete()
+        WebhookDelivery.objects.filter(webhook=webhook).delete()
         webhook.delete()
         webhook.id = webhook_pk
         audit_record(

@@ -187,3 +187,52 @@ def test_a_tls_handshake_that_never_completes_is_bounded_too():
         )
         took = time.monotonic() - started
     assert not answer.delivered and answer.status_code is None and took < 2
+
+
+@pytest.mark.postgres
+def test_deleting_a_webhook_while_its_delivery_is_in_flight_waits_for_it_and_both_succeed(transactional_db):
+    from django.db import connection, connections
+
+    from controlplane.webhooks.models import Webhook
+    from controlplane.webhooks.services import webhook_delete
+    from tests.support.requirements import require
+
+    require(connection.vendor == "postgresql", "row locks: PostgreSQL")
+    created = webhook_create(
+        actor=CLI_ACTOR, data={"url": "https://slow.example/", "events": ["webhook.created"]}
+    )
+    sending, release = threading.Event(), threading.Event()
+    outcome = {}
+
+    def post(url, *, body, headers, timeout):
+        sending.set()
+        release.wait(10)
+        return Answer(200, "", 5)
+
+    def sender():
+        try:
+            outcome["sent"] = webhook_deliveries_send(post=post)
+        except Exception as error:  # noqa: BLE001 - reported below
+            outcome["sent"] = error
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=sender)
+    thread.start()
+    assert sending.wait(10)
+    deleting = threading.Thread(
+        target=lambda: (
+            outcome.setdefault(
+                "deleted", webhook_delete(actor=CLI_ACTOR, webhook_id=str(created.webhook.id))
+            ),
+            connections.close_all(),
+        )
+    )
+    deleting.start()
+    deleting.join(0.5)
+    assert deleting.is_alive()  # waits for the attempt in flight
+    release.set()
+    thread.join(10)
+    deleting.join(10)
+    assert outcome["sent"] == 1 and not Webhook.objects.exists()
+    assert not WebhookDelivery.objects.exists() and not WebhookAttempt.objects.exists()
