@@ -236,3 +236,24 @@ def test_deleting_a_webhook_while_its_delivery_is_in_flight_waits_for_it_and_bot
     deleting.join(10)
     assert outcome["sent"] == 1 and not Webhook.objects.exists()
     assert not WebhookDelivery.objects.exists() and not WebhookAttempt.objects.exists()
+
+
+def test_finished_deliveries_are_pruned_after_their_retention_and_pending_ones_never(db, clock_at):
+    from controlplane.housekeeping import webhooks_prune_step
+    from controlplane.webhooks.models import WebhookEvent
+
+    webhook_create(actor=CLI_ACTOR, data={"url": "https://a.example/", "events": ["workload.offline"]})
+    webhook_create(actor=CLI_ACTOR, data={"url": "https://down.example/", "events": ["workload.offline"]})
+    offline_events([make_workload()], rounds=1)
+    webhook_deliveries_send(post=Recorder({"https://down.example/": [503]}))
+    assert list(WebhookDelivery.objects.order_by("webhook__url").values_list("state", flat=True)) == [
+        "delivered",
+        "pending",
+    ]
+    clock_at(timedelta(days=6))
+    assert webhooks_prune_step() == 0
+    clock_at(timedelta(days=2))
+    assert webhooks_prune_step() > 0
+    (left,) = WebhookDelivery.objects.all()
+    assert left.state == "pending" and WebhookEvent.objects.filter(seq=left.event_seq).exists()
+    assert set(WebhookAttempt.objects.values_list("delivery_id", flat=True)) == {left.id}
