@@ -57,6 +57,14 @@ def webhook_event_record(type: str, data: Mapping[str, Any], *, workload_id: Any
     webhook_events_record([Event(type=type, data=data, workload_id=workload_id)])
 
 
+def fleet_events_turn() -> None:
+    """Wait for this transaction's turn among writers of fleet-wide events (mode changes, webhook
+    writes), so that an event numbered later cannot commit, and be sent, before one numbered earlier
+    (a workload's events are ordered by the workload's row lock, which each of its state changes holds).
+    Taken before any webhook row, by every writer, so that the two kinds of locks never cross."""
+    WebhookWatermark.objects.select_for_update().filter(name=FLEET_ORDER).first()
+
+
 def _webhooks_held() -> list[tuple[uuid.UUID, list[str]]]:
     """The webhooks and the types they subscribe to. On PostgreSQL their rows are held FOR KEY SHARE
     to the end of the transaction: a concurrent delete waits for it (or, first, is not seen), so it can
@@ -80,6 +88,8 @@ def webhook_events_record(events: Iterable[Event]) -> int:
     for event in events:
         if event.type not in EVENT_TYPES:
             raise ValueError(f"unknown webhook event type {event.type!r}")
+    if any(event.workload_id is None for event in events):
+        fleet_events_turn()
     subscribers: dict[str, list[uuid.UUID]] = {}
     for webhook_id, types in _webhooks_held():
         for type in types:
@@ -87,11 +97,6 @@ def webhook_events_record(events: Iterable[Event]) -> int:
     wanted = [event for event in events if subscribers.get(event.type)]
     if not wanted:
         return 0
-    if any(event.workload_id is None for event in wanted):
-        # Fleet-wide events are ordered among themselves: their writers take turns, so that an event
-        # numbered later cannot commit (and be sent) before one numbered earlier. A workload's events
-        # are ordered by the workload's row lock, which every state change of it holds.
-        WebhookWatermark.objects.select_for_update().filter(name=FLEET_ORDER).first()
     now = clock.now()
     deliveries = []
     for event in wanted:

@@ -27,7 +27,13 @@ from controlplane.webhooks.models import (
     WebhookEvent,
     WebhookWatermark,
 )
-from controlplane.webhooks.outbox import EVENT_TYPES, Event, webhook_events_record, workload_event
+from controlplane.webhooks.outbox import (
+    EVENT_TYPES,
+    Event,
+    fleet_events_turn,
+    webhook_events_record,
+    workload_event,
+)
 from fleet.models import Workload
 
 MAX_WEBHOOKS = 50
@@ -140,6 +146,7 @@ def webhook_create(*, actor: Actor, data: Any) -> CreatedWebhook:
     spec = webhook_input(data)
     secret = new_signing_secret()
     with transaction.atomic():
+        fleet_events_turn()  # webhook writes take turns (and count the webhooks in their turn)
         if Webhook.objects.count() >= MAX_WEBHOOKS:
             findings = Findings()
             findings.add("", "too-many", f"At most {MAX_WEBHOOKS} webhooks; delete one first.")
@@ -170,6 +177,7 @@ def webhook_delete(*, actor: Actor, webhook_id: str) -> Webhook:
     """Delete the webhook with its pending deliveries and their history; the other webhooks subscribed
     to `webhook.deleted` are told."""
     with transaction.atomic():
+        fleet_events_turn()  # before any webhook row: two deletes cannot wait for each other's rows
         # The webhook's row first: new deliveries to it wait (the outbox reads webhooks FOR KEY SHARE).
         # Then its deliveries: a sender holding some finishes its attempts first, and sends no more.
         webhook = get_or_not_found(Webhook, webhook_id, what="webhook", for_update=True)
