@@ -222,6 +222,21 @@ def webhook_deliveries_send(*, budget_seconds: float = 10.0, post=http_post) -> 
     return attempted
 
 
+def _hold_back(webhook: Webhook, *, until: datetime) -> None:
+    """A receiver that did not answer at all (down, refusing, hanging) is not tried again for its
+    other deliveries before this one's retry: otherwise each round would spend an attempt, and up to
+    its whole timeout, on the next of them, and a hanging receiver would hold up every other webhook.
+    A receiver that answers (even 5xx) keeps each delivery's own schedule. Rows another sender holds
+    are left to it."""
+    waiting = WebhookDelivery.objects.filter(
+        webhook_id=webhook.id, state=WebhookDelivery.PENDING, next_attempt_at__lt=until
+    )
+    if connection.features.has_select_for_update_skip_locked:
+        waiting = waiting.select_for_update(skip_locked=True)
+    ids = list(waiting.values_list("id", flat=True))
+    WebhookDelivery.objects.filter(id__in=ids).update(next_attempt_at=until)
+
+
 def _attempt(delivery: WebhookDelivery, webhook: Webhook, event: WebhookEvent, post) -> Answer:
     at = clock.now()
     body = payload(event)
@@ -258,6 +273,8 @@ def _attempt(delivery: WebhookDelivery, webhook: Webhook, event: WebhookEvent, p
         next_attempt_at = delivery.next_attempt_at = now + timedelta(seconds=delay)
         outcome = WebhookAttempt.RETRYING
     delivery.save(update_fields=["attempts", "state", "finished_at", "next_attempt_at"])
+    if answer.status_code is None and next_attempt_at is not None:
+        _hold_back(webhook, until=next_attempt_at)
     WebhookAttempt.objects.create(
         delivery=delivery,
         webhook_id=webhook.id,

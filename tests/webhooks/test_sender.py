@@ -257,3 +257,25 @@ def test_finished_deliveries_are_pruned_after_their_retention_and_pending_ones_n
     (left,) = WebhookDelivery.objects.all()
     assert left.state == "pending" and WebhookEvent.objects.filter(seq=left.event_seq).exists()
     assert set(WebhookAttempt.objects.values_list("delivery_id", flat=True)) == {left.id}
+
+
+def test_a_receiver_that_does_not_answer_holds_back_its_own_deliveries_and_nobody_else_s(db, settings):
+    settings.PALISADE_WEBHOOK_RETRY_BASE_SECONDS = 600
+    for url in ("https://down.example/", "https://up.example/"):
+        webhook_create(actor=CLI_ACTOR, data={"url": url, "events": ["workload.offline"]})
+    offline_events([make_workload() for _ in range(4)], rounds=1)
+    calls = []
+
+    def post(url, *, body, headers, timeout):
+        calls.append(url)
+        if url == "https://down.example/":
+            return Answer(None, "ConnectionRefusedError: refused", 1)
+        return Answer(200, "", 1)
+
+    webhook_deliveries_send(post=post)
+    webhook_deliveries_send(post=post)  # the next round: the down receiver's other heads wait too
+    assert calls.count("https://down.example/") == 1 and calls.count("https://up.example/") == 4
+    down = WebhookDelivery.objects.filter(webhook__url="https://down.example/")
+    assert down.filter(state="pending").count() == 4 and down.filter(attempts=0).count() == 3
+    (retry_at,) = set(down.values_list("next_attempt_at", flat=True))  # all on the failed one's retry
+    assert retry_at > clock.now()
