@@ -288,8 +288,15 @@ def test_requested_numbers_and_fresh_ones_are_numbered_by_the_plan_as_by_the_app
     data["rulesets"].append(
         {"name": "aa-new", "enabled": True, "scope": "app=db", "rules": [{"number": next_number + 7, **new}]}
     )
+    # A numbered rule is never matched by content: the same content under a new number is a new rule.
+    database = data["rulesets"][2]  # zz-database
+    database["rules"][1] = {**database["rules"][1], "number": next_number + 20}
     plan = policy_plan(data=data)
     assert not any(f["field"].endswith(".number") for c in plan["changes"] for f in c["fields"])
+    assert [(f["field"], f["action"]) for f in plan["changes"][-1]["fields"]] == [
+        ("rules[1]", "add"),
+        ("rules[1]", "remove"),
+    ]
     before = _versions()
     _apply(data)
     changed = {h: v for h, v in _versions().items() if before[h] != v}
@@ -297,6 +304,7 @@ def test_requested_numbers_and_fresh_ones_are_numbered_by_the_plan_as_by_the_app
     numbers = dict(Rule.objects.filter(ruleset__name="frontend").values_list("position", "number"))
     assert numbers[0] == next_number + 41 and numbers[4] == next_number + 40
     assert Rule.objects.get(ruleset__name="aa-new").number == next_number + 7
+    assert Rule.objects.get(ruleset__name="zz-database", position=1).number == next_number + 20
     assert PolicyState.objects.get(id=1).next_rule_number == next_number + 42
     assert policy_plan(data=data)["changes"] == []
     again = policy_file_load(text=policy_export(format="yaml"), source="p.yaml")
