@@ -10,7 +10,6 @@ import re
 import pytest
 from django.test import Client
 
-
 pytestmark = pytest.mark.django_db
 
 RECEIVER = "http://127.0.0.1:9/hook"  # loopback: admitted over plain http
@@ -54,7 +53,9 @@ def test_creating_shows_the_secret_once_and_lists_the_webhook_with_its_backlog(b
     created = _create(browser)
     assert created.status_code == 200, text(created)[:2000]
     shown = text(created)
-    secret = re.search(r'<textarea id="secret" readonly rows="1" aria-label="The secret">(whsec_[^<]+)<', shown)
+    secret = re.search(
+        r'<textarea id="secret" readonly rows="1" aria-label="The secret">(whsec_[^<]+)<', shown
+    )
     assert secret and "copy it now, it is not shown again" in shown
     listing = browser.get("/webhooks")
     page = text(listing)

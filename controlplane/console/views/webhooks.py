@@ -132,5 +132,8 @@ def webhook_delete(request, api, webhook_id: str):
         )
     result = api.delete(f"/webhooks/{webhook_id}")
     return _render(
-        request, api, {"problem": result.problem, "deleted": result.ok}, status=200 if result.ok else result.status
+        request,
+        api,
+        {"problem": result.problem, "deleted": result.ok},
+        status=200 if result.ok else result.status,
     )
