@@ -11,18 +11,20 @@ from controlplane.console.views.fleet import not_found
 from controlplane.text import visible
 
 RECENT_DELIVERIES = 50  # one page of attempts, newest first: what an operator looks at to see why
-_vocabulary: list[str] = []  # the API's event types, read once from its OpenAPI document
+_vocabulary: tuple[str, ...] = ()  # the API's event types, read once from its OpenAPI document
 
 
 def event_types(api) -> list[str]:
     """The event types `POST /webhooks` admits, as the API's own OpenAPI document lists them (found from
     the operation `webhooks_create`), so that the form offers exactly what the API accepts: the console
     imports nothing from the webhooks domain. Read once per process; a failed read is tried again."""
+    global _vocabulary
     if not _vocabulary:
         schema = api.get("/schema", params={"format": "json"})
         if schema.ok and isinstance(schema.data, dict):
-            _vocabulary.extend(_create_events_enum(schema.data))
-    return _vocabulary
+            # One assignment: two requests reading it at once each set the same whole tuple.
+            _vocabulary = tuple(_create_events_enum(schema.data))
+    return list(_vocabulary)
 
 
 def _create_events_enum(document: dict) -> list[str]:
