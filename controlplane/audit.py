@@ -30,6 +30,7 @@ OBJECT_TYPES = (
     "operator_token",
     "provisioning_token",
     "operator",
+    "webhook",
 )
 
 

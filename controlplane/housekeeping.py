@@ -80,6 +80,32 @@ def flow_partitions_step() -> int:
     return created
 
 
+def webhooks_send_step() -> int:
+    """Deliver the webhook outbox's due deliveries (controlplane/webhooks/sender.py)."""
+    from controlplane.webhooks.sender import webhook_deliveries_send
+
+    return webhook_deliveries_send()
+
+
+def credential_expiries_step() -> int:
+    """`workload.credential_expired` for each credential that expired since the last round."""
+    from controlplane.webhooks.services import credential_expiries_notice
+
+    return credential_expiries_notice()
+
+
+def webhooks_prune_step() -> int:
+    """Finished webhook deliveries past their retention (`PALISADE_WEBHOOK_RETENTION_DAYS`)."""
+    from django.conf import settings
+
+    from controlplane.webhooks.services import webhook_deliveries_prune
+
+    pruned = webhook_deliveries_prune(older_than=timedelta(days=settings.PALISADE_WEBHOOK_RETENTION_DAYS))
+    if pruned.deliveries or pruned.events:
+        log.info("pruned %d finished webhook deliveries and %d events", pruned.deliveries, pruned.events)
+    return pruned.deliveries + pruned.events
+
+
 async def streams_catch_up_step() -> int:
     """Nudge held streams whose change notification was lost or cannot travel (fleet.held_streams)."""
     from fleet.held_streams import streams_catch_up_step
@@ -95,6 +121,14 @@ class Step:
     run_async: Callable[[], Awaitable[int]] | None = None  # on the event loop
 
 
+def _webhook_send_every() -> float:
+    from django.conf import settings
+
+    return settings.PALISADE_WEBHOOK_SEND_EVERY_SECONDS
+
+
+_WEBHOOK_SEND_EVERY = _webhook_send_every()
+
 STEPS = (
     Step("reap silent streams", 60, run=streams_reap_step),
     Step("prune rendered documents", 600, run=documents_prune_step),
@@ -102,4 +136,7 @@ STEPS = (
     Step("create flow evidence partitions ahead", 3600, run=flow_partitions_step),
     Step("remove flow evidence past its retention", 3600, run=flows_prune_step),
     Step("catch up streams", 2.0, run_async=streams_catch_up_step),
+    Step("send webhooks", _WEBHOOK_SEND_EVERY, run=webhooks_send_step),
+    Step("notice expired credentials", 30, run=credential_expiries_step),
+    Step("prune webhook deliveries", 3600, run=webhooks_prune_step),
 )

@@ -75,6 +75,7 @@ INSTALLED_APPS = [
     "channels",
     "django_htmx",
     "controlplane.auth.apps.OperatorAuthConfig",
+    "controlplane.webhooks.apps.WebhooksConfig",
     "controlplane",
     "policy",
     "fleet",
@@ -204,6 +205,18 @@ PALISADE_FLOW_WINDOW_SECONDS = int(os.environ.get("PALISADE_FLOW_WINDOW_SECONDS"
 PALISADE_FLOW_WINDOW_MAX_KEYS = int(os.environ.get("PALISADE_FLOW_WINDOW_MAX_KEYS", 100_000))
 # Stored flow windows and gaps are removed by serve's housekeeping once this old (`--flow-retention-days`).
 PALISADE_FLOW_RETENTION_DAYS = int(os.environ.get("PALISADE_FLOW_RETENTION_DAYS", 30))
+
+# Webhooks (docs/webhooks.md): retries back off exponentially with full jitter from the base to the cap,
+# for at least the give-up period; each attempt is bounded; finished deliveries are kept this many days.
+# Tests shorten the schedule rather than wait.
+PALISADE_WEBHOOK_RETRY_BASE_SECONDS = float(os.environ.get("PALISADE_WEBHOOK_RETRY_BASE_SECONDS", 5))
+PALISADE_WEBHOOK_RETRY_CAP_SECONDS = float(os.environ.get("PALISADE_WEBHOOK_RETRY_CAP_SECONDS", 3600))
+PALISADE_WEBHOOK_GIVE_UP_SECONDS = float(os.environ.get("PALISADE_WEBHOOK_GIVE_UP_SECONDS", 24 * 3600))
+PALISADE_WEBHOOK_TIMEOUT_SECONDS = float(os.environ.get("PALISADE_WEBHOOK_TIMEOUT_SECONDS", 10))
+PALISADE_WEBHOOK_SEND_EVERY_SECONDS = float(os.environ.get("PALISADE_WEBHOOK_SEND_EVERY_SECONDS", 1))
+PALISADE_WEBHOOK_RETENTION_DAYS = int(os.environ.get("PALISADE_WEBHOOK_RETENTION_DAYS", 7))
+# Extra certificate authorities (PEM) the sender trusts beside the system's, e.g. a private CA.
+PALISADE_WEBHOOK_CA_FILE = os.environ.get("PALISADE_WEBHOOK_CA_FILE", "")
 
 # Set by `serve` from its flags; these defaults serve commands run outside `serve`.
 PALISADE_SITE_LABEL = os.environ.get("PALISADE_SITE_LABEL", "")

@@ -8,6 +8,7 @@ from controlplane.api.errors import handler400, handler403, handler404, handler5
 from controlplane.api.metrics import MetricsView
 from controlplane.api.operator_tokens import OperatorTokenListView, OperatorTokenView
 from controlplane.api.session import MeView, SessionView
+from controlplane.api.webhooks import WebhookDeliveryListView, WebhookListView, WebhookView
 
 api_v1 = [
     path("session", SessionView.as_view(), name="session"),
@@ -15,6 +16,11 @@ api_v1 = [
     path("operator-tokens", OperatorTokenListView.as_view(), name="operator-tokens"),
     path("operator-tokens/<uuid:token_id>", OperatorTokenView.as_view(), name="operator-token"),
     path("audit-events", AuditEventListView.as_view(), name="audit-events"),
+    path("webhooks", WebhookListView.as_view(), name="webhooks"),
+    path("webhooks/<uuid:webhook_id>", WebhookView.as_view(), name="webhook"),
+    path(
+        "webhooks/<uuid:webhook_id>/deliveries", WebhookDeliveryListView.as_view(), name="webhook-deliveries"
+    ),
     path("", include("policy.api.urls")),
     path("", include("fleet.api.urls")),
     path("", include("fleet.api.urls_tokens")),

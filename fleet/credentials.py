@@ -49,6 +49,7 @@ from controlplane.auth.actor import Actor
 from controlplane.problems import Problem
 from controlplane.text import visible
 from controlplane.validation import Findings, reject_unknown, require_object, take_string
+from controlplane.webhooks.outbox import webhook_events_record, workload_event
 from fleet.models import Workload
 from fleet.push import notify_streams
 from fleet.selectors import workload_get
@@ -377,11 +378,23 @@ def credential_renewal_failed(*, workload_id: str, error: str) -> Workload:
     workload until a renewal succeeds."""
     with transaction.atomic():
         workload = workload_get(workload_id=workload_id, for_update=True)
+        if not workload.credential_renewal_failed:  # once per failing spell, not per retry
+            webhook_events_record([_renewal_failed_event(workload, error)])
         workload.credential_renewal_failed = True
         # Often the agent's own text (renewal_failed): escaped, as every agent's free text is stored.
         workload.credential_last_error = visible(error or "renewal failed", keep="\n\t")[:MAX_ERROR_LENGTH]
         workload.save(update_fields=["credential_renewal_failed", "credential_last_error"])
     return workload
+
+
+def _renewal_failed_event(workload: Workload, error: str):
+    return workload_event(
+        "workload.credential_renewal_failed",
+        workload,
+        error=visible(error or "renewal failed", keep="\n\t")[:MAX_ERROR_LENGTH],
+        credential_serial=workload.credential_serial,
+        expires_at=clock.rfc3339(workload.credential_expires_at),
+    )
 
 
 def _duration(delta: timedelta) -> str:

@@ -4,6 +4,7 @@ workload's document. Nothing here writes."""
 from __future__ import annotations
 
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 from controlplane.problems import Finding, ValidationFailed, pointer
@@ -107,16 +108,21 @@ def _is_uuid(text: str) -> bool:
 
 class _RuleNumbers:
     """Lifetime rule numbers for a hypothetical policy: a stored rule keeps its own (so an unchanged
-    rule renders identically); a new rule, or a stored one named twice, gets one of the numbers the
-    next rules would be given."""
+    rule renders identically); a new rule the caller gives a number (`requested`, by ruleset name and
+    position: policy as code) gets it; another new rule, or a stored one named twice, gets one of the
+    numbers the next rules would be given, past the requested ones (as rule_numbers_claim leaves
+    them)."""
 
-    def __init__(self):
+    def __init__(self, requested: Mapping[tuple[str, int], int]):
         self.stored = {str(rule_id): number for rule_id, number in Rule.objects.values_list("id", "number")}
         state = PolicyState.objects.filter(id=1).first()
-        self.next = state.next_rule_number if state else 1
-        self.used: set[int] = set()
+        self.next = max([state.next_rule_number if state else 1, *(n + 1 for n in requested.values())])
+        self.requested = requested
+        self.used: set[int] = set(requested.values())
 
-    def number_for(self, rule_id: str | None) -> int:
+    def number_for(self, rule_id: str | None, ruleset_name: str, position: int) -> int:
+        if not rule_id and (ruleset_name, position) in self.requested:
+            return self.requested[(ruleset_name, position)]
         number = self.stored.get(rule_id) if rule_id else None
         if number is None or number in self.used:
             number, self.next = self.next, self.next + 1
@@ -124,8 +130,10 @@ class _RuleNumbers:
         return number
 
 
-def _hypothetical_rulesets(specs, catalogue: _Catalogue, findings: Findings) -> list[RulesetInput]:
-    numbers = _RuleNumbers()
+def _hypothetical_rulesets(
+    specs, catalogue: _Catalogue, findings: Findings, rule_numbers: Mapping[tuple[str, int], int]
+) -> list[RulesetInput]:
+    numbers = _RuleNumbers(rule_numbers)
     rulesets = []
     for r_index, spec in enumerate(specs):
         rules = []
@@ -160,7 +168,7 @@ def _hypothetical_rulesets(specs, catalogue: _Catalogue, findings: Findings) -> 
                     description=rule.description,
                     sources=tuple(sources),
                     entries=tuple(dict.fromkeys(entries)),
-                    number=numbers.number_for(rule.id),
+                    number=numbers.number_for(rule.id, spec.name, position),
                 )
             )
         if spec.enabled:
@@ -211,10 +219,18 @@ def unmatched_selectors(specs, fleet) -> list[dict]:
     return flagged
 
 
-def hypothetical_policy(*, data: dict, findings: Findings, more_keys: frozenset[str] = frozenset()):
+def hypothetical_policy(
+    *,
+    data: dict,
+    findings: Findings,
+    more_keys: frozenset[str] = frozenset(),
+    rule_numbers: Mapping[tuple[str, int], int] | None = None,
+):
     """The hypothetical policy of a dry-run's body (`rulesets`, `services`, `address_groups`) as the
     renderer's inputs, and the parsed ruleset specs; `more_keys` are the caller's own keys of the body,
-    whose findings are in `findings` already (all are raised together)."""
+    whose findings are in `findings` already (all are raised together). `rule_numbers` (internal: a
+    body's `number` is ignored) gives new rules, by ruleset name and position, the numbers an apply
+    will create them with."""
     reject_unknown(data, {"rulesets", "services", "address_groups", *more_keys}, findings)
     if "rulesets" not in data:
         findings.add(
@@ -226,17 +242,21 @@ def hypothetical_policy(*, data: dict, findings: Findings, more_keys: frozenset[
     findings.raise_if_any()
     catalogue = _Catalogue(services, groups)
     hypothetical = PolicyInputs(
-        rulesets=tuple(_hypothetical_rulesets(specs, catalogue, findings)), groups=catalogue.group_inputs
+        rulesets=tuple(_hypothetical_rulesets(specs, catalogue, findings, rule_numbers or {})),
+        groups=catalogue.group_inputs,
     )
     findings.raise_if_any()
     return specs, hypothetical
 
 
-def render_dryrun(*, data: Any) -> dict:
+def render_dryrun(*, data: Any, rule_numbers: Mapping[tuple[str, int], int] | None = None) -> dict:
     """Render the whole fleet under a hypothetical policy: `rulesets` replaces every stored ruleset;
     `services` and `address_groups` replace or add objects by name. Reports each workload whose
-    document would change, with the rules it would gain, lose or see changed."""
-    specs, hypothetical = hypothetical_policy(data=require_object(data), findings=Findings())
+    document would change, with the rules it would gain, lose or see changed. `rule_numbers`: see
+    `hypothetical_policy`."""
+    specs, hypothetical = hypothetical_policy(
+        data=require_object(data), findings=Findings(), rule_numbers=rule_numbers
+    )
     fleet, inputs = fleet_load()
     current_policy = policy_inputs_load()
     before_rules, after_rules = _rule_definitions(current_policy), _rule_definitions(hypothetical)

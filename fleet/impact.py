@@ -15,6 +15,7 @@ classifier's inputs are built in fleet/key_classifier.py, which the suggestions 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from controlplane.clock import rfc3339
@@ -93,12 +94,15 @@ def _summary(entries: list[dict]) -> dict:
     }
 
 
-def policy_impact(*, data: Any) -> dict:
-    """The keys of the range whose outcome the draft (a render dry-run's body) changes; see the module."""
+def policy_impact(*, data: Any, rule_numbers: Mapping[tuple[str, int], int] | None = None) -> dict:
+    """The keys of the range whose outcome the draft (a render dry-run's body) changes; see the module.
+    `rule_numbers`: see `hypothetical_policy`."""
     data = require_object(data)
     findings = Findings()
     start, end, labels, workload_ids = _selection(data, findings)
-    specs, draft = hypothetical_policy(data=data, findings=findings, more_keys=BODY_KEYS)
+    specs, draft = hypothetical_policy(
+        data=data, findings=findings, more_keys=BODY_KEYS, rule_numbers=rule_numbers
+    )
     assert start is not None and end is not None  # noqa: S101  # else hypothetical_policy raised
 
     selected = workloads_selected(workload_ids=workload_ids, labels=labels)

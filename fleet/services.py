@@ -14,6 +14,7 @@ from controlplane.auth.actor import Actor
 from controlplane.conditional import check_version
 from controlplane.problems import Finding, Problem, ValidationFailed, pointer
 from controlplane.validation import Findings, quoted, reject_unknown, require_object
+from controlplane.webhooks.outbox import webhook_event_record
 from fleet.choices import Mode, SyncState
 from fleet.models import ModeChange, Workload
 from fleet.push import notify_streams
@@ -192,7 +193,21 @@ def mode_change_create(*, actor: Actor, data: Mapping[str, Any]) -> ModeChange:
                 "changed_workload_ids": sorted(str(i) for i in changed),
             },
         )
+        webhook_event_record("mode_change.requested", _mode_change_event_data(intent, actor, changed))
     return intent
+
+
+def _mode_change_event_data(intent: ModeChange, actor: Actor, changed: list) -> dict:
+    return {
+        "mode_change": {
+            "id": str(intent.id),
+            "mode": intent.mode,
+            "selection": intent.selection,
+            "resolved_count": intent.resolved_count,
+            "changed_workload_ids": sorted(str(i) for i in changed),
+        },
+        "actor": actor.label,
+    }
 
 
 def workload_resend_snapshot(*, actor: Actor, workload_id: str) -> Workload:

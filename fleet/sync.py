@@ -28,6 +28,7 @@ from django.db.models import Case, Value, When
 from controlplane import clock, metrics
 from controlplane.problems import Problem
 from controlplane.text import visible
+from controlplane.webhooks.outbox import webhook_events_record, workload_event
 from fleet.choices import OwnedTableState, SyncState
 from fleet.models import Workload, workload_column_value
 from fleet.push import notify_streams
@@ -172,9 +173,17 @@ def workload_apply_failed(*, workload_id, stream_id: str, version: str, error: s
             workload.sync_state in (SyncState.PENDING, SyncState.SYNCED)
             and version == workload.latest_policy_id
         ):
+            was = workload.sync_state
             workload.sync_state = SyncState.DEGRADED
             workload.sync_error = (
                 visible(error, keep="\n\t")[:4000] or "the agent reported a failure without an error text"
+            )
+            webhook_events_record(
+                [
+                    workload_event(
+                        "workload.degraded", workload, was=was, version=version, error=workload.sync_error
+                    )
+                ]
             )
         _save(workload, "last_heard_from", "sync_state", "sync_error")
     return workload
@@ -192,9 +201,11 @@ def workload_stream_ended(
         workload = Workload.objects.select_for_update().filter(id=workload_id).first()
         if workload is None or not _current_stream(workload, stream_id):
             return workload
+        heard_before = workload.last_heard_from
         workload.stream_id = ""
         workload.sync_state = SyncState.OFFLINE
         workload.last_heard_from = clock.now()
+        webhook_events_record([_offline_event(workload, heard_before)])
         # Known only from a live stream's heartbeats; offline, silence and reports decide coverage.
         workload.flow_backlog_since = None
         fields = ["stream_id", "sync_state", "last_heard_from", "flow_backlog_since"]
@@ -202,6 +213,29 @@ def workload_stream_ended(
             fields += _flow_process_seen(workload, *last_heartbeat)
         _save(workload, *fields)
     return workload
+
+
+def _offline_event(workload: Workload, heard_before: datetime | None):
+    """`workload.offline`, with how long nobody had heard from it (the reaper ends streams silent for
+    minutes; an agent that closed its stream was heard from a moment ago)."""
+    silent = (workload.last_heard_from - heard_before).total_seconds() if heard_before else None
+    return workload_event(
+        "workload.offline",
+        workload,
+        last_heard_from=clock.rfc3339(heard_before),
+        silent_seconds=None if silent is None else round(max(silent, 0.0), 3),
+    )
+
+
+def _table_events(before: str, after: str, workload: Workload) -> list:
+    """Enforcement removed (the owned table gone from the kernel) or restored, on a change only."""
+    if before == after:
+        return []
+    if after == OwnedTableState.ABSENT:
+        return [workload_event("workload.enforcement_removed", workload, owned_table_state=after)]
+    if before == OwnedTableState.ABSENT:
+        return [workload_event("workload.enforcement_restored", workload, owned_table_state=after)]
+    return []
 
 
 def _flow_process_seen(workload: Workload, process_start_id: str | None, at: datetime) -> list[str]:
@@ -246,6 +280,7 @@ def workload_heard_from(
             workload.flow_backlog_since = flow_backlog_since
             fields.append("flow_backlog_since")
         if owned_table_state in (OwnedTableState.ABSENT, OwnedTableState.PRESENT):
+            webhook_events_record(_table_events(workload.owned_table_state, owned_table_state, workload))
             workload.owned_table_state = owned_table_state
             fields.append("owned_table_state")
         _save(workload, *fields)

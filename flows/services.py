@@ -19,6 +19,7 @@ from django.db import DataError, connection, transaction
 
 from controlplane import clock, metrics
 from controlplane.problems import Problem
+from controlplane.webhooks.outbox import Event, webhook_events_record, workload_event
 from fleet.models import Workload
 from fleet.selectors import workload_get
 from flows import health
@@ -337,6 +338,29 @@ def _sums_add_in_postgresql(sums: Span, windows: list[tuple[uuid.UUID, uuid.UUID
         )
 
 
+def _webhook_events(workload: Workload, changes: dict, new_gaps: list[EvidenceGap]) -> list[Event]:
+    """An evidence gap recorded (each new one), and clock skew detected (it was not skewed before)."""
+    events = [
+        workload_event(
+            "workload.evidence_gap",
+            workload,
+            gap={
+                "id": str(gap.id),
+                "kind": gap.kind,
+                "source": gap.source,
+                "start": clock.rfc3339(gap.start),
+                "end": clock.rfc3339(gap.end),
+                "lost": gap.lost,
+            },
+        )
+        for gap in new_gaps
+    ]
+    skew = changes.get("clock_skew_seconds")
+    if skew is not None and workload.clock_skew_seconds is None:
+        events.append(workload_event("workload.clock_skew", workload, offset_seconds=skew))
+    return events
+
+
 WORKLOAD_FLOW_FIELDS = (
     "flow_window_seconds_longest",
     "flow_window_seconds",
@@ -438,6 +462,7 @@ def _reports_write(items: list[SubmittedReport], *, skip_locked: bool) -> list[d
         groups: list[dict] = []
         gaps: list[EvidenceGap] = []
         touched: list[Workload] = []
+        events: list[Event] = []
         for item in items:
             workload = locked.get(item.workload_id)
             if workload is None:
@@ -483,6 +508,7 @@ def _reports_write(items: list[SubmittedReport], *, skip_locked: bool) -> list[d
                 **(newer or {}),
                 **_latest_gap_fields(workload, new_gaps),
             }
+            events.extend(_webhook_events(workload, changes, new_gaps))
             for name, value in changes.items():
                 setattr(workload, name, value)
             touched.append(workload)
@@ -493,6 +519,7 @@ def _reports_write(items: list[SubmittedReport], *, skip_locked: bool) -> list[d
         EvidenceGap.objects.bulk_create(gaps)
         _workloads_update(touched)
         metrics.flow_reports_stored(items, outcomes, windows=len(windows), groups=len(groups), gaps=gaps)
+        webhook_events_record(events)
     return outcomes
 
 
@@ -507,7 +534,9 @@ def _workloads_lock(ids: list[uuid.UUID], *, skip_locked: bool) -> dict[uuid.UUI
         return {}
     table, pk = Workload._meta.db_table, Workload._meta.pk
     columns = ", ".join(
-        f'"{Workload._meta.get_field(name).column}"' for name in ("id", *WORKLOAD_FLOW_FIELDS)
+        # hostname and labels name the workload in webhook events (no deferred load per workload)
+        f'"{Workload._meta.get_field(name).column}"'
+        for name in ("id", "hostname", "labels", *WORKLOAD_FLOW_FIELDS)
     )
     lock = (
         connection.ops.for_update_sql(skip_locked=skip_locked)

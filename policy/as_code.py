@@ -12,6 +12,12 @@ plan through the API's own write functions (policy/services.py) in one transacti
 the policy version moved since the plan. Stored rules are matched to the file's by content (then by
 position), so a rule that did not change keeps its id and lifetime number: flow evidence stays
 attributed to it, and its documents do not move.
+
+Each exported rule carries its lifetime `number` (the low bits of its conntrack mark, what flow
+evidence names it by). A numbered rule of the file is the stored rule of that number, whatever its
+content; on a control plane where no rule holds it (an empty one), the apply creates the rule with
+that very number, so the documents render byte-identically. A number once given and since deleted is
+refused: numbers are never reused, so old evidence is never attributed to a new rule.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from fleet.impact import policy_impact
 from policy import services as writes
 from policy.choices import SourceKind
 from policy.models import AddressGroup, PolicyState, Ruleset, Service
+from policy.renderer import MAX_RULES as MAX_RULE_NUMBER
 from policy.representations import port_entry_data
 from policy.validation import (
     MAX_ADDRESS_GROUPS,
@@ -56,7 +63,8 @@ TOP_KEYS = ("version", "services", "address_groups", "rulesets")
 SERVICE_KEYS = ("name", "description", "entries")
 GROUP_KEYS = ("name", "description", "members")
 RULESET_KEYS = ("name", "description", "enabled", "scope", "rules")
-RULE_KEYS = ("description", "sources", "services")
+RULE_KEYS = ("number", "description", "sources", "services")
+RULE_FIELDS = RULE_KEYS[1:]  # what a plan compares: a numbered rule *is* the stored rule of its number
 
 KINDS = ("service", "address_group", "ruleset")
 _LISTS = {"service": "services", "address_group": "address_groups", "ruleset": "rulesets"}
@@ -96,8 +104,10 @@ def _group_canonical(name: str, description: str, members) -> dict:
     return data
 
 
-def _rule_canonical(description: str, sources: list[dict], services: list[dict]) -> dict:
+def _rule_canonical(number: int | None, description: str, sources: list[dict], services: list[dict]) -> dict:
     data: dict = {}
+    if number is not None:
+        data["number"] = number
     if description:
         data["description"] = description
     data["sources"] = sources
@@ -127,6 +137,8 @@ class _Stored:
 
     policy_version: int
     objects: dict[str, dict[str, _StoredObject]]  # kind -> name -> object
+    next_rule_number: int = 1
+    rule_owners: dict[int, str] = field(default_factory=dict)  # a stored rule's number -> its ruleset
 
 
 def _stored_load() -> _Stored:
@@ -151,6 +163,7 @@ def _stored_load() -> _Stored:
             _group_canonical(group.name, group.description, group.members),
         )
     rulesets = {}
+    rule_owners: dict[int, str] = {}
     rules_prefetch = ("rules__sources", "rules__services")
     for ruleset in Ruleset.objects.prefetch_related("rules", *rules_prefetch).order_by("name"):
         rules, rule_ids = [], []
@@ -169,8 +182,9 @@ def _stored_load() -> _Stored:
                 else port_entry_data(ref.protocol, ref.port, ref.port_to)
                 for ref in rule.services.all()
             ]
-            rules.append(_rule_canonical(rule.description, sources, refs))
+            rules.append(_rule_canonical(rule.number, rule.description, sources, refs))
             rule_ids.append(str(rule.id))
+            rule_owners[rule.number] = ruleset.name
         rulesets[ruleset.name] = _StoredObject(
             str(ruleset.id),
             version_text(ruleset.version),
@@ -180,6 +194,8 @@ def _stored_load() -> _Stored:
     return _Stored(
         policy_version=state.version if state else 1,
         objects={"service": services, "address_group": groups, "ruleset": rulesets},
+        next_rule_number=state.next_rule_number if state else 1,
+        rule_owners=rule_owners,
     )
 
 
@@ -340,6 +356,34 @@ def _references(item: Any) -> list[tuple[str, str, str]]:
     return found
 
 
+def _rule_numbers(item: Any, base: str, seen: dict[int, str], findings: Findings) -> list[int | None]:
+    """The `number` of each rule of a ruleset's raw item (None where absent or not valid), checked for
+    what needs no stored policy: an int the mark can hold, given once in the file (`seen`: number ->
+    its pointer, across rulesets)."""
+    rules = item.get("rules") if isinstance(item, Mapping) else None
+    numbers: list[int | None] = []
+    for index, rule in enumerate(rules if isinstance(rules, list) else []):
+        number = rule.get("number") if isinstance(rule, Mapping) else None
+        path = base + pointer("rules", index, "number")
+        if number is not None and (isinstance(number, bool) or not isinstance(number, int)):
+            findings.add(path, "type", "number must be an integer: the rule's lifetime number, as exported.")
+            number = None
+        elif number is not None and not 1 <= number <= MAX_RULE_NUMBER:
+            findings.add(path, "out-of-range", f"number must be 1-{MAX_RULE_NUMBER} (the mark's 24 bits).")
+            number = None
+        elif number is not None and number in seen:
+            findings.add(
+                path,
+                "duplicate-number",
+                f"The number {number} is given twice (also {file_path(seen[number])}): a number is one rule.",
+            )
+            number = None
+        elif number is not None:
+            seen[number] = path
+        numbers.append(number)
+    return numbers
+
+
 def _parse(data: Any, findings: Findings) -> tuple[_Desired, list]:
     """The file's objects in canonical form (references still names), every finding collected."""
     desired = _Desired({kind: {} for kind in KINDS}, {kind: {} for kind in KINDS})
@@ -361,6 +405,7 @@ def _parse(data: Any, findings: Findings) -> tuple[_Desired, list]:
         ("address_group", address_group_input, GROUP_KEYS, MAX_ADDRESS_GROUPS),
         ("ruleset", ruleset_input, RULESET_KEYS, MAX_RULESETS),
     )
+    numbers_seen: dict[int, str] = {}
     for kind, parse, keys, maximum in parsers:
         for index, item in enumerate(_items(data, _LISTS[kind], maximum, findings)):
             base = pointer(_LISTS[kind], index)
@@ -381,7 +426,9 @@ def _parse(data: Any, findings: Findings) -> tuple[_Desired, list]:
                 findings.extend(_prefixed(error, base))
                 spec = None
             if kind == "ruleset":
-                ruleset_specs.append((base, spec, _references(item)))
+                numbers = _rule_numbers(item, base, numbers_seen, findings)
+                name = item.get("name") if isinstance(item, Mapping) else None
+                ruleset_specs.append((base, name, spec, _references(item), numbers))
             if spec is None or len(findings.items) > before:
                 continue
             if kind == "service":
@@ -404,16 +451,17 @@ def _resolve_rulesets(
     }
     where = "in the file" if prune else "in the file or stored"
     what = {"service": "service", "address_group": "address group"}
-    for base, spec, references in ruleset_specs:
+    for base, ruleset_name, spec, references, numbers in ruleset_specs:
         for path, kind, name in references:
             if name not in names[kind]:
                 findings.add(
                     base + path, "unknown-reference", f"no {what[kind]} named {quoted(name)} {where}."
                 )
+        _check_numbers(base, ruleset_name, numbers, stored, findings)
         if spec is None:
             continue
         rules = []
-        for rule in spec.rules:
+        for rule, number in zip(spec.rules, numbers, strict=True):
             sources: list[dict] = []
             for source in rule.sources:
                 if source.kind == SourceKind.SELECTOR:
@@ -428,25 +476,61 @@ def _resolve_rulesets(
                 else {"service": ref.reference}
                 for ref in rule.services
             ]
-            rules.append(_rule_canonical(rule.description, sources, refs))
+            rules.append(_rule_canonical(number, rule.description, sources, refs))
         desired.objects["ruleset"][spec.name] = _ruleset_canonical(
             spec.name, spec.description, spec.enabled, spec.scope, rules
         )
 
 
+def _check_numbers(
+    base: str, ruleset_name: Any, numbers: list[int | None], stored: _Stored, findings: Findings
+) -> None:
+    """A number of the file names its stored rule, which must be of this ruleset, or one never given."""
+    for index, number in enumerate(numbers):
+        if number is None:
+            continue
+        path = base + pointer("rules", index, "number")
+        owner = stored.rule_owners.get(number)
+        if owner is not None and owner != ruleset_name:
+            findings.add(
+                path,
+                "rule-of-another-ruleset",
+                f"rule {number} belongs to ruleset {quoted(owner)}; a rule cannot move between rulesets: "
+                "remove its number to create a new rule there.",
+            )
+        elif owner is None and number < stored.next_rule_number:
+            findings.add(
+                path,
+                "number-given",
+                f"number {number} was given to a rule since deleted; numbers are never reused, so flow "
+                "evidence of the old rule is never attributed to a new one: remove `number` to create "
+                "a new rule.",
+            )
+
+
 # --- the plan -----------------------------------------------------------------------------------
 
 
+def _content(rule: dict) -> dict:
+    return {key: value for key, value in rule.items() if key != "number"}
+
+
 def _match_rules(old: list[dict], new: list[dict]) -> list[int | None]:
-    """For each new rule, the stored rule it keeps (its index) or None for a new one: an identical
-    stored rule not taken yet; else one with the same sources or the same services (an edit of one
-    side); else the stored rule at the same position, if free."""
-    taken: set[int] = set()
+    """For each new rule, the stored rule it keeps (its index) or None for a new one. A numbered rule
+    is the stored rule of its number (or new, with that number). An unnumbered one takes, among the
+    stored rules no number of the file claims: an identical one not taken yet; else one with the same
+    sources or the same services (an edit of one side); else the one at the same position, if free."""
     matched: list[int | None] = [None] * len(new)
+    by_number = {rule["number"]: j for j, rule in enumerate(old)}
+    for i, rule in enumerate(new):
+        if "number" in rule:
+            matched[i] = by_number.get(rule["number"])
+    claimed = {rule["number"] for rule in new if "number" in rule}
+    taken = {j for j, rule in enumerate(old) if rule["number"] in claimed}
 
     def match(alike) -> None:
         for i, rule in enumerate(new):
-            if matched[i] is not None:
+            if matched[i] is not None or "number" in rule:
                 continue
             for j, candidate in enumerate(old):
                 if j not in taken and alike(i, rule, j, candidate):
@@ -454,7 +538,7 @@ def _match_rules(old: list[dict], new: list[dict]) -> list[int | None]:
                     taken.add(j)
                     break
 
-    match(lambda i, rule, j, candidate: candidate == rule)
+    match(lambda i, rule, j, candidate: _content(candidate) == rule)
     match(
         lambda i, rule, j, candidate: (
             candidate["sources"] == rule["sources"] or candidate["services"] == rule["services"]
@@ -470,7 +554,7 @@ def _rule_changes(old: list[dict], new: list[dict], matched: list[int | None]) -
         if j is None:
             changes.append({"field": f"rules[{i}]", "action": "add", "new": new[i]})
             continue
-        for key in RULE_KEYS:
+        for key in RULE_FIELDS:
             before, after = old[j].get(key, ""), new[i].get(key, "")
             if before != after:
                 changes.append(
@@ -516,6 +600,7 @@ class _Step:
     fields: list[dict]
     body: dict | None = None  # the API's write body (create, change)
     stored: _StoredObject | None = None  # change, delete
+    rule_numbers: dict[tuple[str, int], int] = field(default_factory=dict)  # created rules' numbers
 
 
 @dataclass
@@ -527,14 +612,25 @@ class _Plan:
     services: list[dict]
     groups: list[dict]
     ruleset_paths: dict[str, str]  # name -> pointer in the file
+    rule_numbers: dict[tuple[str, int], int]  # (ruleset name, position) -> a created rule's number
 
 
 def _ruleset_body(data: dict, rule_ids: list[str | None]) -> dict:
+    """The API's body: kept rules by id; numbers go beside it (`_created_numbers`), the API ignores
+    a body's."""
     rules = [
-        {**rule, "id": rule_id} if rule_id else dict(rule)
+        {**_content(rule), "id": rule_id} if rule_id else _content(rule)
         for rule, rule_id in zip(data["rules"], rule_ids, strict=True)
     ]
     return {**data, "rules": rules}
+
+
+def _created_numbers(data: dict, rule_ids: list[str | None]) -> dict[tuple[str, int], int]:
+    return {
+        (data["name"], position): rule["number"]
+        for position, (rule, rule_id) in enumerate(zip(data["rules"], rule_ids, strict=True))
+        if rule_id is None and "number" in rule
+    }
 
 
 def _make_plan(data: Any, *, prune: bool) -> _Plan:
@@ -555,9 +651,12 @@ def _make_plan(data: Any, *, prune: bool) -> _Plan:
             new, old = wanted.get(name), current.get(name)
             if old is None:
                 assert new is not None  # noqa: S101
-                body = _ruleset_body(new, [None] * len(new["rules"])) if kind == "ruleset" else new
+                body, numbers = new, {}
+                if kind == "ruleset":
+                    body = _ruleset_body(new, [None] * len(new["rules"]))
+                    numbers = _created_numbers(new, [None] * len(new["rules"]))
                 fields = [{"field": k, "action": "set", "new": v} for k, v in new.items() if k != "name"]
-                steps.append(_Step(kind, "create", name, fields, body))
+                steps.append(_Step(kind, "create", name, fields, body, rule_numbers=numbers))
             elif new is None:
                 if prune:
                     steps.append(_Step(kind, "delete", name, [], stored=old))
@@ -568,12 +667,13 @@ def _make_plan(data: Any, *, prune: bool) -> _Plan:
             else:
                 matched = _match_rules(old.data["rules"], new["rules"]) if kind == "ruleset" else None
                 fields = _field_changes(kind, old.data, new, matched)
-                body = new
+                body, numbers = new, {}
                 if kind == "ruleset":
                     assert matched is not None  # noqa: S101
-                    body = _ruleset_body(new, [old.rule_ids[j] if j is not None else None for j in matched])
+                    ids = [old.rule_ids[j] if j is not None else None for j in matched]
+                    body, numbers = _ruleset_body(new, ids), _created_numbers(new, ids)
                 if fields:
-                    steps.append(_Step(kind, "change", name, fields, body, stored=old))
+                    steps.append(_Step(kind, "change", name, fields, body, stored=old, rule_numbers=numbers))
                 elif kind == "ruleset":
                     kept_rulesets.append(body)
     # The dry-run numbers new rules in the order the apply creates them: created rulesets, then
@@ -589,6 +689,7 @@ def _make_plan(data: Any, *, prune: bool) -> _Plan:
         services=list(desired.objects["service"].values()),
         groups=list(desired.objects["address_group"].values()),
         ruleset_paths=desired.paths["ruleset"],
+        rule_numbers={key: n for step in steps for key, n in step.rule_numbers.items()},
     )
 
 
@@ -616,7 +717,7 @@ def policy_plan(
     if not plan.steps:
         return answer
     body = {"rulesets": plan.dryrun_rulesets, "services": plan.services, "address_groups": plan.groups}
-    dryrun = render_dryrun(data=body)
+    dryrun = render_dryrun(data=body, rule_numbers=plan.rule_numbers)
     answer["render"] = {
         "changed_count": dryrun["changed_count"],
         "unchanged_count": dryrun["unchanged_count"],
@@ -629,7 +730,7 @@ def policy_plan(
         "label": [],
         "workload": [],
     }
-    impact = policy_impact(data={**body, **selection})
+    impact = policy_impact(data={**body, **selection}, rule_numbers=plan.rule_numbers)
     answer["impact"] = {
         key: impact[key]
         for key in (
@@ -676,13 +777,16 @@ def policy_apply(*, actor: Actor, data: Any, prune: bool = False, expected_versi
                 current_version=version_text(current),
             )
         plan = _make_plan(data, prune=prune)
+        # The file's numbers for the rules it creates, set aside before any rule is created, so that
+        # an unnumbered new rule is numbered past them (as the plan's dry-run numbered it).
+        numbers = writes.rule_numbers_claim(requested=plan.rule_numbers)
         by_kind_action: dict[tuple[str, str], list[_Step]] = {}
         for step in plan.steps:
             by_kind_action.setdefault((step.kind, step.action), []).append(step)
 
         def run(kind: str, action: str) -> None:
             for step in by_kind_action.get((kind, action), []):
-                _perform(step, actor=actor, audit_detail=detail)
+                _perform(step, actor=actor, audit_detail=detail, rule_numbers=numbers)
 
         # Deleted rulesets first (room for new ones, and their references go), then the services and
         # groups the rulesets may name, then rulesets, then the services and groups no longer named.
@@ -729,10 +833,11 @@ _WRITES = {
 }
 
 
-def _perform(step: _Step, *, actor: Actor, audit_detail: dict) -> None:
+def _perform(step: _Step, *, actor: Actor, audit_detail: dict, rule_numbers: writes.RuleNumbers) -> None:
     """One write; a problem it raises names the object, since the file's paths no longer apply."""
+    more = {"rule_numbers": rule_numbers} if step.kind == "ruleset" and step.action != "delete" else {}
     try:
-        _WRITES[(step.kind, step.action)](step, actor=actor, audit_detail=audit_detail)
+        _WRITES[(step.kind, step.action)](step, actor=actor, audit_detail=audit_detail, **more)
     except ValidationFailed as error:
         raise PolicyFileInvalid(
             [Finding(f"/{_LISTS[step.kind]}/{step.name}{f.path}", f.rule, f.message) for f in error.findings]

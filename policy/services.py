@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from django.db import IntegrityError, transaction
@@ -76,6 +77,49 @@ def _take_rule_number(state: PolicyState) -> int:
     state.next_rule_number = number + 1
     state.save(update_fields=["next_rule_number"])
     return number
+
+
+@dataclass
+class RuleNumbers:
+    """Lifetime numbers set aside by `rule_numbers_claim` for rules a caller creates afterwards (policy
+    as code recreating rules under the numbers its file gives them), by ruleset name and the rule's
+    position in the write's body. Each was never given when claimed, and is given at most once."""
+
+    requested: dict[tuple[str, int], int] = field(default_factory=dict)
+
+    def take(self, ruleset_name: str, position: int) -> int | None:
+        return self.requested.pop((ruleset_name, position), None)
+
+
+def rule_numbers_claim(*, requested: Mapping[tuple[str, int], int]) -> RuleNumbers:
+    """Claim the numbers `requested` (by ruleset name and position) for rules created later; the next
+    number given to any other rule is past the highest of them. A number already given (below
+    next_rule_number, held or not: a deleted rule's evidence must never name a new one) is refused.
+    Internal: the API never lets a body choose a rule's number."""
+    numbers = list(requested.values())
+    if not numbers:
+        return RuleNumbers()
+    with transaction.atomic():
+        state = _lock_policy()
+        findings = Findings()
+        for number in sorted(set(numbers)):
+            if isinstance(number, bool) or not isinstance(number, int) or not 0 < number <= MAX_RULE_NUMBER:
+                findings.add("", "out-of-range", f"A rule number is 1-{MAX_RULE_NUMBER}, not {number!r}.")
+            elif number < state.next_rule_number:
+                findings.add("", "number-given", f"Rule number {number} has been given already.")
+        if len(set(numbers)) != len(numbers):
+            findings.add("", "duplicate-number", "A rule number is claimed twice.")
+        findings.raise_if_any()
+        state.next_rule_number = max(numbers) + 1
+        state.save(update_fields=["next_rule_number"])
+    return RuleNumbers(dict(requested))
+
+
+def _number_for(
+    state: PolicyState, rule_numbers: RuleNumbers | None, ruleset_name: str, position: int
+) -> int:
+    claimed = rule_numbers.take(ruleset_name, position) if rule_numbers else None
+    return claimed if claimed is not None else _take_rule_number(state)
 
 
 def _scopes_using(rules) -> set[str]:
@@ -372,8 +416,14 @@ def _current_rule_content(rule: Rule) -> list:
 
 
 def ruleset_create(
-    *, actor: Actor, data: Mapping[str, Any], audit_detail: Mapping[str, Any] | None = None
+    *,
+    actor: Actor,
+    data: Mapping[str, Any],
+    audit_detail: Mapping[str, Any] | None = None,
+    rule_numbers: RuleNumbers | None = None,
 ) -> Ruleset:
+    """Create a ruleset with its rules; each rule is given the next lifetime number, or the one
+    `rule_numbers` (claimed by the caller) holds for its position."""
     spec = ruleset_input(data)
     with transaction.atomic():
         state = _lock_policy()
@@ -400,7 +450,7 @@ def ruleset_create(
         for position, (rule, (sources, services)) in enumerate(zip(spec.rules, resolved, strict=True)):
             row = Rule.objects.create(
                 ruleset=ruleset,
-                number=_take_rule_number(state),
+                number=_number_for(state, rule_numbers, spec.name, position),
                 position=position,
                 description=rule.description,
                 created_at=now,
@@ -419,9 +469,11 @@ def ruleset_replace(
     expected_version: str,
     data: Mapping[str, Any],
     audit_detail: Mapping[str, Any] | None = None,
+    rule_numbers: RuleNumbers | None = None,
 ) -> Ruleset:
     """Replace a ruleset whole: rules whose ids the body carries are kept (their version moves only if
-    they changed), rules without an id are added, and the ruleset's other rules are removed."""
+    they changed), rules without an id are added (with the next lifetime number, or the one
+    `rule_numbers` holds for their position), and the ruleset's other rules are removed."""
     _get(Ruleset, ruleset_id, "ruleset")
     spec = ruleset_input(data)
     with transaction.atomic():
@@ -459,7 +511,7 @@ def ruleset_replace(
             else:
                 row = Rule.objects.create(
                     ruleset=ruleset,
-                    number=_take_rule_number(state),
+                    number=_number_for(state, rule_numbers, spec.name, position),
                     position=position,
                     description=rule.description,
                     created_at=now,

@@ -2,7 +2,7 @@
 
 from django.urls import path, re_path
 
-from controlplane.console.views import evidence, fleet, policy, session, suggest, tokens
+from controlplane.console.views import evidence, fleet, policy, session, suggest, tokens, webhooks
 
 urlpatterns = [
     path("login", session.login),
@@ -30,6 +30,9 @@ urlpatterns = [
     path("flows", evidence.flows),
     path("tokens", tokens.tokens),
     re_path(r"^tokens/(?P<kind>provisioning|operator)/(?P<token_id>[^/]+)/revoke$", tokens.token_revoke),
+    path("webhooks", webhooks.webhooks),
+    path("webhooks/<str:webhook_id>", webhooks.webhook_detail),
+    path("webhooks/<str:webhook_id>/delete", webhooks.webhook_delete),
     path("about", tokens.about),
     # Any other path outside the API and the static files: the console's own "not found" page.
     re_path(r"^(?!api/|static/).*$", fleet.page_not_found),

@@ -131,7 +131,8 @@ def _entry(item: dict) -> str:
 
 def _rule(rule: dict) -> str:
     text = (
-        f"from {', '.join(_entry(s) for s in rule['sources'])} "
+        (f"rule {rule['number']} " if "number" in rule else "")
+        + f"from {', '.join(_entry(s) for s in rule['sources'])} "
         f"to {', '.join(_entry(s) for s in rule['services'])}"
     )
     if rule.get("description"):

@@ -487,6 +487,50 @@ def test_minting_shows_the_secret_once_and_revoking_asks_first(logged_in, lab):
     logged_in.check()
 
 
+def test_a_webhook_is_created_with_its_secret_shown_once_and_deleted_only_when_confirmed(logged_in, lab):
+    receiver = "http://127.0.0.1:9/browser-hook"  # loopback: admitted over plain http
+    page = logged_in.goto("/about")
+    page.get_by_role("navigation", name="Main").get_by_role("link", name="Webhooks").click()
+    page.wait_for_url(re.compile(r"/webhooks$"))
+    page.locator("#wh-url").fill(receiver)
+    page.get_by_label("Description").fill("browser pager")
+    page.get_by_role("button", name="Create webhook").click()  # no event chosen: the API's finding
+    page.locator("#events-errors").wait_for()
+    assert "at least one event type" in page.locator("#events-errors").inner_text()
+    assert page.locator("#wh-url").input_value() == receiver
+    for event in ("workload.offline", "webhook.deleted"):
+        page.locator(f'input[name="events"][value="{event}"]').check()
+    page.get_by_role("button", name="Create webhook").click()
+    page.get_by_text("Webhook signing secret: copy it now, it is not shown again").wait_for()
+    secret = page.locator("#secret").input_value()
+    assert secret.startswith("whsec_")
+    page.get_by_role("button", name="Copy").click()
+    page.get_by_text("Copied.").wait_for()
+    logged_in.shot("webhook-created")
+    page = logged_in.goto("/webhooks")
+    assert secret not in page.content()
+    row = page.locator("tr", has_text="browser pager")
+    assert receiver in row.inner_text() and "workload.offline" in row.inner_text()
+    webhook_id = row.get_attribute("data-webhook")
+
+    def exists() -> bool:
+        return lab.http.get(f"/api/v1/webhooks/{webhook_id}").status_code == 200
+
+    row.get_by_role("link", name="Delete").click()
+    asked(page, f"Delete the webhook to {receiver}", "browser pager", "delivery history")
+    logged_in.shot("webhook-delete-confirm")
+    page.get_by_role("link", name="Cancel").click()
+    page.wait_for_url(re.compile(rf"/webhooks/{webhook_id}$"))
+    page.get_by_text("Recent delivery attempts").wait_for()
+    assert exists()  # dismissed: nothing changed
+    page.get_by_role("link", name="Delete").click()
+    page.get_by_role("button", name="Delete the webhook").click()
+    page.get_by_text("Deleted.").wait_for()
+    assert page.locator("tr", has_text="browser pager").count() == 0
+    assert not exists()
+    logged_in.check()
+
+
 def test_revoking_a_provisioning_token_asks_first(logged_in, lab):
     minted = lab.http.post(
         "/api/v1/provisioning-tokens", json={"description": "rack 9", "max_uses": 2}

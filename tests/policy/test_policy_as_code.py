@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-import re
+import uuid
 
 import pytest
 from django.core.management import CommandError
@@ -14,9 +14,15 @@ from controlplane.models import AuditEvent
 from controlplane.problems import Problem
 from fleet.models import RenderedPolicy, Workload
 from policy import services as writes
-from policy.as_code import PolicyFileInvalid, policy_apply, policy_export, policy_file_load, policy_plan
+from policy.as_code import (
+    PolicyFileInvalid,
+    file_path,
+    policy_apply,
+    policy_export,
+    policy_file_load,
+    policy_plan,
+)
 from policy.models import AddressGroup, PolicyState, Rule, Ruleset, Service
-from policy.renderer import decode_mark
 from policy.selectors import policy_version
 from tests.support.helpers import race
 from tests.support.helpers import run_command as run
@@ -41,8 +47,8 @@ def fleet(db):
 
 
 def _messy_policy():
-    """A policy with a history: rules added, removed and reordered, so lifetime numbers have gaps and
-    are not in ruleset-name order."""
+    """A policy with a history: rulesets created out of name order, rules added, removed, reordered
+    and edited, so lifetime numbers have gaps and are not in ruleset-name order."""
     actor = CLI_ACTOR
     writes.service_create(
         actor=actor,
@@ -127,6 +133,17 @@ def _messy_policy():
             + [{"id": str(r.id), **_rule_body(r)} for r in current[:-1]],
         },
     )
+    edited = Rule.objects.get(ruleset=db, position=0)
+    writes.rule_replace(
+        actor=actor,
+        ruleset_id=str(db.id),
+        rule_id=str(edited.id),
+        expected_version=str(edited.version),
+        data={
+            "sources": [{"selector": "app=web"}],
+            "services": [{"protocol": "tcp", "port": 5432}, {"protocol": "tcp", "port": 6432}],
+        },
+    )
     writes.ruleset_create(
         actor=actor,
         data={
@@ -152,20 +169,6 @@ def _documents() -> dict[str, tuple[str, dict]]:
     return {host: (stored[v].document, stored[v].rule_index) for host, v in rows}
 
 
-def _without_rule_numbers(document: str, rule_index: dict) -> str:
-    """The document with each rule's lifetime number (a ct mark's low bits) replaced by the ruleset
-    name and position it stands for: the numbers belong to one control plane, not to the file."""
-
-    def name(match):
-        decision, number = decode_mark(int(match.group(0), 16))
-        if number is None:
-            return match.group(0)
-        entry = rule_index[str(number)]
-        return f"<{decision} {entry['ruleset_name']}#{entry['position']}>"
-
-    return re.sub(r"0x[0-9a-f]{8}", name, document)
-
-
 def _apply(data, *, prune=False, source="policy.yaml"):
     return policy_apply(
         actor=CLI_ACTOR, data=data, prune=prune, expected_version=str(policy_version()), source=source
@@ -181,48 +184,260 @@ def _counts():
     )
 
 
-def test_export_prune_everything_apply_gives_every_workload_the_same_document(fleet):
+def _empty_control_plane():
+    """A fresh install's policy with the same fleet: no policy object, the policy state row as new
+    (version 1, rule numbers from 1). The documents render empty through the domain first."""
+    _apply(EMPTY, prune=True)
+    assert _counts() == (0, 0, 0, 0)
+    PolicyState.objects.filter(id=1).update(version=1, next_rule_number=1)
+
+
+def _versions() -> dict[str, str]:
+    return dict(Workload.objects.values_list("hostname", "latest_policy_id"))
+
+
+@pytest.fixture
+def dryrun_seen(monkeypatch):
+    """The render dry-runs the plans make, each workload's hypothetical version."""
+    import policy.as_code
+
+    seen: list[dict[str, str]] = []
+    real = policy.as_code.render_dryrun
+
+    def spy(**kwargs):
+        answer = real(**kwargs)
+        hosts = dict(Workload.objects.values_list("id", "hostname"))
+        seen.append(
+            {hosts[uuid.UUID(c["workload_id"])]: c["hypothetical_version"] for c in answer["changed"]}
+        )
+        return answer
+
+    monkeypatch.setattr(policy.as_code, "render_dryrun", spy)
+    return seen
+
+
+def test_export_to_an_empty_control_plane_renders_every_document_byte_identically(fleet, dryrun_seen):
     _messy_policy()
-    original = _documents()
-    assert any("@grp_" in doc for doc, _ in original.values()) and any(
-        "ip6 saddr" in doc for doc, _ in original.values()
+    original, documents = _versions(), _documents()
+    assert any("@grp_" in doc for doc, _ in documents.values()) and any(
+        "ip6 saddr" in doc for doc, _ in documents.values()
     )
     exported = policy_export(format="yaml")
     assert "id:" not in exported and "version: 1\n" == exported.splitlines(True)[0]
-    assert "created_at" not in exported and "number" not in exported
+    assert "created_at" not in exported
+    data = policy_file_load(text=exported, source="policy.yaml")
+    numbers = [rule["number"] for ruleset in data["rulesets"] for rule in ruleset["rules"]]
+    assert all(list(rule)[0] == "number" for ruleset in data["rulesets"] for rule in ruleset["rules"])
+    # Not the numbers a fresh control plane would give in apply order: the test would prove nothing.
+    assert numbers != list(range(1, len(numbers) + 1))
+    assert sorted(numbers) == sorted(Rule.objects.values_list("number", flat=True))
 
-    emptied = _apply(EMPTY, prune=True)
-    assert _counts() == (0, 0, 0, 0) and emptied["applied"] == 8
-    protected = {h for h, (_, rule_index) in original.items() if rule_index}
+    _empty_control_plane()
+    protected = {h for h, (_, rule_index) in documents.items() if rule_index}
     assert protected == {"web-1", "web-2", "db-1"}
-    assert all(original[h][0] != _documents()[h][0] for h in protected)
+    assert all(original[h] != v for h, v in _versions().items() if h in protected)
 
-    _apply(policy_file_load(text=exported, source="policy.yaml"))
-    again = _documents()
-    assert again.keys() == original.keys()
-    for host, (document, rule_index) in original.items():
-        assert _without_rule_numbers(*again[host]) == _without_rule_numbers(document, rule_index), host
+    plan = policy_plan(data=data, prune=True)
+    assert plan["render"]["changed_count"] == len(protected)
+    assert dryrun_seen[-1] == {h: original[h] for h in protected}  # the dry-run numbers as apply will
+    _apply(data, prune=True)
+    assert _versions() == original  # the same version hash: byte-identical, no mapping of numbers
+    assert {h: doc for h, (doc, _) in _documents().items()} == {h: doc for h, (doc, _) in documents.items()}
     assert policy_export(format="yaml") == exported
-    assert policy_plan(data=policy_file_load(text=exported, source="p.yaml"), prune=True)["changes"] == []
+    assert policy_plan(data=data, prune=True)["changes"] == [] and policy_plan(data=data)["changes"] == []
+    assert PolicyState.objects.get(id=1).next_rule_number == max(numbers) + 1
 
 
-def test_on_a_fresh_control_plane_the_documents_are_byte_identical(fleet):
-    """A policy whose rules were numbered in file order (as a fresh control plane numbers them)
-    renders to the same bytes after export, an emptied control plane and apply."""
+def test_a_file_without_numbers_gets_fresh_numbers_in_apply_order(fleet, dryrun_seen):
+    """A hand-written file (no numbers): rules are numbered from the next number, in the order of
+    the apply (rulesets by name, rules in order); on two fresh control planes that is the same."""
     _messy_policy()
-    exported = policy_export(format="json")
-    _apply(EMPTY, prune=True)
-    PolicyState.objects.filter(id=1).update(next_rule_number=1)  # as a new control plane starts
-    _apply(policy_file_load(text=exported, source="policy.json"))
-    original = {host: doc for host, (doc, _) in _documents().items()}
-    _apply(EMPTY, prune=True)
-    PolicyState.objects.filter(id=1).update(next_rule_number=1)
-    _apply(policy_file_load(text=exported, source="policy.json"))
-    assert {host: doc for host, (doc, _) in _documents().items()} == original
-    assert dict(Workload.objects.values_list("hostname", "latest_policy_id")) == {
-        h: RenderedPolicy.objects.get(document=d).version for h, d in original.items()
+    data = policy_file_load(text=policy_export(format="json"), source="policy.json")
+    for ruleset in data["rulesets"]:
+        for rule in ruleset["rules"]:
+            del rule["number"]
+    _empty_control_plane()
+    before = _versions()
+    policy_plan(data=data)
+    _apply(data)
+    first = _versions()
+    assert {h: v for h, v in first.items() if before[h] != v} == dryrun_seen[-1]
+    expected = [
+        (name, i)
+        for name, count in (("break-glass", 1), ("frontend", 3), ("zz-database", 2))
+        for i in range(count)
+    ]
+    got = list(Rule.objects.order_by("number").values_list("ruleset__name", "position"))
+    assert got == expected and Rule.objects.order_by("number").first().number == 1
+    assert policy_plan(data=data)["changes"] == []  # unnumbered rules match by content
+    _empty_control_plane()
+    _apply(data)
+    assert _versions() == first
+
+
+def test_requested_numbers_and_fresh_ones_are_numbered_by_the_plan_as_by_the_apply(fleet, dryrun_seen):
+    _messy_policy()
+    data = policy_file_load(text=policy_export(format="yaml"), source="p.yaml")
+    next_number = PolicyState.objects.get(id=1).next_rule_number
+    frontend = data["rulesets"][1]
+    new = {"sources": [{"selector": "role=monitor"}], "services": [{"protocol": "tcp", "port": 9100}]}
+    frontend["rules"].insert(0, dict(new))  # unnumbered: past the numbers the file asks for
+    frontend["rules"].append(
+        {"number": next_number + 40, **new, "services": [{"protocol": "tcp", "port": 9200}]}
+    )
+    data["rulesets"].append(
+        {"name": "aa-new", "enabled": True, "scope": "app=db", "rules": [{"number": next_number + 7, **new}]}
+    )
+    # A numbered rule is never matched by content: the same content under a new number is a new rule.
+    database = data["rulesets"][2]  # zz-database
+    database["rules"][1] = {**database["rules"][1], "number": next_number + 20}
+    plan = policy_plan(data=data)
+    assert not any(f["field"].endswith(".number") for c in plan["changes"] for f in c["fields"])
+    assert [(f["field"], f["action"]) for f in plan["changes"][-1]["fields"]] == [
+        ("rules[1]", "add"),
+        ("rules[1]", "remove"),
+    ]
+    before = _versions()
+    _apply(data)
+    changed = {h: v for h, v in _versions().items() if before[h] != v}
+    assert changed == dryrun_seen[-1] and len(changed) == plan["render"]["changed_count"] > 0
+    numbers = dict(Rule.objects.filter(ruleset__name="frontend").values_list("position", "number"))
+    assert numbers[0] == next_number + 41 and numbers[4] == next_number + 40
+    assert Rule.objects.get(ruleset__name="aa-new").number == next_number + 7
+    assert Rule.objects.get(ruleset__name="zz-database", position=1).number == next_number + 20
+    assert PolicyState.objects.get(id=1).next_rule_number == next_number + 42
+    assert policy_plan(data=data)["changes"] == []
+    again = policy_file_load(text=policy_export(format="yaml"), source="p.yaml")
+    assert [r["name"] for r in again["rulesets"]][:3] == ["aa-new", "break-glass", "frontend"]
+    assert again["rulesets"][2]["rules"][0]["number"] == next_number + 41
+
+
+def test_a_numbered_rule_edited_on_both_sides_keeps_its_number(fleet):
+    _messy_policy()
+    data = policy_file_load(text=policy_export(format="yaml"), source="p.yaml")
+    rules = data["rulesets"][1]["rules"]  # frontend
+    edited = rules.pop(0)  # office + monitor on dns, snmp
+    stored = Rule.objects.get(number=edited["number"])
+    edited["sources"] = [{"selector": "role=client"}, {"address_group": "legacy"}]
+    edited["services"] = [{"protocol": "tcp", "port": 8443}]
+    rules.append(edited)  # and moved: no content, side or position would match it
+    fields = policy_plan(data=data)["changes"][0]["fields"]
+    assert [(f["field"], f["action"]) for f in fields] == [
+        ("rules[2].sources", "change"),
+        ("rules[2].services", "change"),
+        ("rules", "reorder"),
+    ]
+    _apply(data)
+    kept = Rule.objects.get(number=edited["number"])
+    assert kept.id == stored.id and kept.position == 2  # the same rule: its evidence stays its own
+    assert policy_plan(data=data)["changes"] == []
+
+    # Without its number, the same rule edited again and moved is a new one: nothing else tells.
+    del edited["number"]
+    rules.remove(edited)
+    rules.insert(0, edited)
+    edited["sources"], edited["services"] = [{"any": True}], [{"protocol": "udp", "port": 514}]
+    fields = policy_plan(data=data)["changes"][0]["fields"]
+    assert [(f["field"], f["action"]) for f in fields] == [("rules[0]", "add"), ("rules[2]", "remove")]
+
+
+NUMBERED_FILE_RULESETS = [
+    {
+        "name": "frontend",
+        "scope": "app=web",
+        "rules": [
+            {"number": "7", "sources": [{"any": True}], "services": [{"protocol": "icmp"}]},
+            {"number": True, "sources": [{"any": True}], "services": [{"protocol": "icmp"}]},
+            {"number": 0, "sources": [{"any": True}], "services": [{"protocol": "icmp"}]},
+            {"number": 1 << 24, "sources": [{"any": True}], "services": [{"protocol": "icmp"}]},
+            {"number": "DB", "sources": [{"any": True}], "services": [{"protocol": "tcp", "port": 1}]},
+            {"number": "GONE", "sources": [{"any": True}], "services": [{"protocol": "tcp", "port": 2}]},
+            {"number": "FRESH", "sources": [{"any": True}], "services": [{"protocol": "tcp", "port": 3}]},
+        ],
+    },
+    {
+        "name": "other",
+        "scope": "",
+        "rules": [
+            {"number": "FRESH", "sources": [{"any": True}], "services": [{"protocol": "tcp", "port": 4}]},
+            {
+                "number": (1 << 24) - 1,
+                "sources": [{"any": True}],
+                "services": [{"protocol": "tcp", "port": 5}],
+            },
+        ],
+    },
+]
+
+
+def test_bad_numbers_get_every_finding_with_its_path_and_nothing_is_written(fleet):
+    _messy_policy()
+    db_rule = Rule.objects.filter(ruleset__name="zz-database").first().number
+    gone = sorted(
+        set(range(1, PolicyState.objects.get(id=1).next_rule_number))
+        - set(Rule.objects.values_list("number", flat=True))
+    )[0]
+    fresh = PolicyState.objects.get(id=1).next_rule_number + 5
+    data = policy_file_load(text=policy_export(format="json"), source="p.json")
+    rulesets = json.loads(
+        json.dumps(NUMBERED_FILE_RULESETS)
+        .replace('"DB"', str(db_rule))
+        .replace('"GONE"', str(gone))
+        .replace('"FRESH"', str(fresh))
+    )
+    data["rulesets"] = [r for r in data["rulesets"] if r["name"] != "frontend"] + rulesets
+    database = data["rulesets"][1]  # its rule moved to another ruleset, number and all
+    database["rules"] = [r for r in database["rules"] if r["number"] != db_rule]
+    before, events, state = _counts(), AuditEvent.objects.count(), PolicyState.objects.get(id=1)
+    for call in (lambda: policy_plan(data=data), lambda: _apply(data)):
+        with pytest.raises(PolicyFileInvalid) as invalid:
+            call()
+        found = [(file_path(f.path), f.rule, f.message) for f in invalid.value.findings]
+        assert [(path, rule) for path, rule, _ in found] == [
+            ("rulesets[2].rules[0].number", "type"),
+            ("rulesets[2].rules[1].number", "type"),
+            ("rulesets[2].rules[2].number", "out-of-range"),
+            ("rulesets[2].rules[3].number", "out-of-range"),
+            ("rulesets[3].rules[0].number", "duplicate-number"),
+            ("rulesets[2].rules[4].number", "rule-of-another-ruleset"),
+            ("rulesets[2].rules[5].number", "number-given"),
+        ]
+        assert found[4][2].endswith("(also rulesets[2].rules[6].number): a number is one rule.")
+        assert found[5][2] == (
+            f"rule {db_rule} belongs to ruleset 'zz-database'; a rule cannot move between rulesets: "
+            "remove its number to create a new rule there."
+        )
+        assert found[6][2] == (
+            f"number {gone} was given to a rule since deleted; numbers are never reused, so flow evidence "
+            "of the old rule is never attributed to a new one: remove `number` to create a new rule."
+        )
+    assert _counts() == before and AuditEvent.objects.count() == events
+    after = PolicyState.objects.get(id=1)
+    assert (after.version, after.next_rule_number) == (state.version, state.next_rule_number)
+
+
+def test_the_highest_number_the_mark_holds_is_admitted(db):
+    data = {
+        **EMPTY,
+        "rulesets": [
+            {
+                "name": "r",
+                "enabled": True,
+                "scope": "",
+                "rules": [
+                    {"number": (1 << 24) - 1, "sources": [{"any": True}], "services": [{"protocol": "icmp"}]}
+                ],
+            }
+        ],
     }
-    assert policy_export(format="json") == exported
+    _apply(data)
+    assert Rule.objects.get().number == (1 << 24) - 1
+    assert policy_file_load(text=policy_export(format="yaml"), source="p.yaml") == data
+    more = {"sources": [{"any": True}], "services": [{"protocol": "icmpv6"}]}
+    data["rulesets"][0]["rules"].append(more)
+    with pytest.raises(PolicyFileInvalid, match="rule numbers have been given out"):
+        _apply(data)
+    assert Rule.objects.count() == 1
 
 
 def test_export_is_sorted_named_and_byte_identical(fleet):
@@ -297,11 +512,13 @@ def test_plan_lists_changes_field_by_field_and_apply_does_exactly_that(fleet):
     assert policy_plan(data=data)["changes"] == []
 
 
-def test_reordered_and_edited_rules_keep_their_numbers(fleet):
+def test_unnumbered_rules_reordered_and_edited_keep_their_numbers(fleet):
     _messy_policy()
     data = policy_file_load(text=policy_export(format="yaml"), source="p.yaml")
     numbers = [r.number for r in Rule.objects.filter(ruleset__name="frontend").order_by("position")]
     rules = data["rulesets"][1]["rules"]
+    for rule in rules:  # as written by hand: the content and position heuristics find them
+        del rule["number"]
     rules.reverse()
     rules[0]["services"] = [{"protocol": "icmpv6"}, {"protocol": "icmp"}]  # was the last: icmpv6 alone
     fields = policy_plan(data=data)["changes"][0]["fields"]
@@ -409,7 +626,7 @@ rulesets:
     rules:
       - sources: [{address_group: nope}]
         services: [{service: pgsql}, {protocol: tcp}]
-        number: 3
+        unknown: 3
 """
 
 BAD_FINDINGS = [
@@ -419,7 +636,7 @@ BAD_FINDINGS = [
     "address_groups[0].colour: unknown-field",
     "address_groups[0].members[0]: cidr-host-bits",
     "rulesets[0].scope: selector-syntax",
-    "rulesets[1].rules[0].number: unknown-field",
+    "rulesets[1].rules[0].unknown: unknown-field",
     "rulesets[1].rules[0].services[1].port: port-required",
     "rulesets[1].rules[0].sources[0].address_group: unknown-reference",
     "rulesets[1].rules[0].services[0].service: unknown-reference",

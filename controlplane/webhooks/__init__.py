@@ -1,0 +1,1 @@
+"""Signed webhooks fed from a transactional outbox (docs/webhooks.md)."""
