@@ -48,20 +48,35 @@ class FlowKeyClassifier:
         self.now = policy_inputs_load()
         self.policies = (self.now, *drafts)
         # A workload's labels decide which rulesets apply to it: workloads with the same labels judge
-        # a connection alike, and a fleet has far fewer label sets than keys.
+        # a connection alike, and a fleet has far fewer label sets than keys. A range's keys repeat
+        # their workloads and services too: each is looked up or parsed once.
         self._outcomes: dict[tuple, tuple[int | None, ...]] = {}
+        self._connections: dict[tuple, Connection | None] = {}
+        self._by_id: dict = {}
 
     def workload(self, row: dict) -> WorkloadInput | None:
-        return self.workloads.get(str(row["workload_id"]))
+        workload_id = row["workload_id"]
+        try:
+            return self._by_id[workload_id]
+        except KeyError:
+            found = self._by_id[workload_id] = self.workloads.get(str(workload_id))
+            return found
 
     def rules(self, row: dict) -> tuple[int | None, ...] | None:
         """The lifetime number of the rule of each policy (now first, then the drafts) that admits the
         key (`workload_id`, `peer`, `protocol`, `port`), None where none does; None for a key that no
         table can judge (its workload gone, a connection no rule can admit)."""
-        workload, connection = self.workload(row), flow_key_connection(row)
-        if workload is None or connection is None:
+        workload = self.workload(row)
+        if workload is None:
             return None
-        key = (workload.labels, connection)
+        service = (row["peer"], row["protocol"], row["port"])
+        if service in self._connections:
+            connection = self._connections[service]
+        else:
+            connection = self._connections[service] = flow_key_connection(row)
+        if connection is None:
+            return None
+        key = (workload.labels, service)
         found = self._outcomes.get(key)
         if found is None:
             judged = _judged(workload)

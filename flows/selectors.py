@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 
+from django.db import connections
 from django.db.models import F, Max, Min, OuterRef, Prefetch, Q, Subquery, Sum, UUIDField
 
 from controlplane import clock
@@ -26,7 +27,7 @@ from flows.models import (
     UnsummedWindow,
 )
 from flows.retention import flow_retention
-from flows.sums import BLOCK, LADDER, Span, rule_read, sums_due
+from flows.sums import BLOCK, LADDER, NO_RULE, SUMMED, Span, rule_read, sums_due
 from flows.validation import GROUP_KEYS, workload_required
 from policy.grammar import Selector
 from policy.models import Rule
@@ -352,7 +353,55 @@ def _summed_by_spans(planned: FlowRange, columns: list[str], **filters) -> list[
         start__gte=first_block, start__lt=split, window_id__in=unsummed.values("window_id")
     )
     first, *rest = [key_sums(part, columns) for part in (*edges, within, *sums)]
-    return _merged(first.union(*rest, all=True), columns=columns)
+    parts = first.union(*rest, all=True)
+    if connections[parts.db].vendor == "postgresql":
+        return _added_up_in_sql(parts, columns)
+    return _merged(parts, columns=columns)
+
+
+# How PostgreSQL orders a key column as `_null_last` orders its values in Python: text by code point
+# (the database's collation may order "1.2.3.4" after "12.0.0.1"), uuids bytewise as their integers.
+_TEXT_COLUMNS = frozenset({"peer", "protocol", "decision"})
+
+
+def _added_up_in_sql(parts, columns: list[str]) -> list[dict]:
+    """`_merged` in SQL: one row a key around the parts' UNION ALL, in the same order. A day of a
+    thousand workloads is some 20,000 partial sums but 5,000 keys: turning each partial sum into a
+    dict, its two timestamps parsed, was most of a rollup's time."""
+    connection = connections[parts.db]
+    sql, params = parts.query.get_compiler(connection=connection).as_sql()
+    q = connection.ops.quote_name
+    keys = [f"NULLIF({q(c)}, {NO_RULE})" if c == "rule_number" else q(c) for c in columns]
+    # sum() of bigint is numeric, exact past 2**63 (an older version took counts up to 2**62 a window):
+    # read as text and made an int, as Django's Sum makes its Decimal an int, three times faster.
+    added = [f"sum({q(c)})::text" for c in SUMMED]
+    # The instants as microseconds since the epoch: parsing 10,000 timestamps' text cost more than
+    # the rest of the read in Python.
+    added += [f"(extract(epoch FROM {f}({q(c)})) * 1000000)::bigint" for f, c in _SEEN]
+    by = ", ".join(str(position) for position in range(1, len(columns) + 1))
+    order = ", ".join(
+        f'{q(c)} COLLATE "C" NULLS LAST' if c in _TEXT_COLUMNS else f"{position} NULLS LAST"
+        for position, c in enumerate(columns, start=1)
+    )
+    select = ", ".join(keys + added)
+    statement = f"SELECT {select} FROM ({sql}) AS parts GROUP BY {by} ORDER BY {order}"  # noqa: S608 - our columns
+    with connection.cursor() as cursor:
+        cursor.execute(statement, params)
+        rows = cursor.fetchall()
+    added_up = []
+    width, summed = len(columns), len(columns) + len(SUMMED)
+    for values in rows:
+        row = dict(zip(columns, values[:width], strict=True))
+        row.update(zip(SUMMED, map(int, values[width:summed]), strict=True))
+        first_seen, last_seen = values[summed:]
+        row["first_seen"] = _EPOCH + timedelta(microseconds=first_seen)
+        row["last_seen"] = _EPOCH + timedelta(microseconds=last_seen)
+        added_up.append(row)
+    return added_up
+
+
+_SEEN = (("min", "first_seen"), ("max", "last_seen"))
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
 @dataclass(frozen=True)

@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import ipaddress
 import re
+import uuid
 from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 from controlplane.clock import rfc3339
 from controlplane.problems import Finding, ValidationFailed, pointer
@@ -155,6 +156,14 @@ class _SortedOut:
     admitted_now: list = field(default_factory=list)
 
 
+class _Workload(NamedTuple):
+    """What the suggestion reads of a workload of the evidence."""
+
+    id: uuid.UUID
+    hostname: str
+    labels: dict
+
+
 def _sorted_out(rows: list[dict], workloads: dict, label_keys: list[str]) -> _SortedOut:
     """Each key: admitted now by a rule in force, not generalised (and why), or seen[scope][source]
     [(protocol, port)], a source being ("selector", text) or ("address", peer).
@@ -164,12 +173,15 @@ def _sorted_out(rows: list[dict], workloads: dict, label_keys: list[str]) -> _So
     may admit what was refused; the key is judged as its workload's table in `simulation` or
     `enforced` would judge a new inbound connection, selectors resolved to the fleet's addresses now."""
     in_force, out = FlowKeyClassifier(), _SortedOut()
-    named: dict = {}  # a workload's selector of label_keys (or the keys it lacks), worked out once
+    # The selector of label_keys (or the keys lacking) of each set of their values, worked out once: a
+    # fleet has far fewer of those than workloads.
+    named: dict[tuple, tuple[str | None, list[str]]] = {}
 
-    def selector_of(workload: Workload) -> tuple[str | None, list[str]]:
-        if workload.id not in named:
-            named[workload.id] = _values_selector(workload.labels, label_keys)
-        return named[workload.id]
+    def selector_of(workload: _Workload) -> tuple[str | None, list[str]]:
+        values = tuple((key, workload.labels[key]) for key in label_keys if key in workload.labels)
+        if values not in named:
+            named[values] = _values_selector(workload.labels, label_keys)
+        return named[values]
 
     for row in rows:
         workload, peer = workloads[row["workload_id"]], workloads.get(row["peer_workload_id"])
@@ -293,7 +305,10 @@ def policy_suggest(
     covered = coverage(selected, start, end, lookback=planned.lookback)
     rows = flow_keys_summed(planned, KEY_COLUMNS, decision__in=list(UNADMITTED))
     ids = {r["workload_id"] for r in rows} | {r["peer_workload_id"] for r in rows if r["peer_workload_id"]}
-    workloads = {w.id: w for w in Workload.objects.filter(id__in=ids).only("id", "hostname", "labels")}
+    workloads = {
+        row[0]: _Workload(*row)
+        for row in Workload.objects.filter(id__in=ids).values_list("id", "hostname", "labels")
+    }
 
     sorted_out = _sorted_out(rows, workloads, label_keys)
     proposal = _Proposal(aggregate_prefix, aggregate_prefix_v6)
