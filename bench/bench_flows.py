@@ -475,7 +475,7 @@ def bench_rollup(hours: int, samples: int) -> dict:
             rows = conn.execute(sql).fetchall()
             if "GROUP BY" in sql:
                 for row in rows:
-                    merged[row[:3]] = merged.get(row[:3], 0) + (row[3] or 0)
+                    merged[row[:3]] = merged.get(row[:3], 0) + int(row[3] or 0)  # exact text on PostgreSQL
         return list(merged.items())
 
     ours = []
