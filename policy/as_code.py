@@ -9,9 +9,10 @@ rules of a ruleset keep their order, which is semantic.
 `policy_plan` compares the file with the stored policy object by object and field by field, and says
 what a render dry-run and the impact over past traffic make of it; `policy_apply` performs the same
 plan through the API's own write functions (policy/services.py) in one transaction, refusing when
-the policy version moved since the plan. Stored rules are matched to the file's by content (then by
-position), so a rule that did not change keeps its id and lifetime number: flow evidence stays
-attributed to it, and its documents do not move.
+the policy version moved since the plan. A rule written without a number (by hand) is matched to a
+stored rule no number claims by content (then by one side, then by position), so a rule that did not
+change keeps its id and lifetime number: flow evidence stays attributed to it, and its documents do
+not move.
 
 Each exported rule carries its lifetime `number` (the low bits of its conntrack mark, what flow
 evidence names it by). A numbered rule of the file is the stored rule of that number, whatever its
