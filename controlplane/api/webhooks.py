@@ -12,8 +12,10 @@ from controlplane.webhooks.selectors import (
     attempt_data,
     webhook_attempts_list,
     webhook_data,
+    webhook_detail_data,
     webhook_get,
     webhook_list,
+    webhooks_data,
 )
 from controlplane.webhooks.services import webhook_create, webhook_delete
 
@@ -74,12 +76,12 @@ class WebhookListView(APIView):
     @extend_schema(
         operation_id="webhooks_list",
         parameters=PAGE_PARAMETERS,
-        responses={200: page_of("WebhookPage", WebhookSerializer()), **COMMON_ERRORS},
+        responses={200: page_of("WebhookPage", WebhookDetailSerializer()), **COMMON_ERRORS},
     )
     def get(self, request):
         cursor, limit = page_params(request)
         page = webhook_list(cursor=cursor, limit=limit)
-        return page_response(page, [webhook_data(w) for w in page.items])
+        return page_response(page, webhooks_data(list(page.items)))
 
     @extend_schema(
         operation_id="webhooks_create",
@@ -97,7 +99,7 @@ class WebhookView(APIView):
         responses={200: WebhookDetailSerializer, 404: problem("`not-found`."), **COMMON_ERRORS},
     )
     def get(self, request, webhook_id):
-        return Response(webhook_data(webhook_get(webhook_id=webhook_id), backlog=True))
+        return Response(webhook_detail_data(webhook_get(webhook_id=webhook_id)))
 
     @extend_schema(
         operation_id="webhooks_delete",

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.db.models import Count, Min
+
 from controlplane import clock
 from controlplane.lookups import get_or_not_found
 from controlplane.pagination import OrderKey, Page, list_fingerprint, paginate
@@ -39,13 +41,25 @@ def webhook_attempts_list(*, webhook_id: Any, cursor: str | None, limit: int) ->
     )
 
 
-def webhook_backlog(webhook: Webhook) -> dict[str, Any]:
-    pending = WebhookDelivery.objects.filter(webhook=webhook, state=WebhookDelivery.PENDING)
-    oldest = pending.order_by("created_at").values_list("created_at", flat=True).first()
-    return {"pending": pending.count(), "oldest_pending_since": clock.rfc3339(oldest)}
+def webhook_backlogs(webhooks: list[Webhook]) -> dict[Any, dict[str, Any]]:
+    """Each webhook's pending deliveries and the oldest one's creation, in one grouped read."""
+    rows = (
+        WebhookDelivery.objects.filter(webhook__in=webhooks, state=WebhookDelivery.PENDING)
+        .values("webhook_id")
+        .annotate(pending=Count("id"), oldest=Min("created_at"))
+    )
+    found = {row["webhook_id"]: row for row in rows}
+    backlogs = {}
+    for webhook in webhooks:
+        row = found.get(webhook.id, {"pending": 0, "oldest": None})
+        backlogs[webhook.id] = {
+            "pending": row["pending"],
+            "oldest_pending_since": clock.rfc3339(row["oldest"]),
+        }
+    return backlogs
 
 
-def webhook_data(webhook: Webhook, *, backlog: bool = False) -> dict[str, Any]:
+def webhook_data(webhook: Webhook, *, backlog: dict[str, Any] | None = None) -> dict[str, Any]:
     """Never the secret: it is shown once, at creation."""
     data: dict[str, Any] = {
         "id": str(webhook.id),
@@ -54,9 +68,19 @@ def webhook_data(webhook: Webhook, *, backlog: bool = False) -> dict[str, Any]:
         "description": webhook.description,
         "created_at": clock.rfc3339(webhook.created_at),
     }
-    if backlog:
-        data["deliveries"] = webhook_backlog(webhook)
+    if backlog is not None:
+        data["deliveries"] = backlog
     return data
+
+
+def webhooks_data(webhooks: list[Webhook]) -> list[dict[str, Any]]:
+    """A page of webhooks with their backlogs."""
+    backlogs = webhook_backlogs(webhooks)
+    return [webhook_data(w, backlog=backlogs[w.id]) for w in webhooks]
+
+
+def webhook_detail_data(webhook: Webhook) -> dict[str, Any]:
+    return webhooks_data([webhook])[0]
 
 
 def attempt_data(attempt: WebhookAttempt) -> dict[str, Any]:

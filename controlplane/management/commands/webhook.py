@@ -8,8 +8,10 @@ from controlplane.webhooks.selectors import (
     attempt_data,
     webhook_attempts_list,
     webhook_data,
+    webhook_detail_data,
     webhook_get,
     webhook_list,
+    webhooks_data,
 )
 from controlplane.webhooks.services import webhook_create, webhook_delete
 
@@ -53,7 +55,7 @@ class Command(PalisadeCommand):
         items, cursor = [], None
         while True:
             page = webhook_list(cursor=cursor, limit=MAX_LIMIT)
-            items.extend(webhook_data(w, backlog=True) for w in page.items)
+            items.extend(webhooks_data(list(page.items)))
             if not (cursor := page.next_cursor):
                 break
         lines = [f"{'ID':36}  {'PENDING':7}  {'CREATED':19}  URL / EVENTS"]
@@ -70,7 +72,7 @@ class Command(PalisadeCommand):
 
     def do_deliveries(self, options):
         limit = max(1, min(options["limit"], MAX_LIMIT))
-        webhook = webhook_data(webhook_get(webhook_id=options["webhook_id"]), backlog=True)
+        webhook = webhook_detail_data(webhook_get(webhook_id=options["webhook_id"]))
         page = webhook_attempts_list(webhook_id=options["webhook_id"], cursor=None, limit=limit)
         attempts = [attempt_data(a) for a in page.items]
         lines = [
