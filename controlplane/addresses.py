@@ -23,12 +23,17 @@ _THIS_NETWORK = ipaddress.IPv4Network("0.0.0.0/8")
 _LIMITED_BROADCAST = ipaddress.IPv4Address("255.255.255.255")
 
 WHAT_IT_NAMES = {
-    UNSPECIFIED: "no host (the unspecified address; as a destination, this host)",
+    UNSPECIFIED: "no host (as a destination, this host)",
     LOOPBACK: "every host itself",
     LINK_LOCAL: "a host only on one link, not in the network",
     MULTICAST: "a group of hosts",
     BROADCAST: "every host of the local network",
 }
+
+
+def kind_phrase(kind: str) -> str:
+    """`an unspecified address`, `a loopback address`, ..."""
+    return f"{'an' if kind[0] in 'aeiou' else 'a'} {kind} address"
 
 
 def plain(address: IPAddress) -> IPAddress:

@@ -17,7 +17,7 @@ from django.db import connection, transaction
 from agent import protocol
 from agent.credential import CredentialError, public_key_decode, public_key_encode, public_key_fingerprint
 from controlplane import clock
-from controlplane.addresses import WHAT_IT_NAMES, plain, special_use
+from controlplane.addresses import WHAT_IT_NAMES, kind_phrase, plain, special_use
 from controlplane.audit import audit_record
 from controlplane.auth.actor import Actor
 from controlplane.problems import Problem, pointer
@@ -119,7 +119,7 @@ def _addresses_input(addresses: Any, findings: Findings) -> list[str]:
             findings.add(
                 path,
                 f"address-{kind}",
-                f"{quoted(item)} is a {kind} address: it names {WHAT_IT_NAMES[kind]}, not this workload, "
+                f"{quoted(item)} is {kind_phrase(kind)}: it names {WHAT_IT_NAMES[kind]}, not this workload, "
                 "and other workloads' rules would admit it as this workload. Give the host's own addresses.",
             )
             continue

@@ -29,7 +29,7 @@ from urllib.parse import urlsplit
 
 from django.conf import settings
 
-from controlplane.addresses import LOOPBACK, WHAT_IT_NAMES, IPAddress, plain, special_use
+from controlplane.addresses import LOOPBACK, WHAT_IT_NAMES, IPAddress, kind_phrase, plain, special_use
 from controlplane.validation import quoted
 
 # Findings' rules (docs/api.md).
@@ -161,7 +161,7 @@ def address_check(address: IPAddress, destination: Destination) -> None:
                 "not list; a receiver on this host is admitted only on a port listed there.",
             )
         if kind not in (None, LOOPBACK):
-            raise Refused(URL_ADDRESS, f"{shown}: a {kind} address, naming {WHAT_IT_NAMES[kind]}.")
+            raise Refused(URL_ADDRESS, f"{shown}: {kind_phrase(kind)}, naming {WHAT_IT_NAMES[kind]}.")
         if any(candidate in network for network in METADATA_NETWORKS):
             raise Refused(URL_ADDRESS, f"{shown}: a cloud metadata service; webhooks never reach one.")
         # NAT64 addresses sit in a reserved range: they are judged by the IPv4 address they carry.

@@ -131,8 +131,12 @@ def test_a_receiver_failing_three_times_gets_the_event_once_it_answers_with_a_va
         with operator_of(serve) as operator:
             webhook_id, secret = create_webhook(operator, receiver.url, ["webhook.created"])
             receiver.wait_for(lambda r: r.delivered())
+            # The sender records the answer just after the receiver sent it: wait for the record.
+            deadline = time.monotonic() + 10
+            while (listed := operator.get(f"/api/v1/webhooks/{webhook_id}").json())["deliveries"]["pending"]:
+                assert time.monotonic() < deadline, "the delivered attempt was not recorded"
+                time.sleep(0.05)
             attempts = operator.get(f"/api/v1/webhooks/{webhook_id}/deliveries").json()["items"]
-            listed = operator.get(f"/api/v1/webhooks/{webhook_id}").json()
         assert serve.stop() == 0
         assert "Traceback" not in serve.stderr_text()
     receiver.stop()

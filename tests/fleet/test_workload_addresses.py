@@ -113,7 +113,10 @@ def test_an_address_of_no_one_host_is_refused_at_enrolment_with_a_finding(client
     token = mint(max_uses=1)
     response = Host(client, "web-1").enrol("10.1.0.1", address, token=token)
     assert_problem(response, 422, "validation")
-    assert [(e["path"], e["rule"]) for e in response.json()["errors"]] == [("/addresses/1", rule)]
+    (finding,) = response.json()["errors"]
+    assert (finding["path"], finding["rule"]) == ("/addresses/1", rule)
+    kind = rule.removeprefix("address-")
+    assert f"is {'an' if kind == 'unspecified' else 'a'} {kind} address: it names" in finding["message"]
     assert not Workload.objects.exists() and ProvisioningToken.objects.get().uses == 0
 
 
