@@ -92,6 +92,7 @@ def descriptor_limit_raise() -> tuple[int, int]:
 
 def database_threads() -> int:
     """Threads of serve that may each hold a database connection."""
+    from django.conf import settings
     from twisted.internet import reactor
 
     from controlplane import http_threads
@@ -105,6 +106,7 @@ def database_threads() -> int:
         + http_threads.HEAVY_THREADS
         + http_threads.FLOW_REPORT_THREADS
         + DB_THREADS
+        + settings.PALISADE_WEBHOOK_SENDER_THREADS  # each also holds a receiver's socket
         + reactor_pool
         + loop_executor
         + 1

@@ -81,10 +81,18 @@ def flow_partitions_step() -> int:
 
 
 def webhooks_send_step() -> int:
-    """Deliver the webhook outbox's due deliveries (controlplane/webhooks/sender.py)."""
-    from controlplane.webhooks.sender import webhook_deliveries_send
+    """Queue a delivery round for each webhook with due deliveries on the sender threads, which work
+    each webhook apart (controlplane/webhooks/sender.py); returns at once."""
+    from controlplane.webhooks.sender import webhook_rounds_start
 
-    return webhook_deliveries_send()
+    return webhook_rounds_start()
+
+
+def webhooks_cap_step() -> int:
+    """Give up the oldest pending deliveries of a webhook beyond `PALISADE_WEBHOOK_MAX_PENDING`."""
+    from controlplane.webhooks.sender import webhook_backlogs_cap
+
+    return webhook_backlogs_cap()
 
 
 def credential_expiries_step() -> int:
@@ -137,6 +145,7 @@ STEPS = (
     Step("remove flow evidence past its retention", 3600, run=flows_prune_step),
     Step("catch up streams", 2.0, run_async=streams_catch_up_step),
     Step("send webhooks", _WEBHOOK_SEND_EVERY, run=webhooks_send_step),
+    Step("cap webhook backlogs", 10, run=webhooks_cap_step),
     Step("notice expired credentials", 30, run=credential_expiries_step),
     Step("prune webhook deliveries", 3600, run=webhooks_prune_step),
 )

@@ -54,6 +54,11 @@ PROBLEM_TYPES: dict[str, ProblemType] = {
         "Object in use",
         "The object is referenced and cannot be deleted; `referenced_by` names the referencing rules.",
     ),
+    "address-taken": ProblemType(
+        409,
+        "Address taken",
+        "The agent gateway refused an enrolment whose addresses another active workload (credential not revoked) holds: an address belongs to one workload; `held_by` names each address and its workload.",
+    ),
     "workload-offline": ProblemType(
         409,
         "Workload offline",

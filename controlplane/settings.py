@@ -218,6 +218,29 @@ PALISADE_WEBHOOK_RETENTION_DAYS = int(os.environ.get("PALISADE_WEBHOOK_RETENTION
 # Extra certificate authorities (PEM) the sender trusts beside the system's, e.g. a private CA.
 PALISADE_WEBHOOK_CA_FILE = os.environ.get("PALISADE_WEBHOOK_CA_FILE", "")
 
+
+def _loopback_ports(text: str) -> tuple[int, ...]:
+    ports = []
+    for item in text.replace(",", " ").split():
+        if not item.isdigit() or not 1 <= int(item) <= 65535:
+            raise ValueError(f"PALISADE_WEBHOOK_LOOPBACK_PORTS: {item!r} is not a port (1-65535)")
+        ports.append(int(item))
+    return tuple(ports)
+
+
+# Where webhooks may go (controlplane/webhooks/destinations.py): loopback receivers only on these
+# ports (comma-separated; none by default), private ranges unless "refuse".
+PALISADE_WEBHOOK_LOOPBACK_PORTS = _loopback_ports(os.environ.get("PALISADE_WEBHOOK_LOOPBACK_PORTS", ""))
+PALISADE_WEBHOOK_PRIVATE_ADDRESSES = os.environ.get("PALISADE_WEBHOOK_PRIVATE_ADDRESSES", "allow")
+if PALISADE_WEBHOOK_PRIVATE_ADDRESSES not in ("allow", "refuse"):
+    raise ValueError("PALISADE_WEBHOOK_PRIVATE_ADDRESSES must be allow or refuse")
+# Each webhook's deliveries are sent by a round of their own, on one of this many threads per serve
+# process; a round ends after this many seconds (its webhook's next round queues behind the others).
+PALISADE_WEBHOOK_SENDER_THREADS = int(os.environ.get("PALISADE_WEBHOOK_SENDER_THREADS", 8))
+PALISADE_WEBHOOK_ROUND_SECONDS = float(os.environ.get("PALISADE_WEBHOOK_ROUND_SECONDS", 30))
+# Pending deliveries per webhook beyond this are given up, the oldest first, with the reason recorded.
+PALISADE_WEBHOOK_MAX_PENDING = int(os.environ.get("PALISADE_WEBHOOK_MAX_PENDING", 10_000))
+
 # Set by `serve` from its flags; these defaults serve commands run outside `serve`.
 PALISADE_SITE_LABEL = os.environ.get("PALISADE_SITE_LABEL", "")
 PALISADE_GATEWAY_ADVERTISE = os.environ.get("PALISADE_GATEWAY_ADVERTISE", "")

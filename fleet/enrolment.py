@@ -12,11 +12,12 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from django.db import transaction
+from django.db import connection, transaction
 
 from agent import protocol
 from agent.credential import CredentialError, public_key_decode, public_key_encode, public_key_fingerprint
 from controlplane import clock
+from controlplane.addresses import WHAT_IT_NAMES, kind_phrase, plain, special_use
 from controlplane.audit import audit_record
 from controlplane.auth.actor import Actor
 from controlplane.problems import Problem, pointer
@@ -36,7 +37,7 @@ from fleet.models import ProvisioningToken, Workload
 from fleet.provisioning import provisioning_token_check, provisioning_token_consume
 from fleet.push import notify_streams
 from fleet.rendering import rerender_for_peer_change
-from fleet.selectors import workload_get
+from fleet.selectors import workload_get, workloads_holding
 
 MAX_HOSTNAME = 255
 MAX_ADDRESSES = 64
@@ -112,8 +113,16 @@ def _addresses_input(addresses: Any, findings: Findings) -> list[str]:
                 f"{quoted(item)} carries a zone (%{address.scope_id}); give the address alone.",
             )
             continue
-        if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped:
-            address = address.ipv4_mapped
+        address = plain(address)
+        kind = special_use(address)
+        if kind is not None:
+            findings.add(
+                path,
+                f"address-{kind}",
+                f"{quoted(item)} is {kind_phrase(kind)}: it names {WHAT_IT_NAMES[kind]}, not this workload, "
+                "and other workloads' rules would admit it as this workload. Give the host's own addresses.",
+            )
+            continue
         normalised.append(str(address))
     return list(dict.fromkeys(normalised))
 
@@ -214,6 +223,7 @@ def _enrol_new(*, token_secret, public_key, hostname, addresses, agent_version, 
         agent_version=agent_version,
         findings=findings,
     )
+    _addresses_free(spec.addresses)
     now = clock.now()
     workload = Workload(
         hostname=spec.hostname,
@@ -277,6 +287,7 @@ def _re_enrol(
         proof=proof,
         content={"public_key": public_key, "hostname": hostname, "addresses": addresses},
     )
+    _addresses_free(spec.addresses, workload_id=workload.id)
     before = {
         "public_key_fingerprint": public_key_fingerprint(workload.public_key),
         "hostname": workload.hostname,
@@ -327,6 +338,43 @@ def _re_enrol(
         detail=detail,
     )
     return Enrolled(workload=workload, credential=credential, re_enrolled=True)
+
+
+# The advisory lock of an address an enrolment claims (PostgreSQL): the prefix keeps it apart from
+# other users of advisory locks (controlplane/database.py's migration lock).
+ADDRESS_LOCK_PREFIX = "palisade-workload-address:"
+
+
+def _addresses_free(addresses: list[str], *, workload_id: Any = None) -> None:
+    """Refuse (409 `address-taken`) addresses another active workload holds: other workloads' rules
+    admit an address as the workload holding it, so two workloads holding one would let either speak
+    as the other. A revoked workload holds nothing; a re-enrolment replaces its workload's addresses.
+
+    On PostgreSQL, enrolments claiming one address take turns (a transaction-scoped advisory lock per
+    address, taken in order), so two of them cannot both find it free; SQLite has one writer at a time."""
+    if not addresses:
+        return
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            for address in sorted(addresses):
+                cursor.execute(
+                    "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", [ADDRESS_LOCK_PREFIX + address]
+                )
+    held = workloads_holding(addresses=addresses, excluding=workload_id)
+    if not held:
+        return
+    address, holder = next(iter(held.items()))
+    more = f" (and {len(held) - 1} more of its addresses are held too)" if len(held) > 1 else ""
+    raise Problem(
+        "address-taken",
+        f"The address {address} is held by workload {holder.id} ({holder.hostname}), which is enrolled "
+        f"and not revoked{more}: an address belongs to one workload. Revoke that workload's credential, or "
+        "re-enrol it without the address, first; or enrol this host without it.",
+        held_by=[
+            {"address": address, "workload_id": str(w.id), "hostname": w.hostname}
+            for address, w in held.items()
+        ],
+    )
 
 
 def _agent_actor(token: ProvisioningToken | None, *, key_fingerprint: str = "") -> Actor:

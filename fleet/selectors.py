@@ -190,6 +190,33 @@ def workload_get(*, workload_id, for_update: bool = False, missing: str = "") ->
     return get_or_not_found(queryset, workload_id, what="workload", detail=missing, for_update=for_update)
 
 
+def workloads_holding(*, addresses: list[str], excluding: uuid.UUID | None = None) -> dict[str, Workload]:
+    """The active workloads (credential not revoked) other than `excluding` that hold any of
+    `addresses` (normalised, as stored), by the address they hold; the earliest enrolled when several
+    do. PostgreSQL finds them with `?|` (top-level array elements of the jsonb), SQLite with
+    json_each."""
+    if not addresses:
+        return {}
+    active = Workload.objects.filter(credential_revoked_at__isnull=True)
+    if excluding is not None:
+        active = active.exclude(id=excluding)
+    if connection.vendor == "postgresql":
+        holders = active.filter(addresses__has_any_keys=list(addresses))
+    else:
+        table = Workload._meta.db_table
+        marks = ", ".join(["%s"] * len(addresses))
+        # The table's name and the placeholders only; the addresses are parameters.
+        held_any = f'EXISTS (SELECT 1 FROM json_each("{table}"."addresses") WHERE value IN ({marks}))'  # noqa: S608
+        holders = active.extra(where=[held_any], params=list(addresses))  # noqa: S610
+    wanted = set(addresses)
+    held: dict[str, Workload] = {}
+    for workload in holders.order_by("enrolled_at", "id").only("id", "hostname", "addresses"):
+        for address in workload.addresses:
+            if address in wanted:
+                held.setdefault(address, workload)
+    return held
+
+
 def selector_preview(*, selector: Selector, limit: int = 100) -> tuple[int, list[Workload]]:
     matched = workload_queryset(labels=[selector]).order_by("hostname", "id")
     return matched.count(), list(matched[:limit])

@@ -22,7 +22,10 @@ from controlplane.webhooks.services import webhook_create, webhook_delete
 
 class WebhookSerializer(serializers.Serializer):
     id = serializers.UUIDField()
-    url = serializers.CharField(help_text="https, or http to a loopback address only.")
+    url = serializers.CharField(
+        help_text="https; a receiver on this host (loopback) only on a port listed in "
+        "PALISADE_WEBHOOK_LOOPBACK_PORTS, and plain http only there (docs/webhooks.md)."
+    )
     events = serializers.ListField(child=serializers.ChoiceField(choices=list(EVENT_TYPES)))
     description = serializers.CharField(allow_blank=True)
     created_at = serializers.DateTimeField()
@@ -44,11 +47,16 @@ class WebhookAttemptSerializer(serializers.Serializer):
         "WebhookAttemptEvent",
         {"id": serializers.CharField(help_text="The `webhook-id` header."), "type": serializers.CharField()},
     )
-    attempt = serializers.IntegerField(help_text="1 for the delivery's first attempt.")
+    attempt = serializers.IntegerField(
+        help_text="1 for the delivery's first attempt; 0: the delivery was given up unsent (over the "
+        "backlog cap, or with the rest of a receiver given up on), `error` says which."
+    )
     at = serializers.DateTimeField()
     duration_ms = serializers.IntegerField()
     status_code = serializers.IntegerField(allow_null=True, help_text="null: no HTTP answer.")
-    error = serializers.CharField(allow_null=True)
+    error = serializers.CharField(
+        allow_null=True, help_text="Why it failed, in Palisade's words (never the receiver's answer)."
+    )
     outcome = serializers.ChoiceField(choices=["delivered", "retrying", "gave_up"])
     next_attempt_at = serializers.DateTimeField(allow_null=True, help_text="When `retrying`.")
 

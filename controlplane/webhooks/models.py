@@ -40,10 +40,11 @@ class WebhookEvent(models.Model):
 
 
 class WebhookDelivery(models.Model):
-    """An event to one webhook: pending until delivered or given up."""
+    """An event to one webhook: pending until delivered or given up, or superseded by a later event of
+    the same workload and type that carries its count (controlplane/webhooks/outbox.py)."""
 
-    PENDING, DELIVERED, GAVE_UP = "pending", "delivered", "gave_up"
-    STATES = [(PENDING, PENDING), (DELIVERED, DELIVERED), (GAVE_UP, GAVE_UP)]
+    PENDING, DELIVERED, GAVE_UP, SUPERSEDED = "pending", "delivered", "gave_up", "superseded"
+    STATES = [(PENDING, PENDING), (DELIVERED, DELIVERED), (GAVE_UP, GAVE_UP), (SUPERSEDED, SUPERSEDED)]
 
     id = models.BigAutoField(primary_key=True)
     webhook = models.ForeignKey(Webhook, on_delete=models.CASCADE, related_name="+")
@@ -57,6 +58,10 @@ class WebhookDelivery(models.Model):
     created_at = models.DateTimeField()
     next_attempt_at = models.DateTimeField()
     finished_at = models.DateTimeField(null=True)
+    # How many events this delivery stands for (itself and those it superseded), and when the first
+    # of them happened (null: it stands for itself alone).
+    coalesced_count = models.PositiveIntegerField(default=1)
+    coalesced_since = models.DateTimeField(null=True)
 
     class Meta:
         indexes = [

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from django.db import connection, transaction
+from django.db.models import Min
 
 from controlplane import clock
 from controlplane.webhooks.models import Webhook, WebhookDelivery, WebhookEvent, WebhookWatermark
@@ -32,6 +34,23 @@ EVENT_TYPES = (
     "mode_change.requested",
     "webhook.created",
     "webhook.deleted",
+)
+
+# Events an agent can cause over and over at will (a flow report carries up to 500 gaps; a stream can
+# be dropped and reopened, a table removed and restored, a renewal failed, again and again): per
+# webhook, a pending delivery of one of these is superseded by the next event of the same workload and
+# type, which carries how many events it stands for. Operators' events (mode changes, webhook writes)
+# and a credential's expiry (once per credential) are each delivered.
+COALESCED_TYPES = frozenset(
+    {
+        "workload.degraded",
+        "workload.enforcement_removed",
+        "workload.enforcement_restored",
+        "workload.offline",
+        "workload.credential_renewal_failed",
+        "workload.evidence_gap",
+        "workload.clock_skew",
+    }
 )
 
 
@@ -76,10 +95,79 @@ def _webhooks_held() -> list[tuple[uuid.UUID, list[str]]]:
         return [(uuid.UUID(str(i)), json.loads(e) if isinstance(e, str) else e) for i, e in cursor.fetchall()]
 
 
+def coalescable(event: Event) -> bool:
+    return event.type in COALESCED_TYPES and event.workload_id is not None
+
+
+def _coalesced_in_batch(events: list[Event]) -> list[tuple[Event, int]]:
+    """The batch with each coalescable (workload, type) kept once, at its last event's place, with the
+    number of events it stands for; other events as they are."""
+    totals = Counter((event.workload_id, event.type) for event in events if coalescable(event))
+    seen: Counter = Counter()
+    kept = []
+    for event in events:
+        if not coalescable(event):
+            kept.append((event, 1))
+            continue
+        key = (event.workload_id, event.type)
+        seen[key] += 1
+        if seen[key] == totals[key]:
+            kept.append((event, totals[key]))
+    return kept
+
+
+def _supersede(events: list[Event], now: Any) -> dict[tuple[Any, str, str], tuple[int, Any]]:
+    """Close as superseded, for the workloads and types of the batch's coalescable events, the pending
+    deliveries no sender can be holding: those that are not the first pending one of their webhook
+    and workload (a sender only ever takes that one). On PostgreSQL they are locked SKIP LOCKED, so a
+    delivery a sender has just taken (it became the first meanwhile) is left to it, and nobody waits.
+    Returns, per (webhook, workload, type), how many events they stood for and since when."""
+    keys = {str(event.workload_id) for event in events if coalescable(event)}
+    types = {event.type for event in events if coalescable(event)}
+    if not keys:
+        return {}
+    candidates = WebhookDelivery.objects.filter(
+        state=WebhookDelivery.PENDING, order_key__in=keys, event__type__in=types
+    )
+    if connection.features.has_select_for_update_skip_locked:
+        candidates = candidates.select_for_update(skip_locked=True, of=("self",))
+    rows = list(
+        candidates.values_list(
+            "id", "webhook_id", "order_key", "event_seq", "event__type", "coalesced_count", "coalesced_since",
+            "created_at",
+        )
+    )  # fmt: skip
+    if not rows:
+        return {}
+    firsts = dict(
+        ((webhook_id, order_key), seq)
+        for webhook_id, order_key, seq in WebhookDelivery.objects.filter(
+            state=WebhookDelivery.PENDING, order_key__in=keys
+        )
+        .values("webhook_id", "order_key")
+        .annotate(first=Min("event_seq"))
+        .values_list("webhook_id", "order_key", "first")
+    )
+    superseded: dict[tuple[Any, str, str], tuple[int, Any]] = {}
+    ids = []
+    for id, webhook_id, order_key, seq, type, count, since, created_at in rows:
+        if firsts.get((webhook_id, order_key)) == seq:
+            continue
+        ids.append(id)
+        key = (webhook_id, order_key, type)
+        before_count, before_since = superseded.get(key, (0, since or created_at))
+        superseded[key] = (before_count + count, min(before_since, since or created_at))
+    WebhookDelivery.objects.filter(id__in=ids).update(state=WebhookDelivery.SUPERSEDED, finished_at=now)
+    return superseded
+
+
 def webhook_events_record(events: Iterable[Event]) -> int:
     """Write `events` to the outbox with a delivery to each subscribed webhook; call it inside the
     transaction of the state change. An event no webhook subscribes to is not written (nobody could
-    receive it: a webhook created later does not get older events). Returns the deliveries written."""
+    receive it: a webhook created later does not get older events). Events agents can cause in floods
+    (`COALESCED_TYPES`) are coalesced per workload and type: within the batch, and with the pending
+    deliveries no sender holds yet, into one delivery carrying the count (docs/webhooks.md). Returns
+    the deliveries written."""
     events = list(events)
     if not events:
         return 0
@@ -94,12 +182,13 @@ def webhook_events_record(events: Iterable[Event]) -> int:
     for webhook_id, types in _webhooks_held():
         for type in types:
             subscribers.setdefault(type, []).append(webhook_id)
-    wanted = [event for event in events if subscribers.get(event.type)]
+    wanted = [(event, count) for event, count in _coalesced_in_batch(events) if subscribers.get(event.type)]
     if not wanted:
         return 0
     now = clock.now()
+    superseded = _supersede([event for event, _ in wanted], now)
     deliveries = []
-    for event in wanted:
+    for event, batch_count in wanted:
         row = WebhookEvent.objects.create(
             id=event.id,
             type=event.type,
@@ -108,16 +197,20 @@ def webhook_events_record(events: Iterable[Event]) -> int:
             data=dict(event.data),
         )
         order_key = str(event.workload_id) if event.workload_id is not None else ""
-        deliveries.extend(
-            WebhookDelivery(
-                webhook_id=webhook_id,
-                event=row,
-                event_seq=row.seq,
-                order_key=order_key,
-                created_at=now,
-                next_attempt_at=now,
+        for webhook_id in subscribers[event.type]:
+            earlier_count, since = superseded.get((webhook_id, order_key, event.type), (0, now))
+            count = batch_count + earlier_count
+            deliveries.append(
+                WebhookDelivery(
+                    webhook_id=webhook_id,
+                    event=row,
+                    event_seq=row.seq,
+                    order_key=order_key,
+                    created_at=now,
+                    next_attempt_at=now,
+                    coalesced_count=count,
+                    coalesced_since=min(since, now) if count > 1 else None,
+                )
             )
-            for webhook_id in subscribers[event.type]
-        )
     WebhookDelivery.objects.bulk_create(deliveries)
     return len(deliveries)

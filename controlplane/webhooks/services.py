@@ -5,7 +5,6 @@ credentials, and the pruning of finished deliveries. Each write is audited and i
 from __future__ import annotations
 
 import base64
-import ipaddress
 import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from controlplane.audit import audit_record
 from controlplane.auth.actor import Actor
 from controlplane.lookups import get_or_not_found
 from controlplane.validation import Findings, quoted, reject_unknown, require_object, take_string
+from controlplane.webhooks.destinations import Refused, url_check
 from controlplane.webhooks.models import (
     Webhook,
     WebhookAttempt,
@@ -38,6 +38,7 @@ from fleet.models import Workload
 
 MAX_WEBHOOKS = 50
 MAX_URL = 2000
+URL_LOOKUP_SECONDS = 5  # a URL's host name lookup when a webhook is created
 SECRET_PREFIX = "whsec_"  # noqa: S105 - the Standard Webhooks prefix, not a secret
 
 
@@ -48,37 +49,16 @@ class WebhookInput:
     description: str
 
 
-def is_loopback(host: str) -> bool:
-    if host.lower() in ("localhost", "localhost."):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def _url_input(data: Mapping[str, Any], findings: Findings) -> str:
+    """The URL, checked where the sender may go (controlplane/webhooks/destinations.py): its host
+    resolved and every address checked, as each delivery checks them again."""
     url = take_string(data, "url", findings, min_length=1, max_length=MAX_URL)
     if not url or findings:
         return url
     try:
-        parts = urlsplit(url)
-        host, _ = parts.hostname or "", parts.port
-    except ValueError:
-        findings.add("/url", "url", f"url {quoted(url)} is not a URL.")
-        return url
-    if parts.scheme not in ("https", "http") or not host:
-        findings.add("/url", "url", "url must be an absolute https:// URL with a host.")
-    elif parts.scheme == "http" and not is_loopback(host):
-        findings.add(
-            "/url",
-            "url-scheme",
-            "url must use https; plain http is admitted only for loopback (127.0.0.0/8, ::1, localhost).",
-        )
-    elif parts.username is not None or parts.password is not None:
-        findings.add("/url", "url", "url must not carry credentials; the signature authenticates the sender.")
-    elif parts.fragment:
-        findings.add("/url", "url", "url must not have a fragment.")
+        url_check(url, lookup_seconds=URL_LOOKUP_SECONDS)
+    except Refused as refused:
+        findings.add("/url", refused.rule, refused.reason)
     return url
 
 

@@ -101,13 +101,14 @@ def lab(tmp_path_factory):
             "/api/v1/provisioning-tokens", json={"description": "console", "max_uses": 20}
         ).json()
         http.close()
-        for name in ("expired-1", "late-1"):
+        for index, name in enumerate(("expired-1", "late-1")):  # an address holds one workload
             lab.ids[name] = enrol(
-                bundle["bundle"], str(root / name), hostname=name, addresses=["10.9.0.1"]
+                bundle["bundle"], str(root / name), hostname=name, addresses=[f"10.9.0.{index + 1}"]
             ).workload_id
         expiring_since = time.monotonic()
         assert short.stop() == 0
-        serve = site.serve(env={"REDIS_URL": ""}, **listen)
+        # Webhooks to a loopback port are admitted only on the ports listed (the webhook test's).
+        serve = site.serve(env={"REDIS_URL": "", "PALISADE_WEBHOOK_LOOPBACK_PORTS": "9"}, **listen)
         lab.serve = serve
         http = serve.client("operator", headers={"Authorization": f"Bearer {serve.mint_operator_token()}"})
         lab.http = http
@@ -488,7 +489,7 @@ def test_minting_shows_the_secret_once_and_revoking_asks_first(logged_in, lab):
 
 
 def test_a_webhook_is_created_with_its_secret_shown_once_and_deleted_only_when_confirmed(logged_in, lab):
-    receiver = "http://127.0.0.1:9/browser-hook"  # loopback: admitted over plain http
+    receiver = "http://127.0.0.1:9/browser-hook"  # loopback, on a port the lab's serve lists
     page = logged_in.goto("/about")
     page.get_by_role("navigation", name="Main").get_by_role("link", name="Webhooks").click()
     page.wait_for_url(re.compile(r"/webhooks$"))

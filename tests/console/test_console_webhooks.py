@@ -12,7 +12,12 @@ from django.test import Client
 
 pytestmark = pytest.mark.django_db
 
-RECEIVER = "http://127.0.0.1:9/hook"  # loopback: admitted over plain http
+RECEIVER = "http://127.0.0.1:9/hook"  # loopback: admitted over plain http on a port listed as a receiver's
+
+
+@pytest.fixture(autouse=True)
+def receiver_port_listed(settings):
+    settings.PALISADE_WEBHOOK_LOOPBACK_PORTS = (9,)
 
 
 @pytest.fixture
@@ -77,7 +82,7 @@ def test_the_api_s_findings_are_shown_beside_their_fields_and_nothing_is_created
     assert "https" in url_errors and "events" in events_errors
     assert 'value="ftp://example.com/x"' in page and 'value="kept"' in page  # what was typed stays
     assert "None yet." in page and "whsec_" not in page
-    again = text(_create(browser, url="https://example.com/x", events=["workload.offline", "bogus"]))
+    again = text(_create(browser, url="https://192.0.2.10/x", events=["workload.offline", "bogus"]))
     assert 'value="workload.offline" checked' in again and "bogus" in again
 
 
@@ -137,3 +142,22 @@ def test_texts_from_the_api_and_receivers_are_shown_escaped(browser):
     Webhook.objects.filter(id=webhook_id).update(description='<img src=x onerror="alert(1)">')
     page = browser.get("/webhooks").content.decode()
     assert "<img src=x" not in page and "&lt;img src=x onerror=&quot;alert(1)&quot;&gt;" in page
+
+
+def test_a_delivery_given_up_unsent_shows_no_attempt_number_and_our_reason(browser, settings):
+    from controlplane.housekeeping import webhooks_cap_step
+
+    _create(browser, events=["webhook.created", "webhook.deleted"])
+    webhook_id = _webhook_id(browser)
+    _create(browser, url="http://127.0.0.1:9/other", events=["workload.offline"])  # its creation: news
+    settings.PALISADE_WEBHOOK_MAX_PENDING = 1
+    assert webhooks_cap_step() == 1
+    page = text(browser.get(f"/webhooks/{webhook_id}"))
+    attempt = re.search(r'<tr data-attempt="[^"]+" data-outcome="gave_up">(.*?)</tr>', page).group(1)
+    cells = re.findall(r"<td>(.*?)</td>", attempt)
+    assert cells[2:6] == [
+        "—",
+        "gave up",
+        "—",
+        "given up unsent: over 1 pending deliveries to this webhook, the oldest go",
+    ]

@@ -3,6 +3,8 @@ bundle, and consumption: uses, expiry, revocation and max_uses, also under concu
 
 import base64
 import hashlib
+import ipaddress
+import itertools
 import json
 from datetime import timedelta
 
@@ -48,12 +50,15 @@ def agent_public_key() -> str:
     return public_key_encode(Ed25519PrivateKey.generate().public_key())
 
 
+_hosts = itertools.count(1)
+
+
 def enrol(secret, **overrides):
     kwargs = dict(
         token_secret=secret,
         public_key=agent_public_key(),
         hostname="web-1",
-        addresses=["10.0.0.5"],
+        addresses=[str(ipaddress.IPv4Address("10.0.0.4") + next(_hosts))],  # one workload holds an address
         agent_version="0.1.0",
     )
     return workload_enrol(**{**kwargs, **overrides})

@@ -127,7 +127,7 @@ def test_a_general_token_cannot_take_over_a_workload(client, caplog):
 
 
 def test_a_token_minted_for_one_workload_neither_re_enrols_another_nor_creates_one(client):
-    a, b = Host(hostname="a"), Host(hostname="b")
+    a, b = Host(hostname="a"), Host(hostname="b", addresses=("10.0.0.6",))  # one address, one workload
     before = b.row()
     for_a = mint(workload_id=a.workload_id)
     body = assert_problem(
@@ -234,7 +234,7 @@ def test_a_proof_is_good_for_one_enrolment_even_when_the_key_stays(client):
 
 
 def test_a_proof_signed_by_another_workloads_key_is_refused(client):
-    victim, attacker = Host(hostname="victim"), Host(hostname="attacker")
+    victim, attacker = Host(hostname="victim"), Host(hostname="attacker", addresses=("10.0.0.6",))
     before = victim.row()
     body = request_body(workload_id=victim.workload_id)
     body["key_proof"] = key_proof(attacker.key, body)
@@ -329,7 +329,7 @@ def test_after_revocation_the_key_rotates_nothing_and_only_a_token_for_the_workl
 def test_a_revocation_and_its_reason_are_told_only_to_whom_proves_the_key(client):
     """A stranger who knows the workload's id (ids are not secret) learns nothing of its revocation
     from a proof signed with another key: the proof is checked first."""
-    host, stranger = Host(), Host(hostname="stranger")
+    host, stranger = Host(), Host(hostname="stranger", addresses=("10.0.0.6",))
     credential_revoke(actor=CLI_ACTOR, workload_id=host.workload_id, data={"reason": "key stolen"})
     before = host.row()
     body = request_body(workload_id=host.workload_id)

@@ -19,6 +19,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def do_POST(self):  # noqa: N802 - http.server's name
         body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        if self.receiver.holding is not None:
+            self.receiver.hold(self)
+            return
         status = self.receiver.answer(dict(self.headers), body)
         self.send_response(status)
         self.send_header("Content-Length", "0")
@@ -28,10 +31,25 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         pass
 
 
-class Receiver:
-    """`fail_first` answers 500 before answering 200; `delay` seconds before each answer."""
+HOLDING = ("slow", "trickling", "silent")
 
-    def __init__(self, directory: Path, *, fail_first: int = 0, delay: float = 0.0):
+
+class Receiver:
+    """`fail_first` answers 500 before answering 200; `delay` seconds before each answer.
+
+    With `holding` (one of HOLDING) and a `release` event, it holds every request until the event is
+    set: `slow` then answers 200, `trickling` sends its answer a byte every 0.2 s meanwhile (and ends
+    it then), `silent` never answers. `held` counts the requests that came, `done` those it let go."""
+
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        fail_first: int = 0,
+        delay: float = 0.0,
+        holding: str | None = None,
+        release: threading.Event | None = None,
+    ):
         paths = ensure_certificate(directory, "receiver", ["127.0.0.1"])
         self.ca_file = str(paths.cert_path)
         self._context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
@@ -39,6 +57,9 @@ class Receiver:
         self.port = free_port()
         self.url = f"https://127.0.0.1:{self.port}/hooks/palisade"
         self.fail_first, self.delay = fail_first, delay
+        assert holding is None or (holding in HOLDING and release is not None)
+        self.holding, self.release = holding, release
+        self.held = self.done = 0
         self.requests: list[tuple[dict, bytes, int]] = []  # headers, body, the status answered
         self._lock = threading.Lock()
         self._server: http.server.ThreadingHTTPServer | None = None
@@ -50,6 +71,28 @@ class Receiver:
             self.fail_first -= 1
             self.requests.append((headers, body, status))
             return status
+
+    def hold(self, handler: _Handler) -> None:
+        assert self.release is not None
+        with self._lock:
+            self.held += 1
+        try:
+            if self.holding == "trickling":
+                # A byte every 0.2 s: no read of the sender's ever waits long, the answer never ends.
+                handler.wfile.write(b"HTTP/1.1 200 OK\r\nX-Padding: ")
+                while not self.release.wait(0.2):
+                    handler.wfile.write(b"a")
+                    handler.wfile.flush()
+                handler.wfile.write(b"\r\nContent-Length: 0\r\n\r\n")
+            self.release.wait(120)
+            if self.holding == "slow":
+                handler.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+        except OSError:
+            pass  # the sender gave up on us first
+        finally:
+            handler.close_connection = True
+            with self._lock:
+                self.done += 1
 
     def start(self) -> Receiver:
         handler = type("Handler", (_Handler,), {"receiver": self})

@@ -23,7 +23,7 @@ from tests.support.helpers import assert_problem
 from tests.support.workloads import connect, make_workload
 
 
-def subscribe(*types, url="https://hooks.example.com/palisade"):
+def subscribe(*types, url="https://192.0.2.10/palisade"):
     return webhook_create(actor=CLI_ACTOR, data={"url": url, "events": list(types or EVENT_TYPES)}).webhook
 
 
@@ -34,14 +34,15 @@ def events_of(type):
 @pytest.mark.parametrize(
     "url",
     [
-        "https://hooks.example.com/a?b=c",
+        "https://192.0.2.10/a?b=c",
         "http://127.0.0.1:9000/hook",
         "http://127.1.2.3/hook",
         "http://[::1]:9000/hook",
         "http://localhost:9000/hook",
     ],
 )
-def test_https_anywhere_and_plain_http_only_to_loopback(api, url):
+def test_https_anywhere_and_plain_http_only_to_loopback(api, settings, url):
+    settings.PALISADE_WEBHOOK_LOOPBACK_PORTS = (9000, 80)  # loopback receivers: only on listed ports
     answer = api.post("/api/v1/webhooks", {"url": url, "events": ["workload.degraded"]}, format="json")
     assert answer.status_code == 201, answer.content
 
@@ -49,16 +50,16 @@ def test_https_anywhere_and_plain_http_only_to_loopback(api, url):
 @pytest.mark.parametrize(
     "body, path, rule",
     [
-        ({"url": "http://hooks.example.com/a", "events": ["workload.degraded"]}, "/url", "url-scheme"),
+        ({"url": "http://192.0.2.10/a", "events": ["workload.degraded"]}, "/url", "url-scheme"),
         ({"url": "http://10.0.0.1/a", "events": ["workload.degraded"]}, "/url", "url-scheme"),
-        ({"url": "ftp://hooks.example.com/a", "events": ["workload.degraded"]}, "/url", "url"),
+        ({"url": "ftp://192.0.2.10/a", "events": ["workload.degraded"]}, "/url", "url"),
         ({"url": "https:///nohost", "events": ["workload.degraded"]}, "/url", "url"),
-        ({"url": "https://u:p@hooks.example.com/", "events": ["workload.degraded"]}, "/url", "url"),
-        ({"url": "https://hooks.example.com/", "events": []}, "/events", "empty"),
-        ({"url": "https://hooks.example.com/", "events": ["workload.sneezed"]}, "/events/0", "event-type"),
-        ({"url": "https://hooks.example.com/"}, "/events", "required"),
+        ({"url": "https://u:p@192.0.2.10/", "events": ["workload.degraded"]}, "/url", "url"),
+        ({"url": "https://192.0.2.10/", "events": []}, "/events", "empty"),
+        ({"url": "https://192.0.2.10/", "events": ["workload.sneezed"]}, "/events/0", "event-type"),
+        ({"url": "https://192.0.2.10/"}, "/events", "required"),
         (
-            {"url": "https://hooks.example.com/", "events": ["workload.degraded"], "secret": "x"},
+            {"url": "https://192.0.2.10/", "events": ["workload.degraded"], "secret": "x"},
             "/secret",
             "unknown-field",
         ),
@@ -75,7 +76,7 @@ def test_the_secret_is_shown_once_and_writes_are_audited_and_are_events(api):
     watcher = subscribe("webhook.created", "webhook.deleted")
     created = api.post(
         "/api/v1/webhooks",
-        {"url": "https://hooks.example.com/x", "events": ["webhook.created"], "description": "pager"},
+        {"url": "https://192.0.2.10/x", "events": ["webhook.created"], "description": "pager"},
         format="json",
     )
     assert created.status_code == 201
@@ -99,7 +100,7 @@ def test_the_secret_is_shown_once_and_writes_are_audited_and_are_events(api):
     assert_problem(api.get(f"/api/v1/webhooks/{record['id']}"), 404, "not-found")
     assert_problem(api.delete(f"/api/v1/webhooks/{record['id']}"), 404, "not-found")
     (deleted,) = events_of("webhook.deleted")
-    assert deleted.data["webhook"]["origin"] == "https://hooks.example.com"  # never a path's secret
+    assert deleted.data["webhook"]["origin"] == "https://192.0.2.10"  # never a path's secret
     assert list(WebhookDelivery.objects.filter(event=deleted).values_list("webhook_id", flat=True)) == [
         watcher.id
     ]
@@ -224,7 +225,7 @@ def test_evidence_gaps_and_clock_skew_from_a_flow_report_are_events(db):
 
 
 def test_the_host_command_creates_lists_and_deletes(db, capsys):
-    call_command("webhook", "create", "--url", "https://hooks.example.com/c", "--event", "all")
+    call_command("webhook", "create", "--url", "https://192.0.2.10/c", "--event", "all")
     out = capsys.readouterr().out
     assert out.startswith("whsec_")
     (webhook,) = Webhook.objects.all()

@@ -55,11 +55,11 @@ def offline_events(workloads, rounds):
 def test_events_of_a_workload_wait_for_the_one_before_them_and_other_workloads_do_not(db, settings):
     settings.PALISADE_WEBHOOK_RETRY_BASE_SECONDS = 600
     hook = webhook_create(
-        actor=CLI_ACTOR, data={"url": "https://a.example/", "events": ["workload.offline"]}
+        actor=CLI_ACTOR, data={"url": "https://192.0.2.1/", "events": ["workload.offline"]}
     ).webhook
     one, two = make_workload(), make_workload()
     offline_events([one, two], rounds=3)
-    send = Recorder({"https://a.example/": [500]})  # the very first attempt fails
+    send = Recorder({"https://192.0.2.1/": [500]})  # the very first attempt fails
 
     def keys_sent():
         keys = [WebhookDelivery.objects.get(event__id=event_id).order_key for _, event_id, _ in send.sent]
@@ -69,25 +69,29 @@ def test_events_of_a_workload_wait_for_the_one_before_them_and_other_workloads_d
     webhook_deliveries_send(post=send)
     assert keys_sent() == [str(one.id)]  # and the round stops trying a failing webhook
     webhook_deliveries_send(post=send)  # one's first waits for its retry; one's later events wait for it
-    assert keys_sent() == [str(two.id)] * 3
+    # Offline events are coalesced: each workload's third superseded its second, waiting behind the first.
+    assert keys_sent() == [str(two.id)] * 2
     WebhookDelivery.objects.filter(webhook=hook, state="pending").update(next_attempt_at=clock.now())
     webhook_deliveries_send(post=send)
-    assert keys_sent() == [str(one.id)] * 3
+    assert keys_sent() == [str(one.id)] * 2
     delivered = WebhookDelivery.objects.filter(state="delivered")
-    assert delivered.count() == 6
+    assert delivered.count() == 4 and WebhookDelivery.objects.filter(state="superseded").count() == 2
+    assert sorted(delivered.values_list("coalesced_count", flat=True)) == [1, 1, 2, 2]
     by_key = {}
     for delivery in delivered.order_by("finished_at", "id"):
         by_key.setdefault(delivery.order_key, []).append(delivery.event_seq)
     assert all(seqs == sorted(seqs) for seqs in by_key.values())
 
 
-def test_a_delivery_failing_past_the_give_up_period_is_given_up_and_the_next_goes(db, settings, clock_at):
+def test_a_delivery_failing_past_the_give_up_period_is_given_up_with_the_rest_and_a_new_one_goes(
+    db, settings, clock_at
+):
     settings.PALISADE_WEBHOOK_RETRY_BASE_SECONDS = 1
     settings.PALISADE_WEBHOOK_RETRY_CAP_SECONDS = 3600
-    webhook_create(actor=CLI_ACTOR, data={"url": "https://down.example/", "events": ["workload.offline"]})
+    webhook_create(actor=CLI_ACTOR, data={"url": "https://192.0.2.2/", "events": ["workload.offline"]})
     workload = make_workload()
     offline_events([workload], rounds=2)
-    send = Recorder({"https://down.example/": [503] * 1000})
+    send = Recorder({"https://192.0.2.2/": [503] * 1000})
     elapsed = timedelta(0)
     while elapsed <= timedelta(hours=24):
         webhook_deliveries_send(post=send)
@@ -100,7 +104,13 @@ def test_a_delivery_failing_past_the_give_up_period_is_given_up_and_the_next_goe
         WebhookAttempt.objects.filter(delivery=first).order_by("id").values_list("outcome", flat=True)
     )
     assert outcomes[-1] == "gave_up" and set(outcomes[:-1]) == {"retrying"}
+    second = WebhookDelivery.objects.order_by("event_seq").last()  # past its give-up period too
+    assert second.state == "gave_up" and second.attempts == 0
+    (closed,) = WebhookAttempt.objects.filter(delivery=second)
+    assert (closed.number, closed.outcome, closed.status_code) == (0, "gave_up", None)
+    assert closed.error.startswith("given up with the rest: the receiver failed past the give-up period")
     send.script = {}
+    offline_events([workload], rounds=1)
     webhook_deliveries_send(post=send)
     assert WebhookDelivery.objects.order_by("event_seq").last().state == "delivered"
 
@@ -125,9 +135,11 @@ class _Receiver(http.server.BaseHTTPRequestHandler):
 
 
 @contextmanager
-def receiver(answers=()):
+def receiver(settings, answers=()):
+    """A plain http receiver on loopback, its port listed as admitted (PALISADE_WEBHOOK_LOOPBACK_PORTS)."""
     handler = type("Receiver", (_Receiver,), {"answers": list(answers), "received": []})
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    settings.PALISADE_WEBHOOK_LOOPBACK_PORTS = (server.server_address[1],)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
@@ -137,8 +149,8 @@ def receiver(answers=()):
         server.server_close()
 
 
-def test_a_real_delivery_is_signed_the_standard_webhooks_way(db):
-    with receiver() as (url, handler):
+def test_a_real_delivery_is_signed_the_standard_webhooks_way(db, settings):
+    with receiver(settings) as (url, handler):
         created = webhook_create(
             actor=CLI_ACTOR, data={"url": f"{url}/hook?x=1", "events": ["webhook.created"]}
         )
@@ -154,33 +166,34 @@ def test_a_real_delivery_is_signed_the_standard_webhooks_way(db):
     assert (attempt.status_code, attempt.outcome) == (204, "delivered")
 
 
-def test_a_redirect_is_a_failure_and_is_not_followed():
-    with receiver([(302, {"Location": "/elsewhere"}, 0)]) as (url, handler):
+def test_a_redirect_is_a_failure_and_is_not_followed(settings):
+    with receiver(settings, [(302, {"Location": "/elsewhere"}, 0)]) as (url, handler):
         answer = http_post(f"{url}/hook", body=b"{}", headers={}, timeout=5)
     assert not answer.delivered and answer.status_code == 302
-    assert answer.error == "redirect not followed (Location: /elsewhere)"
+    assert answer.error == "redirect not followed"  # the Location is the receiver's text: not kept
     assert [path for path, _, _ in handler.received] == ["/hook"]  # /elsewhere never asked
 
 
-def test_an_attempt_is_bounded_in_time():
-    with receiver([(200, {}, 3)]) as (url, _):
+def test_an_attempt_is_bounded_in_time(settings):
+    with receiver(settings, [(200, {}, 3)]) as (url, _):
         started = time.monotonic()
         answer = http_post(url, body=b"{}", headers={}, timeout=0.5)
         took = time.monotonic() - started
     assert not answer.delivered and "0.5 s" in answer.error and took < 2
 
 
-def test_a_refused_connection_is_a_failure_with_its_reason():
-    with receiver() as (url, _):
+def test_a_refused_connection_is_a_failure_with_its_reason(settings):
+    with receiver(settings) as (url, _):
         pass  # closed again: nothing listens there now
     answer = http_post(url, body=b"{}", headers={}, timeout=2)
     assert answer.status_code is None and "ConnectionRefused" in answer.error
 
 
-def test_a_tls_handshake_that_never_completes_is_bounded_too():
+def test_a_tls_handshake_that_never_completes_is_bounded_too(settings):
     import socket
 
     with socket.create_server(("127.0.0.1", 0)) as silent:  # connects (the backlog), never answers
+        settings.PALISADE_WEBHOOK_LOOPBACK_PORTS = (silent.getsockname()[1],)
         started = time.monotonic()
         answer = http_post(
             f"https://127.0.0.1:{silent.getsockname()[1]}/", body=b"{}", headers={}, timeout=0.5
@@ -199,7 +212,7 @@ def test_deleting_a_webhook_while_its_delivery_is_in_flight_waits_for_it_and_bot
 
     require(connection.vendor == "postgresql", "row locks: PostgreSQL")
     created = webhook_create(
-        actor=CLI_ACTOR, data={"url": "https://slow.example/", "events": ["webhook.created"]}
+        actor=CLI_ACTOR, data={"url": "https://192.0.2.4/", "events": ["webhook.created"]}
     )
     sending, release = threading.Event(), threading.Event()
     outcome = {}
@@ -242,10 +255,10 @@ def test_finished_deliveries_are_pruned_after_their_retention_and_pending_ones_n
     from controlplane.housekeeping import webhooks_prune_step
     from controlplane.webhooks.models import WebhookEvent
 
-    webhook_create(actor=CLI_ACTOR, data={"url": "https://a.example/", "events": ["workload.offline"]})
-    webhook_create(actor=CLI_ACTOR, data={"url": "https://down.example/", "events": ["workload.offline"]})
+    webhook_create(actor=CLI_ACTOR, data={"url": "https://192.0.2.1/", "events": ["workload.offline"]})
+    webhook_create(actor=CLI_ACTOR, data={"url": "https://192.0.2.2/", "events": ["workload.offline"]})
     offline_events([make_workload()], rounds=1)
-    webhook_deliveries_send(post=Recorder({"https://down.example/": [503]}))
+    webhook_deliveries_send(post=Recorder({"https://192.0.2.2/": [503]}))
     assert list(WebhookDelivery.objects.order_by("webhook__url").values_list("state", flat=True)) == [
         "delivered",
         "pending",
@@ -261,21 +274,21 @@ def test_finished_deliveries_are_pruned_after_their_retention_and_pending_ones_n
 
 def test_a_receiver_that_does_not_answer_holds_back_its_own_deliveries_and_nobody_else_s(db, settings):
     settings.PALISADE_WEBHOOK_RETRY_BASE_SECONDS = 600
-    for url in ("https://down.example/", "https://up.example/"):
+    for url in ("https://192.0.2.2/", "https://192.0.2.3/"):
         webhook_create(actor=CLI_ACTOR, data={"url": url, "events": ["workload.offline"]})
     offline_events([make_workload() for _ in range(4)], rounds=1)
     calls = []
 
     def post(url, *, body, headers, timeout):
         calls.append(url)
-        if url == "https://down.example/":
+        if url == "https://192.0.2.2/":
             return Answer(None, "ConnectionRefusedError: refused", 1)
         return Answer(200, "", 1)
 
     webhook_deliveries_send(post=post)
     webhook_deliveries_send(post=post)  # the next round: the down receiver's other heads wait too
-    assert calls.count("https://down.example/") == 1 and calls.count("https://up.example/") == 4
-    down = WebhookDelivery.objects.filter(webhook__url="https://down.example/")
+    assert calls.count("https://192.0.2.2/") == 1 and calls.count("https://192.0.2.3/") == 4
+    down = WebhookDelivery.objects.filter(webhook__url="https://192.0.2.2/")
     assert down.filter(state="pending").count() == 4 and down.filter(attempts=0).count() == 3
     (retry_at,) = set(down.values_list("next_attempt_at", flat=True))  # all on the failed one's retry
     assert retry_at > clock.now()

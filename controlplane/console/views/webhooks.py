@@ -92,6 +92,9 @@ def webhook_detail(request, api, webhook_id: str):
     items = attempts.data["items"] if attempts.ok else []
     for attempt in items:
         attempt["outcome_text"] = str(attempt["outcome"]).replace("_", " ")  # "gave up"
+        # Attempt 0 records a delivery given up unsent (over the backlog cap, or with the rest of a
+        # receiver given up on): its error says which.
+        attempt["attempt_text"] = attempt["attempt"] or "—"
     context = {
         "webhook": found.data,
         "attempts": items,

@@ -23,7 +23,11 @@ class Command(PalisadeCommand):
         super().add_arguments(parser)
         sub = self.add_actions(parser)
         create = sub.add_parser("create", help="create a webhook; prints its signing secret once")
-        create.add_argument("--url", required=True, help="https://... (http only to a loopback address)")
+        create.add_argument(
+            "--url",
+            required=True,
+            help="https://... (loopback, and plain http, only on a port in PALISADE_WEBHOOK_LOOPBACK_PORTS)",
+        )
         create.add_argument(
             "--event",
             action="append",
@@ -81,7 +85,7 @@ class Command(PalisadeCommand):
         ]
         for a in attempts:
             lines.append(
-                f"{a['at'][:19]:19}  {a['event']['id']:40}  {a['event']['type']:34}  {a['attempt']:3}  "
+                f"{a['at'][:19]:19}  {a['event']['id']:40}  {a['event']['type']:34}  {a['attempt'] or '-'!s:>3}  "
                 f"{a['status_code'] or '-'!s:6}  {a['duration_ms']:6}  {a['outcome']}"
                 + (f"  {visible(a['error'])}" if a["error"] else "")
             )
