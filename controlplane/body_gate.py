@@ -194,6 +194,7 @@ class PassedHeaders:
     ):
         self.seconds, self.most, self.trusted = seconds, most, trusted
         self.until: dict[bytes, tuple[float, str | None]] = {}
+        self.keys_of: dict[str, set[bytes]] = {}  # by owner: a renewal forgets a few keys, not a scan
         self.generation = 0
 
     @staticmethod
@@ -215,17 +216,24 @@ class PassedHeaders:
             self.until = {k: entry for k, entry in self.until.items() if entry[0] > now}
             if len(self.until) >= self.most:
                 self.until.clear()
+            self.keys_of = {}
+            for k, (_, held_by) in self.until.items():
+                if held_by is not None:
+                    self.keys_of.setdefault(held_by, set()).add(k)
         self.until[key] = (time.monotonic() + self.seconds, owner)
+        if owner is not None:
+            self.keys_of.setdefault(owner, set()).add(key)
 
     def forget(self, owner: str) -> None:
         """The owner's credential changed: revoked, renewed or re-enrolled."""
         self.generation += 1
-        for key in [k for k, (_, held_by) in self.until.items() if held_by == owner]:
-            del self.until[key]
+        for key in self.keys_of.pop(owner, ()):
+            self.until.pop(key, None)
 
     def forget_all(self) -> None:
         self.generation += 1
         self.until.clear()
+        self.keys_of.clear()
 
 
 passed_headers = PassedHeaders()
