@@ -8,6 +8,7 @@ and sends 1.6 KB a second, above serve's general minimum (1 KiB/s) and far below
 from __future__ import annotations
 
 import json
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -21,10 +22,13 @@ from agent.flowwindow import FlowKey, Windows
 from agent.state import StateDir
 from agent.tls import pinned_context as agent_pinned_context
 from tests.support.flow_reports import post_flow_report
+from tests.support.requirements import require
 from tests.support.serve_process import Site, pinned_context
 from tests.support.uploads import Trickle, Upload, flow_report_head
 
 pytestmark = pytest.mark.e2e
+
+REDIS_TEST_URL = os.environ.get("REDIS_TEST_URL", "redis://127.0.0.1:6379/0")
 
 MiB = 1024 * 1024
 CLAIMED = 32 * MiB  # the largest flow report there is
@@ -230,11 +234,25 @@ def test_bodies_slower_than_the_gateways_pace_are_closed(fleet):
 # --- revocation in every serve process ------------------------------------------------------------------
 
 
-@pytest.fixture
-def two_processes(tmp_path):
-    """Two serve processes on one database (and data directory), and three workloads enrolled."""
+def redis_reachable() -> bool:
+    import redis
+
+    try:
+        return bool(redis.Redis.from_url(REDIS_TEST_URL, socket_connect_timeout=1).ping())
+    except redis.RedisError:
+        return False
+
+
+@pytest.fixture(params=["without Redis", "with Redis"])
+def two_processes(tmp_path, request):
+    """Two serve processes on one database (and data directory), with or without Redis between them (the
+    header check does not depend on it), and three workloads enrolled."""
+    env = {"REDIS_URL": ""}
+    if request.param == "with Redis":
+        require(redis_reachable(), f"needs Redis at {REDIS_TEST_URL} (set REDIS_TEST_URL)")
+        env = {"REDIS_URL": REDIS_TEST_URL}
     with Site.fresh(tmp_path / "data") as site:
-        first, second = site.serve(), site.serve()
+        first, second = site.serve(env=env), site.serve(env=env)
         for serve in (first, second):
             serve.gateway_context = pinned_context(serve.served_certificate("gateway"))
         if site.database_url:
