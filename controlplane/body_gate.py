@@ -1,26 +1,46 @@
 """Request bodies, decided on when a request's headers are in and before serve receives its body.
 
 daphne hands a request to the application only once Twisted has received the whole body (into a
-temporary file from 100 KB on), and the HTTP entry then holds it in memory for Django. Anything that
+temporary file from 1 MiB on), and the HTTP entry then holds it in memory for Django. Anything that
 should refuse a body without reading it must therefore run here, on the HTTP channel:
 
 - a body over its path's limit is 413 `payload-too-large` at once: a Content-Length over it, or a
   chunked body as soon as it streams past it;
 - on the gateway listener, a view's `headers_check` (flow reports: an enrolled workload presenting its
-  current, unexpired credential; flows/gateway.py) runs on a thread of its own while the channel reads
-  nothing more of the body; a refusal is the problem document the view would give. Headers the check
-  passed (by the view's `headers_check_key`) pass again for PASSED_SECONDS without it: the check cost
-  serve more CPU than the rest of a small report. The view still checks every report in full, so a
-  credential renewed, expired or revoked meanwhile only has its body read before it is refused;
+  current, unexpired, unrevoked credential; flows/gateway.py) runs on a thread of its own while the
+  channel reads nothing more of the body; a refusal is the problem document the view would give. Headers
+  the check passed (by the view's `headers_check_key`) pass again for PASSED_SECONDS without it, but only
+  while this process hears of every credential change (controlplane/credential_watch.py, on PostgreSQL;
+  on SQLite every report's headers are checked): a revocation, renewal or re-enrolment made anywhere
+  forgets the workload's passes before its next report. The view still checks every report in full;
 - on the operator listener, every body but a login's needs a credential first (an operator token or a
   live session cookie; controlplane/auth/authentication.py's `operator_credential_check`, run the same
   way): whoever holds none is refused 401 unread, so cannot hold the budget that operators' writes need.
   A login's body (`POST /api/v1/session`, the console's `/login`) is at most LOGIN_BODY_BYTES, from a
-  budget of its own (LOGIN_BUDGET_BYTES): a flood of them can delay logins, not writes;
+  budget of its own (LOGIN_BUDGET_BYTES): a flood of them can delay logins, not writes. Likewise, a body
+  on the gateway listener that is not a flow report (an enrolment: no credential to check before it) is
+  at most OTHER_BODY_BYTES, from a budget of its own (OTHER_BUDGET_BYTES), not the reports';
 - the bytes of bodies in flight, from when a body is admitted until its request is answered, are bounded
   per listener (`PALISADE_GATEWAY_BODY_BUDGET_BYTES`, `PALISADE_OPERATOR_BODY_BUDGET_BYTES`): a body the
   budget has no room for is 503 `service-unavailable` with Retry-After. A body of unknown length takes
   its bytes as they arrive.
+
+The gateway's budget (64 MiB by default) is shared fairly, so that no enrolled workload, nor a few, can
+keep the others' reports out:
+
+- one body in flight per workload (the view's `body_owner`, known once the headers passed): another
+  report of the same workload meanwhile is 429 `rate-limited` with Retry-After (RETRY_AFTER_SECONDS),
+  before its body. An agent sends one report at a time. (Per serve process: each has its own budget.)
+- room kept for small reports: a body over SMALL_BODY_BYTES (1 MiB; a chunked body once it passes it)
+  is admitted only while the bodies in flight leave a quarter of the budget free (1 / RESERVE_SHARE:
+  16 MiB), which only bodies up to 1 MiB may take. A minute's report is a few KB to a few hundred.
+- a deadline proportional to the length: every body on the gateway listener, once admitted, keeps a pace
+  of `PALISADE_GATEWAY_BODY_MIN_RATE` bytes a second (16 KiB/s) after a grace of 10 s, or its connection
+  is closed (controlplane/connection_limits.py). A body admitted at t0 has received at least
+  rate * (t - t0 - 10 s) bytes at every t after the grace, so one of declared length L is complete by
+  t0 + 10 s + L / rate (32 MiB: 34 min; the agent's 8 MiB: 9 min; 1 MiB: 74 s), and one of unknown
+  length (chunked) is held to the same pace on what it has sent: complete by t0 + 10 s + limit / rate
+  at the latest.
 
 A refused request's connection closes (`Connection: close`). The client may still be sending its body,
 so the channel reads and discards what follows for up to LINGER_SECONDS: it then reads the answer
@@ -45,6 +65,7 @@ from django.utils.datastructures import CaseInsensitiveMapping
 
 from controlplane.api.errors import service_unavailable
 from controlplane.auth.authentication import operator_credential_check
+from controlplane.credential_watch import CredentialWatch
 from controlplane.listeners import GATEWAY, OPERATOR, body_limit, listener_for_port
 from controlplane.outage import database_failed
 from controlplane.problems import Problem
@@ -60,6 +81,11 @@ LOGIN_PATHS = frozenset({"/api/v1/session", "/login"})
 LOGIN = "login"  # the budget of login bodies on the operator listener
 LOGIN_BODY_BYTES = 16 * 1024  # a password, as JSON or a form
 LOGIN_BUDGET_BYTES = 1024 * 1024
+OTHER = "gateway-other"  # the budget of the gateway's bodies that are not flow reports (enrolments)
+OTHER_BODY_BYTES = 64 * 1024  # an enrolment is under 4 KB (at most 64 addresses)
+OTHER_BUDGET_BYTES = 4 * 1024 * 1024
+SMALL_BODY_BYTES = 1024 * 1024  # a flow report this small may take the room kept for small ones
+RESERVE_SHARE = 4  # a quarter of the gateway's budget is kept for small bodies
 LINGER_SECONDS = 2.0
 TIDY_SECONDS = 10.0
 
@@ -67,16 +93,21 @@ HeadersCheck = Callable[[Mapping[str, str]], object]
 
 
 class BodyBudget:
-    """Bytes of request bodies admitted on one listener and not yet answered (the reactor's thread
-    only). A body is admitted when it fits, or when nothing else is in flight: a budget smaller than
-    the largest body still admits that body, alone."""
+    """Bytes of request bodies admitted on one listener and not yet answered, and the owners (workloads)
+    holding one (the reactor's thread only). A body is admitted when it fits, or when nothing else is in
+    flight: a budget smaller than the largest body still admits that body alone. A body over `small`
+    bytes fits only while `reserve` bytes stay free, for the small ones."""
 
-    def __init__(self, capacity: int):
-        self.capacity = capacity
+    def __init__(self, capacity: int, *, reserve: int = 0, small: int = 0):
+        self.capacity, self.reserve, self.small = capacity, reserve, small
         self.in_flight = 0
+        self.owners: set[str] = set()
 
-    def take(self, size: int) -> bool:
-        if self.in_flight and self.in_flight + size > self.capacity:
+    def take(self, size: int, *, body: int | None = None) -> bool:
+        """`size` bytes more, of a body that then holds `body` bytes in all (`size` by default)."""
+        small = (size if body is None else body) <= self.small
+        room = self.capacity if small else self.capacity - self.reserve
+        if self.in_flight and self.in_flight + size > room:
             return False
         self.in_flight += size
         return True
@@ -86,13 +117,14 @@ class BodyBudget:
 
 
 class _Claim:
-    """What one request's body holds of its listener's budget; given back once, when it is answered."""
+    """What one request's body holds of its budget: bytes, and its owner's one body in flight. Given
+    back once, when the request is answered or its connection is lost."""
 
-    def __init__(self, budget: BodyBudget, limit: int):
-        self.budget, self.limit, self.size = budget, limit, 0
+    def __init__(self, budget: BodyBudget, limit: int, owner: str | None):
+        self.budget, self.limit, self.owner, self.size = budget, limit, owner, 0
 
     def take(self, size: int) -> bool:
-        if not self.budget.take(size):
+        if not self.budget.take(size, body=self.size + size):
             return False
         self.size += size
         return True
@@ -100,6 +132,9 @@ class _Claim:
     def give_back(self, _result: object = None) -> None:
         self.budget.give_back(self.size)
         self.size = 0
+        if self.owner is not None:
+            self.budget.owners.discard(self.owner)
+            self.owner = None
 
 
 _budgets: dict[str, BodyBudget] = {}
@@ -107,12 +142,14 @@ _check_thread = threading.local()
 _checks: ThreadPoolExecutor | None = None
 
 
-def budget_of(listener: str) -> BodyBudget:
+def budget_of(name: str) -> BodyBudget:
     if not _budgets:
-        _budgets[GATEWAY] = BodyBudget(settings.PALISADE_GATEWAY_BODY_BUDGET_BYTES)
+        gateway = settings.PALISADE_GATEWAY_BODY_BUDGET_BYTES
+        _budgets[GATEWAY] = BodyBudget(gateway, reserve=gateway // RESERVE_SHARE, small=SMALL_BODY_BYTES)
+        _budgets[OTHER] = BodyBudget(OTHER_BUDGET_BYTES)
         _budgets[OPERATOR] = BodyBudget(settings.PALISADE_OPERATOR_BODY_BUDGET_BYTES)
         _budgets[LOGIN] = BodyBudget(LOGIN_BUDGET_BYTES)
-    return _budgets[listener]
+    return _budgets[name]
 
 
 @functools.lru_cache(maxsize=64)
@@ -127,13 +164,38 @@ def view_for(listener: str, path: str):
     return getattr(match.func, "view_class", None)
 
 
-class PassedHeaders:
-    """Headers a check passed lately, by a digest of (path, the view's `headers_check_key`); the
-    reactor's thread only."""
+def _route(listener: str, path: str) -> tuple[str, int, object, HeadersCheck | None]:
+    """(the budget a body to `path` takes, its limit, the view, the check of its headers)."""
+    limit = body_limit(path)
+    if listener == OPERATOR:
+        if path in LOGIN_PATHS:
+            return LOGIN, min(limit, LOGIN_BODY_BYTES), None, None
+        return OPERATOR, limit, None, operator_credential_check
+    view = view_for(GATEWAY, path)
+    check = getattr(view, "headers_check", None)
+    if check is None:
+        return OTHER, min(limit, OTHER_BODY_BYTES), view, None
+    return GATEWAY, limit, view, check
 
-    def __init__(self, *, seconds: float = PASSED_SECONDS, most: int = PASSED_MAX):
-        self.seconds, self.most = seconds, most
-        self.until: dict[bytes, float] = {}
+
+class PassedHeaders:
+    """Headers a check passed lately, by a digest of (path, the view's `headers_check_key`), with their
+    owner (the view's `body_owner`); the reactor's thread only. They pass again only while `trusted()`
+    (this process hears of every credential change), and an owner's are forgotten when its credential
+    changes. `generation` moves at each forgetting: a check running meanwhile may have read the database
+    before the change, and what it passed is not remembered."""
+
+    def __init__(
+        self,
+        *,
+        seconds: float = PASSED_SECONDS,
+        most: int = PASSED_MAX,
+        trusted: Callable[[], bool] = lambda: True,
+    ):
+        self.seconds, self.most, self.trusted = seconds, most, trusted
+        self.until: dict[bytes, tuple[float, str | None]] = {}
+        self.keys_of: dict[str, set[bytes]] = {}  # by owner: a renewal forgets a few keys, not a scan
+        self.generation = 0
 
     @staticmethod
     def key(path: str, view, headers: Mapping[str, str]) -> bytes | None:
@@ -143,20 +205,40 @@ class PassedHeaders:
         return hashlib.blake2b(repr((path, key_of(headers))).encode(), digest_size=16).digest()
 
     def passed(self, key: bytes | None) -> bool:
-        return key is not None and self.until.get(key, 0.0) > time.monotonic()
+        entry = self.until.get(key) if key is not None else None
+        return entry is not None and entry[0] > time.monotonic() and self.trusted()
 
-    def remember(self, key: bytes | None) -> None:
-        if key is None:
+    def remember(self, key: bytes | None, owner: str | None = None, *, generation: int | None = None) -> None:
+        if key is None or generation not in (None, self.generation) or not self.trusted():
             return
         if len(self.until) >= self.most:
             now = time.monotonic()
-            self.until = {k: t for k, t in self.until.items() if t > now}
+            self.until = {k: entry for k, entry in self.until.items() if entry[0] > now}
             if len(self.until) >= self.most:
                 self.until.clear()
-        self.until[key] = time.monotonic() + self.seconds
+            self.keys_of = {}
+            for k, (_, held_by) in self.until.items():
+                if held_by is not None:
+                    self.keys_of.setdefault(held_by, set()).add(k)
+        self.until[key] = (time.monotonic() + self.seconds, owner)
+        if owner is not None:
+            self.keys_of.setdefault(owner, set()).add(key)
+
+    def forget(self, owner: str) -> None:
+        """The owner's credential changed: revoked, renewed or re-enrolled."""
+        self.generation += 1
+        for key in self.keys_of.pop(owner, ()):
+            self.until.pop(key, None)
+
+    def forget_all(self) -> None:
+        self.generation += 1
+        self.until.clear()
+        self.keys_of.clear()
 
 
 passed_headers = PassedHeaders()
+credential_watch = CredentialWatch(changed=passed_headers.forget, reset=passed_headers.forget_all)
+passed_headers.trusted = credential_watch.live
 
 
 def headers_refusal(check: HeadersCheck, headers: Mapping[str, str]) -> Problem | None:
@@ -198,15 +280,33 @@ def _request_path(raw: bytes) -> str:
         return ""  # daphne refuses it (400); its body is held to the default limit meanwhile
 
 
-def _busy(listener: str) -> Problem:
-    what = (
-        "the operator listener is receiving as many logins"
-        if listener == LOGIN
-        else (f"the {listener} listener is receiving as many request bodies")
-    )
+_BUSY = {
+    LOGIN: "The operator listener is receiving as many logins",
+    OPERATOR: "The operator listener is receiving as many request bodies",
+    GATEWAY: "The gateway listener is receiving as many request bodies",
+    OTHER: "The gateway listener is receiving as many enrolment bodies",
+}
+
+
+def _busy(budget: str, *, small: bool = True) -> Problem:
+    what = _BUSY[budget]
+    if not small and budget_of(budget).reserve:
+        what += (
+            f" over {SMALL_BODY_BYTES // (1024 * 1024)} MiB (a quarter of its room is kept for smaller ones)"
+        )
     return Problem(
         "service-unavailable",
-        f"{what[:1].upper()}{what[1:]} as it holds at once; retry in {RETRY_AFTER_SECONDS} s.",
+        f"{what} as it holds at once; retry in {RETRY_AFTER_SECONDS} s.",
+        headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+        retry_after=RETRY_AFTER_SECONDS,
+    )
+
+
+def _one_at_a_time(owner: str) -> Problem:
+    return Problem(
+        "rate-limited",
+        f"Workload {owner} already has a flow report on its way to this gateway: it sends one at a "
+        f"time; retry in {RETRY_AFTER_SECONDS} s.",
         headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
         retry_after=RETRY_AFTER_SECONDS,
     )
@@ -218,7 +318,8 @@ def _too_large(limit: int) -> Problem:
 
 class BodyGate:
     """For twisted.web.http.HTTPChannel: admits each request's body, or refuses it unread. The channel
-    provides `refuse(problem, instance=path)`, which writes the problem document and closes the connection."""
+    provides `refuse(problem, instance=path)`, which writes the problem document and closes the
+    connection, and `_limits`, its connection's limits (controlplane/connection_limits.py) or None."""
 
     _gate_refused = False  # a refusal was sent: what arrives is discarded
     _gate_lost = False
@@ -240,19 +341,13 @@ class BodyGate:
         )
         if self.length == 0:
             return
-        listener = listener_for_port(self.transport.getHost().port)
         path = self._gate_path = _request_path(self._path)
-        limit = body_limit(path)
-        login = listener == OPERATOR and path in LOGIN_PATHS
-        if login:
-            limit, listener = min(limit, LOGIN_BODY_BYTES), LOGIN
+        budget, limit, view, check = _route(listener_for_port(self.transport.getHost().port), path)
         if self.length is not None and self.length > limit:
             self._gate_refuse(_too_large(limit))
             return
-        view = view_for(listener, path)
-        check = operator_credential_check if listener == OPERATOR else getattr(view, "headers_check", None)
         if check is None:
-            self._gate_admit(request, listener, limit)
+            self._gate_admit(request, budget, limit, None)
             return
         headers = CaseInsensitiveMapping(
             {
@@ -261,8 +356,10 @@ class BodyGate:
             }
         )
         key = PassedHeaders.key(path, view, headers)
+        owner_of = getattr(view, "body_owner", None)
+        owner = owner_of(headers) if owner_of is not None else None
         if passed_headers.passed(key):
-            self._gate_admit(request, listener, limit)
+            self._gate_admit(request, budget, limit, owner)
             return
         # Twisted's own state while a request is handled: data is buffered, and reading pauses past
         # 16 KiB. Reading pauses now, so a body that is refused is never received.
@@ -270,22 +367,24 @@ class BodyGate:
         self._networkProducer.pauseProducing()
         from twisted.internet import reactor
 
+        generation = passed_headers.generation
         _run_check(check, headers).add_done_callback(
             lambda done: reactor.callFromThread(
-                self._gate_checked, request, listener, limit, key, done.result()
+                self._gate_checked, request, budget, limit, (key, owner, generation), done.result()
             )
         )
 
-    def _gate_checked(self, request, listener: str, limit: int, key, refusal: Problem | None) -> None:
+    def _gate_checked(self, request, budget: str, limit: int, passed, refusal: Problem | None) -> None:
+        key, owner, generation = passed
         if refusal is None:
-            passed_headers.remember(key)
+            passed_headers.remember(key, owner, generation=generation)
         if self._gate_lost:
             return
         self._handlingRequest = False
         if refusal is not None:
             self._gate_refuse(refusal)
             return
-        if not self._gate_admit(request, listener, limit):
+        if not self._gate_admit(request, budget, limit, owner):
             return
         held, self._dataBuffer = b"".join(self._dataBuffer), []
         if held:
@@ -293,29 +392,39 @@ class BodyGate:
         if not self._gate_refused:
             self._networkProducer.resumeProducing()
 
-    def _gate_admit(self, request, listener: str, limit: int) -> bool:
-        claim = _Claim(budget_of(listener), limit)
-        if self.length is not None and not claim.take(self.length):
-            self._gate_refuse(_busy(listener))
+    def _gate_admit(self, request, name: str, limit: int, owner: str | None) -> bool:
+        budget = budget_of(name)
+        if owner is not None and owner in budget.owners:
+            self._gate_refuse(_one_at_a_time(owner))
             return False
+        claim = _Claim(budget, limit, None)
+        if self.length is not None and not claim.take(self.length):
+            self._gate_refuse(_busy(name, small=self.length <= budget.small))
+            return False
+        if owner is not None:
+            budget.owners.add(owner)
+            claim.owner = owner
         request.notifyFinish().addBoth(claim.give_back)  # answered, or the connection lost
         if self.length is None:  # chunked: each decoded piece takes its bytes as it arrives
             decoder = self._transferDecoder
-            decoder.dataCallback = self._gate_counted(claim, listener, decoder.dataCallback)
+            decoder.dataCallback = self._gate_counted(claim, name, decoder.dataCallback)
             decoder.finishCallback = self._gate_unless_refused(decoder.finishCallback)
+        limits = getattr(self, "_limits", None)
+        if limits is not None:  # the body's clock starts now, at the gateway's pace there
+            limits.body_admitted(settings.PALISADE_GATEWAY_BODY_MIN_RATE if name in (GATEWAY, OTHER) else 0)
         if self._gate_continue:
             self._gate_continue = False
             self._send100Continue()
         return True
 
-    def _gate_counted(self, claim: _Claim, listener: str, received: Callable[[bytes], None]):
+    def _gate_counted(self, claim: _Claim, name: str, received: Callable[[bytes], None]):
         def counted(data: bytes) -> None:
             if self._gate_refused:
                 return
             if claim.size + len(data) > claim.limit:
                 self._gate_refuse(_too_large(claim.limit))
             elif not claim.take(len(data)):
-                self._gate_refuse(_busy(listener))
+                self._gate_refuse(_busy(name, small=claim.size + len(data) <= claim.budget.small))
             else:
                 received(data)
 

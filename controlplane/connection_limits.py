@@ -20,7 +20,10 @@ accepted socket is counted before any byte is read:
   which includes the TLS handshake, or the end of the previous response on a kept-alive connection),
   unless the client is still reading that response at the minimum rate;
 - a request body must arrive at `body_min_rate` bytes a second on average after a grace of
-  `BODY_GRACE_SECONDS`.
+  `BODY_GRACE_SECONDS`, counted from when the body gate (controlplane/body_gate.py) admits it; the gate
+  may ask a faster pace of a body (`LimitedConnection.body_admitted`): the gateway's bodies keep
+  `PALISADE_GATEWAY_BODY_MIN_RATE`, so a body of declared length L is complete within the grace plus
+  L at that rate, and one of unknown length (chunked) is never further behind it than the grace.
 
 Requests being answered and websockets (once upgraded: the gateway's consumer closes a stream that does
 not authenticate within its own handshake time) have no deadline here. The HTTP channel
@@ -96,6 +99,7 @@ def database_threads() -> int:
     from twisted.internet import reactor
 
     from controlplane import http_threads
+    from controlplane.body_gate import HEADER_CHECK_THREADS
     from fleet.held_streams import DB_THREADS
 
     reactor_pool = reactor.getThreadPool().max  # housekeeping and shutdown's deferToThread
@@ -109,7 +113,9 @@ def database_threads() -> int:
         + settings.PALISADE_WEBHOOK_SENDER_THREADS  # each also holds a receiver's socket
         + reactor_pool
         + loop_executor
-        + 1
+        + 1  # Channels' database thread
+        + HEADER_CHECK_THREADS
+        + 1  # the credential watch (controlplane/credential_watch.py), on PostgreSQL
     )
 
 
@@ -264,6 +270,7 @@ class LimitedConnection(ProtocolWrapper):
         self.deadline = 0.0
         self.body_started = 0.0
         self.body_bytes = 0
+        self.body_rate = 0.0  # a pace the body gate set for this body, above the limiter's minimum
         self.unsent = 0  # bytes of the answers the socket still had to send, and when
         self.unsent_at = 0.0
         self.counted = True  # until released: closed, or evicted (its socket closes a moment later)
@@ -286,6 +293,11 @@ class LimitedConnection(ProtocolWrapper):
 
     def head_received(self) -> None:
         self.factory.limiter.enter(self, Phase.BODY)
+
+    def body_admitted(self, rate: float) -> None:
+        """The body gate admitted the body: its clock starts now (it was not read while its headers were
+        checked), at `rate` bytes a second at least, or the limiter's minimum if that is faster."""
+        self.factory.limiter.pace(self, rate)
 
     def content_received(self, *, upgrade: bool) -> None:
         self.factory.limiter.enter(self, Phase.STREAM if upgrade else Phase.BUSY)
@@ -411,10 +423,18 @@ class ConnectionLimiter:
         elif phase is Phase.BODY:
             connection.body_started = now
             connection.body_bytes = 0
+            connection.body_rate = 0.0
             self.receiving[connection] = None
         elif phase is Phase.STREAM:
             connection.deadline = now + YOUNG_STREAM_SECONDS  # from then on, never closed for room
             self.young_streams[connection] = None
+
+    def pace(self, connection: LimitedConnection, rate: float) -> None:
+        if connection.phase is not Phase.BODY or not connection.counted:
+            return
+        connection.body_started = self.clock.seconds()
+        connection.body_bytes = 0
+        connection.body_rate = rate
 
     def still_reading(self, connection: LimitedConnection, now: float) -> bool:
         """A client still reading the previous answer at the minimum rate: its deadline waits (a large
@@ -424,8 +444,15 @@ class ConnectionLimiter:
         connection.unsent, connection.unsent_at = unsent, now
         return unsent > 0 and drained >= max(self.limits.body_min_rate, 1)
 
+    def body_rate(self, connection: LimitedConnection) -> float:
+        return max(self.limits.body_min_rate, connection.body_rate)
+
     def body_deadline(self, connection: LimitedConnection) -> float:
-        rate = self.limits.body_min_rate
+        """The grace, then a second more for every `rate` bytes received: a body of declared length L is
+        complete by its start + grace + L / rate at the latest."""
+        rate = self.body_rate(connection)
+        if rate <= 0:
+            return float("inf")
         return connection.body_started + self.limits.body_grace + connection.body_bytes / rate
 
     def sweep(self) -> None:
@@ -443,11 +470,10 @@ class ConnectionLimiter:
                 break
             del self.young_streams[oldest]
             self._unaddress(oldest)  # an agent's stream, past its handshake: the address cap is for the rest
-        if self.limits.body_min_rate > 0:
-            for connection in [c for c in self.receiving if self.body_deadline(c) < now]:
-                self.released(connection)
-                connection.cut()
-                self.events[f"a request body slower than {self.limits.body_min_rate:g} bytes/s"] += 1
+        for connection in [c for c in self.receiving if self.body_deadline(c) < now]:
+            self.released(connection)
+            connection.cut()
+            self.events[f"a request body slower than {self.body_rate(connection):g} bytes/s"] += 1
         if self.events and now - self.logged_at >= LOG_EVERY_SECONDS:
             self.log_events(now)
 

@@ -118,9 +118,9 @@ class LimitedHTTPChannel(BodyGate, http.HTTPChannel):
             transport = getattr(transport, "transport", None)
 
     def allHeadersReceived(self):
-        super().allHeadersReceived()
         if self._limits is not None:
-            self._limits.head_received()
+            self._limits.head_received()  # first: the body gate may admit the body (and pace it) at once
+        super().allHeadersReceived()
 
     def allContentReceived(self):
         if self._limits is not None:

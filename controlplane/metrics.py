@@ -43,6 +43,7 @@ REPORT_REFUSALS = (
     "malformed-request",
     "validation",
     "not-found",
+    "rate-limited",
     "service-unavailable",
     "internal",
 )

@@ -85,7 +85,7 @@ PROBLEM_TYPES: dict[str, ProblemType] = {
     "rate-limited": ProblemType(
         429,
         "Too many requests",
-        "Too many failed logins from this client or from all clients together, or too many heavy requests (render dry-runs, selector previews) at once; retry after `retry_after` seconds.",
+        "Too many failed logins from this client or from all clients together, too many heavy requests (render dry-runs, selector previews) at once, or (agent gateway) another flow report of the same workload being received; retry after `retry_after` seconds.",
     ),
     "internal": ProblemType(500, "Internal error", "The service failed; the error is logged on the host."),
     "service-unavailable": ProblemType(

@@ -180,6 +180,10 @@ PALISADE_GATEWAY_BODY_BUDGET_BYTES = int(
 PALISADE_OPERATOR_BODY_BUDGET_BYTES = int(
     os.environ.get("PALISADE_OPERATOR_BODY_BUDGET_BYTES", 16 * 1024 * 1024)
 )
+# The pace every body on the gateway listener keeps once admitted, after serve's 10 s grace: a body of
+# declared length L is complete within 10 s + L / rate (a 32 MiB report within 34 minutes, the agent's
+# 8 MiB within 9); a chunked one is never further behind. 128 kbit/s: agents on slower links need less.
+PALISADE_GATEWAY_BODY_MIN_RATE = int(os.environ.get("PALISADE_GATEWAY_BODY_MIN_RATE", 16 * 1024))
 
 # Operator authentication.
 PALISADE_SESSION_COOKIE = "palisade_session"

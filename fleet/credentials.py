@@ -32,7 +32,7 @@ from typing import Any
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from django.conf import settings
-from django.db import transaction
+from django.db import connection, transaction
 from django.db.models import Q
 
 from agent.credential import (
@@ -57,6 +57,8 @@ from fleet.selectors import workload_get
 log = logging.getLogger("palisade.credentials")
 
 SIGNING_KEY_FILE = "agent-signing-key.pem"
+# Every serve process listens on this PostgreSQL channel (controlplane/credential_watch.py).
+CREDENTIAL_CHANGES_CHANNEL = "palisade_credential_changes"
 RENEWS, RENEWAL_FAILED, EXPIRED = "renews", "renewal-failed", "expired"
 MAX_ERROR_LENGTH = 2000
 
@@ -261,6 +263,16 @@ def credential_names(credential: str, *, workload_id: uuid.UUID, public_key: str
     )
 
 
+def credential_change_announce(workload_id: uuid.UUID | str) -> None:
+    """Tell every serve process, when the current transaction commits, that the workload's credential
+    changed (revoked, renewed, re-enrolled): the flow report headers each passed for it are checked in
+    the database again from its next report on (controlplane/credential_watch.py). Nothing to tell on
+    SQLite, where serve checks every report's headers in the database."""
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_notify(%s, %s)", [CREDENTIAL_CHANGES_CHANNEL, str(workload_id)])
+
+
 def workload_key(workload_id: str) -> uuid.UUID | None:
     """The workload id an agent presents, as the workload's key; None when it is not one."""
     try:
@@ -332,6 +344,7 @@ def credential_renew(*, workload_id: str, now: datetime | None = None) -> Signed
             fields += ["credential_last_late_renewal", "credential_last_late_by_seconds"]
         credential_start(workload, now=now, serial=workload.credential_serial + 1)
         workload.save(update_fields=fields)
+        credential_change_announce(workload.id)
         return credential_issue(workload=workload)
 
 
@@ -370,6 +383,7 @@ def credential_revoke(*, actor: Actor, workload_id: str, data: Any = None) -> Wo
         # Sent every time: a stream that somehow survived the first notice is told again. serve's
         # catch-up sweep also closes the stream of a revoked workload, for a host command without Redis.
         notify_streams([str(workload.id)], {"type": "credential.revoked"})
+        credential_change_announce(workload.id)
     return workload
 
 

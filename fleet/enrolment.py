@@ -29,6 +29,7 @@ from fleet.credentials import (
     CREDENTIAL_FIELDS,
     SignedCredential,
     credential_beyond_grace,
+    credential_change_announce,
     credential_issue,
     credential_start,
     revocation_reason_text,
@@ -310,8 +311,9 @@ def _re_enrol(
         fields += ["enrolled_with", "credential_revoked_at", "credential_revoked_reason"]
     credential_start(workload, now=now, serial=workload.credential_serial + 1)
     workload.save(update_fields=fields)
-    # A stream still open under the old key must not outlive the re-enrolment.
+    # A stream still open under the old key must not outlive the re-enrolment, nor its report headers.
     notify_streams([str(workload.id)], {"type": "stream.replaced", "stream_id": ""})
+    credential_change_announce(workload.id)
     _render_new_workload(workload, labels_before=labels_before)
     credential = credential_issue(workload=workload)
     detail: dict[str, Any] = {"via": "token" if consent is not None else "key"}

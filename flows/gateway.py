@@ -3,8 +3,9 @@ and gap. Refusals of the whole report (authentication, a malformed envelope) are
 
 serve checks a report's headers before it receives the body (`headers_check`, run by
 controlplane/body_gate.py, which passes the same `headers_check_key` again for a few minutes without
-asking): a sender that is not an enrolled workload with its current credential is refused without its
-body being read. The view always checks them again, with the body's signature."""
+asking, until the workload's credential changes): a sender that is not an enrolled workload with its
+current credential is refused without its body being read, and a workload has one report body in flight
+at a time (`body_owner`). The view always checks the headers again, with the body's signature."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from agent import protocol
 from controlplane import metrics
 from controlplane.problems import Problem
 from controlplane.strict_json import json_loads_strict
+from fleet.credentials import workload_key
 from fleet.report_auth import ReportSender, report_sender_authenticate, report_signature_verify
 from flows.services import flow_report_ingest
 
@@ -39,11 +41,19 @@ def report_sender_key(headers: Mapping[str, str]) -> tuple[str, str]:
     return headers.get(protocol.HEADER_WORKLOAD, ""), headers.get(protocol.HEADER_CREDENTIAL, "")
 
 
+def report_owner(headers: Mapping[str, str]) -> str | None:
+    """Whose report it is, once report_sender_of passed its headers: the workload, in one spelling of its
+    id (each spelling the UUID parser admits would otherwise be a body in flight of its own)."""
+    key = workload_key(headers.get(protocol.HEADER_WORKLOAD, ""))
+    return None if key is None else str(key)
+
+
 class FlowReportView(APIView):
     authentication_classes: list = []
     permission_classes = [AllowAny]
     headers_check = staticmethod(report_sender_of)
     headers_check_key = staticmethod(report_sender_key)
+    body_owner = staticmethod(report_owner)
 
     def post(self, request):
         sender = report_sender_of(request.headers)

@@ -57,3 +57,29 @@ def test_headers_a_check_passed_pass_again_for_a_while_by_the_views_key_only():
     stale = PassedHeaders(seconds=-1)
     stale.remember(key)
     assert not stale.passed(key)
+
+
+def test_bodies_over_the_small_size_leave_a_reserve_to_the_small_ones():
+    budget = BodyBudget(64, reserve=16, small=1)
+    assert budget.take(30) and budget.take(18)  # 48: what bodies over 1 may take
+    assert not budget.take(2)
+    assert budget.take(1)  # a small one takes the reserve
+    # A chunked body is small until its bytes so far pass the size.
+    assert budget.take(1, body=1)
+    assert not budget.take(1, body=2)
+    budget.give_back(50)
+    assert budget.in_flight == 0 and budget.take(100)  # larger than the budget: admitted alone
+    assert not budget.take(1)
+
+
+def test_the_gateways_bodies_that_are_not_reports_have_a_small_budget_of_their_own():
+    from django.conf import settings
+
+    from controlplane.body_gate import LOGIN, OTHER, OTHER_BODY_BYTES, _route
+
+    assert _route(GATEWAY, FLOWS_PATH)[:2] == (GATEWAY, settings.PALISADE_MAX_FLOW_REPORT_BYTES)
+    assert _route(GATEWAY, ENROL_PATH)[::3] == (OTHER, None)  # nobody's credential to check first
+    assert _route(GATEWAY, ENROL_PATH)[1] == OTHER_BODY_BYTES == 64 * 1024
+    assert _route(GATEWAY, "/nowhere")[0] == OTHER
+    assert _route(OPERATOR, "/api/v1/session")[0] == LOGIN
+    assert _route(OPERATOR, "/api/v1/services")[0] == OPERATOR

@@ -183,6 +183,35 @@ def test_a_body_slower_than_the_minimum_rate_is_cut_and_a_steady_one_is_not():
     assert steady.phase is Phase.HEAD and steady_transport.value().startswith(b"HTTP/1.1 200")
 
 
+def test_a_gateway_body_keeps_the_gateways_pace_after_its_grace_declared_or_chunked(caplog):
+    """1.6 KB/s is above the general minimum (1,000 bytes/s here) and below the gateway's 16 KiB/s: such a
+    body is closed once it falls behind 16 KiB/s after its 10 s grace, whether its length is declared
+    or not; one sent at the pace is received."""
+    from controlplane import runtime
+
+    runtime.facts.listener_ports[12345] = "gateway"  # the port StringTransport says it was accepted on
+    clock, limiter, factory = _site(request_class=Pending)
+    declared = b"POST /agent/v1/enrol HTTP/1.1\r\nHost: palisade\r\nContent-Length: 60000\r\n\r\n"
+    chunked = b"POST /agent/v1/enrol HTTP/1.1\r\nHost: palisade\r\nTransfer-Encoding: chunked\r\n\r\n"
+    (slow, slow_transport), (chunky, chunky_transport), (steady, steady_transport) = (
+        _connect(factory, port=port) for port in (1, 2, 3)
+    )
+    for connection, head in ((slow, declared), (chunky, chunked), (steady, declared)):
+        connection.dataReceived(head)
+    assert slow.body_rate == 16 * 1024 and slow.phase is Phase.BODY
+    for second in range(13):
+        slow.dataReceived(b"x" * 1600)
+        chunky.dataReceived(b"640\r\n" + b"x" * 1600 + b"\r\n")
+        if second < 3:
+            steady.dataReceived(b"x" * 20_000)
+        clock.advance(1)
+        if second < 10:  # within the grace: 10 s + what has arrived at 16 KiB/s
+            assert not slow_transport.disconnected and not chunky_transport.disconnected
+    assert slow_transport.disconnected and chunky_transport.disconnected
+    assert not steady_transport.disconnected and steady.phase is Phase.BUSY
+    assert "2 a request body slower than 16384 bytes/s" in caplog.text
+
+
 def test_a_request_being_answered_and_a_websocket_have_no_deadline():
     clock, limiter, factory = _site(request_class=Pending)
     busy, busy_transport = _connect(factory, port=1)

@@ -69,10 +69,13 @@ class _Server(daphne.server.Server):
     def run(self):
         from twisted.internet import reactor, task
 
+        from controlplane.body_gate import credential_watch
         from controlplane.housekeeping import STEPS
         from fleet.push import notify_streams_on
 
         reactor.addSystemEventTrigger("before", "shutdown", self.end_streams)
+        reactor.addSystemEventTrigger("before", "shutdown", credential_watch.stop)
+        reactor.callWhenRunning(credential_watch.start)
         # daphne builds its HTTP factory in run(); no connection is accepted before the reactor runs.
         reactor.callWhenRunning(lambda: setattr(self.http_factory, "protocol", limited_channel_protocol))
         reactor.callWhenRunning(lambda: notify_streams_on(asyncio.get_event_loop()))
