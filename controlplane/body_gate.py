@@ -177,7 +177,7 @@ def headers_refusal(check: HeadersCheck, headers: Mapping[str, str]) -> Problem 
     except Exception as error:  # noqa: BLE001 - refused, never let through unchecked
         _check_thread.tidied_at = -TIDY_SECONDS  # look at the connection before the next check
         if database_failed("check requests' headers", error, log):
-            return service_unavailable()  # the database away: one throttled line, no traceback
+            return service_unavailable(error)  # the database away or busy: one throttled line
         log.exception("checking a request's headers failed")
         return Problem("internal")
     return None
@@ -224,6 +224,7 @@ class BodyGate:
     _gate_lost = False
     _gate_linger = None
     _gate_continue = False  # answer `Expect: 100-continue` once the body is admitted
+    _gate_checking = False  # a headers check runs: nothing of the body is read meanwhile
     _gate_path = ""
 
     def allHeadersReceived(self):
@@ -268,6 +269,7 @@ class BodyGate:
         # 16 KiB. Reading pauses now, so a body that is refused is never received.
         self._handlingRequest = True
         self._networkProducer.pauseProducing()
+        self._gate_checking = True
         from twisted.internet import reactor
 
         _run_check(check, headers).add_done_callback(
@@ -277,6 +279,7 @@ class BodyGate:
         )
 
     def _gate_checked(self, request, listener: str, limit: int, key, refusal: Problem | None) -> None:
+        self._gate_checking = False
         if refusal is None:
             passed_headers.remember(key)
         if self._gate_lost:

@@ -20,7 +20,8 @@ accepted socket is counted before any byte is read:
   which includes the TLS handshake, or the end of the previous response on a kept-alive connection),
   unless the client is still reading that response at the minimum rate;
 - a request body must arrive at `body_min_rate` bytes a second on average after a grace of
-  `BODY_GRACE_SECONDS`.
+  `BODY_GRACE_SECONDS`, not counting the time serve itself holds the body unread (the body gate's
+  check of a flow report's headers, which waits on the database): a client is not cut for serve's wait.
 
 Requests being answered and websockets (once upgraded: the gateway's consumer closes a stream that does
 not authenticate within its own handshake time) have no deadline here. The HTTP channel
@@ -262,6 +263,7 @@ class LimitedConnection(ProtocolWrapper):
         self.deadline = 0.0
         self.body_started = 0.0
         self.body_bytes = 0
+        self.held_at: float | None = None  # serve reads nothing of the body since then
         self.unsent = 0  # bytes of the answers the socket still had to send, and when
         self.unsent_at = 0.0
         self.counted = True  # until released: closed, or evicted (its socket closes a moment later)
@@ -284,6 +286,13 @@ class LimitedConnection(ProtocolWrapper):
 
     def head_received(self) -> None:
         self.factory.limiter.enter(self, Phase.BODY)
+
+    def body_held(self) -> None:
+        """serve stops reading the body (it checks the headers first): its rate is not counted."""
+        self.factory.limiter.hold(self)
+
+    def body_resumed(self) -> None:
+        self.factory.limiter.resume(self)
 
     def content_received(self, *, upgrade: bool) -> None:
         self.factory.limiter.enter(self, Phase.STREAM if upgrade else Phase.BUSY)
@@ -394,9 +403,23 @@ class ConnectionLimiter:
         if not self.by_address[connection.key]:
             del self.by_address[connection.key]
 
+    def hold(self, connection: LimitedConnection) -> None:
+        """A body serve has stopped reading: off the minimum rate until `resume`."""
+        if connection.counted and connection.phase is Phase.BODY and connection.held_at is None:
+            self.receiving.pop(connection, None)
+            connection.held_at = self.clock.seconds()
+
+    def resume(self, connection: LimitedConnection) -> None:
+        """The body is read again: its rate is counted as if the held time had not passed."""
+        if connection.counted and connection.phase is Phase.BODY and connection.held_at is not None:
+            connection.body_started += self.clock.seconds() - connection.held_at
+            connection.held_at = None
+            self.receiving[connection] = None
+
     def enter(self, connection: LimitedConnection, phase: Phase) -> None:
         if not connection.counted:
             return
+        connection.held_at = None
         now = self.clock.seconds()
         self.waiting.pop(connection, None)
         self.receiving.pop(connection, None)

@@ -131,18 +131,27 @@ else:
     sqlite_file_create(DATA_DIR / "palisade.sqlite3")  # private: it holds the password hash
     DATABASES = {
         "default": {
-            "ENGINE": "django.db.backends.sqlite3",
+            # Django's SQLite backend with this process's writers served in the order they ask
+            # (controlplane/sqlite): SQLite's own wait let a busy writer starve the others.
+            "ENGINE": "controlplane.sqlite",
             "NAME": DATA_DIR / "palisade.sqlite3",
             "CONN_MAX_AGE": 300,
             "OPTIONS": {
                 # Writers take the lock up front, so two read-then-write transactions serialise
                 # instead of one failing with "database is locked" when it upgrades.
                 "transaction_mode": "IMMEDIATE",
-                "timeout": 20,
+                # How long a write waits for its turn (flow reports wait less, below); past it the
+                # request is 503 with Retry-After.
+                "timeout": float(os.environ.get("PALISADE_SQLITE_WAIT_SECONDS", 20)),
+                # WAL: readers never wait for the writer, nor it for them.
                 "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
             },
         }
     }
+# A flow report waits this long at most for its turn to write to SQLite, then is answered 503 with
+# Retry-After (the agent keeps its windows and sends them again): a long write that cannot be split
+# (a large policy applied) then delays reports by this much, not by its whole length.
+PALISADE_SQLITE_REPORT_WAIT_SECONDS = float(os.environ.get("PALISADE_SQLITE_REPORT_WAIT_SECONDS", 2))
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 if os.environ.get("REDIS_URL"):
