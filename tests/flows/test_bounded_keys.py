@@ -13,7 +13,10 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
 from controlplane import clock
+from controlplane.auth.actor import CLI_ACTOR
+from fleet.services import workload_labels_replace
 from flows import services
+from flows.csv_rows import csv_text, rollup_columns, rollup_row
 from flows.models import EvidenceGap, FlowGroup, UnsummedWindow
 from flows.services import flow_report_ingest, flow_windows_sum
 from tests.support.flow_evidence import enrolled, flow_report, windows_between
@@ -165,6 +168,9 @@ def test_the_aggregate_key_reads_as_itself_in_windows_rollups_and_the_peer_filte
             ("10.1.0.5", {"protocol": "tcp", "port": 443}, 5),
         ]
         flow_windows_sum(before=now + timedelta(hours=1))
+    csv = csv_text(rollup_columns(["peer", "service"]), [rollup_row(row) for row in rows])
+    assert csv.splitlines()[:2] == ["peer,protocol,port,connection_count,bytes_in,bytes_out,first_seen,last_seen",
+                                    f"*,*,0,3,0,0,{rows[0]['first_seen']},{rows[0]['last_seen']}"]  # fmt: skip
     review = api.get("/api/v1/flows/review", {**span, "workload": str(web.id)}).json()
     assert review["verdict"] == "fail" and review["would_block_count"] == 3 + 1
     assert sum(row["connection_count"] for row in review["would_block"]) == 1 + 2 + 3 + 4 + 5
@@ -219,3 +225,28 @@ def test_windows_sent_again_under_new_ids_for_the_same_minute_add_no_keys_past_t
     ]
     minute = FlowGroup.objects.get(window_id=first["id"], peer="10.1.0.1").start
     assert FlowGroup.objects.filter(workload_id=web.id, start=minute).exclude(peer="*").count() == 3
+
+
+def test_the_aggregate_key_is_never_a_suggested_rule_nor_a_key_the_impact_judges(api, db, bounds):
+    enrolled_web, _, _ = enrolled()
+    web = workload_labels_replace(
+        actor=CLI_ACTOR, workload_id=str(enrolled_web.id), expected_version=str(enrolled_web.labels_version),
+        data={"labels": {"app": "web"}},
+    )  # fmt: skip
+    window = _window(0, [(f"10.1.0.{i}", i, "observed") for i in range(1, 6)])
+    _ingest(web, [window])
+    now = clock.now()
+    text = lambda t: t.strftime("%Y-%m-%dT%H:%M:%SZ")  # noqa: E731
+    span = {"from": text(now - timedelta(hours=1)), "to": text(now + timedelta(hours=1))}
+    suggested = api.post("/api/v1/policies/suggestions", {**span, "workload": [str(web.id)]}, format="json")
+    assert suggested.status_code == 200, suggested.content
+    proposed = suggested.json()
+    assert "*" not in str(proposed["rulesets"]) and "*" not in str(proposed["address_groups"])
+    assert all(k["peer"] != "*" for k in proposed["not_generalised"])
+    draft = {"rulesets": [{"name": "web", "scope": "app=web", "rules": [
+        {"sources": [{"any": True}], "services": [{"protocol": "tcp", "port": 443}]}]}]}  # fmt: skip
+    impact = api.post("/api/v1/policies/impact", {**draft, **span}, format="json")
+    assert impact.status_code == 200, impact.content
+    judged = impact.json()
+    assert all(e["peer"] != "*" for e in judged["newly_refused"] + judged["newly_admitted"])
+    assert judged["keys_classified"] == 3  # the three keys kept, not the aggregate one
