@@ -764,10 +764,25 @@ def flow_evidence_prune(*, older_than: timedelta) -> Pruned:
     partitions on PostgreSQL, then the rows left in the partitions that straddle the cutoff."""
     cutoff = clock.now() - older_than
     partitions = flow_partitions_drop(before=cutoff)
-    FlowGroup.objects.filter(end__lt=cutoff).delete()
+    _deleted(FlowGroup.objects.filter(end__lt=cutoff))
     for rung in LADDER:  # each past its own margin (flows.sums.Span.prune_margin)
-        rung.model.objects.filter(**{f"{rung.column}__lt": cutoff - rung.prune_margin}).delete()
-    UnsummedWindow.objects.filter(start__lt=cutoff - UNSUMMED_PRUNE_MARGIN).delete()
-    windows, _ = FlowWindow.objects.filter(end__lt=cutoff).delete()
-    gaps, _ = EvidenceGap.objects.filter(end__lt=cutoff).delete()
+        _deleted(rung.model.objects.filter(**{f"{rung.column}__lt": cutoff - rung.prune_margin}))
+    _deleted(UnsummedWindow.objects.filter(start__lt=cutoff - UNSUMMED_PRUNE_MARGIN))
+    windows = _deleted(FlowWindow.objects.filter(end__lt=cutoff))
+    gaps = _deleted(EvidenceGap.objects.filter(end__lt=cutoff))
     return Pruned(rows=windows + gaps, partitions=partitions)
+
+
+PRUNE_ROWS_PER_STATEMENT = 10_000
+
+
+def _deleted(rows) -> int:
+    """Delete `rows`, and say how many: at once on PostgreSQL (whose day partitions went whole before);
+    on SQLite PRUNE_ROWS_PER_STATEMENT at a time, each its own short write, since an hour of a busy
+    fleet's groups in one DELETE would hold its one writer, and every other, for seconds."""
+    if connection.vendor == "postgresql":
+        return rows.delete()[0]
+    deleted = 0
+    while ids := list(rows.values_list("pk", flat=True)[:PRUNE_ROWS_PER_STATEMENT]):
+        deleted += rows.model.objects.filter(pk__in=ids).delete()[0]
+    return deleted

@@ -250,3 +250,22 @@ def test_the_aggregate_key_is_never_a_suggested_rule_nor_a_key_the_impact_judges
     judged = impact.json()
     assert all(e["peer"] != "*" for e in judged["newly_refused"] + judged["newly_admitted"])
     assert judged["keys_classified"] == 3  # the three keys kept, not the aggregate one
+
+
+def test_pruning_deletes_in_statements_of_a_bounded_number_of_rows(db, monkeypatch):
+    web, _, _ = enrolled()
+    for i in range(3):
+        _ingest(web, [_window(i, [(f"10.1.{i}.{k}", 1, "allowed") for k in range(3)])])
+    monkeypatch.setattr(services, "PRUNE_ROWS_PER_STATEMENT", 2)
+    with CaptureQueriesContext(connection) as queries:
+        pruned = services.flow_evidence_prune(older_than=-timedelta(days=1))  # everything is older
+    assert pruned.rows == 3 and not FlowGroup.objects.exists()
+    by_age = [
+        q["sql"] for q in queries.captured_queries if q["sql"].startswith('DELETE FROM "flows_flowgroup"')
+    ]
+    if connection.vendor == "postgresql":
+        assert len([sql for sql in by_age if '"end" <' in sql]) == 1  # at once: its partitions go whole
+    else:
+        assert (
+            len([sql for sql in by_age if '"flows_flowgroup"."id" IN' in sql]) == 5
+        )  # 9 groups, 2 a statement
