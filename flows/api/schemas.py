@@ -52,11 +52,23 @@ class FlowWindowSerializer(serializers.Serializer):
 class EvidenceGapSerializer(serializers.Serializer):
     id = serializers.UUIDField()
     workload_id = serializers.UUIDField()
-    kind = serializers.ChoiceField(choices=GapKind.values)
+    kind = serializers.ChoiceField(
+        choices=GapKind.values,
+        help_text=(
+            "The spec's kinds, and `keys_aggregated`: a window held more keys than are kept one by one, "
+            "and those over the bound were summed into its aggregate keys (peer `*`)."
+        ),
+    )
     source = serializers.ChoiceField(choices=GapSource.values, allow_null=True)
     start = serializers.DateTimeField()
     end = serializers.DateTimeField()
-    lost = serializers.DictField(child=serializers.IntegerField(), help_text="What was lost, where known.")
+    lost = serializers.DictField(
+        child=serializers.IntegerField(),
+        help_text=(
+            "What was lost, where known. For `keys_aggregated`: `keys` summed (their peers, services and "
+            "rules are lost) and the `connections` they counted (all in the aggregate keys)."
+        ),
+    )
 
 
 class ServiceKeySerializer(serializers.Serializer):

@@ -80,13 +80,17 @@ def test_a_busy_database_is_503_with_retry_after_and_the_stream_stays_up(tmp_pat
         assert holder.stdout.readline().strip() == "held"
         beats_before = stream.heartbeats
         # Each waits its while (2 s; a report 1 s), not until the other writer is done: that one never is.
-        write = http.post("/api/v1/services", json={"name": "ssh", "entries": [{"protocol": "tcp", "port": 22}]})
+        write = http.post(
+            "/api/v1/services", json={"name": "ssh", "entries": [{"protocol": "tcp", "port": 22}]}
+        )
         _assert_unavailable(write, "an operator's write")
         assert http.get("/api/v1/workloads").status_code == 200  # readers never wait for the writer
         refused = post_flow_report(serve, agent, report)
         _assert_unavailable(refused, "a flow report")
         serve.wait_for_stderr(r"database busy: cannot record heartbeats", timeout=20)
-        stream.wait_for("heartbeats while the database is busy", lambda: stream.heartbeats >= beats_before + 6)
+        stream.wait_for(
+            "heartbeats while the database is busy", lambda: stream.heartbeats >= beats_before + 6
+        )
         assert stream.closed is None and stream.error is None, (stream.closed, stream.error)
         heard_while_busy = http.get(f"/api/v1/workloads/{agent.identity.workload_id}").json()["sync"][
             "last_heard_from"
@@ -97,20 +101,22 @@ def test_a_busy_database_is_503_with_retry_after_and_the_stream_stays_up(tmp_pat
         assert holder.wait(10) == 0
         # The stream is still up: a change reaches it, and its heartbeats are written again.
         snapshots = len(stream.snapshots)
-        changed = http.post(
-            "/api/v1/mode-changes", json={"selection": {"all": True}, "mode": "simulation"}
-        )
+        changed = http.post("/api/v1/mode-changes", json={"selection": {"all": True}, "mode": "simulation"})
         assert changed.status_code in (200, 201, 202), changed.text
         stream.wait_for("the change's snapshot", lambda: len(stream.snapshots) > snapshots)
         stream.wait_for(
             "a heartbeat written after the database is free",
-            lambda: http.get(f"/api/v1/workloads/{agent.identity.workload_id}").json()["sync"]["last_heard_from"]
-            != heard_while_busy,
+            lambda: (
+                http.get(f"/api/v1/workloads/{agent.identity.workload_id}").json()["sync"]["last_heard_from"]
+                != heard_while_busy
+            ),
         )
         assert stream.closed is None and stream.error is None, (stream.closed, stream.error)
         stored = post_flow_report(serve, agent, report)  # the agent sends it again
         assert stored.status_code == 200 and stored.json()["windows"][0]["result"] == "accepted", stored.text
-        again = http.post("/api/v1/services", json={"name": "ssh", "entries": [{"protocol": "tcp", "port": 22}]})
+        again = http.post(
+            "/api/v1/services", json={"name": "ssh", "entries": [{"protocol": "tcp", "port": 22}]}
+        )
         assert again.status_code == 201, again.text
         http.close()
     finally:

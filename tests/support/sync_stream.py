@@ -93,7 +93,9 @@ class SyncStream(threading.Thread):
                     if time.monotonic() >= next_beat:
                         next_beat += self.every
                         self.heartbeats += 1
-                        backlog = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(1_800_000_000 + self.heartbeats))
+                        backlog = time.strftime(
+                            "%Y-%m-%dT%H:%M:%SZ", time.gmtime(1_800_000_000 + self.heartbeats)
+                        )
                         ws.send(
                             p.Heartbeat(
                                 process_start_id=self.process, uptime_seconds=round(time.monotonic() - started, 3),
