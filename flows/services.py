@@ -15,12 +15,11 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from django.conf import settings
 from django.db import DataError, OperationalError, connection, transaction
-from django.db.models import Count
 
 from controlplane import clock, metrics
 from controlplane.outage import database_busy, database_unavailable
@@ -668,16 +667,23 @@ def _unsummed_row(window: dict, keys: int) -> dict:
 
 
 def _keys_kept_by_start(pairs: list[tuple[uuid.UUID, datetime]]) -> dict[tuple[uuid.UUID, datetime], int]:
-    """The keys stored one by one for each (workload, window start) of `pairs`."""
+    """The keys stored one by one for each (workload, window start) of `pairs`: one read off the
+    (workload, start) index, in SQL written out like the write's other reads."""
     if not pairs:
         return {}
-    counted = (
-        FlowGroup.objects.filter(workload_id__in={w for w, _ in pairs}, start__in={s for _, s in pairs})
-        .exclude(peer=AGGREGATE)
-        .values_list("workload_id", "start")
-        .annotate(keys=Count("id"))
+    workload, start = FlowGroup._meta.get_field("workload").target_field, FlowGroup._meta.get_field("start")
+    workloads = [workload.get_db_prep_value(w, connection) for w in {w for w, _ in pairs}]
+    starts = [start.get_db_prep_value(s, connection) for s in {s for _, s in pairs}]
+    sql = (
+        f'SELECT "workload_id", "start", count(*) FROM "{FlowGroup._meta.db_table}"'  # noqa: S608 - our names
+        f' WHERE "workload_id" IN ({", ".join(["%s"] * len(workloads))})'
+        f' AND "start" IN ({", ".join(["%s"] * len(starts))}) AND "peer" <> %s GROUP BY 1, 2'
     )
-    return {(workload_id, start): keys for workload_id, start, keys in counted}
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [*workloads, *starts, AGGREGATE])
+        rows = cursor.fetchall()
+    # SQLite gives the workload as its text and the start without its zone (UTC): read back as stored.
+    return {(workload.to_python(w), s if s.tzinfo else s.replace(tzinfo=UTC)): keys for w, s, keys in rows}
 
 
 def _within_start_bound(window: ParsedWindow, *, workload_id: uuid.UUID, kept: dict) -> ParsedWindow:
