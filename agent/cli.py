@@ -227,7 +227,10 @@ def _flow_arguments(parser: argparse.ArgumentParser) -> None:
         "--flow-window-keys",
         type=int,
         default=defaults.DEFAULT_WINDOW_KEYS,
-        help=f"distinct keys one window holds (default {defaults.DEFAULT_WINDOW_KEYS})",
+        help=(
+            f"distinct keys one window counts one by one (default {defaults.DEFAULT_WINDOW_KEYS}); "
+            "the others are summed into its aggregate keys, a keys_aggregated gap"
+        ),
     )
 
 

@@ -34,22 +34,28 @@ DEFAULT_WINDOW_SECONDS = 60
 DEFAULT_NETLINK_BUFFER = 64 << 20  # 64 MiB lost nothing at about 21,000 connections/s
 DEFAULT_BUFFER_RECORDS = 10_080  # a week of one-minute windows
 DEFAULT_DUMP_MAX = 1_000_000
-DEFAULT_WINDOW_KEYS = 50_000
+# Keys one window counts one by one; the rest go to its aggregate keys (agent/flowwindow.py). The
+# control plane keeps as many per window (PALISADE_FLOW_WINDOW_MAX_KEYS), so it sums none of ours again.
+DEFAULT_WINDOW_KEYS = 10_000
 # How many windows and gaps the agent sends in one report at most: fewer than the gateway accepts
 # (flows/reports.py, ACCEPTED_MAX_WINDOWS and ACCEPTED_MAX_GAPS; a test keeps them so).
 BATCH_MAX_WINDOWS = 200
 BATCH_MAX_GAPS = 500
 REPORT_BUDGET_BYTES = 8 * 1024 * 1024  # well under the gateway's 32 MiB for flow reports
+# Groups one report carries at most (but always one window): what the control plane stores one by one
+# per report by default (PALISADE_FLOW_REPORT_MAX_KEYS); it would sum the keys of windows past it.
+BATCH_MAX_KEYS = 20_000
 SOURCE_RETRY_SECONDS = 1.0
 STATUS_EVERY_SECONDS = 5.0  # how often status.json shows the sources and the buffer
 
 
 def _batch(windows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The oldest windows that fit one report's byte budget (at least one)."""
-    taken, size = [], 0
+    """The oldest windows that fit one report's byte budget and its groups (at least one)."""
+    taken, size, keys = [], 0, 0
     for window in windows:
         size += 120 + 230 * len(window["groups"])  # about what each costs in the body
-        if taken and size > REPORT_BUDGET_BYTES:
+        keys += len(window["groups"])
+        if taken and (size > REPORT_BUDGET_BYTES or keys > BATCH_MAX_KEYS):
             break
         taken.append(window)
     return taken

@@ -11,8 +11,11 @@ of the spec's "Stored flow window":
   connection ended, which is often a later one than the window that counted it (`bytes_counted`).
   A window says whether accounting was on, so "no bytes" and "not counted" differ.
 
-At `max_keys` distinct keys a window takes no new key until it closes; what it drops is reported as a
-`window_overflow` gap covering the rest of the window, with the events and keys lost.
+At `max_keys` distinct keys a window takes no new key one by one until it closes: the observations of
+any other key are summed into the window's aggregate key for their decision (peer and protocol
+`AGGREGATE`, port 0, no rule), so every connection is still counted, and the window reports a
+`keys_aggregated` gap from the first such observation to its end, with how many keys and connections
+were summed so (the control plane bounds keys the same way, and folds into the same keys).
 
 Nothing here reads a socket or a clock: sources and the daemon pass instants in, so the semantics are
 tested exactly.
@@ -27,6 +30,10 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 DECISIONS = ("observed", "allowed", "would_block", "blocked")
+# The aggregate key's peer and protocol: no address or protocol is written so (flows/choices.py keeps
+# the control plane's copy; a test keeps them equal).
+AGGREGATE = "*"
+KEYS_AGGREGATED = "keys_aggregated"
 
 
 class FlowKey(NamedTuple):
@@ -80,37 +87,43 @@ class OpenWindow:
         self.max_keys = max_keys
         self.accounting = accounting
         self.counters: dict[FlowKey, Counters] = {}
+        self.kept = 0  # keys counted one by one (the aggregate keys are not among them)
         self.overflow_at: float | None = None
-        self.dropped_events = 0
-        self.dropped_keys: set[FlowKey] = set()
+        self.aggregated_connections = 0
+        self.aggregated_keys: set[FlowKey] = set()
 
-    def _entry(self, key: FlowKey, at: float) -> Counters | None:
+    def _entry(self, key: FlowKey, at: float) -> tuple[Counters, bool]:
+        """The counters an observation of `key` goes to, and whether they are its aggregate key's."""
         entry = self.counters.get(key)
         if entry is not None:
-            return entry
-        if len(self.counters) >= self.max_keys:
+            return entry, False
+        if self.kept >= self.max_keys:
             if self.overflow_at is None:
                 self.overflow_at = at
-            self.dropped_events += 1
-            self.dropped_keys.add(key)
-            return None
+            self.aggregated_keys.add(key)
+            aggregate = FlowKey(AGGREGATE, AGGREGATE, 0, key.decision, None)
+            entry = self.counters.get(aggregate)
+            if entry is None:
+                entry = self.counters[aggregate] = Counters()
+            return entry, True
+        self.kept += 1
         entry = self.counters[key] = Counters()
-        return entry
+        return entry, False
 
     def connection_opened(self, key: FlowKey, at: float) -> None:
-        entry = self._entry(key, at)
-        if entry is not None:
-            entry.connection_count += 1
-            entry.seen(at)
+        entry, aggregated = self._entry(key, at)
+        entry.connection_count += 1
+        entry.seen(at)
+        if aggregated:
+            self.aggregated_connections += 1
 
     def bytes_counted(self, key: FlowKey, at: float, bytes_in: int, bytes_out: int) -> None:
         if not self.accounting:
             return
-        entry = self._entry(key, at)
-        if entry is not None:
-            entry.bytes_in += bytes_in
-            entry.bytes_out += bytes_out
-            entry.seen(at)
+        entry, _ = self._entry(key, at)
+        entry.bytes_in += bytes_in
+        entry.bytes_out += bytes_out
+        entry.seen(at)
 
     def bytes_not_counted(self) -> None:
         """A connection ended in this window without counters (accounting was off when it opened): the
@@ -121,19 +134,22 @@ class OpenWindow:
         for key, counters in list(self.counters.items()):
             if counters.connection_count == 0:  # there only for bytes
                 del self.counters[key]
+                if key.peer != AGGREGATE:
+                    self.kept -= 1
             else:
                 counters.bytes_in = counters.bytes_out = 0
 
     def close(self, policy_version: str) -> tuple[ClosedWindow | None, Gap | None]:
-        """The closed window (None when it saw nothing: no report for it), and its overflow gap."""
+        """The closed window (None when it saw nothing: no report for it), and its gap when keys over
+        the bound were summed into its aggregate keys."""
         gap = None
         if self.overflow_at is not None:
             gap = Gap(
-                "window_overflow",
+                KEYS_AGGREGATED,
                 None,
                 self.overflow_at,
                 self.end,
-                {"events": self.dropped_events, "keys": len(self.dropped_keys)},
+                {"keys": len(self.aggregated_keys), "connections": self.aggregated_connections},
             )
         if not self.counters:
             return None, gap

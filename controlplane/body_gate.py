@@ -259,7 +259,7 @@ def headers_refusal(check: HeadersCheck, headers: Mapping[str, str]) -> Problem 
     except Exception as error:  # noqa: BLE001 - refused, never let through unchecked
         _check_thread.tidied_at = -TIDY_SECONDS  # look at the connection before the next check
         if database_failed("check requests' headers", error, log):
-            return service_unavailable()  # the database away: one throttled line, no traceback
+            return service_unavailable(error)  # the database away or busy: one throttled line
         log.exception("checking a request's headers failed")
         return Problem("internal")
     return None
@@ -325,6 +325,7 @@ class BodyGate:
     _gate_lost = False
     _gate_linger = None
     _gate_continue = False  # answer `Expect: 100-continue` once the body is admitted
+    _gate_checking = False  # a headers check runs: nothing of the body is read meanwhile
     _gate_path = ""
 
     def allHeadersReceived(self):
@@ -365,6 +366,7 @@ class BodyGate:
         # 16 KiB. Reading pauses now, so a body that is refused is never received.
         self._handlingRequest = True
         self._networkProducer.pauseProducing()
+        self._gate_checking = True
         from twisted.internet import reactor
 
         generation = passed_headers.generation
@@ -376,6 +378,7 @@ class BodyGate:
 
     def _gate_checked(self, request, budget: str, limit: int, passed, refusal: Problem | None) -> None:
         key, owner, generation = passed
+        self._gate_checking = False
         if refusal is None:
             passed_headers.remember(key, owner, generation=generation)
         if self._gate_lost:

@@ -20,8 +20,10 @@ accepted socket is counted before any byte is read:
   which includes the TLS handshake, or the end of the previous response on a kept-alive connection),
   unless the client is still reading that response at the minimum rate;
 - a request body must arrive at `body_min_rate` bytes a second on average after a grace of
-  `BODY_GRACE_SECONDS`, counted from when the body gate (controlplane/body_gate.py) admits it; the gate
-  may ask a faster pace of a body (`LimitedConnection.body_admitted`): the gateway's bodies keep
+  `BODY_GRACE_SECONDS`, counted from when the body gate (controlplane/body_gate.py) admits it, and not
+  counting the time serve itself holds the body unread (the gate's check of a flow report's headers,
+  which waits on the database): a client is not cut for serve's wait. The gate may ask a faster pace of
+  a body (`LimitedConnection.body_admitted`): the gateway's bodies keep
   `PALISADE_GATEWAY_BODY_MIN_RATE`, so a body of declared length L is complete within the grace plus
   L at that rate, and one of unknown length (chunked) is never further behind it than the grace.
 
@@ -271,6 +273,7 @@ class LimitedConnection(ProtocolWrapper):
         self.body_started = 0.0
         self.body_bytes = 0
         self.body_rate = 0.0  # a pace the body gate set for this body, above the limiter's minimum
+        self.held_at: float | None = None  # serve reads nothing of the body since then
         self.unsent = 0  # bytes of the answers the socket still had to send, and when
         self.unsent_at = 0.0
         self.counted = True  # until released: closed, or evicted (its socket closes a moment later)
@@ -298,6 +301,13 @@ class LimitedConnection(ProtocolWrapper):
         """The body gate admitted the body: its clock starts now (it was not read while its headers were
         checked), at `rate` bytes a second at least, or the limiter's minimum if that is faster."""
         self.factory.limiter.pace(self, rate)
+
+    def body_held(self) -> None:
+        """serve stops reading the body (it checks the headers first): its rate is not counted."""
+        self.factory.limiter.hold(self)
+
+    def body_resumed(self) -> None:
+        self.factory.limiter.resume(self)
 
     def content_received(self, *, upgrade: bool) -> None:
         self.factory.limiter.enter(self, Phase.STREAM if upgrade else Phase.BUSY)
@@ -408,9 +418,23 @@ class ConnectionLimiter:
         if not self.by_address[connection.key]:
             del self.by_address[connection.key]
 
+    def hold(self, connection: LimitedConnection) -> None:
+        """A body serve has stopped reading: off the minimum rate until `resume`."""
+        if connection.counted and connection.phase is Phase.BODY and connection.held_at is None:
+            self.receiving.pop(connection, None)
+            connection.held_at = self.clock.seconds()
+
+    def resume(self, connection: LimitedConnection) -> None:
+        """The body is read again: its rate is counted as if the held time had not passed."""
+        if connection.counted and connection.phase is Phase.BODY and connection.held_at is not None:
+            connection.body_started += self.clock.seconds() - connection.held_at
+            connection.held_at = None
+            self.receiving[connection] = None
+
     def enter(self, connection: LimitedConnection, phase: Phase) -> None:
         if not connection.counted:
             return
+        connection.held_at = None
         now = self.clock.seconds()
         self.waiting.pop(connection, None)
         self.receiving.pop(connection, None)

@@ -46,7 +46,7 @@ def data_dir_check(data_dir: Path, databases: dict, log: logging.Logger) -> None
             data_dir,
         )
     database = databases["default"]
-    if database["ENGINE"] != "django.db.backends.sqlite3":
+    if database["ENGINE"] not in ("controlplane.sqlite", "django.db.backends.sqlite3"):
         return
     sqlite_file = Path(database["NAME"])
     for path in (sqlite_file, *(Path(f"{sqlite_file}{suffix}") for suffix in SQLITE_SIDE_FILES)):

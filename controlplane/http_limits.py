@@ -121,6 +121,13 @@ class LimitedHTTPChannel(BodyGate, http.HTTPChannel):
         if self._limits is not None:
             self._limits.head_received()  # first: the body gate may admit the body (and pace it) at once
         super().allHeadersReceived()
+        if self._limits is not None and self._gate_checking:  # the gate reads nothing until its check is done
+            self._limits.body_held()
+
+    def _gate_checked(self, *args):
+        if self._limits is not None:
+            self._limits.body_resumed()
+        super()._gate_checked(*args)
 
     def allContentReceived(self):
         if self._limits is not None:

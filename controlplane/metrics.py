@@ -56,6 +56,7 @@ GAP_KINDS = (
     "window_rejected",
     "table_removed",
     "agent_silent",
+    "keys_aggregated",
 )
 GAP_SOURCES = ("conntrack", "nflog", "none")
 

@@ -1,4 +1,4 @@
-"""The database away: how its failures are recognised, logged and answered.
+"""The database away (or busy): how its failures are recognised, logged and answered.
 
 Every request, stream and housekeeping round fails while the database is away, so one line per
 failure (let alone a traceback) floods the log: 30 s without PostgreSQL under 50 agents once wrote
@@ -29,6 +29,8 @@ RETRY_AFTER_SECONDS = (5, 15)
 # administrator or a crash, still starting up or shutting down.
 _UNAVAILABLE_STATES = ("08", "57P01", "57P02", "57P03")
 _SQLITE_UNAVAILABLE = ("unable to open database file", "disk i/o error")
+# SQLite's one writer held the lock past the wait (controlplane/sqlite): the database is there, busy.
+_SQLITE_BUSY = ("database is locked", "database table is locked", "database is busy")
 
 log = logging.getLogger("palisade.database")
 
@@ -49,6 +51,20 @@ def database_unavailable(error: BaseException) -> bool:
             return state.startswith(_UNAVAILABLE_STATES)
         if isinstance(cause, sqlite3.OperationalError):
             return str(cause).lower().startswith(_SQLITE_UNAVAILABLE)
+        cause = cause.__cause__ or cause.__context__
+    return False
+
+
+def database_busy(error: BaseException) -> bool:
+    """True for a write that waited its whole time for SQLite's lock: another writer held it (a long
+    write that cannot be split, another process). Answered as the database away is, 503 with
+    Retry-After (never a 500), but it is no outage: nothing is logged as one."""
+    seen: set[int] = set()
+    cause: BaseException | None = error
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, sqlite3.OperationalError):
+            return str(cause).lower().startswith(_SQLITE_BUSY)
         cause = cause.__cause__ or cause.__context__
     return False
 
@@ -103,6 +119,22 @@ class OutageLog:
         since = f" ({more} more since the last line, {now - last:.0f} s ago)" if last is not None else ""
         logger.warning("database unavailable: cannot %s: %s%s", what, _first_line(error), since)
 
+    def busy(self, what: str, error: BaseException, logger: logging.Logger | None = None) -> None:
+        """`what` failed because the database was busy past its wait: at most one line per `what`
+        and logger per interval, as for an outage, but the database is not marked away."""
+        logger = logger or log
+        now = self.clock()
+        key = (logger.name, f"busy: {what}")
+        with self._lock:
+            last = self._last_logged.get(key)
+            if last is not None and now - last < self.every:
+                self._suppressed[key] = self._suppressed.get(key, 0) + 1
+                return
+            more = self._suppressed.pop(key, 0)
+            self._last_logged[key] = now
+        since = f" ({more} more since the last line, {now - last:.0f} s ago)" if last is not None else ""
+        logger.warning("database busy: cannot %s: %s%s", what, _first_line(error), since)
+
     def available(self) -> None:
         """The database answered: said once after failures, then silent until the next outage."""
         if self.down_since is None:  # the usual case, without taking the lock
@@ -126,8 +158,12 @@ outage = OutageLog()
 
 
 def database_failed(what: str, error: BaseException, logger: logging.Logger | None = None) -> bool:
-    """Log `error` as the database being away when it is (throttled) and return True; False when it
-    is another failure, which the caller handles as it would have."""
+    """Log `error` as the database being away, or busy, when it is (throttled) and return True: the
+    caller answers 503 with Retry-After (4503 on a stream). False when it is another failure, which
+    the caller handles as it would have."""
+    if database_busy(error):
+        outage.busy(what, error, logger)
+        return True
     if not database_unavailable(error):
         return False
     outage.failed(what, error, logger)

@@ -131,18 +131,27 @@ else:
     sqlite_file_create(DATA_DIR / "palisade.sqlite3")  # private: it holds the password hash
     DATABASES = {
         "default": {
-            "ENGINE": "django.db.backends.sqlite3",
+            # Django's SQLite backend with this process's writers served in the order they ask
+            # (controlplane/sqlite): SQLite's own wait let a busy writer starve the others.
+            "ENGINE": "controlplane.sqlite",
             "NAME": DATA_DIR / "palisade.sqlite3",
             "CONN_MAX_AGE": 300,
             "OPTIONS": {
                 # Writers take the lock up front, so two read-then-write transactions serialise
                 # instead of one failing with "database is locked" when it upgrades.
                 "transaction_mode": "IMMEDIATE",
-                "timeout": 20,
+                # How long a write waits for its turn (flow reports wait less, below); past it the
+                # request is 503 with Retry-After.
+                "timeout": float(os.environ.get("PALISADE_SQLITE_WAIT_SECONDS", 20)),
+                # WAL: readers never wait for the writer, nor it for them.
                 "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
             },
         }
     }
+# A flow report waits this long at most for its turn to write to SQLite, then is answered 503 with
+# Retry-After (the agent keeps its windows and sends them again): a long write that cannot be split
+# (a large policy applied) then delays reports by this much, not by its whole length.
+PALISADE_SQLITE_REPORT_WAIT_SECONDS = float(os.environ.get("PALISADE_SQLITE_REPORT_WAIT_SECONDS", 2))
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 if os.environ.get("REDIS_URL"):
@@ -169,7 +178,7 @@ WHITENOISE_AUTOREFRESH = False
 # Request bodies: the API never needs more than this; larger bodies get 413 before parsing.
 PALISADE_MAX_BODY_BYTES = int(os.environ.get("PALISADE_MAX_BODY_BYTES", 1024 * 1024))
 DATA_UPLOAD_MAX_MEMORY_SIZE = PALISADE_MAX_BODY_BYTES
-# An agent's flow report carries whole windows (up to 100,000 keys each); it alone may be this large.
+# An agent's flow report carries whole windows; it alone may be this large.
 PALISADE_MAX_FLOW_REPORT_BYTES = int(os.environ.get("PALISADE_MAX_FLOW_REPORT_BYTES", 32 * 1024 * 1024))
 # The bytes of request bodies each listener holds at once, from admitting a body until it is answered
 # (controlplane/body_gate.py); beyond them a body is 503 with Retry-After. Two of the largest flow
@@ -204,9 +213,12 @@ PALISADE_CREDENTIAL_GRACE_SECONDS = int(os.environ.get("PALISADE_CREDENTIAL_GRAC
 
 # Flow evidence: windows are one minute unless configured (tests use seconds).
 PALISADE_FLOW_WINDOW_SECONDS = int(os.environ.get("PALISADE_FLOW_WINDOW_SECONDS", 60))
-# The most keys one stored window may hold; a larger window is refused (the agent records a
-# window_rejected gap). Agents default to 50,000 (`--flow-window-keys`).
-PALISADE_FLOW_WINDOW_MAX_KEYS = int(os.environ.get("PALISADE_FLOW_WINDOW_MAX_KEYS", 100_000))
+# Distinct keys stored one by one: per window, and per report (its windows in order). The keys over
+# either bound are summed into the window's aggregate keys (one per decision) and recorded as a
+# `keys_aggregated` gap (flows/reports.py; docs/flows.md, "Bounded keys"). The agent's own bound
+# (`--flow-window-keys`) and its reports' (agent/flowreporter.py) default to the same numbers.
+PALISADE_FLOW_WINDOW_MAX_KEYS = int(os.environ.get("PALISADE_FLOW_WINDOW_MAX_KEYS", 10_000))
+PALISADE_FLOW_REPORT_MAX_KEYS = int(os.environ.get("PALISADE_FLOW_REPORT_MAX_KEYS", 20_000))
 # Stored flow windows and gaps are removed by serve's housekeeping once this old (`--flow-retention-days`).
 PALISADE_FLOW_RETENTION_DAYS = int(os.environ.get("PALISADE_FLOW_RETENTION_DAYS", 30))
 

@@ -22,7 +22,7 @@ from rest_framework.views import APIView
 
 from agent import protocol
 from controlplane import clock
-from controlplane.outage import database_failed, retry_after_seconds
+from controlplane.outage import database_busy, database_failed, retry_after_seconds
 from controlplane.problems import Finding, Problem, ValidationFailed
 from controlplane.text import visible
 from controlplane.validation import parse_instant, require_object
@@ -117,13 +117,13 @@ class SyncStreamConsumer(LayerIndependentConsumer, AsyncWebsocketConsumer):
         except Exception as error:
             if not database_failed("serve agent streams", error, log):
                 raise
-            # Without the database the stream can neither authenticate nor record what the agent
-            # says: it ends, and the agent comes back with its backoff (its table stays as it is).
+            # Without the database (away, or busy past the wait) the stream can neither authenticate
+            # nor record what the agent says: it ends, and the agent comes back when told (its table
+            # stays as it is) and says it again.
             self.database_away = True
             wait = retry_after_seconds()
-            await self.close(
-                code=protocol.CLOSE_SHUTDOWN, reason=f"database unavailable: retry after {wait} s"
-            )
+            what = "database busy" if database_busy(error) else "database unavailable"
+            await self.close(code=protocol.CLOSE_SHUTDOWN, reason=f"{what}: retry after {wait} s")
 
     async def connect(self):
         self.nonce = os.urandom(32)
@@ -259,16 +259,24 @@ class SyncStreamConsumer(LayerIndependentConsumer, AsyncWebsocketConsumer):
         # A backlog that appears or clears is written at once: coverage reads it.
         changed = state != self.table_state or backlog != self.flow_backlog_since
         if changed or now - self.heard_at >= HEARD_FROM_EVERY_SECONDS:
-            self.heard_at, self.table_state, self.flow_backlog_since = now, state, backlog
             # Group memberships expire after a day; a stream may live for months.
             self.refresh_groups()
-            await held_streams.db(sync.workload_heard_from)(
-                workload_id=self.grant.workload_id,
-                stream_id=self.stream_id,
-                owned_table_state=state,
-                process_start_id=message.process_start_id,
-                flow_backlog_since=backlog,
-            )
+            try:
+                await held_streams.db(sync.workload_heard_from)(
+                    workload_id=self.grant.workload_id,
+                    stream_id=self.stream_id,
+                    owned_table_state=state,
+                    process_start_id=message.process_start_id,
+                    flow_backlog_since=backlog,
+                )
+            except Exception as error:
+                if not database_busy(error):
+                    raise
+                # The database busy past the wait (a long write): a heartbeat records nothing that the
+                # next one does not, so the stream stays up and the next heartbeat writes it all.
+                database_failed("record heartbeats", error, log)
+                return
+            self.heard_at, self.table_state, self.flow_backlog_since = now, state, backlog
 
     async def on_table(self, message: protocol.TableState) -> None:
         if message.state not in REPORTED_TABLE_STATES:

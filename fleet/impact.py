@@ -24,6 +24,7 @@ from controlplane.validation import Findings, require_object
 from fleet.dryrun import hypothetical_policy, unmatched_selectors
 from fleet.key_classifier import FlowKeyClassifier
 from fleet.selectors import label_filters_parse
+from flows.choices import AGGREGATE
 from flows.representations import coverage_data
 from flows.selectors import coverage, flow_keys_summed, flow_range_plan, workloads_selected
 from flows.validation import flow_range_parse
@@ -109,6 +110,9 @@ def policy_impact(*, data: Any, rule_numbers: Mapping[tuple[str, int], int] | No
     planned = flow_range_plan(selected=selected, start=start, end=end)
     covered = coverage(selected, start, end, lookback=planned.lookback)
     rows = flow_keys_summed(planned, KEY_COLUMNS)
+    # A window's aggregate key (its keys over the bound, summed) is no peer and no service: nothing is
+    # proposed or judged from it; its range's keys_aggregated gap already says the evidence is not whole.
+    rows = [row for row in rows if row["peer"] != AGGREGATE]
 
     judge = FlowKeyClassifier(drafts=[draft])
     rules_now, rules_draft = _rules_by_number(judge.now), _rules_by_number(draft)

@@ -19,6 +19,12 @@ class GapKind(models.TextChoices):
     WINDOW_REJECTED = "window_rejected"
     TABLE_REMOVED = "table_removed"
     AGENT_SILENT = "agent_silent"  # the control plane's own: an agent cannot report it
+    # Beyond the spec's kinds: a window held more distinct keys than are kept one by one, and those
+    # over the bound were summed into its aggregate keys (below). Counts are whole; which peers,
+    # services and rules those connections had is what was lost. The agent reports it (at
+    # `--flow-window-keys`), and the control plane does (past PALISADE_FLOW_WINDOW_MAX_KEYS a window,
+    # PALISADE_FLOW_REPORT_MAX_KEYS a report).
+    KEYS_AGGREGATED = "keys_aggregated"
 
 
 class GapSource(models.TextChoices):
@@ -27,6 +33,11 @@ class GapSource(models.TextChoices):
 
 
 AGENT_GAP_KINDS = tuple(kind for kind in GapKind.values if kind != GapKind.AGENT_SILENT)
+
+# A window's aggregate key: one per decision, holding the connections of the keys over the bound. Its
+# peer and protocol are this mark, never an address or a protocol (no real key has them), its port
+# 0 and its rule none. Reads show it as it is stored; no rule may be proposed from it.
+AGGREGATE = "*"
 
 # The longest window an agent may report (`--flow-window-seconds`). A window that ends after an instant
 # starts less than this before it, which is what lets a range read skip older day partitions.

@@ -4,8 +4,11 @@ previous write ran. Under load that is many reports per transaction; alone, a ca
 item at once, with no wait and no extra thread.
 
 At most one item per key goes into a write (a workload's reports are written one after another, in the
-order they arrived). A write that fails as a whole is retried item by item, so one bad item fails only
-its own caller.
+order they arrived), and items up to a total weight (a report's keys: a write's transaction stays
+short, which on SQLite is how long every other writer waits). A write that fails as a whole is retried
+item by item, so one bad item fails only its own caller; a failure that is no item's fault (the
+database away or busy) is every caller's at once, since retrying each alone would wait as long again
+per item.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Any
 class _Entry:
     item: Any
     key: Hashable
+    weight: int = 1
     done: bool = False
     outcome: Any = None
 
@@ -31,16 +35,22 @@ class GroupCommit:
         *,
         key: Callable[[Any], Hashable],
         most: int,
+        weight: Callable[[Any], int] = lambda item: 1,
+        most_weight: int | None = None,
+        shared_failure: Callable[[Exception], bool] = lambda error: False,
     ) -> None:
         """`write` stores a list of items and returns one outcome per item, in order; an outcome that
-        is an exception is raised to that item's caller."""
+        is an exception is raised to that item's caller. A write takes at most `most` items and, past
+        its first, items up to `most_weight` in all. A write failing with an error that
+        `shared_failure` accepts fails each of its items with that error, untried alone."""
         self._write, self._key, self._most = write, key, most
+        self._weight, self._most_weight, self._shared_failure = weight, most_weight, shared_failure
         self._queue: list[_Entry] = []
         self._queue_lock = threading.Lock()
         self._writing = threading.Lock()
 
     def submit(self, item: Any) -> Any:
-        entry = _Entry(item, self._key(item))
+        entry = _Entry(item, self._key(item), self._weight(item))
         with self._queue_lock:
             self._queue.append(entry)
         while not entry.done:
@@ -52,17 +62,21 @@ class GroupCommit:
         return entry.outcome
 
     def _take(self) -> list[_Entry]:
-        """The oldest entries, one per key, up to the limit; the rest wait for the next write."""
+        """The oldest entries, one per key, up to the limits; the rest wait for the next write (a key
+        whose entry waits has none taken after it: its items keep their order)."""
         with self._queue_lock:
             batch: list[_Entry] = []
             left: list[_Entry] = []
             keys: set[Hashable] = set()
+            weight = 0
             for entry in self._queue:
-                if len(batch) < self._most and entry.key not in keys:
+                fits = not batch or self._most_weight is None or weight + entry.weight <= self._most_weight
+                if len(batch) < self._most and entry.key not in keys and fits:
                     batch.append(entry)
-                    keys.add(entry.key)
+                    weight += entry.weight
                 else:
                     left.append(entry)
+                keys.add(entry.key)
             self._queue = left
         return batch
 
@@ -70,8 +84,8 @@ class GroupCommit:
         try:
             outcomes = self._write([entry.item for entry in batch])
         except Exception as error:  # noqa: BLE001  (handed to the caller it belongs to)
-            if len(batch) == 1:
-                outcomes = [error]
+            if len(batch) == 1 or self._shared_failure(error):
+                outcomes = [error] * len(batch)
             else:
                 for entry in batch:
                     self._run([entry])

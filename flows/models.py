@@ -148,6 +148,9 @@ class UnsummedWindow(models.Model):
     window_id = models.UUIDField(primary_key=True)
     workload = models.ForeignKey(Workload, on_delete=models.CASCADE, related_name="+", db_index=False)
     start = models.DateTimeField()
+    # Its groups: summing takes windows up to a number of groups per transaction, not of windows
+    # (0: a window stored before this was counted).
+    keys = models.PositiveIntegerField(default=0)
 
     class Meta:
         indexes = [

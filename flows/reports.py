@@ -19,7 +19,7 @@ from controlplane import runtime
 from controlplane.problems import Finding, ValidationFailed
 from controlplane.text import has_unsafe, visible
 from controlplane.validation import is_digits, parse_instant
-from flows.choices import AGENT_GAP_KINDS, MAX_WINDOW_SECONDS, Decision, GapSource
+from flows.choices import AGENT_GAP_KINDS, AGGREGATE, MAX_WINDOW_SECONDS, Decision, GapSource
 
 # The most windows and gaps the gateway accepts in one report (docs/protocol.md). The agent sends fewer
 # (agent/flowreporter.py, BATCH_MAX_WINDOWS and BATCH_MAX_GAPS; a test keeps them so).
@@ -174,31 +174,43 @@ def _window(raw: Any, *, window_seconds: int) -> tuple[uuid.UUID, datetime, date
     if not isinstance(raw.get("accounting"), bool):
         raise Refused("accounting is true or false")
     groups = raw.get("groups")
-    most = settings.PALISADE_FLOW_WINDOW_MAX_KEYS
-    if not isinstance(groups, list) or not groups or len(groups) > most:
-        raise Refused(f"groups is a list of 1 to {most} keys")
+    if not isinstance(groups, list) or not groups:
+        raise Refused("groups is a list of at least one key")
     return window_id, start, end, {**raw, "policy_version": visible(raw.get("policy_version", ""))[:80]}
+
+
+def _key(raw: dict) -> tuple[str, str, int, int | None]:
+    """The group's peer, protocol, port and rule, as stored: an address and a protocol, or the
+    aggregate key (flows.choices.AGGREGATE), which an agent sends for the keys over its own bound."""
+    protocol, port, rule = raw.get("protocol"), raw.get("port"), raw.get("rule")
+    if AGGREGATE in (raw.get("peer"), protocol):
+        if (raw.get("peer"), protocol, port, rule) != (AGGREGATE, AGGREGATE, 0, None) or isinstance(
+            port, bool
+        ):
+            raise Refused(
+                f"the aggregate key is peer {AGGREGATE}, protocol {AGGREGATE}, port 0 and rule null"
+            )
+        return AGGREGATE, AGGREGATE, 0, None
+    if protocol not in PROTOCOLS and not (
+        isinstance(protocol, str) and is_digits(protocol) and int(protocol) < 256
+    ):
+        raise Refused("protocol is tcp, udp, icmp, icmpv6 or a protocol number")
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise Refused("port is a whole number from 0 to 65535")
+    if rule is not None and (
+        isinstance(rule, bool) or not isinstance(rule, int) or not 0 < rule <= MAX_RULE_NUMBER
+    ):
+        raise Refused("rule is a rule number or null")
+    return _peer(raw.get("peer")), protocol, port, rule
 
 
 def _group(raw: Any, *, start: datetime, end: datetime, accounting: bool) -> dict:
     if not isinstance(raw, dict):
         raise Refused("a group is a JSON object")
-    protocol = raw.get("protocol")
-    if protocol not in PROTOCOLS and not (
-        isinstance(protocol, str) and is_digits(protocol) and int(protocol) < 256
-    ):
-        raise Refused("protocol is tcp, udp, icmp, icmpv6 or a protocol number")
-    port = raw.get("port")
-    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
-        raise Refused("port is a whole number from 0 to 65535")
+    peer, protocol, port, rule = _key(raw)
     decision = raw.get("decision")
     if not isinstance(decision, str) or decision not in DECISIONS:  # a set: a list or object would raise
         raise Refused(f"decision is one of {', '.join(Decision.values)}")
-    rule = raw.get("rule")
-    if rule is not None and (
-        isinstance(rule, bool) or not isinstance(rule, int) or not 0 < rule <= MAX_RULE_NUMBER
-    ):
-        raise Refused("rule is a rule number or null")
     first_seen, last_seen = (
         _instant(raw.get("first_seen"), "first_seen"),
         _instant(raw.get("last_seen"), "last_seen"),
@@ -210,7 +222,7 @@ def _group(raw: Any, *, start: datetime, end: datetime, accounting: bool) -> dic
     if not accounting and (bytes_in or bytes_out):
         raise Refused("bytes are counted only with accounting")
     return {
-        "peer": _peer(raw.get("peer")),
+        "peer": peer,
         "protocol": protocol,
         "port": port,
         "decision": decision,
@@ -273,6 +285,15 @@ def _check_stored_day(instant: datetime, name: str, days: tuple[date, date]) -> 
 
 
 @dataclass(frozen=True)
+class Aggregated:
+    """What the control plane summed into a window's aggregate keys: how many keys, and the
+    connections they counted (the `keys_aggregated` gap it records says so)."""
+
+    keys: int
+    connections: int
+
+
+@dataclass(frozen=True)
 class ParsedWindow:
     id: uuid.UUID
     start: datetime
@@ -280,6 +301,55 @@ class ParsedWindow:
     policy_version: str
     accounting: bool
     groups: list[dict]
+    aggregated: Aggregated | None = None  # keys over the bound summed here, not by the agent
+
+
+def _weight(group: dict) -> tuple:
+    # The keys a window keeps one by one: those that counted most (then by key, so the same window
+    # always keeps the same ones).
+    return (
+        -group["connection_count"],
+        -(group["bytes_in"] + group["bytes_out"]),
+        group["peer"], group["protocol"], group["port"], group["decision"], group["rule_number"] or 0,
+    )  # fmt: skip
+
+
+def _aggregate_key(decision: str, groups: list[dict]) -> dict:
+    summed = {
+        "peer": AGGREGATE,
+        "protocol": AGGREGATE,
+        "port": 0,
+        "decision": decision,
+        "rule_number": None,
+        "connection_count": sum(g["connection_count"] for g in groups),
+        "first_seen": min(g["first_seen"] for g in groups),
+        "last_seen": max(g["last_seen"] for g in groups),
+        "bytes_in": sum(g["bytes_in"] for g in groups),
+        "bytes_out": sum(g["bytes_out"] for g in groups),
+    }
+    if (
+        summed["connection_count"] > MAX_CONNECTIONS
+        or max(summed["bytes_in"], summed["bytes_out"]) > MAX_BYTES
+    ):
+        raise Refused("the keys over the bound sum past what one window may count")
+    return summed
+
+
+def keys_fold(groups: list[dict], *, keep: int) -> tuple[list[dict], Aggregated | None]:
+    """A window's groups with at most `keep` keys one by one: the others, and any aggregate key the
+    agent sent, summed into one aggregate key per decision. Returns the groups and what was summed
+    here (None when nothing was)."""
+    aggregates = [g for g in groups if g["peer"] == AGGREGATE]
+    keys = [g for g in groups if g["peer"] != AGGREGATE]
+    if len(keys) <= keep:
+        return groups, None
+    keys.sort(key=_weight)
+    kept, over = keys[:keep], keys[keep:]
+    by_decision: dict[str, list[dict]] = {}
+    for group in over + aggregates:
+        by_decision.setdefault(group["decision"], []).append(group)
+    summed = [_aggregate_key(decision, listed) for decision, listed in sorted(by_decision.items())]
+    return kept + summed, Aggregated(len(over), sum(g["connection_count"] for g in over))
 
 
 @dataclass(frozen=True)
@@ -295,25 +365,39 @@ class ParsedReport:
 
 def report_parse(data: Any, *, now: datetime) -> ParsedReport:
     """Check a report against the stored range of days around `now`; raises ValidationFailed for a
-    malformed envelope only."""
+    malformed envelope only.
+
+    Keys are bounded: a window keeps at most PALISADE_FLOW_WINDOW_MAX_KEYS keys one by one, and a
+    report PALISADE_FLOW_REPORT_MAX_KEYS in all (its windows in order; a window past the report's
+    bound keeps none). The rest are summed into each window's aggregate keys (`keys_fold`), never
+    dropped, and the window says how many (`ParsedWindow.aggregated`)."""
     envelope = report_envelope(data)
     stored = _stored_days(now)
     today = now.astimezone(UTC).date()
     windows: list[tuple[Any, ParsedWindow | str]] = []
     row_days = {today}
+    per_window, left = settings.PALISADE_FLOW_WINDOW_MAX_KEYS, settings.PALISADE_FLOW_REPORT_MAX_KEYS
     for raw in envelope.windows:
         try:
             window_id, start, end, body = _window(raw, window_seconds=envelope.window_seconds)
             _check_stored_day(start, "start", stored)
             groups = [_group(g, start=start, end=end, accounting=body["accounting"]) for g in body["groups"]]
+            groups, aggregated = keys_fold(groups, keep=min(per_window, left))
             windows.append(
                 (
                     raw,
                     ParsedWindow(
-                        window_id, start, end, body.get("policy_version", ""), body["accounting"], groups
-                    ),
+                        window_id,
+                        start,
+                        end,
+                        body.get("policy_version", ""),
+                        body["accounting"],
+                        groups,
+                        aggregated,
+                    ),  # fmt: skip
                 )
             )
+            left -= sum(1 for group in groups if group["peer"] != AGGREGATE)
             row_days.add(start.astimezone(UTC).date())
         except Refused as refused:
             windows.append((raw, str(refused)))

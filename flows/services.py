@@ -9,21 +9,27 @@ one serve process or several.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
+import time
 import uuid
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from django.db import DataError, connection, transaction
+from django.conf import settings
+from django.db import DataError, OperationalError, connection, transaction
 
 from controlplane import clock, metrics
+from controlplane.outage import database_busy, database_unavailable
 from controlplane.problems import Problem
+from controlplane.sqlite import database_wait
 from controlplane.webhooks.outbox import Event, webhook_events_record, workload_event
 from fleet.models import Workload
 from fleet.selectors import workload_get
 from flows import health
-from flows.choices import GapKind
+from flows.choices import AGGREGATE, GapKind
 from flows.group_commit import GroupCommit
 from flows.models import (
     EvidenceGap,
@@ -32,8 +38,18 @@ from flows.models import (
     UnsummedWindow,
 )
 from flows.partitions import flow_partitions_drop, flow_partitions_ensure
-from flows.reports import ACCEPTED, REFUSED, ParsedReport, ParsedWindow, Report, item_answer, report_parse
-from flows.sums import LADDER, SUMMED, UNSUMMED_PRUNE_MARGIN, Span, rule_stored, rule_stored_sql
+from flows.reports import (
+    ACCEPTED,
+    REFUSED,
+    Aggregated,
+    ParsedReport,
+    ParsedWindow,
+    Report,
+    item_answer,
+    keys_fold,
+    report_parse,
+)
+from flows.sums import LADDER, SUMMED, UNSUMMED_PRUNE_MARGIN, Span, rule_stored_sql
 
 log = logging.getLogger("palisade.flows")
 _peer_map: tuple[tuple, dict[str, uuid.UUID]] = ((), {})
@@ -138,12 +154,12 @@ def _agent_silent(
 
 def _rows_insert(model, rows: list[dict]) -> None:
     """The hot path of ingestion: binary COPY on PostgreSQL (no model instance per row, one round trip;
-    3,200 group rows cost 6 ms of CPU to send where text COPY cost 46), bulk_create elsewhere. `rows`
-    hold the model's column values by field attname."""
+    3,200 group rows cost 6 ms of CPU to send where text COPY cost 46), one prepared INSERT run over
+    every row on SQLite. `rows` hold the model's column values by field attname."""
     if not rows:
         return
     if connection.vendor != "postgresql":
-        model.objects.bulk_create([model(**row) for row in rows], batch_size=5000)
+        _rows_insert_in_sqlite(model, rows)
         return
     columns = list(rows[0])
     fields = [model._meta.get_field(column) for column in columns]
@@ -153,6 +169,33 @@ def _rows_insert(model, rows: list[dict]) -> None:
         copy.set_types([_binary_copy_type(field) for field in fields])
         for row in rows:
             copy.write_row([row[c] for c in columns])
+
+
+def _rows_insert_in_sqlite(model, rows: list[dict]) -> None:
+    """SQLite holds its one write lock for the whole transaction: the rows go in as one `executemany`
+    of values prepared as the columns store them (80,000 groups: 0.6 s, where bulk_create's model
+    instances and SQL building held the lock for 8 s)."""
+    columns = list(rows[0])
+    fields = [model._meta.get_field(column) for column in columns]
+    prepare = [_sqlite_value(field) for field in fields]
+    names = ", ".join(f'"{field.column}"' for field in fields)
+    sql = f'INSERT INTO "{model._meta.db_table}" ({names}) VALUES ({", ".join(["%s"] * len(fields))})'  # noqa: S608
+    values = [
+        tuple(p(row[c]) if p else row[c] for p, c in zip(prepare, columns, strict=True)) for row in rows
+    ]
+    with connection.cursor() as cursor:
+        cursor.executemany(sql, values)
+
+
+def _sqlite_value(field):
+    """How a column's value is stored in SQLite, where Django's own conversion differs from the value:
+    UUIDs as 32 hex digits, instants as UTC text (a window's rows share a few, converted once each)."""
+    kind = (field.target_field if field.is_relation else field).get_internal_type()
+    if kind == "UUIDField":
+        return lambda value: None if value is None else value.hex
+    if kind == "DateTimeField":
+        return functools.lru_cache(maxsize=4096)(connection.ops.adapt_datetimefield_value)
+    return None
 
 
 # Binary COPY sends each value in its column's own wire format, so the type is named up front.
@@ -173,9 +216,6 @@ def _binary_copy_type(field) -> str:
     return _BINARY_COPY_TYPES[(field.target_field if field.is_relation else field).get_internal_type()]
 
 
-SUM_ROWS_PER_STATEMENT = 2000  # 13 parameters each: under SQLite's 32,766
-
-
 def _upsert_clause(sums: Span, least: str, greatest: str) -> str:
     table = sums.model._meta.db_table
     updates = [f'"{name}" = "{table}"."{name}" + excluded."{name}"' for name in SUMMED] + [
@@ -188,30 +228,59 @@ def _upsert_clause(sums: Span, least: str, greatest: str) -> str:
 
 
 WINDOWS_PER_SUM = 5000  # a transaction of about 250,000 group rows at 50 keys a window
+# ... and at most this many groups: a workload's windows of thousands of keys must not make one long
+# transaction. SQLite's is smaller: its one writer holds every other writer for the whole of it (10,000
+# groups: about 0.25 s).
+GROUPS_PER_SUM = {"postgresql": 250_000}
+GROUPS_PER_SUM_ELSEWHERE = 10_000
 
 
-def flow_windows_sum(*, before: datetime, most: int = WINDOWS_PER_SUM) -> int:
+def _within_groups(candidates: list[tuple]) -> list[tuple[uuid.UUID, uuid.UUID, datetime]]:
+    """The first of `candidates` (id, workload, start, groups) whose groups fit one transaction's
+    budget (at least one window)."""
+    most = GROUPS_PER_SUM.get(connection.vendor, GROUPS_PER_SUM_ELSEWHERE)
+    taken, groups = [], 0
+    for window_id, workload_id, start, keys in candidates:
+        groups += keys
+        if taken and groups > most:
+            break
+        taken.append((window_id, workload_id, start))
+    return taken
+
+
+# A round of summing ends after this long even with windows left, which the next round (a minute later)
+# takes on: a flood of keys makes summing lag, never a housekeeping round that does not end (nor a
+# serve that cannot stop: it waits for the round under way). Rollups read what is not summed yet.
+SUM_ROUND_SECONDS = 15.0
+
+
+def flow_windows_sum(
+    *, before: datetime, most: int = WINDOWS_PER_SUM, seconds: float = SUM_ROUND_SECONDS
+) -> int:
     """Add the groups of the stored windows that started before `before` and are not summed yet to
     their quarters', hours' and blocks' sums; returns how many windows. Each batch of `most` windows
-    is one transaction that removes the windows from UnsummedWindow and adds their groups, so a window
-    is summed exactly once, into each, even with two serve processes at it (each skips the rows the
-    other holds).
+    (fewer when their groups pass GROUPS_PER_SUM) is one transaction that removes the windows from
+    UnsummedWindow and adds their groups, so a window is summed exactly once, into each, even with two
+    serve processes at it (each skips the rows the other holds).
 
     A batch whose sums would leave their columns' range (a workload's flood of windows, or counts an
     older version accepted) is summed in halves, down to the windows that cannot be added: those stay
     unsummed, read from their minute rows by every rollup, and are tried again on the next round. One
-    workload's counts never stop the fleet's sums."""
+    workload's counts never stop the fleet's sums.
+
+    A call returns once `seconds` have passed, at the end of a transaction, with windows left."""
     summed, left_out = 0, set()
+    ends = time.monotonic() + seconds
     while True:
         taken: list[tuple[uuid.UUID, uuid.UUID, datetime]] = []
         try:
             with transaction.atomic():
-                taken = list(
+                taken = _within_groups(
                     UnsummedWindow.objects.filter(start__lt=before)
                     .exclude(window_id__in=left_out)
                     .order_by("workload_id", "start")
                     .select_for_update(skip_locked=True)
-                    .values_list("window_id", "workload_id", "start")[:most]
+                    .values_list("window_id", "workload_id", "start", "keys")[:most]
                 )
                 if not taken:
                     return summed
@@ -223,9 +292,11 @@ def flow_windows_sum(*, before: datetime, most: int = WINDOWS_PER_SUM) -> int:
                 raise
             done, out = _windows_sum_in_halves(taken)
             summed, left_out = summed + done, left_out | out
+        if time.monotonic() >= ends:
+            return summed
 
 
-# PostgreSQL's "bigint out of range"; on SQLite, a Python int beyond its 64-bit integers.
+# PostgreSQL's "bigint out of range"; on SQLite, sum() past its 64-bit integers (_sums_add_in_sqlite).
 OUT_OF_RANGE = (DataError, OverflowError)
 
 
@@ -259,56 +330,34 @@ def _windows_sum_in_halves(taken: list[tuple[uuid.UUID, uuid.UUID, datetime]]) -
 
 def _sums_add(windows: list[tuple[uuid.UUID, uuid.UUID, datetime]]) -> None:
     """Add the groups of `windows` (id, workload id, start) to their quarters', hours' and blocks'
-    sums, one upsert per workload, span and key. On PostgreSQL the database sums the groups where they
-    lie; elsewhere Python does."""
-    if connection.vendor == "postgresql":
-        for sums in LADDER:
-            _sums_add_in_postgresql(sums, windows)
-        return
-    groups = list(
-        FlowGroup.objects.filter(window_id__in=[window_id for window_id, _, _ in windows]).values(
-            "workload_id", "start", "peer", "protocol", "port", "decision", "rule_number", "peer_workload_id",
-            *SUMMED, "first_seen", "last_seen",
-        )
-    )  # fmt: skip
+    sums, one upsert per workload, span and key, summed by the database where the groups lie."""
     for sums in LADDER:
-        _sums_write(sums, _summed_in_python(sums, groups))
+        if connection.vendor == "postgresql":
+            _sums_add_in_postgresql(sums, windows)
+        else:
+            _sums_add_in_sqlite(sums, windows)
 
 
-def _summed_in_python(sums: Span, groups: list[dict]) -> list[dict]:
-    rows: dict[tuple, dict] = {}
-    for group in groups:
-        key = (group["workload_id"], sums.start_of(group["start"]), group["peer"], group["protocol"],
-               group["port"], group["decision"], rule_stored(group["rule_number"]))  # fmt: skip
-        row = rows.get(key)
-        if row is None:
-            rows[key] = {**dict(zip(sums.key(), key, strict=True)), "peer_workload_id": group["peer_workload_id"],
-                         **{name: group[name] for name in (*SUMMED, "first_seen", "last_seen")}}  # fmt: skip
-            continue
-        for name in SUMMED:
-            row[name] += group[name]
-        row["first_seen"] = min(row["first_seen"], group["first_seen"])
-        row["last_seen"] = max(row["last_seen"], group["last_seen"])
-    return list(rows.values())
-
-
-def _sums_write(sums: Span, rows: list[dict]) -> None:
-    """SQLite: rows of values, prepared as its columns store them, in slices under its parameter cap."""
-    fields = [sums.model._meta.get_field(name) for name in sums.columns()]
-    per_row = "(" + ", ".join(["%s"] * len(fields)) + ")"
-    values = [
-        [field.get_db_prep_value(row[name], connection, prepared=False) for field, name in zip(fields, sums.columns(), strict=True)]
-        for row in rows
-    ]  # fmt: skip
-    quoted = ", ".join(f'"{field.column}"' for field in fields)
-    with connection.cursor() as cursor:
-        for at in range(0, len(values), SUM_ROWS_PER_STATEMENT):
-            chunk = values[at : at + SUM_ROWS_PER_STATEMENT]
-            cursor.execute(
-                f'INSERT INTO "{sums.model._meta.db_table}" ({quoted}) VALUES {", ".join([per_row] * len(chunk))} '  # noqa: S608
-                + _upsert_clause(sums, "min", "max"),
-                [value for row in chunk for value in row],
-            )
+def _sums_add_in_sqlite(sums: Span, windows: list[tuple[uuid.UUID, uuid.UUID, datetime]]) -> None:
+    """As on PostgreSQL, the database sums the groups where they lie: SQLite's one writer holds every
+    other for the whole transaction, and summing in Python there (0.4 s for 10,000 groups alone) took
+    5-8 s while other threads parsed reports. The windows' ids pick their groups off the window index."""
+    quoted = ", ".join(f'"{name}"' for name in sums.columns())
+    sql = (
+        f'INSERT INTO "{sums.model._meta.db_table}" ({quoted}) '  # noqa: S608 - our names
+        f"SELECT workload_id, {sums.start_in_sqlite()}, peer, protocol, port, decision,"
+        f" {rule_stored_sql('rule_number')}, max(peer_workload_id), sum(connection_count), sum(bytes_in),"
+        f' sum(bytes_out), min(first_seen), max(last_seen) FROM "{FlowGroup._meta.db_table}"'
+        f" WHERE window_id IN ({', '.join(['%s'] * len(windows))})"
+        " GROUP BY 1, 2, 3, 4, 5, 6, 7 " + _upsert_clause(sums, "min", "max")
+    )
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute(sql, [window_id.hex for window_id, _, _ in windows])
+    except OperationalError as error:  # sum() past a 64-bit integer: as Python's own sum would have
+        if "integer overflow" not in str(error):
+            raise
+        raise OverflowError(str(error)) from error
 
 
 def _sums_add_in_postgresql(sums: Span, windows: list[tuple[uuid.UUID, uuid.UUID, datetime]]) -> None:
@@ -424,7 +473,11 @@ def flow_report_ingest(*, workload_id: str, data: Any) -> dict:
         if isinstance(outcome, Exception):
             raise outcome
         return outcome
-    return _group_commit.submit(submitted)
+    # On SQLite a report waits a short while for its turn to write, then is answered 503 with
+    # Retry-After (the agent sends it again): behind a long write it neither waits its whole length
+    # nor holds a thread for it.
+    with database_wait(settings.PALISADE_SQLITE_REPORT_WAIT_SECONDS):
+        return _group_commit.submit(submitted)
 
 
 def flow_reports_write(items: list[SubmittedReport]) -> list[dict | Exception]:
@@ -457,8 +510,17 @@ def _reports_write(items: list[SubmittedReport], *, skip_locked: bool) -> list[d
         stored_gaps = _owners_of(
             EvidenceGap, [g[0] for item in items for _, g in item.report.gaps if not isinstance(g, str)]
         )
+        kept = _keys_kept_by_start(
+            [
+                (i.workload_id, w.start)
+                for i in items
+                for _, w in i.report.windows
+                if isinstance(w, ParsedWindow)
+            ]
+        )
         outcomes: list[dict | Exception | None] = []
         windows: list[dict] = []
+        parsed: list[ParsedWindow] = []  # beside `windows`, row for row
         groups: list[dict] = []
         gaps: list[EvidenceGap] = []
         touched: list[Workload] = []
@@ -478,7 +540,7 @@ def _reports_write(items: list[SubmittedReport], *, skip_locked: bool) -> list[d
                 answer, new = _stored_once(raw, window.id, stored_windows, workload.id)
                 window_answers.append(answer)
                 if new:
-                    new_windows.append(window)
+                    new_windows.append(_within_start_bound(window, workload_id=workload.id, kept=kept))
             gap_answers, new_gaps = [], []
             for raw, gap in item.report.gaps:
                 if isinstance(gap, str):
@@ -491,6 +553,7 @@ def _reports_write(items: list[SubmittedReport], *, skip_locked: bool) -> list[d
                     new_gaps.append(
                         EvidenceGap(id=gap_id, workload_id=workload.id, received_at=now, **fields)
                     )
+            new_gaps.extend(_keys_aggregated(new_windows, workload=workload, now=now))
             newer = _newer_fields(workload, item.report.envelope, now)
             if newer is not None:
                 new_gaps.extend(
@@ -499,6 +562,7 @@ def _reports_write(items: list[SubmittedReport], *, skip_locked: bool) -> list[d
                     )
                 )
             windows.extend(_window_row(window, workload=workload, now=now) for window in new_windows)
+            parsed.extend(new_windows)
             groups.extend(_group_rows(new_windows, workload=workload, peers=peers))
             gaps.extend(new_gaps)
             changes = {
@@ -515,7 +579,10 @@ def _reports_write(items: list[SubmittedReport], *, skip_locked: bool) -> list[d
             outcomes.append({"windows": window_answers, "gaps": gap_answers})
         _rows_insert(FlowWindow, windows)
         _rows_insert(FlowGroup, groups)
-        _rows_insert(UnsummedWindow, [_unsummed_row(window) for window in windows])
+        _rows_insert(
+            UnsummedWindow,
+            [_unsummed_row(row, len(window.groups)) for row, window in zip(windows, parsed, strict=True)],
+        )
         EvidenceGap.objects.bulk_create(gaps)
         _workloads_update(touched)
         metrics.flow_reports_stored(items, outcomes, windows=len(windows), groups=len(groups), gaps=gaps)
@@ -590,8 +657,71 @@ def _window_row(window: ParsedWindow, *, workload: Workload, now: datetime) -> d
     }
 
 
-def _unsummed_row(window: dict) -> dict:
-    return {"window_id": window["id"], "workload_id": window["workload_id"], "start": window["start"]}
+def _unsummed_row(window: dict, keys: int) -> dict:
+    return {
+        "window_id": window["id"],
+        "workload_id": window["workload_id"],
+        "start": window["start"],
+        "keys": keys,
+    }
+
+
+def _keys_kept_by_start(pairs: list[tuple[uuid.UUID, datetime]]) -> dict[tuple[uuid.UUID, datetime], int]:
+    """The keys stored one by one for each (workload, window start) of `pairs`: one read off the
+    (workload, start) index, in SQL written out like the write's other reads."""
+    if not pairs:
+        return {}
+    workload, start = FlowGroup._meta.get_field("workload").target_field, FlowGroup._meta.get_field("start")
+    workloads = [workload.get_db_prep_value(w, connection) for w in {w for w, _ in pairs}]
+    starts = [start.get_db_prep_value(s, connection) for s in {s for _, s in pairs}]
+    sql = (
+        f'SELECT "workload_id", "start", count(*) FROM "{FlowGroup._meta.db_table}"'  # noqa: S608 - our names
+        f' WHERE "workload_id" IN ({", ".join(["%s"] * len(workloads))})'
+        f' AND "start" IN ({", ".join(["%s"] * len(starts))}) AND "peer" <> %s GROUP BY 1, 2'
+    )
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [*workloads, *starts, AGGREGATE])
+        rows = cursor.fetchall()
+    # SQLite gives the workload as its text and the start without its zone (UTC): read back as stored.
+    return {(workload.to_python(w), s if s.tzinfo else s.replace(tzinfo=UTC)): keys for w, s, keys in rows}
+
+
+def _within_start_bound(window: ParsedWindow, *, workload_id: uuid.UUID, kept: dict) -> ParsedWindow:
+    """The window with at most what is left of PALISADE_FLOW_WINDOW_MAX_KEYS for its workload and start
+    kept one by one, the rest summed into its aggregate keys: the bound of a window holds for all of a
+    workload's windows of one start, so that windows sent again under new ids (or by a restarted
+    process for the same minute) add no keys past it. `kept` counts what this write keeps too."""
+    start = (workload_id, window.start)
+    room = max(settings.PALISADE_FLOW_WINDOW_MAX_KEYS - kept.get(start, 0), 0)
+    groups, summed = keys_fold(window.groups, keep=room)
+    kept[start] = kept.get(start, 0) + sum(1 for group in groups if group["peer"] != AGGREGATE)
+    if summed is None:
+        return window
+    if window.aggregated is not None:
+        summed = Aggregated(
+            summed.keys + window.aggregated.keys, summed.connections + window.aggregated.connections
+        )
+    return dataclasses.replace(window, groups=groups, aggregated=summed)
+
+
+def _keys_aggregated(windows: list[ParsedWindow], *, workload: Workload, now: datetime) -> list[EvidenceGap]:
+    """The `keys_aggregated` gap of each new window whose keys over the bound were summed here: its
+    range, and how many keys and connections went into its aggregate keys. Written with the window
+    (a re-sent window is not new, so its gap is written once)."""
+    return [
+        EvidenceGap(
+            id=uuid.uuid4(),
+            workload_id=workload.id,
+            kind=GapKind.KEYS_AGGREGATED,
+            source=None,
+            start=window.start,
+            end=window.end,
+            lost={"keys": window.aggregated.keys, "connections": window.aggregated.connections},
+            received_at=now,
+        )
+        for window in windows
+        if window.aggregated is not None
+    ]
 
 
 def _group_rows(
@@ -611,9 +741,22 @@ def _group_rows(
     ]
 
 
+def _stored_keys(item: SubmittedReport) -> int:
+    return sum(len(window.groups) for _, window in item.report.windows if isinstance(window, ParsedWindow))
+
+
 # Sized so a write stays short (a few hundred ms at most) while still taking the whole backlog of a
-# busy second; a workload's reports are never in one write together.
-_group_commit = GroupCommit(flow_reports_write, key=lambda item: item.workload_id, most=64)
+# busy second: 64 reports, and past the first no more keys in all than one report may store (20,000
+# groups: about 0.15 s on SQLite, whose one writer everyone else waits for). A workload's reports are
+# never in one write together. The database away or busy fails the whole write, not each report alone.
+_group_commit = GroupCommit(
+    flow_reports_write,
+    key=lambda item: item.workload_id,
+    most=64,
+    weight=_stored_keys,
+    most_weight=settings.PALISADE_FLOW_REPORT_MAX_KEYS,
+    shared_failure=lambda error: database_busy(error) or database_unavailable(error),
+)
 
 
 @dataclass(frozen=True)
@@ -627,10 +770,25 @@ def flow_evidence_prune(*, older_than: timedelta) -> Pruned:
     partitions on PostgreSQL, then the rows left in the partitions that straddle the cutoff."""
     cutoff = clock.now() - older_than
     partitions = flow_partitions_drop(before=cutoff)
-    FlowGroup.objects.filter(end__lt=cutoff).delete()
+    _deleted(FlowGroup.objects.filter(end__lt=cutoff))
     for rung in LADDER:  # each past its own margin (flows.sums.Span.prune_margin)
-        rung.model.objects.filter(**{f"{rung.column}__lt": cutoff - rung.prune_margin}).delete()
-    UnsummedWindow.objects.filter(start__lt=cutoff - UNSUMMED_PRUNE_MARGIN).delete()
-    windows, _ = FlowWindow.objects.filter(end__lt=cutoff).delete()
-    gaps, _ = EvidenceGap.objects.filter(end__lt=cutoff).delete()
+        _deleted(rung.model.objects.filter(**{f"{rung.column}__lt": cutoff - rung.prune_margin}))
+    _deleted(UnsummedWindow.objects.filter(start__lt=cutoff - UNSUMMED_PRUNE_MARGIN))
+    windows = _deleted(FlowWindow.objects.filter(end__lt=cutoff))
+    gaps = _deleted(EvidenceGap.objects.filter(end__lt=cutoff))
     return Pruned(rows=windows + gaps, partitions=partitions)
+
+
+PRUNE_ROWS_PER_STATEMENT = 10_000
+
+
+def _deleted(rows) -> int:
+    """Delete `rows`, and say how many: at once on PostgreSQL (whose day partitions went whole before);
+    on SQLite PRUNE_ROWS_PER_STATEMENT at a time, each its own short write, since an hour of a busy
+    fleet's groups in one DELETE would hold its one writer, and every other, for seconds."""
+    if connection.vendor == "postgresql":
+        return rows.delete()[0]
+    deleted = 0
+    while ids := list(rows.values_list("pk", flat=True)[:PRUNE_ROWS_PER_STATEMENT]):
+        deleted += rows.model.objects.filter(pk__in=ids).delete()[0]
+    return deleted

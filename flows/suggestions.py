@@ -32,7 +32,7 @@ from controlplane.validation import Findings, parsed_together, reject_unknown, r
 from fleet.key_classifier import FlowKeyClassifier
 from fleet.models import Workload
 from fleet.selectors import label_filters_parse
-from flows.choices import Decision
+from flows.choices import AGGREGATE, Decision
 from flows.representations import coverage_data
 from flows.selectors import coverage, flow_keys_summed, flow_range_plan, workloads_selected
 from flows.validation import flow_range_parse
@@ -304,6 +304,9 @@ def policy_suggest(
     planned = flow_range_plan(selected=selected, start=start, end=end)
     covered = coverage(selected, start, end, lookback=planned.lookback)
     rows = flow_keys_summed(planned, KEY_COLUMNS, decision__in=list(UNADMITTED))
+    # A window's aggregate key (its keys over the bound, summed) is no peer and no service: nothing is
+    # proposed or judged from it; its range's keys_aggregated gap already says the evidence is not whole.
+    rows = [row for row in rows if row["peer"] != AGGREGATE]
     ids = {r["workload_id"] for r in rows} | {r["peer_workload_id"] for r in rows if r["peer_workload_id"]}
     workloads = {
         row[0]: _Workload(*row)

@@ -59,6 +59,14 @@ class Span:
         origin = ORIGIN.isoformat(sep=" ")
         return f"date_bin('{int(self.span.total_seconds())} seconds', start, TIMESTAMPTZ '{origin}')"
 
+    def start_in_sqlite(self) -> str:
+        """The same in SQLite, as its column stores it (`YYYY-MM-DD HH:MM:SS`, UTC), for starts after
+        ORIGIN (windows are stored back to the retention only). For a statement with parameters: its
+        `%` is doubled, as Django's placeholders need."""
+        origin, span = int(ORIGIN.timestamp()), int(self.span.total_seconds())
+        seconds = "CAST(strftime('%%s', start) AS INTEGER)"
+        return f"datetime(({seconds} - {origin}) / {span} * {span} + {origin}, 'unixepoch')"
+
     def start_of(self, instant: datetime) -> datetime:
         return span_start(instant, self.span)
 

@@ -8,7 +8,7 @@ from datetime import UTC, datetime, timedelta
 
 from controlplane.problems import Finding, ValidationFailed
 from controlplane.validation import is_digits, parse_instant
-from flows.choices import Decision
+from flows.choices import AGGREGATE, Decision
 from flows.reports import Refused, peer_address
 
 MAX_RANGE = timedelta(days=31)
@@ -57,7 +57,7 @@ def flow_range_parse(*, start: str | None, end: str | None) -> tuple[datetime, d
 def group_filters_parse(
     *, decision: str | None, peer: str | None, service: str | None, rule: str | None
 ) -> dict:
-    """`decision`, `peer` (an address), `service` (`tcp/443`, `udp/53`, `icmp`) and `rule` (a lifetime
+    """`decision`, `peer` (an address, or `*`: the aggregate keys), `service` (`tcp/443`, `udp/53`, `icmp`) and `rule` (a lifetime
     rule number): each narrows the groups shown, and the windows to those with a matching group."""
     findings, filters = [], {}
     if decision:
@@ -66,7 +66,9 @@ def group_filters_parse(
                 Finding("?decision", "decision", f"decision is one of {', '.join(Decision.values)}.")
             )
         filters["decision"] = decision
-    if peer:
+    if peer == AGGREGATE:
+        filters["peer"] = AGGREGATE  # the windows' aggregate keys (the keys over the bound, summed)
+    elif peer:
         try:
             filters["peer"] = peer_address(peer[:64])
         except Refused as refused:

@@ -14,7 +14,7 @@ from django.shortcuts import render
 from rest_framework import exceptions as drf
 
 from controlplane.listeners import GATEWAY, listener_of
-from controlplane.outage import database_failed, retry_after_seconds
+from controlplane.outage import database_busy, database_failed, retry_after_seconds
 from controlplane.problems import Finding, Problem, ValidationFailed, pointer
 
 log = logging.getLogger("palisade.errors")
@@ -43,11 +43,18 @@ def _said_by_the_outage_log(response: HttpResponse) -> None:
     response.database_unavailable = True  # type: ignore[attr-defined]
 
 
-def service_unavailable() -> Problem:
+def service_unavailable(error: BaseException | None = None) -> Problem:
+    """The 503 of a database away, or busy (`error` says which: SQLite's one writer held the lock
+    past the wait)."""
     wait = retry_after_seconds()
+    what = (
+        "The control plane's database is busy with another write"
+        if error is not None and database_busy(error)
+        else "The control plane cannot reach its database"
+    )
     return Problem(
         "service-unavailable",
-        f"The control plane cannot reach its database; retry in {wait} seconds.",
+        f"{what}; retry in {wait} seconds.",
         headers={"Retry-After": str(wait)},
         retry_after=wait,
     )
@@ -78,7 +85,7 @@ def problem_from_exception(exc: Exception) -> Problem | None:
     if isinstance(exc, Problem):
         return exc
     if database_failed("answer requests", exc, log):
-        return service_unavailable()
+        return service_unavailable(exc)
     if isinstance(exc, Http404):
         return Problem("not-found", "No such resource.")
     if isinstance(exc, RequestDataTooBig):
@@ -143,7 +150,7 @@ def handler500(request):
         return problem_response(
             Problem("internal", "The service failed; see the host's log."), instance=request.path
         )
-    problem = error if isinstance(error, Problem) else service_unavailable()
+    problem = error if isinstance(error, Problem) else service_unavailable(error)
     if listener_of(request) == GATEWAY or request.path.startswith("/api/"):
         return problem_response(problem, instance=request.path)
     response = render(

@@ -6,14 +6,26 @@ from flows.choices import Decision, GapKind, GapSource
 
 
 class FlowGroupSerializer(serializers.Serializer):
-    peer = serializers.CharField(help_text="The remote address.")
+    peer = serializers.CharField(
+        help_text=(
+            "The remote address; `*` for the window's aggregate key of this decision: the connections of "
+            "its keys over the bound, summed (their peers, services and rules are not known; the "
+            "window's `keys_aggregated` gap says how many keys). Never an address."
+        )
+    )
     peer_workload_id = serializers.UUIDField(
         allow_null=True, help_text="The workload that has this address, if any."
     )
-    protocol = serializers.CharField(help_text="tcp, udp, icmp, icmpv6, or a protocol number.")
-    port = serializers.IntegerField(help_text="The local (service) port; 0 for protocols without ports.")
+    protocol = serializers.CharField(
+        help_text="tcp, udp, icmp, icmpv6, or a protocol number; `*` for the aggregate key."
+    )
+    port = serializers.IntegerField(
+        help_text="The local (service) port; 0 for protocols without ports and for the aggregate key."
+    )
     decision = serializers.ChoiceField(choices=Decision.values)
-    rule_number = serializers.IntegerField(allow_null=True, help_text="The deciding rule's lifetime number.")
+    rule_number = serializers.IntegerField(
+        allow_null=True, help_text="The deciding rule's lifetime number (null for the aggregate key)."
+    )
     rule_id = serializers.UUIDField(
         allow_null=True, help_text="The rule holding that number now; null if deleted."
     )
@@ -40,15 +52,27 @@ class FlowWindowSerializer(serializers.Serializer):
 class EvidenceGapSerializer(serializers.Serializer):
     id = serializers.UUIDField()
     workload_id = serializers.UUIDField()
-    kind = serializers.ChoiceField(choices=GapKind.values)
+    kind = serializers.ChoiceField(
+        choices=GapKind.values,
+        help_text=(
+            "The spec's kinds, and `keys_aggregated`: a window held more keys than are kept one by one, "
+            "and those over the bound were summed into its aggregate keys (peer `*`)."
+        ),
+    )
     source = serializers.ChoiceField(choices=GapSource.values, allow_null=True)
     start = serializers.DateTimeField()
     end = serializers.DateTimeField()
-    lost = serializers.DictField(child=serializers.IntegerField(), help_text="What was lost, where known.")
+    lost = serializers.DictField(
+        child=serializers.IntegerField(),
+        help_text=(
+            "What was lost, where known. For `keys_aggregated`: `keys` summed (their peers, services and "
+            "rules are lost) and the `connections` they counted (all in the aggregate keys)."
+        ),
+    )
 
 
 class ServiceKeySerializer(serializers.Serializer):
-    protocol = serializers.CharField()
+    protocol = serializers.CharField(help_text="As a group's; `*` with port 0 for the aggregate keys.")
     port = serializers.IntegerField()
 
 
@@ -56,7 +80,9 @@ class RollupRowSerializer(serializers.Serializer):
     """One group: the keys asked for in `group_by` (only those), and the sums."""
 
     workload_id = serializers.UUIDField(required=False)
-    peer = serializers.CharField(required=False)
+    peer = serializers.CharField(
+        required=False, help_text="An address, or `*`: the aggregate keys (keys over the bound, summed)."
+    )
     peer_workload_id = serializers.UUIDField(required=False, allow_null=True)
     service = ServiceKeySerializer(required=False)
     decision = serializers.ChoiceField(choices=Decision.values, required=False)

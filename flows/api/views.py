@@ -65,7 +65,9 @@ class FlowWindowListView(APIView):
             ),
             *RANGE,
             OpenApiParameter("decision", OpenApiTypes.STR, enum=Decision.values),
-            OpenApiParameter("peer", OpenApiTypes.STR, description="A peer address."),
+            OpenApiParameter(
+                "peer", OpenApiTypes.STR, description="A peer address, or `*` for the aggregate keys."
+            ),
             OpenApiParameter(
                 "service", OpenApiTypes.STR, description="`tcp/443`, `udp/53`, `icmp`, `icmpv6`."
             ),

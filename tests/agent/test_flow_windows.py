@@ -6,7 +6,7 @@ import math
 import pytest
 
 from agent.flowbuffer import BUFFER_FILE, FlowBuffer, window_from_record, window_record
-from agent.flowwindow import FlowKey, Windows, window_start
+from agent.flowwindow import AGGREGATE, FlowKey, Windows, window_start
 
 WEB = FlowKey("10.0.0.7", "tcp", 443, "allowed", 17)
 SSH = FlowKey("10.0.0.8", "tcp", 22, "would_block", None)
@@ -77,19 +77,27 @@ def test_a_late_event_for_a_closed_window_is_counted_once_in_the_next_open_one()
     assert closed.start == 60.0 and groups(closed)[WEB].connection_count == 1
 
 
-def test_keys_over_the_bound_are_dropped_and_reported_as_window_overflow():
-    w = windows(max_keys=2)
+def test_keys_over_the_bound_are_summed_into_the_aggregate_key_of_their_decision_and_said_so():
+    w = windows(max_keys=2, accounting=True)
     w.connection_opened(WEB, 1.0)
     w.connection_opened(SSH, 2.0)
     extra = [FlowKey(f"10.9.0.{i}", "udp", 53, "observed", None) for i in range(3)]
+    blocked = FlowKey("192.0.2.7", "tcp", 23, "blocked", None)
     w.connection_opened(extra[0], 30.0)
     w.connection_opened(extra[1], 31.0)
     w.connection_opened(extra[1], 32.0)
-    w.connection_opened(WEB, 40.0)  # a known key is still counted
+    w.connection_opened(blocked, 33.0)
+    w.bytes_counted(extra[2], 35.0, 10, 20)  # bytes of a key not counted one by one: summed too
+    w.connection_opened(WEB, 40.0)  # a known key is still counted as itself
     (closed,), (gap,) = w.close_due(60.0, "v1")
-    assert set(groups(closed)) == {WEB, SSH} and groups(closed)[WEB].connection_count == 2
-    assert (gap.kind, gap.source, gap.start, gap.end) == ("window_overflow", None, 30.0, 60.0)
-    assert gap.lost == {"events": 3, "keys": 2}
+    observed, refused = (FlowKey(AGGREGATE, AGGREGATE, 0, d, None) for d in ("observed", "blocked"))
+    assert set(groups(closed)) == {WEB, SSH, observed, refused} and groups(closed)[WEB].connection_count == 2
+    summed = groups(closed)[observed]
+    assert (summed.connection_count, summed.bytes_in, summed.bytes_out) == (3, 10, 20)
+    assert (summed.first_seen, summed.last_seen) == (30.0, 35.0)
+    assert groups(closed)[refused].connection_count == 1
+    assert (gap.kind, gap.source, gap.start, gap.end) == ("keys_aggregated", None, 30.0, 60.0)
+    assert gap.lost == {"keys": 4, "connections": 4}
 
 
 def test_shutdown_closes_the_open_window():
@@ -145,6 +153,16 @@ def test_reports_are_cut_to_a_byte_budget_but_always_carry_one_window():
     assert flowreporter._batch([huge, small]) == [huge]
     assert flowreporter._batch([small] * 3) == [small] * 3
     assert len(flowreporter._batch([huge] * 3)) == 1
+
+
+def test_reports_carry_at_most_so_many_keys_but_always_one_window():
+    from agent import flowreporter
+
+    keys = flowreporter.BATCH_MAX_KEYS
+    half = {"groups": [{}] * (keys // 2)}
+    assert flowreporter._batch([half, half, {"groups": [{}]}]) == [half, half]
+    more = {"groups": [{}] * (keys + 4)}  # a full window and its aggregate keys: still sent, alone
+    assert flowreporter._batch([more, half]) == [more]
 
 
 @pytest.mark.parametrize(

@@ -392,3 +392,34 @@ def test_only_so_many_bodies_are_in_files_at_once(monkeypatch):
     for body in bodies:
         body.close()
     assert BodyFile.spilled == 0
+
+
+def test_a_body_serve_holds_unread_while_it_checks_the_headers_is_not_cut_for_that_wait(monkeypatch):
+    """The body gate reads nothing of a body until its headers check is done (for a flow report, a read
+    of the database, which may wait): that time is serve's, not the client's, and its rate is counted
+    from when serve reads again."""
+    from concurrent.futures import Future
+
+    from twisted.internet import reactor
+
+    from controlplane import body_gate
+    from controlplane.listeners import OPERATOR
+
+    check_done: Future = Future()
+    monkeypatch.setattr(body_gate, "listener_for_port", lambda port: OPERATOR)
+    monkeypatch.setattr(body_gate, "operator_credential_check", lambda headers: None)
+    monkeypatch.setattr(body_gate, "_run_check", lambda check, headers: check_done)
+    monkeypatch.setattr(reactor, "callFromThread", lambda call, *args: call(*args))
+    clock, limiter, factory = _site()
+    connection, transport = _connect(factory)
+    connection.dataReceived(
+        b"POST /api/v1/services HTTP/1.1\r\nHost: palisade\r\nContent-Length: 5000\r\n\r\n" + b"x" * 100
+    )
+    assert connection.phase is Phase.BODY
+    clock.advance(120)  # the check waits on the database for two minutes
+    assert not transport.disconnected
+    check_done.set_result(None)  # passed: serve reads the body from now on
+    clock.advance(5)
+    assert not transport.disconnected  # within the grace, counted from when serve read again
+    clock.advance(10)
+    assert transport.disconnected  # and then held to the minimum rate as any body

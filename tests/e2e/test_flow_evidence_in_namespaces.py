@@ -223,7 +223,9 @@ def test_a_quick_restart_records_no_gap_and_an_outage_longer_than_the_buffer_rec
     assert "Traceback" not in web.log(), web.log()
 
 
-def test_more_keys_than_a_window_holds_is_window_overflow_with_what_was_lost(lab, tmp_path):
+def test_more_keys_than_a_window_counts_one_by_one_are_summed_into_its_aggregate_key_and_said_so(
+    lab, tmp_path
+):
     from datetime import UTC, datetime, timedelta
 
     serve = _serve(lab, tmp_path).start()
@@ -233,72 +235,85 @@ def test_more_keys_than_a_window_holds_is_window_overflow_with_what_was_lost(lab
         web.start("--flow-window-seconds", "5", "--flow-window-keys", "1")
         api.wait_converged(web_id)
         began = datetime.now(UTC) - timedelta(seconds=5)
-        # Two keys (one per service) in one window that holds one: the second is dropped, and said so.
-        # Start just after a window boundary, so that the three probes fall in one window.
+        # Two keys (one per service) in one window that counts one: the second's two connections go
+        # to the aggregate key, and the window says so. Start just after a window boundary, so that
+        # the three probes fall in one window.
         time.sleep(5 - time.time() % 5 + 0.2)
         assert probe(lab, "client", WEB, 8080) == "open"
         assert probe(lab, "client", WEB, 9090) == "open"
         assert probe(lab, "client", WEB, 9090) == "open"
 
-        def overflow():
+        def span() -> dict:
             end = (datetime.now(UTC) + timedelta(seconds=10)).strftime("%Y-%m-%dT%H:%M:%SZ")
-            page = api.get(
-                "/flows/gaps",
-                params={"workload": web_id, "from": began.strftime("%Y-%m-%dT%H:%M:%SZ"), "to": end},
-            )
-            return [g for g in page["items"] if g["kind"] == "window_overflow"]
+            return {"workload": web_id, "from": began.strftime("%Y-%m-%dT%H:%M:%SZ"), "to": end}
 
-        gaps = api.wait_for("a window_overflow gap", overflow, timeout=40)
-        lost = {
-            "events": sum(g["lost"]["events"] for g in gaps),
-            "keys": sum(g["lost"]["keys"] for g in gaps),
+        def aggregated():
+            return [
+                g for g in api.get("/flows/gaps", params=span())["items"] if g["kind"] == "keys_aggregated"
+            ]
+
+        gaps = api.wait_for("a keys_aggregated gap", aggregated, timeout=40)
+        assert [(g["source"], g["lost"]) for g in gaps] == [(None, {"keys": 1, "connections": 2})], gaps
+        windows = api.wait_for(
+            "the window's aggregate key", lambda: api.get("/flows", params={**span(), "peer": "*"})["items"]
+        )
+        ((summed,),) = [w["groups"] for w in windows]
+        assert (summed["peer"], summed["protocol"], summed["port"], summed["connection_count"]) == (
+            "*",
+            "*",
+            0,
+            2,
+        )
+        assert _totals(api, web_id, span()["from"], span()["to"]) == {
+            (CLIENT, 8080, "observed", None): 1,
+            ("*", 0, "observed", None): 2,
         }
-        assert lost == {"events": 2, "keys": 1}, gaps
     finally:
         web.kill()
         serve.stop()
 
 
 def test_a_window_the_control_plane_refuses_is_a_window_rejected_gap_of_its_range(lab, tmp_path):
+    """A window the agent holds from before a restart with another window length is refused (a window
+    is as long as its report says), and the agent records a window_rejected gap of exactly its range."""
     from datetime import UTC, datetime, timedelta
 
-    # This control plane stores windows of one key at most; the agent holds many (its default).
-    serve = NamespacedServe(
-        lab, "cp", tmp_path / "cp", operator_listen=f"{CP}:8080", gateway_listen=f"{CP}:8443",
-        env={"PALISADE_FLOW_WINDOW_MAX_KEYS": "1"},
-    ).start()  # fmt: skip
+    serve = _serve(lab, tmp_path).start()
     web = AgentProcess(lab, "web", tmp_path / "web")
     try:
         api, web_id = _enrolled(serve, web)
         web.start("--flow-window-seconds", "5")
         api.wait_converged(web_id)
+        serve.stop()  # the control plane away: the next window waits in the agent's buffer
         began = datetime.now(UTC) - timedelta(seconds=5)
-        time.sleep(5 - time.time() % 5 + 0.2)  # both probes in one window: two keys
-        assert probe(lab, "client", WEB, 8080) == "open"
-        assert probe(lab, "client", WEB, 9090) == "open"
+        time.sleep(5 - time.time() % 5 + 0.2)
+        probed = datetime.now(UTC)
+        assert probe(lab, "client", WEB, 8080) == "open"  # the table stays as it was: fail static
+        time.sleep(6)  # that window closed, into the buffer
+        web.kill(signal.SIGTERM)
+        serve = _serve(lab, tmp_path).start()
+        web.start("--flow-window-seconds", "2")
 
         def evidence():
             span = {"workload": web_id, "from": began.strftime("%Y-%m-%dT%H:%M:%SZ"),
                     "to": (datetime.now(UTC) + timedelta(seconds=10)).strftime("%Y-%m-%dT%H:%M:%SZ")}  # fmt: skip
             return api.get("/flows/gaps", params=span)["items"], api.get("/flows", params=span)["items"]
 
-        gaps, _ = api.wait_for("a window_rejected gap", lambda: evidence()[0] and evidence(), timeout=40)
-        assert [(g["kind"], g["source"], g["lost"]) for g in gaps] == [
-            ("window_rejected", None, {"windows": 1})
-        ]
-        (gap,) = gaps
-        span = datetime.fromisoformat(gap["end"]) - datetime.fromisoformat(gap["start"])
-        assert span == timedelta(seconds=5)  # exactly the refused window
-        assert (
-            api.get("/flows/gaps", params={"workload": web_id, "from": gap["start"], "to": gap["end"]})[
-                "items"
-            ]
-            == gaps
-        )
-        windows = api.get("/flows", params={"workload": web_id, "from": gap["start"], "to": gap["end"]})[
-            "items"
-        ]
-        assert windows == []  # the refused window is not stored
+        api = serve.api(serve.mint_operator_token("flows-again"))
+
+        def rejected():
+            return [g for g in evidence()[0] if g["kind"] == "window_rejected"]
+
+        # (The restart with nothing stored since the control plane went away is also agent_silent.)
+        gaps = api.wait_for("a window_rejected gap", rejected, timeout=40)
+        # One gap per refused window (the probe's, and any other the old process held), each exactly
+        # the window's range, and none of them stored.
+        assert {(g["source"], str(g["lost"])) for g in gaps} == {(None, str({"windows": 1}))}
+        ranges = [(datetime.fromisoformat(g["start"]), datetime.fromisoformat(g["end"])) for g in gaps]
+        assert all(end - start == timedelta(seconds=5) for start, end in ranges)
+        assert any(start <= probed < end for start, end in ranges), (probed, ranges)
+        stored = {w["start"] for w in evidence()[1]}
+        assert not stored & {g["start"] for g in gaps}  # the refused windows are not stored
     finally:
         web.kill()
         serve.stop()

@@ -101,3 +101,40 @@ def test_an_outcome_that_is_an_exception_is_raised_to_its_caller_alone():
     with pytest.raises(ValueError, match="refused refuse"):
         commit.submit(("w2", "refuse"))
     assert recorder.batches == [[("w1", 1)], [("w2", "refuse")]]  # alone, a caller writes at once
+
+
+def test_a_write_holds_items_up_to_the_weight_past_its_first_and_a_heavy_item_keeps_its_keys_order():
+    recorder = Recorder(callers=6)
+    commit = GroupCommit(
+        recorder.write, key=lambda item: item[0], most=64, weight=lambda item: item[1], most_weight=10
+    )
+    items = [("a", 6), ("b", 3), ("c", 8), ("a", 1), ("d", 1), ("e", 12)]
+    outcomes = submit_all(commit, recorder, items)
+    assert outcomes == [f"stored {weight}" for _, weight in items]
+    assert recorder.batches[0] == [("a", 6)]  # the first write began alone, before the others queued
+    for batch in recorder.batches[1:]:
+        assert len(batch) == 1 or sum(weight for _, weight in batch) <= 10, recorder.batches
+    assert [("e", 12)] in recorder.batches  # heavier than the bound: written alone
+    written_a = [weight for batch in recorder.batches for key, weight in batch if key == "a"]
+    assert written_a == [6, 1]
+
+
+class Busy(Exception):
+    pass
+
+
+def test_a_failure_that_is_no_items_fault_fails_every_item_of_the_write_without_retrying_each():
+    recorder = Recorder(callers=4, bad=frozenset({"w1", "w2", "w3", "w4"}))
+
+    def busy_write(items):
+        try:
+            return recorder.write(items)
+        except RuntimeError as error:
+            raise Busy(str(error)) from None
+
+    commit = GroupCommit(
+        busy_write, key=lambda item: item[0], most=64, shared_failure=lambda error: isinstance(error, Busy)
+    )
+    outcomes = submit_all(commit, recorder, [("w1", 1), ("w2", 2), ("w3", 3), ("w4", 4)])
+    assert all(isinstance(outcome, Busy) for outcome in outcomes), outcomes
+    assert sum(len(batch) for batch in recorder.batches) == 4  # each item written once: none retried alone

@@ -15,6 +15,7 @@ from agent import flowreporter, protocol
 from controlplane.gateway_views import gateway_info
 from controlplane.problems import ValidationFailed
 from flows import reports
+from flows.choices import AGGREGATE, GapKind
 
 
 def _report(**change) -> dict:
@@ -50,6 +51,17 @@ def test_the_agent_sends_no_more_than_the_gateway_accepts():
     assert flowreporter.BATCH_MAX_WINDOWS <= reports.ACCEPTED_MAX_WINDOWS
     assert flowreporter.BATCH_MAX_GAPS <= reports.ACCEPTED_MAX_GAPS
     assert flowreporter.REPORT_BUDGET_BYTES <= settings.PALISADE_MAX_FLOW_REPORT_BYTES
+
+
+def test_the_agent_bounds_keys_as_the_control_plane_does_so_that_it_sums_none_of_them_again():
+    """The agent counts as many keys one by one per window as the control plane keeps, sends no more
+    keys in a report than it keeps per report, and sums the rest into the same aggregate key with the
+    same gap kind (a plain copy: the agent imports nothing of the control plane)."""
+    from agent import flowwindow
+
+    assert flowreporter.DEFAULT_WINDOW_KEYS == settings.PALISADE_FLOW_WINDOW_MAX_KEYS
+    assert flowreporter.BATCH_MAX_KEYS == settings.PALISADE_FLOW_REPORT_MAX_KEYS
+    assert flowwindow.AGGREGATE == AGGREGATE and flowwindow.KEYS_AGGREGATED == GapKind.KEYS_AGGREGATED
 
 
 def test_the_gateway_says_it_speaks_the_agents_protocol_version():

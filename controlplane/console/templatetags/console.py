@@ -4,6 +4,7 @@ from django import template
 
 from controlplane.console.chips import duration_text, short_instant, short_version
 from controlplane.text import visible
+from flows.choices import AGGREGATE
 
 register = template.Library()
 
@@ -25,7 +26,15 @@ def service_text(service: dict | None) -> str:
     if not service:
         return ""
     protocol, port = service.get("protocol", ""), service.get("port")
+    if protocol == AGGREGATE:
+        return "other services (summed)"
     return f"{protocol}/{port}" if port else protocol
+
+
+@register.filter
+def peer_text(peer: str | None) -> str:
+    """A peer address, or what the aggregate key stands for: the keys over a window's bound, summed."""
+    return "other peers (summed: keys over the bound)" if peer == AGGREGATE else (peer or "")
 
 
 @register.filter
