@@ -12,6 +12,7 @@ outlives the deadline.
 
 from __future__ import annotations
 
+import itertools
 import os
 import resource
 import shutil
@@ -172,6 +173,9 @@ def limited(site):
     assert "Traceback" not in serve.stderr_text()
 
 
+_check_addresses = itertools.count(1)
+
+
 def _others_are_answered(serve, token: str, bundle: str, reporter, root, name: str) -> None:
     started = time.monotonic()
     with serve.client("operator", headers={"Authorization": f"Bearer {token}"}) as op:
@@ -179,7 +183,9 @@ def _others_are_answered(serve, token: str, bundle: str, reporter, root, name: s
     me = time.monotonic() - started
 
     started = time.monotonic()
-    enrol(bundle, str(root / name), hostname=name, addresses=["10.60.0.9"], timeout=PROMPTLY * 2)
+    # An address belongs to one enrolled workload: each check enrols a host of its own.
+    address = f"10.60.1.{next(_check_addresses)}"
+    enrol(bundle, str(root / name), hostname=name, addresses=[address], timeout=PROMPTLY * 2)
     enrolment = time.monotonic() - started
 
     started = time.monotonic()
