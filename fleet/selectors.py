@@ -15,9 +15,9 @@ from controlplane.lookups import get_or_not_found
 from controlplane.pagination import OrderKey, Page, list_fingerprint, paginate
 from controlplane.problems import Finding, ValidationFailed
 from controlplane.validation import quoted
+from fleet import health as flow_health
 from fleet.choices import OwnedTableState, SyncState
 from fleet.models import Workload
-from flows import health as flow_health
 from policy.grammar import GrammarError, Selector, parse_selector
 
 # As many ids as a mode change's selection may name (fleet.services uses the same bound).
@@ -164,7 +164,7 @@ CLOCK_SKEWED = Q(clock_skew_seconds__isnull=False)
 
 def telemetry_live_filter(*, now) -> Q:
     """fleet/representations.py's `telemetry_live` as a database filter: a report within two of the
-    workload's own flow windows (flows/health.py), one condition per window length the fleet reports."""
+    workload's own flow windows (fleet/health.py), one condition per window length the fleet reports."""
     lengths = Workload.objects.order_by().values_list("flow_window_seconds", flat=True).distinct()
     live = Q(pk__isnull=True)  # no workload: nothing is live
     for seconds in lengths:

@@ -14,10 +14,10 @@ from django.db.models import F, Max, Min, OuterRef, Prefetch, Q, Subquery, Sum, 
 from controlplane import clock
 from controlplane.clock import rfc3339
 from controlplane.pagination import OrderKey, Page, cursor_encode, decode_cursor, list_fingerprint, paginate
+from fleet import health
 from fleet.choices import Mode, SyncState
 from fleet.models import Workload
 from fleet.selectors import workload_flow_window, workload_get, workload_queryset
-from flows import health
 from flows.buckets import whole_spans
 from flows.choices import Decision
 from flows.models import (

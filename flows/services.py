@@ -20,9 +20,9 @@ from django.db import DataError, connection, transaction
 from controlplane import clock, metrics
 from controlplane.problems import Problem
 from controlplane.webhooks.outbox import Event, webhook_events_record, workload_event
+from fleet import health
 from fleet.models import Workload
 from fleet.selectors import workload_get
-from flows import health
 from flows.choices import GapKind
 from flows.group_commit import GroupCommit
 from flows.models import (

@@ -12,12 +12,11 @@ import pytest
 from django.conf import settings
 
 from controlplane import clock
-from fleet import sync
+from fleet import health, sync
 from fleet.credentials import credential_beyond_grace, credential_grace, credential_state
 from fleet.metrics_collector import FleetCollector, fleet_figures
 from fleet.models import Workload
 from fleet.representations import telemetry_live
-from flows import health
 from flows.models import UnsummedWindow
 from tests.support.workloads import connect, make_workload
 

@@ -1,7 +1,7 @@
 """Flow health: the spec's "Limits" and its rules for `agent_silent`, in one place.
 
 Pure: functions of instants, durations and agent process ids (no Django, no database), so that each
-rule reads as the spec states it and tests/flows/test_health.py checks it case by case. The callers
+rule reads as the spec states it and tests/fleet/test_health.py checks it case by case. The callers
 read and write the workload's fields: `fleet/representations.py` (telemetry live), `fleet/sync.py`
 (heartbeats keep a process alive), `flows/services.py` (a report: news or replay, clock skew,
 agent_silent) and `flows/selectors.py` (the coverage's silent workloads).
