@@ -14,7 +14,7 @@ from django.db.models.lookups import In
 from controlplane.lookups import get_or_not_found
 from controlplane.pagination import OrderKey, Page, list_fingerprint, paginate
 from controlplane.problems import Finding, ValidationFailed
-from controlplane.validation import quoted
+from controlplane.validation import Findings, quoted, reject_unknown, require_object, take_string
 from fleet import health as flow_health
 from fleet.choices import OwnedTableState, SyncState
 from fleet.models import Workload
@@ -22,6 +22,7 @@ from policy.grammar import GrammarError, Selector, parse_selector
 
 # As many ids as a mode change's selection may name (fleet.services uses the same bound).
 MAX_ID_FILTERS = 10_000
+PREVIEW_LIMIT = 100
 # Degraded and enforcement-removed first, then offline, pending, synced; by host name within each.
 FLEET_ORDER = (OrderKey("rank"), OrderKey("hostname"), OrderKey("id", read=lambda w: str(w.id)))
 
@@ -193,3 +194,23 @@ def workload_get(*, workload_id, for_update: bool = False, missing: str = "") ->
 def selector_preview(*, selector: Selector, limit: int = 100) -> tuple[int, list[Workload]]:
     matched = workload_queryset(labels=[selector]).order_by("hostname", "id")
     return matched.count(), list(matched[:limit])
+
+
+def selector_preview_request(*, data) -> dict:
+    """POST /selectors/preview (and `manage.py selector-preview`): what a selector matches now."""
+    data = require_object(data)
+    findings = Findings()
+    reject_unknown(data, {"selector"}, findings)
+    text = take_string(data, "selector", findings, max_length=4096)
+    findings.raise_if_any()
+    try:
+        selector = parse_selector(text)
+    except GrammarError as error:
+        raise ValidationFailed([Finding("/selector", error.rule, error.message)]) from None
+    count, sample = selector_preview(selector=selector, limit=PREVIEW_LIMIT)
+    return {
+        "selector": str(selector),
+        "count": count,
+        "workloads": [{"id": str(w.id), "hostname": w.hostname, "labels": w.labels} for w in sample],
+        "truncated": count > len(sample),
+    }

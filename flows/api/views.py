@@ -9,14 +9,12 @@ from controlplane.api.responses import page_params, page_response
 from controlplane.api.schema import COMMON_ERRORS, PAGE_PARAMETERS, page_of, problem
 from controlplane.validation import parsed_together
 from fleet.selectors import label_filters_parse
-from flows import selectors, suggestions, validation
+from flows import selectors, validation
 from flows.api.schemas import (
     EvidenceGapSerializer,
     FlowWindowSerializer,
     ReviewSerializer,
     RollupSerializer,
-    SuggestionRequestSerializer,
-    SuggestionSerializer,
 )
 from flows.choices import Decision
 from flows.representations import (
@@ -204,20 +202,3 @@ class SimulationReviewView(APIView):
         )
         review = selectors.simulation_review(selected=_selected(request, labels), start=start, end=end)
         return Response(review_data(review))
-
-
-class PolicySuggestionsView(APIView):
-    @extend_schema(
-        operation_id="policies_suggestions",
-        request=SuggestionRequestSerializer,
-        responses={
-            200: SuggestionSerializer,
-            422: problem("`validation`: a bad range, selector, label key or prefix length."),
-            **NOT_FOUND,
-            **COMMON_ERRORS,
-        },
-    )
-    def post(self, request):
-        """Rules suggested from the stored flows no rule admitted (docs/policy.md, "Suggested rules").
-        Saves nothing."""
-        return Response(suggestions.policy_suggest_request(data=request.data))

@@ -4,7 +4,7 @@ command so that the `policy` command's other actions (suggest) and this one join
 from __future__ import annotations
 
 from controlplane.text import visible
-from fleet.impact import policy_impact
+from flows.policy_drafts.impact import policy_impact
 
 
 def add_impact_action(actions) -> None:

@@ -9,8 +9,8 @@ from datetime import timedelta
 from controlplane import clock
 from controlplane.auth.actor import CLI_ACTOR
 from controlplane.http_threads import HEAVY_PATHS
-from fleet.impact import policy_impact
 from fleet.services import workload_labels_replace
+from flows.policy_drafts.impact import policy_impact
 from flows.services import flow_report_ingest
 from tests.support.flow_evidence import enrolled, flow_report, windows_between
 from tests.support.helpers import assert_problem

@@ -1,5 +1,5 @@
-"""Reads that answer "what if": a selector's matches now, and a hypothetical policy's effect on every
-workload's document. Nothing here writes."""
+"""Reads that answer "what if": a hypothetical policy's effect on every workload's document. Nothing
+here writes."""
 
 from __future__ import annotations
 
@@ -8,39 +8,18 @@ from collections.abc import Mapping
 from typing import Any
 
 from controlplane.problems import Finding, ValidationFailed, pointer
-from controlplane.validation import Findings, quoted, reject_unknown, require_object, take_string
+from controlplane.validation import Findings, quoted, reject_unknown, require_object
 from fleet.models import RenderedPolicy, Workload
 from fleet.rendering import fleet_load
-from fleet.selectors import selector_preview as matching_workloads
 from policy.choices import SourceKind
-from policy.grammar import GrammarError, parse_selector
+from policy.grammar import parse_selector
 from policy.models import AddressGroup, PolicyState, Rule, Service
 from policy.render_inputs import AddressGroupInput, PortEntry, RuleInput, RulesetInput, SourceInput
 from policy.renderer import render
 from policy.selectors import PolicyInputs, policy_inputs_load
 from policy.validation import address_group_input, ruleset_input, service_input
 
-PREVIEW_LIMIT = 100
 MAX_REPORTED = 1000
-
-
-def selector_preview(*, data: Any) -> dict:
-    data = require_object(data)
-    findings = Findings()
-    reject_unknown(data, {"selector"}, findings)
-    text = take_string(data, "selector", findings, max_length=4096)
-    findings.raise_if_any()
-    try:
-        selector = parse_selector(text)
-    except GrammarError as error:
-        raise ValidationFailed([Finding("/selector", error.rule, error.message)]) from None
-    count, sample = matching_workloads(selector=selector, limit=PREVIEW_LIMIT)
-    return {
-        "selector": str(selector),
-        "count": count,
-        "workloads": [{"id": str(w.id), "hostname": w.hostname, "labels": w.labels} for w in sample],
-        "truncated": count > len(sample),
-    }
 
 
 def _prefixed(error: ValidationFailed, base: str) -> list[Finding]:

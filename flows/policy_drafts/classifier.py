@@ -1,6 +1,6 @@
 """Stored flow keys judged by the classifier: the one place that builds policy/classify.py's inputs
-from the database, for the impact of a draft (fleet/impact.py) and for what suggestions leave out as
-admitted now (flows/suggestions.py). Nothing here writes.
+from the database, for the impact of a draft (flows/policy_drafts/impact.py) and for what suggestions leave out as
+admitted now (flows/policy_drafts/suggestions.py). Nothing here writes.
 
 The inputs are a render's: the fleet's workloads and addresses now (selectors resolve to them, as in
 the table) and the enabled policy in force now, plus any hypothetical policies the caller judges

@@ -1,4 +1,4 @@
-"""`manage.py policy export|plan|apply`: policy as code (policy/as_code.py). Kept apart from the
+"""`manage.py policy export|plan|apply`: policy as code (flows/policy_drafts/as_code.py). Kept apart from the
 command, as the impact action is, so that the `policy` command joins them with a few lines."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import tempfile
 from django.core.management.base import CommandError
 
 from controlplane.text import visible
-from policy.as_code import (
+from flows.policy_drafts.as_code import (
     FORMATS,
     dump,
     file_path,

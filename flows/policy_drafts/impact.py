@@ -10,7 +10,7 @@ evidence is not.
 
 Keys are judged as a table in `simulation` or `enforced` judges them, whatever the workload's mode
 now: a workload in `visibility` has no rules, and the question is what its rules would do. The
-classifier's inputs are built in fleet/key_classifier.py, which the suggestions share.
+classifier's inputs are built in flows/policy_drafts/classifier.py, which the suggestions share.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from typing import Any
 from controlplane.clock import rfc3339
 from controlplane.problems import Finding, ValidationFailed
 from controlplane.validation import Findings, require_object
-from fleet.dryrun import hypothetical_policy, unmatched_selectors
-from fleet.key_classifier import FlowKeyClassifier
 from fleet.selectors import label_filters_parse
+from flows.policy_drafts.classifier import FlowKeyClassifier
+from flows.policy_drafts.dryrun import hypothetical_policy, unmatched_selectors
 from flows.representations import coverage_data
 from flows.selectors import coverage, flow_keys_summed, flow_range_plan, workloads_selected
 from flows.validation import flow_range_parse

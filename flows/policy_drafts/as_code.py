@@ -39,8 +39,8 @@ from controlplane.conditional import version_text
 from controlplane.problems import Finding, Problem, ValidationFailed, pointer
 from controlplane.strict_json import _check_values, json_loads_strict
 from controlplane.validation import Findings, quoted, reject_unknown
-from fleet.dryrun import render_dryrun
-from fleet.impact import policy_impact
+from flows.policy_drafts.dryrun import render_dryrun
+from flows.policy_drafts.impact import policy_impact
 from policy import services as writes
 from policy.choices import SourceKind
 from policy.models import AddressGroup, PolicyState, Ruleset, Service

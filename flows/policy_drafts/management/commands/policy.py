@@ -1,5 +1,5 @@
 """Policy from evidence (the same domain functions as POST /api/v1/policies/suggestions and
-POST /api/v1/policies/impact) and policy as code (export, plan, apply: policy/as_code.py). One action
+POST /api/v1/policies/impact) and policy as code (export, plan, apply: flows/policy_drafts/as_code.py). One action
 per method `do_<action>`."""
 
 from __future__ import annotations
@@ -11,15 +11,15 @@ from django.core.management.base import CommandError
 from controlplane.management.base import PalisadeCommand
 from controlplane.problems import ValidationFailed
 from controlplane.text import visible
-from flows.suggestions import policy_suggest_request
-from policy.management.as_code import (
+from flows.policy_drafts.management.as_code import (
     add_as_code_actions,
     findings_text,
     run_apply,
     run_export,
     run_plan,
 )
-from policy.management.impact import add_impact_action, run_impact
+from flows.policy_drafts.management.impact import add_impact_action, run_impact
+from flows.policy_drafts.suggestions import policy_suggest_request
 
 
 class Command(PalisadeCommand):

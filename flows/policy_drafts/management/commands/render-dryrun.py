@@ -1,7 +1,7 @@
 """Render a hypothetical policy set against the fleet: the same function as POST /policies/render-dryrun."""
 
 from controlplane.management.base import PalisadeCommand
-from fleet.dryrun import render_dryrun
+from flows.policy_drafts.dryrun import render_dryrun
 
 
 class Command(PalisadeCommand):

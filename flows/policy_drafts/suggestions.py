@@ -29,10 +29,10 @@ from typing import Any, NamedTuple
 from controlplane.clock import rfc3339
 from controlplane.problems import Finding, ValidationFailed, pointer
 from controlplane.validation import Findings, parsed_together, reject_unknown, require_object
-from fleet.key_classifier import FlowKeyClassifier
 from fleet.models import Workload
 from fleet.selectors import label_filters_parse
 from flows.choices import Decision
+from flows.policy_drafts.classifier import FlowKeyClassifier
 from flows.representations import coverage_data
 from flows.selectors import coverage, flow_keys_summed, flow_range_plan, workloads_selected
 from flows.validation import flow_range_parse
@@ -168,7 +168,7 @@ def _sorted_out(rows: list[dict], workloads: dict, label_keys: list[str]) -> _So
     """Each key: admitted now by a rule in force, not generalised (and why), or seen[scope][source]
     [(protocol, port)], a source being ("selector", text) or ("address", peer).
 
-    Admitted now is the impact's classifier on the policy in force now (fleet/key_classifier.py): a
+    Admitted now is the impact's classifier on the policy in force now (flows/policy_drafts/classifier.py): a
     workload in `visibility` records as `observed` what its rules would admit, and a rule added since
     may admit what was refused; the key is judged as its workload's table in `simulation` or
     `enforced` would judge a new inbound connection, selectors resolved to the fleet's addresses now."""
