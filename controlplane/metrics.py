@@ -1,7 +1,7 @@
 """This process's own Prometheus instruments (docs/metrics.md), in a registry of our own.
 
 The figures of the fleet are not here: they are read from the database when Prometheus scrapes
-(fleet/metrics_collector.py), so that every serve process of a site shows the same ones. What is here
+(controlplane/metrics_collector.py), so that every serve process of a site shows the same ones. What is here
 counts what this process did, and no label grows with the fleet: no workload, no path, only values
 from fixed lists (listeners, status classes, problem names, gap kinds, housekeeping steps).
 

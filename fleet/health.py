@@ -28,7 +28,7 @@ def limit(window: timedelta) -> timedelta:
 
 def telemetry_live_since(*, window: timedelta, now: datetime) -> datetime:
     """The earliest flow report that keeps telemetry live at `now`: two flow windows before it (the
-    fleet's counts select on it in SQL, fleet/metrics_collector.py)."""
+    fleet's counts select on it in SQL, controlplane/metrics_collector.py)."""
     return now - limit(window)
 
 
