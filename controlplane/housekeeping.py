@@ -89,7 +89,7 @@ def webhooks_send_step() -> int:
 
 def credential_expiries_step() -> int:
     """`workload.credential_expired` for each credential that expired since the last round."""
-    from controlplane.webhooks.services import credential_expiries_notice
+    from fleet.credentials import credential_expiries_notice
 
     return credential_expiries_notice()
 
