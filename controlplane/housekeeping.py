@@ -60,8 +60,8 @@ def flow_windows_sum_step() -> int:
     """The hourly and ten-minute sums rollups read, for every ten-minute block over a few minutes ago
     (flows.services)."""
     from controlplane import clock
-    from flows.services import flow_windows_sum
-    from flows.sums import sums_due
+    from flows.sums.ladder import sums_due
+    from flows.sums.writes import flow_windows_sum
 
     summed = flow_windows_sum(before=sums_due(now=clock.now()))
     if summed:
