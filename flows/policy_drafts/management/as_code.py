@@ -1,4 +1,4 @@
-"""`manage.py policy export|plan|apply`: policy as code (flows/policy_drafts/as_code.py). Kept apart from the
+"""`manage.py policy export|plan|apply`: policy as code (flows/policy_drafts/as_code/). Kept apart from the
 command, as the impact action is, so that the `policy` command joins them with a few lines."""
 
 from __future__ import annotations
@@ -12,15 +12,9 @@ import tempfile
 from django.core.management.base import CommandError
 
 from controlplane.text import visible
-from flows.policy_drafts.as_code import (
-    FORMATS,
-    dump,
-    file_path,
-    policy_apply,
-    policy_export_data,
-    policy_file_load,
-    policy_plan,
-)
+from flows.policy_drafts.as_code.apply import policy_apply
+from flows.policy_drafts.as_code.format import FORMATS, dump, file_path, policy_export_data, policy_file_load
+from flows.policy_drafts.as_code.plan import policy_plan
 
 
 def add_as_code_actions(actions) -> None:

@@ -1,5 +1,5 @@
 """Policy from evidence (the same domain functions as POST /api/v1/policies/suggestions and
-POST /api/v1/policies/impact) and policy as code (export, plan, apply: flows/policy_drafts/as_code.py). One action
+POST /api/v1/policies/impact) and policy as code (export, plan, apply: flows/policy_drafts/as_code/). One action
 per method `do_<action>`."""
 
 from __future__ import annotations
