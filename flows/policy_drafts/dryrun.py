@@ -1,165 +1,18 @@
-"""Reads that answer "what if": a hypothetical policy's effect on every workload's document. Nothing
-here writes."""
+"""The render dry-run: a draft's effect on every workload's document (which would change, and the
+rules each would gain, lose or see changed). Nothing here writes."""
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Mapping
 from typing import Any
 
-from controlplane.problems import Finding, ValidationFailed, pointer
-from controlplane.validation import Findings, quoted, reject_unknown, require_object
+from controlplane.validation import require_object
 from fleet.models import RenderedPolicy, Workload
-from fleet.rendering import fleet_load
-from policy.choices import SourceKind
-from policy.grammar import parse_selector
-from policy.models import AddressGroup, PolicyState, Rule, Service
-from policy.render_inputs import AddressGroupInput, PortEntry, RuleInput, RulesetInput, SourceInput
+from flows.policy_drafts.draft import Draft, draft_parse
 from policy.renderer import render
-from policy.selectors import PolicyInputs, policy_inputs_load
-from policy.validation import address_group_input, ruleset_input, service_input
+from policy.selectors import PolicyInputs
 
 MAX_REPORTED = 1000
-
-
-def _prefixed(error: ValidationFailed, base: str) -> list[Finding]:
-    return [Finding(base + f.path, f.rule, f.message) for f in error.findings]
-
-
-def _parse_list(data, key, parse, findings: Findings) -> list:
-    items = data.get(key, [])
-    if not isinstance(items, list):
-        findings.add(pointer(key), "type", f"{key} must be a list.")
-        return []
-    parsed = []
-    for index, item in enumerate(items):
-        try:
-            parsed.append(parse(item))
-        except ValidationFailed as error:
-            findings.extend(_prefixed(error, pointer(key, index)))
-    return parsed
-
-
-class _Catalogue:
-    """Services and address groups as the hypothetical policy sees them: its own, by name, over the
-    stored ones (by id or name)."""
-
-    def __init__(self, services, groups):
-        self.services = {
-            s.name: tuple(PortEntry(e.protocol, e.port, e.port_to) for e in s.entries) for s in services
-        }
-        # Groups are known to the renderer by name (policy/selectors.py): the body's replace the
-        # stored ones of the same name.
-        stored_groups = list(AddressGroup.objects.all())
-        self.group_inputs = {
-            g.name: AddressGroupInput(g.name, g.name, tuple(g.members)) for g in stored_groups
-        }
-        self.group_inputs.update({g.name: AddressGroupInput(g.name, g.name, g.members) for g in groups})
-        self._name_of_id = {str(g.id): g.name for g in stored_groups}
-
-    def service_entries(self, reference: str, findings: Findings, path: str):
-        if reference in self.services:
-            return self.services[reference]
-        query = {"id": uuid.UUID(reference)} if _is_uuid(reference) else {"name": reference}
-        service = Service.objects.filter(**query).prefetch_related("entries").first()
-        if service is None:
-            findings.add(path, "unknown-reference", f"No service {quoted(reference)}.")
-            return ()
-        if service.name in self.services:
-            return self.services[service.name]
-        return tuple(PortEntry(e.protocol, e.port, e.port_to) for e in service.entries.all())
-
-    def group_id(self, reference: str, findings: Findings, path: str) -> str:
-        name = self._name_of_id.get(reference, reference)
-        if name in self.group_inputs:
-            return name
-        findings.add(path, "unknown-reference", f"No address group {quoted(reference)}.")
-        return reference
-
-
-def _is_uuid(text: str) -> bool:
-    try:
-        uuid.UUID(text)
-    except ValueError:
-        return False
-    return True
-
-
-class _RuleNumbers:
-    """Lifetime rule numbers for a hypothetical policy: a stored rule keeps its own (so an unchanged
-    rule renders identically); a new rule the caller gives a number (`requested`, by ruleset name and
-    position: policy as code) gets it; another new rule, or a stored one named twice, gets one of the
-    numbers the next rules would be given, past the requested ones (as rule_numbers_claim leaves
-    them)."""
-
-    def __init__(self, requested: Mapping[tuple[str, int], int]):
-        self.stored = {str(rule_id): number for rule_id, number in Rule.objects.values_list("id", "number")}
-        state = PolicyState.objects.filter(id=1).first()
-        self.next = max([state.next_rule_number if state else 1, *(n + 1 for n in requested.values())])
-        self.requested = requested
-        self.used: set[int] = set(requested.values())
-
-    def number_for(self, rule_id: str | None, ruleset_name: str, position: int) -> int:
-        if not rule_id and (ruleset_name, position) in self.requested:
-            return self.requested[(ruleset_name, position)]
-        number = self.stored.get(rule_id) if rule_id else None
-        if number is None or number in self.used:
-            number, self.next = self.next, self.next + 1
-        self.used.add(number)
-        return number
-
-
-def _hypothetical_rulesets(
-    specs, catalogue: _Catalogue, findings: Findings, rule_numbers: Mapping[tuple[str, int], int]
-) -> list[RulesetInput]:
-    numbers = _RuleNumbers(rule_numbers)
-    rulesets = []
-    for r_index, spec in enumerate(specs):
-        rules = []
-        for position, rule in enumerate(spec.rules):
-            sources = []
-            for source in rule.sources:
-                path = pointer("rulesets", r_index) + source.path
-                if source.kind == SourceKind.SELECTOR:
-                    sources.append(SourceInput(SourceKind.SELECTOR, selector=parse_selector(source.selector)))
-                elif source.kind == SourceKind.ADDRESS_GROUP:
-                    sources.append(
-                        SourceInput(
-                            SourceKind.ADDRESS_GROUP,
-                            address_group_id=catalogue.group_id(
-                                source.reference, findings, path + "/address_group"
-                            ),
-                        )
-                    )
-                else:
-                    sources.append(SourceInput(SourceKind.ANY))
-            entries = []
-            for ref in rule.services:
-                path = pointer("rulesets", r_index) + ref.path
-                if ref.entry is not None:
-                    entries.append(PortEntry(ref.entry.protocol, ref.entry.port, ref.entry.port_to))
-                else:
-                    entries.extend(catalogue.service_entries(ref.reference, findings, path + "/service"))
-            rules.append(
-                RuleInput(
-                    id=rule.id or f"new:{spec.name}:{position}",
-                    position=position,
-                    description=rule.description,
-                    sources=tuple(sources),
-                    entries=tuple(dict.fromkeys(entries)),
-                    number=numbers.number_for(rule.id, spec.name, position),
-                )
-            )
-        if spec.enabled:
-            rulesets.append(
-                RulesetInput(
-                    id=f"hypothetical:{spec.name}",
-                    name=spec.name,
-                    scope=parse_selector(spec.scope),
-                    rules=tuple(rules),
-                )
-            )
-    return rulesets
 
 
 def _rule_keys(rule_index: dict) -> dict[str, tuple[str, str]]:
@@ -178,74 +31,23 @@ def _rule_definitions(policy: PolicyInputs) -> dict[str, tuple]:
     return out
 
 
-def unmatched_selectors(specs, fleet) -> list[dict]:
-    flagged = []
-    for r_index, spec in enumerate(specs):
-        checks = [(pointer("rulesets", r_index, "scope"), spec.scope)]
-        for rule in spec.rules:
-            for source in rule.sources:
-                if source.kind == "selector":
-                    checks.append((pointer("rulesets", r_index) + source.path + "/selector", source.selector))
-        for path, text in checks:
-            if not fleet.positions_matching(parse_selector(text)):
-                flagged.append(
-                    {
-                        "path": path,
-                        "rule": "selector-matches-nothing",
-                        "message": f"{quoted(text)} matches no workload now.",
-                    }
-                )
-    return flagged
+def render_dryrun_request(*, data: Any) -> dict:
+    """POST /policies/render-dryrun (and `manage.py render-dryrun`): the body's draft (draft.py) rendered."""
+    return render_dryrun(draft=draft_parse(data=require_object(data)))
 
 
-def hypothetical_policy(
-    *,
-    data: dict,
-    findings: Findings,
-    more_keys: frozenset[str] = frozenset(),
-    rule_numbers: Mapping[tuple[str, int], int] | None = None,
-):
-    """The hypothetical policy of a dry-run's body (`rulesets`, `services`, `address_groups`) as the
-    renderer's inputs, and the parsed ruleset specs; `more_keys` are the caller's own keys of the body,
-    whose findings are in `findings` already (all are raised together). `rule_numbers` (internal: a
-    body's `number` is ignored) gives new rules, by ruleset name and position, the numbers an apply
-    will create them with."""
-    reject_unknown(data, {"rulesets", "services", "address_groups", *more_keys}, findings)
-    if "rulesets" not in data:
-        findings.add(
-            "/rulesets", "required", "rulesets is required: the complete hypothetical set of rulesets."
-        )
-    specs = _parse_list(data, "rulesets", ruleset_input, findings)
-    services = _parse_list(data, "services", service_input, findings)
-    groups = _parse_list(data, "address_groups", address_group_input, findings)
-    findings.raise_if_any()
-    catalogue = _Catalogue(services, groups)
-    hypothetical = PolicyInputs(
-        rulesets=tuple(_hypothetical_rulesets(specs, catalogue, findings, rule_numbers or {})),
-        groups=catalogue.group_inputs,
-    )
-    findings.raise_if_any()
-    return specs, hypothetical
-
-
-def render_dryrun(*, data: Any, rule_numbers: Mapping[tuple[str, int], int] | None = None) -> dict:
-    """Render the whole fleet under a hypothetical policy: `rulesets` replaces every stored ruleset;
-    `services` and `address_groups` replace or add objects by name. Reports each workload whose
-    document would change, with the rules it would gain, lose or see changed. `rule_numbers`: see
-    `hypothetical_policy`."""
-    specs, hypothetical = hypothetical_policy(
-        data=require_object(data), findings=Findings(), rule_numbers=rule_numbers
-    )
-    fleet, inputs = fleet_load()
-    current_policy = policy_inputs_load()
-    before_rules, after_rules = _rule_definitions(current_policy), _rule_definitions(hypothetical)
+def render_dryrun(*, draft: Draft) -> dict:
+    """Render the whole fleet under `draft`, whose rulesets replace every stored ruleset. Reports each
+    workload whose document would change, with the rules it would gain, lose or see changed."""
+    fleet, inputs = draft.in_force.fleet, draft.in_force.workloads
+    before_rules, after_rules = _rule_definitions(draft.in_force.policy), _rule_definitions(draft.policy)
     latest = dict(Workload.objects.values_list("id", "latest_policy_id"))
     indexes = dict(
         RenderedPolicy.objects.filter(version__in=set(latest.values())).values_list("version", "rule_index")
     )
     changed = []
     for workload_id, workload in inputs.items():
-        result = render(workload, hypothetical.rulesets, hypothetical.groups, fleet)
+        result = render(workload, draft.policy.rulesets, draft.policy.groups, fleet)
         current_version = latest.get(uuid.UUID(workload_id))
         if result.version == current_version:
             continue
@@ -275,5 +77,5 @@ def render_dryrun(*, data: Any, rule_numbers: Mapping[tuple[str, int], int] | No
         "unchanged_count": len(inputs) - len(changed),
         "changed": changed[:MAX_REPORTED],
         "truncated": len(changed) > MAX_REPORTED,
-        "warnings": unmatched_selectors(specs, fleet),
+        "warnings": draft.warnings(),
     }

@@ -19,7 +19,7 @@ class RenderDryrunView(APIView):
         responses={200: schemas.DryrunSerializer, **WRITE_ERRORS},
     )
     def post(self, request):
-        return Response(dryrun.render_dryrun(data=request.data))
+        return Response(dryrun.render_dryrun_request(data=request.data))
 
 
 class PolicyImpactView(APIView):

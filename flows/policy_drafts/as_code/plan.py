@@ -29,8 +29,10 @@ from flows.policy_drafts.as_code.format import (
     stored_policy_load,
 )
 from flows.policy_drafts.as_code.parse import PolicyFileInvalid, file_parse, file_rulesets_resolve
+from flows.policy_drafts.draft import draft_parse
 from flows.policy_drafts.dryrun import render_dryrun
-from flows.policy_drafts.impact import policy_impact
+from flows.policy_drafts.impact import draft_impact
+from flows.validation import BODY, flow_selection_parse
 
 IMPACT_DAYS = 7
 
@@ -243,21 +245,27 @@ def policy_plan(
     }
     if not plan.steps:
         return answer
-    body = {"rulesets": plan.dryrun_rulesets, "services": plan.services, "address_groups": plan.groups}
-    dryrun = render_dryrun(data=body, rule_numbers=plan.rule_numbers)
+    end = clock.now()
+    selection = flow_selection_parse(
+        start=impact_from or rfc3339(end - timedelta(days=IMPACT_DAYS)),
+        end=impact_to or rfc3339(end),
+        labels=[],
+        workloads=[],
+        at=BODY,
+    )
+    # The policy after the apply, parsed once, with the fleet and the policy in force loaded once: what
+    # the dry-run and the impact both judge.
+    draft = draft_parse(
+        data={"rulesets": plan.dryrun_rulesets, "services": plan.services, "address_groups": plan.groups},
+        rule_numbers=plan.rule_numbers,
+    )
+    dryrun = render_dryrun(draft=draft)
     answer["render"] = {
         "changed_count": dryrun["changed_count"],
         "unchanged_count": dryrun["unchanged_count"],
     }
     answer["warnings"] = _file_warnings(dryrun["warnings"], plan)
-    end = clock.now()
-    selection = {
-        "from": impact_from or rfc3339(end - timedelta(days=IMPACT_DAYS)),
-        "to": impact_to or rfc3339(end),
-        "label": [],
-        "workload": [],
-    }
-    impact = policy_impact(data={**body, **selection}, rule_numbers=plan.rule_numbers)
+    impact = draft_impact(draft=draft, selection=selection)
     answer["impact"] = {
         key: impact[key]
         for key in (
