@@ -26,7 +26,7 @@ class PolicyImpactView(APIView):
     @extend_schema(
         operation_id="policies_impact",
         request=schemas.ImpactRequest,
-        responses={200: schemas.ImpactSerializer, **WRITE_ERRORS},
+        responses={200: schemas.ImpactSerializer, **WRITE_ERRORS, **NOT_FOUND},
     )
     def post(self, request):
         return Response(impact.policy_impact(data=request.data))
