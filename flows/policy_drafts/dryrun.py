@@ -9,7 +9,7 @@ from typing import Any
 from controlplane.validation import require_object
 from fleet.models import RenderedPolicy, Workload
 from flows.policy_drafts.draft import Draft, draft_parse
-from policy.renderer import render
+from policy.renderer import compile_policy
 from policy.selectors import PolicyInputs
 
 MAX_REPORTED = 1000
@@ -46,8 +46,9 @@ def render_dryrun(*, draft: Draft) -> dict:
         RenderedPolicy.objects.filter(version__in=set(latest.values())).values_list("version", "rule_index")
     )
     changed = []
+    compiled = compile_policy(draft.policy.rulesets, draft.policy.groups, fleet)
     for workload_id, workload in inputs.items():
-        result = render(workload, draft.policy.rulesets, draft.policy.groups, fleet)
+        result = compiled.render(workload)
         current_version = latest.get(uuid.UUID(workload_id))
         if result.version == current_version:
             continue
