@@ -32,7 +32,7 @@ from flows.models import (
     UnsummedWindow,
 )
 from flows.partitions import flow_partitions_drop, flow_partitions_ensure
-from flows.reports import ACCEPTED, REFUSED, ParsedReport, ParsedWindow, Report, item_answer, report_parse
+from flows.reports import ID_TAKEN, ParsedReport, ParsedWindow, Refused, Report, item_answer, report_parse
 from flows.sums.ladder import LADDER, UNSUMMED_PRUNE_MARGIN
 
 log = logging.getLogger("palisade.flows")
@@ -290,9 +290,10 @@ def _reports_write(items: list[SubmittedReport], *, skip_locked: bool) -> list[d
             [w.id for item in items for _, w in item.report.windows if isinstance(w, ParsedWindow)],
         )
         stored_gaps = _owners_of(
-            EvidenceGap, [g[0] for item in items for _, g in item.report.gaps if not isinstance(g, str)]
+            EvidenceGap, [g[0] for item in items for _, g in item.report.gaps if not isinstance(g, Refused)]
         )
         outcomes: list[dict | Exception | None] = []
+        counted = metrics.FlowItemsCounted()
         windows: list[dict] = []
         groups: list[dict] = []
         gaps: list[EvidenceGap] = []
@@ -307,22 +308,28 @@ def _reports_write(items: list[SubmittedReport], *, skip_locked: bool) -> list[d
                 continue
             window_answers, new_windows = [], []
             for raw, window in item.report.windows:
-                if isinstance(window, str):
-                    window_answers.append(item_answer(raw, REFUSED, window))
-                    continue
-                answer, new = _stored_once(raw, window.id, stored_windows, workload.id)
-                window_answers.append(answer)
-                if new:
+                refused = window if isinstance(window, Refused) else None
+                new = False
+                if refused is None:
+                    new, refused = _stored_once(window.id, stored_windows, workload.id)
+                window_answers.append(item_answer(raw, refused))
+                if refused is not None:
+                    counted.window_refused(refused.code, raw)
+                elif new:
                     new_windows.append(window)
+                else:
+                    counted.resent += 1
             gap_answers, new_gaps = [], []
             for raw, gap in item.report.gaps:
-                if isinstance(gap, str):
-                    gap_answers.append(item_answer(raw, REFUSED, gap))
-                    continue
-                gap_id, fields = gap
-                answer, new = _stored_once(raw, gap_id, stored_gaps, workload.id)
-                gap_answers.append(answer)
-                if new:
+                refused = gap if isinstance(gap, Refused) else None
+                new = False
+                if refused is None:
+                    gap_id, fields = gap
+                    new, refused = _stored_once(gap_id, stored_gaps, workload.id)
+                gap_answers.append(item_answer(raw, refused))
+                if refused is not None:
+                    counted.gaps_refused[refused.code] += 1
+                elif new:
                     new_gaps.append(
                         EvidenceGap(id=gap_id, workload_id=workload.id, received_at=now, **fields)
                     )
@@ -347,13 +354,15 @@ def _reports_write(items: list[SubmittedReport], *, skip_locked: bool) -> list[d
             for name, value in changes.items():
                 setattr(workload, name, value)
             touched.append(workload)
+            counted.reports += 1
             outcomes.append({"windows": window_answers, "gaps": gap_answers})
         _rows_insert(FlowWindow, windows)
         _rows_insert(FlowGroup, groups)
         _rows_insert(UnsummedWindow, [_unsummed_row(window) for window in windows])
         EvidenceGap.objects.bulk_create(gaps)
         _workloads_update(touched)
-        metrics.flow_reports_stored(items, outcomes, windows=len(windows), groups=len(groups), gaps=gaps)
+        counted.windows, counted.groups = len(windows), len(groups)
+        metrics.flow_reports_stored(counted, gaps=gaps)
         webhook_events_record(events)
     return outcomes
 
@@ -401,16 +410,16 @@ def _owners_of(model, ids: list[uuid.UUID]) -> dict[uuid.UUID, uuid.UUID]:
         return {pk.to_python(row[0]): owner.target_field.to_python(row[1]) for row in cursor.fetchall()}
 
 
-def _stored_once(raw: Any, item_id: uuid.UUID, stored: dict, workload_id: uuid.UUID) -> tuple[dict, bool]:
-    """A window's or gap's answer, and whether to store it: an id already stored for this workload is
-    a re-send (acknowledged again, stored once), an id stored for another workload is refused."""
+def _stored_once(item_id: uuid.UUID, stored: dict, workload_id: uuid.UUID) -> tuple[bool, Refused | None]:
+    """Whether to store a window or gap, or why it is refused: an id already stored for this workload
+    is a re-send (acknowledged again, stored once), an id stored for another workload is refused."""
     owner = stored.get(item_id)
     if owner is None:
         stored[item_id] = workload_id  # a repeat later in this write is a re-send
-        return item_answer(raw, ACCEPTED), True
+        return True, None
     if owner == workload_id:
-        return item_answer(raw, ACCEPTED), False
-    return item_answer(raw, REFUSED, "id is taken"), False
+        return False, None
+    return False, Refused("id is taken", ID_TAKEN)
 
 
 def _window_row(window: ParsedWindow, *, workload: Workload, now: datetime) -> dict:
