@@ -19,7 +19,7 @@ from fleet.credentials import credential_renew, credential_revoke
 from fleet.enrolment import workload_enrol
 from fleet.models import Workload
 from fleet.provisioning import provisioning_token_mint
-from tests.fleet.test_gateway import FINGERPRINT, Agent, open_stream, receive
+from tests.support.gateway_stream import FINGERPRINT, Agent, open_stream, receive
 from tests.support.helpers import assert_problem
 from tests.support.helpers import run_command as run
 
