@@ -189,7 +189,7 @@ def test_manage_py_policy_impact_calls_the_same_function(api, db, monkeypatch, t
         str(db_host.id),
     )
     assert code == 0
-    assert "newly refuse 7 connections from 1 peers to 1 services" in out
+    assert "newly refuse 7 connections from 1 peer to 1 service" in out
     assert f"newly refused: {db_host.id} <- 10.50.0.1 tcp/5432: 7 connections" in out
     assert "INCOMPLETE" not in out
     code, out, _ = run("policy", "impact", str(spec), "--from", span["from"], "--to", span["to"])

@@ -8,7 +8,7 @@ from django.core.management.base import CommandError
 
 from controlplane.management.base import PalisadeCommand
 from controlplane.pagination import MAX_LIMIT
-from controlplane.text import visible
+from controlplane.text import counted, visible
 from controlplane.validation import parsed_together
 from flows import selectors, validation
 from flows.choices import Decision
@@ -159,8 +159,8 @@ class Command(PalisadeCommand):
         )
         flat = [rollup_row(row) for row in document["items"]]
         incomplete = (
-            f"incomplete: {covered['gap_count']} gaps, "
-            f"{covered['workloads_without_reports_count']} workloads sent no window in the range, "
+            f"incomplete: {counted(covered['gap_count'], 'gap')}, "
+            f"{counted(covered['workloads_without_reports_count'], 'workload')} sent no window in the range, "
             f"{covered['silent_workloads_count']} silent since before its end, "
             f"{covered['pending_workloads_count']} holding evidence not delivered yet"
             + (

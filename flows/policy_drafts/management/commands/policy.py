@@ -10,7 +10,7 @@ from django.core.management.base import CommandError
 
 from controlplane.management.base import PalisadeCommand
 from controlplane.problems import ValidationFailed
-from controlplane.text import visible
+from controlplane.text import counted, visible
 from flows.policy_drafts.management.as_code import (
     add_as_code_actions,
     findings_text,
@@ -137,7 +137,7 @@ def _text(answer: dict) -> str:
     for unseen in answer["address_group_evidence"]:
         if unseen["unseen_addresses_admitted"]:
             lines.append(
-                f"  {visible(unseen['name'])} admits {unseen['unseen_addresses_admitted']} addresses never seen"
+                f"  {visible(unseen['name'])} admits {counted(unseen['unseen_addresses_admitted'], 'address', 'addresses')} never seen"
             )
     for ruleset, evidence in zip(answer["rulesets"], answer["evidence"], strict=True):
         lines.append(f"ruleset {visible(ruleset['name'])}  scope {visible(ruleset['scope'])}")
@@ -145,13 +145,13 @@ def _text(answer: dict) -> str:
             sources = ", ".join(visible(next(iter(s.values()))) for s in rule["sources"])
             services = ", ".join(_service_text(s) for s in rule["services"])
             lines.append(
-                f"  from {sources} to {services}: {seen['connection_count']} connections from "
-                f"{len(seen['peers'])} peers, {seen['first_seen']} .. {seen['last_seen']}"
+                f"  from {sources} to {services}: {counted(seen['connection_count'], 'connection')} from "
+                f"{counted(len(seen['peers']), 'peer')}, {seen['first_seen']} .. {seen['last_seen']}"
             )
     for row in answer["not_generalised"]:
         lines.append(
             f"not generalised: {row['peer']} -> {row['service']['protocol']}/{row['service']['port']} "
-            f"({row['connection_count']} connections): {visible(row['reason'])}"
+            f"({counted(row['connection_count'], 'connection')}): {visible(row['reason'])}"
         )
     if not answer["rulesets"]:
         lines.append("no rule proposed")
