@@ -166,7 +166,7 @@ def credential_state(workload: Workload, now: datetime | None = None) -> str:
 
 def credential_state_filters(now: datetime) -> dict[str, Q]:
     """credential_state as database filters, one per state (the fleet's counts; a test keeps the two
-    equal, tests/fleet/test_metrics_collector.py)."""
+    equal, tests/controlplane/test_metrics_collector.py)."""
     valid = Q(credential_expires_at__gt=now)
     return {
         RENEWS: valid & Q(credential_renewal_failed=False),

@@ -1,4 +1,4 @@
-"""Revoking a workload's credential (issue 23, item 4): the API and the host command, the open stream
+"""Revoking a workload's credential: the API and the host command, the open stream
 closing at once, streams, renewals and flow reports refused, the workload still in the fleet showing
 why, and the way back only through a token minted for it."""
 

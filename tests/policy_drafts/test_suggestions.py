@@ -1,4 +1,4 @@
-"""Suggested rules from stored flow windows of known counts (issue 25, item 2), in process."""
+"""Suggested rules from stored flow windows of known counts, in process."""
 
 from __future__ import annotations
 
