@@ -13,8 +13,8 @@ dropped, unless --keep-database). Measured in one run:
    parsed, then `flows.services.flow_report_ingest` (validation, idempotence, bulk inserts into the day
    partitions, agent_silent, skew, the workload's fields). Rows/s (windows + groups) as a ratio against
    psycopg's COPY of the same number of rows into the same tables (information: the target was >= 0.5
-   until the per-core target below replaced it, see 2), and whether that keeps up with 10,000 workloads x 50 keys a
-   minute (8,333 group rows/s) in one process. Then the same windows summed into their hours and
+   until the per-core target of 2 replaced it, see 2), and whether that keeps up with 10,000 workloads x 50
+   keys a minute (8,333 group rows/s) in one process. Then the same windows summed into their hours and
    ten-minute blocks (serve's housekeeping does it a few minutes after each block), and the ratio
    again with that time added.
 2. The same through the real serve: --agents workloads with real keys and signed credentials (rows

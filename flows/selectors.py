@@ -419,8 +419,8 @@ def _summed(planned: FlowRange, columns: list[str], **filters) -> list[dict]:
 
 def flow_keys_summed(planned: FlowRange, columns: list[str], **filters) -> list[dict]:
     """Every group of the planned range summed by `columns` (`filters` narrow them by key columns),
-    read as the rollup reads them: for the impact of a draft policy (flows/policy_drafts/impact.py) and suggested
-    rules (flows/policy_drafts/suggestions.py)."""
+    read as the rollup reads them: for the impact of a draft policy (flows/policy_drafts/impact.py)
+    and suggested rules (flows/policy_drafts/suggestions.py)."""
     return _summed(planned, columns, **filters)
 
 

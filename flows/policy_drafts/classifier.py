@@ -3,9 +3,9 @@ and for what suggestions leave out as admitted now (suggestions.py). Nothing her
 
 The inputs are a render's: the fleet's workloads and addresses now (selectors resolve to them, as in
 the table) and the enabled policy in force now (draft.py `InForce`, loaded once by the caller), plus
-any drafts the caller judges beside it. A key is judged as a table in `simulation` or `enforced` judges a new inbound connection,
-whatever the workload's mode now: a workload in `visibility` has no rules, and the question is what
-its rules would do.
+any drafts the caller judges beside it. A key is judged as a table in `simulation` or `enforced`
+judges a new inbound connection, whatever the workload's mode now: a workload in `visibility` has no
+rules, and the question is what its rules would do.
 """
 
 from __future__ import annotations

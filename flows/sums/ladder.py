@@ -11,8 +11,9 @@ at the two edges and for windows not summed yet (flows/sums/reads.py, for flows.
 `flow_rollup_read` and the reads of draft policy).
 
 LADDER below is the one list of spans: the writes, the read plan (flows/sums/), the day partitions
-(flows/partitions.py) and pruning (flows.services `flow_evidence_prune`) all read it. A new span is an entry here, a model (a FlowSums subclass) and its migration; tests/flows/
-test_sums_ladder.py fails if a model of sums is missing here or a span is left out of a read.
+(flows/partitions.py) and pruning (flows.services `flow_evidence_prune`) all read it. A new span is
+an entry here, a model (a FlowSums subclass) and its migration; tests/flows/test_sums_ladder.py fails
+if a model of sums is missing here or a span is left out of a read.
 
 The sums' key columns cannot hold a null, so a group that no rule decided is stored with rule number 0
 (NO_RULE) and read back as None (`rule_stored`, `rule_read`).

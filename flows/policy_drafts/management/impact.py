@@ -68,7 +68,8 @@ def impact_text(answer: dict) -> str:
     ):
         for e in entries:
             lines.append(
-                f"  {title}: {e['workload_id']} <- {e['peer']} {_service(e)}: {counted(e['connection_count'], 'connection')}, "
+                f"  {title}: {e['workload_id']} <- {e['peer']} {_service(e)}: "
+                f"{counted(e['connection_count'], 'connection')}, "
                 f"{e['first_seen']} .. {e['last_seen']}; now {_rule(e['rule_now'])}, draft {_rule(e['rule_draft'])}"
             )
     if answer["truncated"]:

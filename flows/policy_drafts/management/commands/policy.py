@@ -1,6 +1,6 @@
 """Policy from evidence (the same domain functions as POST /api/v1/policies/suggestions and
-POST /api/v1/policies/impact) and policy as code (export, plan, apply: flows/policy_drafts/as_code/). One action
-per method `do_<action>`."""
+POST /api/v1/policies/impact) and policy as code (export, plan, apply: flows/policy_drafts/as_code/).
+One action per method `do_<action>`."""
 
 from __future__ import annotations
 
@@ -137,7 +137,8 @@ def _text(answer: dict) -> str:
     for unseen in answer["address_group_evidence"]:
         if unseen["unseen_addresses_admitted"]:
             lines.append(
-                f"  {visible(unseen['name'])} admits {counted(unseen['unseen_addresses_admitted'], 'address', 'addresses')} never seen"
+                f"  {visible(unseen['name'])} admits "
+                f"{counted(unseen['unseen_addresses_admitted'], 'address', 'addresses')} never seen"
             )
     for ruleset, evidence in zip(answer["rulesets"], answer["evidence"], strict=True):
         lines.append(f"ruleset {visible(ruleset['name'])}  scope {visible(ruleset['scope'])}")
