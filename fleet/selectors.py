@@ -1,4 +1,5 @@
-"""Reads of the fleet: the workload list in fleet order, counts, one workload, its rendered policy."""
+"""Reads of the fleet: the workload list in fleet order, counts, one workload, its rendered policy, and
+what a selector matches now (POST /selectors/preview)."""
 
 from __future__ import annotations
 
