@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -43,8 +43,23 @@ from agent.state import write_atomically
 if TYPE_CHECKING:
     from datetime import datetime
 
-    from agent.daemon import Agent
     from agent.flowreporter import FlowReporter
+    from agent.state import Identity
+    from agent.status import DaemonStatus
+
+
+class Agent(Protocol):
+    """What the textfile reads of the daemon (agent/daemon.py `Agent`, which writes through this module:
+    the figures know the daemon by these fields alone)."""
+
+    status: DaemonStatus
+    identity: Identity | None
+    apply_failures: int
+    owned_table: str
+    expires_at: str | datetime | None
+    renewal_due_at: str | datetime | None
+    flows: FlowReporter | None
+
 
 DEFAULT_INTERVAL_SECONDS = 15.0
 SOONEST_SECONDS = 1.0

@@ -1,4 +1,4 @@
-"""The agent's apply time for a 10,000-rule document, and the agent daemon's memory (issue 5).
+"""The agent's apply time for a 10,000-rule document, and the agent daemon's memory.
 
     .venv/bin/python bench/bench_agent.py [--rules 10000] [--apply-reps 9] [--no-apply] [--no-rss]
 

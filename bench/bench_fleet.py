@@ -61,7 +61,7 @@ DB_URL = ADMIN_URL.rsplit("/", 1)[0] + "/" + DB_NAME
 SEED_EXTRA = 20240612
 COUNTS_P95_TARGET_MS = 50.0
 API_OVER_RAW_TARGET = 3.0  # the first batch's target, against raw psycopg (kept for the record)
-# Restated (issue 9): a 100-item page p95 under 25 ms in process, and within 2x of the same query
+# Restated: a 100-item page p95 under 25 ms in process, and within 2x of the same query
 # through Django's cursor plus the representation of its rows.
 LIST_P95_TARGET_MS = 25.0
 API_OVER_DJANGO_TARGET = 2.0
@@ -892,7 +892,7 @@ def report(results: dict) -> None:
         f"{'met' if targets[f'counts p95 < {COUNTS_P95_TARGET_MS:g} ms'] else 'MISSED'}"
     )
     print(
-        f"restated targets (issue 9): list page p95 < {LIST_P95_TARGET_MS:g} ms, "
+        f"restated targets: list page p95 < {LIST_P95_TARGET_MS:g} ms, "
         f"and API / (Django cursor + representation) <= {API_OVER_DJANGO_TARGET:g}:"
     )
     for name, r in reads["list"].items():

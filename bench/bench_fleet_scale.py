@@ -1,4 +1,4 @@
-"""One `serve` process with thousands of simulated agents: connect, mode change, memory (issue 5).
+"""One `serve` process with thousands of simulated agents: connect, mode change, memory.
 
     .venv/bin/python bench/bench_fleet_scale.py [--counts 2000,5000] [--poll 0.25]
 

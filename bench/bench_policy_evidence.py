@@ -20,10 +20,10 @@ with the baseline of the same moments), p95 of --samples runs each:
 - baseline: the rollup of the range grouped by workload, peer and service, every row, with its coverage
   (`flows.selectors.flow_rollup_read`, what `manage.py flows rollup` reads; the two reads below sum the
   same keys of the same range, every one of them);
-- suggestions: `flows.suggestions.policy_suggest_request` (POST /policies/suggestions' body: the
-  selection `group=rollup`, the range, `label_keys` ["app"]);
-- impact: `fleet.impact.policy_impact` (POST /policies/impact's body: the selection, the range and a
-  draft of --rules rules in ten rulesets, as POST /policies/render-dryrun takes it).
+- suggestions: `flows.policy_drafts.suggestions.policy_suggest_request` (POST /policies/suggestions'
+  body: the selection `group=rollup`, the range, `label_keys` ["app"]);
+- impact: `flows.policy_drafts.impact.policy_impact` (POST /policies/impact's body: the selection, the
+  range and a draft of --rules rules in ten rulesets, as POST /policies/render-dryrun takes it).
 Targets: p95 of each under 500 ms and no more than 2x the baseline's p95. Each read's time is split
 into its SQL (the database cursor's time, captured) and the rest (Python: classification, merging,
 the answer). Results: bench/results/policy_evidence.json.
@@ -143,10 +143,10 @@ def bench_reads(hours: int, rules: int, samples: int) -> dict:
     from django.db import connection
     from django.test.utils import CaptureQueriesContext
 
-    from fleet.impact import policy_impact
     from fleet.selectors import label_filters_parse
+    from flows.policy_drafts.impact import policy_impact
+    from flows.policy_drafts.suggestions import policy_suggest_request
     from flows.selectors import flow_rollup_read, workloads_selected
-    from flows.suggestions import policy_suggest_request
 
     end = datetime.now(UTC).replace(microsecond=0)
     start = end - timedelta(hours=hours)

@@ -2,7 +2,7 @@
 
 BoundedRedisChannelLayer: channels-redis' default pool raises once more than 100 connections are busy and inherits redis-py's
 5 s socket timeout, equal to the layer's own 5 s blocking read: under a few thousand agents
-consumers then die with 1011 (measured, see notes-from-probes.md). A bounded blocking pool that
+consumers then die with 1011 (measured with channels-redis 4.3 and redis-py 8.1). A bounded blocking pool that
 waits for a free connection, with a socket timeout well above the blocking read, holds 5,000 agents.
 
 `layer_health` and `layer_call`: nothing may depend on the layer being reachable. A stream keeps

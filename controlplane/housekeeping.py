@@ -60,8 +60,8 @@ def flow_windows_sum_step() -> int:
     """The hourly and ten-minute sums rollups read, for every ten-minute block over a few minutes ago
     (flows.services)."""
     from controlplane import clock
-    from flows.services import flow_windows_sum
-    from flows.sums import sums_due
+    from flows.sums.ladder import sums_due
+    from flows.sums.writes import flow_windows_sum
 
     summed = flow_windows_sum(before=sums_due(now=clock.now()))
     if summed:
@@ -97,7 +97,7 @@ def webhooks_cap_step() -> int:
 
 def credential_expiries_step() -> int:
     """`workload.credential_expired` for each credential that expired since the last round."""
-    from controlplane.webhooks.services import credential_expiries_notice
+    from fleet.credentials import credential_expiries_notice
 
     return credential_expiries_notice()
 

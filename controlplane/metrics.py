@@ -1,7 +1,7 @@
 """This process's own Prometheus instruments (docs/metrics.md), in a registry of our own.
 
 The figures of the fleet are not here: they are read from the database when Prometheus scrapes
-(fleet/metrics_collector.py), so that every serve process of a site shows the same ones. What is here
+(controlplane/metrics_collector.py), so that every serve process of a site shows the same ones. What is here
 counts what this process did, and no label grows with the fleet: no workload, no path, only values
 from fixed lists (listeners, status classes, problem names, gap kinds, housekeeping steps).
 
@@ -12,7 +12,9 @@ rolled-back ingest counts nothing. The exposition is prometheus_client's (contro
 from __future__ import annotations
 
 import time
+from collections import Counter as Tally
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from django.db import transaction
@@ -30,10 +32,9 @@ ProcessCollector(registry=REGISTRY)
 
 LISTENERS = ("operator", "gateway")
 STATUS_CLASSES = ("1xx", "2xx", "3xx", "4xx", "5xx")
-# The reasons a window, a gap or a window's group rows are refused one by one, the rest of the report
-# landing (flows/reports.py, flows/services.py).
-ITEM_MALFORMED, ITEM_OUTSIDE_RANGE, ITEM_ID_TAKEN = "malformed", "outside_stored_range", "id_taken"
-ITEM_REFUSALS = (ITEM_MALFORMED, ITEM_OUTSIDE_RANGE, ITEM_ID_TAKEN)
+# The codes of a window, a gap or a window's group rows refused one by one, the rest of the report
+# landing: flows/reports.py REFUSAL_CODES (a test keeps this copy equal; the series show from zero).
+ITEM_REFUSALS = ("malformed", "outside_stored_range", "id_taken")
 # Whole reports are refused with a problem document; its type is the reason. These are the ones a
 # report meets (controlplane/body_gate.py, flows/gateway.py, fleet/report_auth.py): shown from zero.
 REPORT_REFUSALS = (
@@ -195,61 +196,40 @@ def flow_report_refused(reason: str) -> None:
     FLOW_REPORTS_REFUSED.labels(reason).inc()
 
 
-def item_refusal(reason: str) -> str:
-    """The bounded reason of one refused window or gap, from the free text the agent is answered with."""
-    if reason == "id is taken":
-        return ITEM_ID_TAKEN
-    if "outside the stored range" in reason:
-        return ITEM_OUTSIDE_RANGE
-    return ITEM_MALFORMED
+@dataclass
+class FlowItemsCounted:
+    """What one ingest transaction stored and refused (flows/services.py), refusals by their code."""
+
+    reports: int = 0
+    windows: int = 0
+    resent: int = 0
+    groups: int = 0
+    windows_refused: Tally = field(default_factory=Tally)
+    groups_refused: Tally = field(default_factory=Tally)
+    gaps_refused: Tally = field(default_factory=Tally)
+
+    def window_refused(self, code: str, raw) -> None:
+        """A window refused with `code`, and its group rows with it."""
+        groups = raw.get("groups") if isinstance(raw, dict) else None
+        self.windows_refused[code] += 1
+        self.groups_refused[code] += len(groups) if isinstance(groups, list) else 0
 
 
-def _groups_in(raw) -> int:
-    groups = raw.get("groups") if isinstance(raw, dict) else None
-    return len(groups) if isinstance(groups, list) else 0
-
-
-def flow_reports_stored(items: list, outcomes: list, *, windows: int, groups: int, gaps: list) -> None:
-    """What one ingest transaction stored, counted once it commits (flows/services.py): `items` are the
-    reports submitted, `outcomes` each one's answer (a dict when it was written in this transaction),
-    `gaps` the EvidenceGap rows stored."""
-    written = [
-        (outcome, [raw for raw, _ in item.report.windows])
-        for item, outcome in zip(items, outcomes, strict=True)
-        if isinstance(outcome, dict)
-    ]
-    reports = 0
-    refused_windows: dict[str, int] = {}
-    refused_groups: dict[str, int] = {}
-    refused_gaps: dict[str, int] = {}
-    resent = 0
-    for answer, raw_windows in written:
-        reports += 1
-        for item, raw in zip(answer["windows"], raw_windows, strict=True):
-            if item["result"] != "refused":
-                continue
-            reason = item_refusal(item["reason"] or "")
-            refused_windows[reason] = refused_windows.get(reason, 0) + 1
-            refused_groups[reason] = refused_groups.get(reason, 0) + _groups_in(raw)
-        for item in answer["gaps"]:
-            if item["result"] == "refused":
-                reason = item_refusal(item["reason"] or "")
-                refused_gaps[reason] = refused_gaps.get(reason, 0) + 1
-        resent += sum(1 for item in answer["windows"] if item["result"] == "accepted")
-    resent -= windows
+def flow_reports_stored(counted: FlowItemsCounted, *, gaps: list) -> None:
+    """What one ingest transaction stored, counted once it commits: `gaps` are the EvidenceGap rows."""
     gap_labels = [(gap.kind, gap.source or "none") for gap in gaps]
 
     def count() -> None:
-        FLOW_REPORTS_INGESTED.inc(reports)
-        FLOW_WINDOWS_INGESTED.inc(windows)
-        FLOW_WINDOWS_RESENT.inc(max(resent, 0))
-        FLOW_GROUP_ROWS_INGESTED.inc(groups)
-        for reason, n in refused_windows.items():
-            FLOW_WINDOWS_REFUSED.labels(reason).inc(n)
-        for reason, n in refused_groups.items():
-            FLOW_GROUP_ROWS_REFUSED.labels(reason).inc(n)
-        for reason, n in refused_gaps.items():
-            FLOW_GAPS_REFUSED.labels(reason).inc(n)
+        FLOW_REPORTS_INGESTED.inc(counted.reports)
+        FLOW_WINDOWS_INGESTED.inc(counted.windows)
+        FLOW_WINDOWS_RESENT.inc(counted.resent)
+        FLOW_GROUP_ROWS_INGESTED.inc(counted.groups)
+        for code, n in counted.windows_refused.items():
+            FLOW_WINDOWS_REFUSED.labels(code).inc(n)
+        for code, n in counted.groups_refused.items():
+            FLOW_GROUP_ROWS_REFUSED.labels(code).inc(n)
+        for code, n in counted.gaps_refused.items():
+            FLOW_GAPS_REFUSED.labels(code).inc(n)
         for kind, source in gap_labels:
             EVIDENCE_GAPS_RECORDED.labels(kind, source).inc()
 

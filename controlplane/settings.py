@@ -80,6 +80,7 @@ INSTALLED_APPS = [
     "policy",
     "fleet",
     "flows",
+    "flows.policy_drafts.apps.PolicyDraftsConfig",
 ]
 
 MIDDLEWARE = [

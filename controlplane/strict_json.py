@@ -78,13 +78,14 @@ def json_loads_strict(raw: bytes | str, *, what: str = "The body") -> Any:
     # decoded from UTF-8, which refuses them): without either, only the depth is left to check, and the
     # strings need not be visited (flow reports are large).
     texts = "\\u" in raw or (not from_utf8 and _SURROGATE.search(raw) is not None)
-    _check_values(data, what, texts=texts)
+    decoded_values_check(data, what, texts=texts)
     return data
 
 
-def _check_values(data: Any, what: str, *, texts: bool = True) -> None:
+def decoded_values_check(data: Any, what: str, *, texts: bool = True) -> None:
     """Depth, and with `texts` NUL and lone surrogates in every key and string, walked without
-    recursion (the depth is what is being checked)."""
+    recursion (the depth is what is being checked): what `json_loads_strict` checks of what it decoded,
+    for data decoded by another parser (a policy file's YAML)."""
     stack: list[tuple[Any, int]] = [(data, 1)]
     while stack:
         value, depth = stack.pop()

@@ -43,3 +43,8 @@ def visible(text: str, *, keep: str = "") -> str:
 
 def has_unsafe(text: str) -> bool:
     return not _PLAIN.fullmatch(text) and any(is_unsafe(char) for char in text)
+
+
+def counted(n: int, noun: str, nouns: str | None = None) -> str:
+    """A count and its noun, singular for one: "1 peer", "3 peers" (`nouns` where adding an s is wrong)."""
+    return f"{n} {noun if n == 1 else (nouns or noun + 's')}"

@@ -25,6 +25,7 @@ api_v1 = [
     path("", include("fleet.api.urls")),
     path("", include("fleet.api.urls_tokens")),
     path("", include("flows.api.urls")),
+    path("", include("flows.policy_drafts.api.urls")),
     path("schema", SpectacularAPIView.as_view(), name="schema"),
     path("docs", SpectacularSwaggerView.as_view(url_name="schema"), name="docs"),
     path("redoc", SpectacularRedocView.as_view(url_name="schema"), name="redoc"),

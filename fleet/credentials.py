@@ -13,6 +13,9 @@ Apart from that table, the operator may revoke a credential (`credential_revoke`
 stream, renewal, flow report and key-signed re-enrolment of the workload is refused, whatever the
 state, until a re-enrolment with a provisioning token minted for the workload.
 
+Expiry moves no row: serve's housekeeping notices the credentials that expired since its last round
+(`credential_expiries_notice`) and records `workload.credential_expired` for each.
+
 The credential format (compact JSON, Ed25519) lives in agent/credential.py so the agent checks it
 with the same code. The gateway authenticates the agent's key itself; these functions only keep the
 state and sign.
@@ -49,6 +52,7 @@ from controlplane.auth.actor import Actor
 from controlplane.problems import Problem
 from controlplane.text import visible
 from controlplane.validation import Findings, reject_unknown, require_object, take_string
+from controlplane.webhooks.models import WebhookWatermark
 from controlplane.webhooks.outbox import webhook_events_record, workload_event
 from fleet.models import Workload
 from fleet.push import notify_streams
@@ -164,7 +168,7 @@ def credential_state(workload: Workload, now: datetime | None = None) -> str:
 
 def credential_state_filters(now: datetime) -> dict[str, Q]:
     """credential_state as database filters, one per state (the fleet's counts; a test keeps the two
-    equal, tests/fleet/test_metrics_collector.py)."""
+    equal, tests/controlplane/test_metrics_collector.py)."""
     valid = Q(credential_expires_at__gt=now)
     return {
         RENEWS: valid & Q(credential_renewal_failed=False),
@@ -418,3 +422,38 @@ def _duration(delta: timedelta) -> str:
     if seconds % 60 == 0:
         return f"{seconds // 60} min"
     return f"{seconds} s"
+
+
+CREDENTIAL_EXPIRY = "credential-expiry"
+
+
+def credential_expiries_notice(*, now: datetime | None = None) -> int:
+    """Record `workload.credential_expired` once for each credential that expired since the last
+    round. The watermark row is locked for the round, so several serve processes notice each expiry
+    once; it starts at the first round (credentials that expired before webhooks existed are not news)."""
+    now = now or clock.now()
+    with transaction.atomic():
+        mark = WebhookWatermark.objects.select_for_update().filter(name=CREDENTIAL_EXPIRY).first()
+        if mark is None:
+            WebhookWatermark.objects.create(name=CREDENTIAL_EXPIRY, at=now)
+            return 0
+        if now <= mark.at:
+            return 0
+        expired = list(
+            Workload.objects.select_for_update()
+            .filter(credential_expires_at__gt=mark.at, credential_expires_at__lte=now)
+            .order_by("credential_expires_at", "id")
+        )
+        webhook_events_record(
+            workload_event(
+                "workload.credential_expired",
+                workload,
+                credential_serial=workload.credential_serial,
+                expired_at=clock.rfc3339(workload.credential_expires_at),
+                revoked=workload.credential_revoked_at is not None,
+            )
+            for workload in expired
+        )
+        mark.at = now
+        mark.save(update_fields=["at"])
+    return len(expired)

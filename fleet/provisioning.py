@@ -27,6 +27,7 @@ from controlplane import clock
 from controlplane.audit import audit_record
 from controlplane.auth.actor import Actor
 from controlplane.auth.secrets import digest, display_prefix, new_secret
+from controlplane.auth.services import token_revoke
 from controlplane.lookups import get_or_not_found
 from controlplane.pagination import OrderKey, Page, list_fingerprint, paginate
 from controlplane.problems import Problem, pointer
@@ -192,22 +193,14 @@ def provisioning_token_mint(*, actor: Actor, data: Mapping[str, Any]) -> MintedP
 
 
 def provisioning_token_revoke(*, actor: Actor, token_id: str) -> ProvisioningToken:
-    """Revoke a token: it enrols nothing from now on. Workloads it enrolled stay. Revoking twice is
-    harmless and keeps the first instant."""
-    with transaction.atomic():
-        token = get_or_not_found(ProvisioningToken, token_id, what="provisioning token", for_update=True)
-        if token.revoked_at is None:
-            token.revoked_at = clock.now()
-            token.save(update_fields=["revoked_at"])
-            audit_record(
-                actor=actor,
-                action="provisioning_token.revoke",
-                object_type="provisioning_token",
-                object_id=token.id,
-                object_name=token.description[:300],
-                detail={"prefix": token.prefix},
-            )
-    return token
+    """Revoke a token: it enrols nothing from now on. Workloads it enrolled stay."""
+    return token_revoke(
+        ProvisioningToken,
+        actor=actor,
+        token_id=token_id,
+        what="provisioning token",
+        name=lambda token: token.description[:300],
+    )
 
 
 def provisioning_token_get(*, token_id: str) -> ProvisioningToken:

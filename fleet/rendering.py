@@ -30,7 +30,7 @@ from policy.render_inputs import (
     FleetIndex,
     WorkloadInput,
 )
-from policy.renderer import render
+from policy.renderer import compile_policy
 from policy.selectors import PolicyInputs, policy_inputs_load
 
 log = logging.getLogger("palisade.fleet")
@@ -74,9 +74,10 @@ def workloads_rerender(
     current = {str(k): v for k, v in current.items()}
     rendered_by_version: dict[str, object] = {}
     moved: dict[str, str] = {}
+    compiled = compile_policy(policy.rulesets, policy.groups, fleet)
     for workload_id in targets:
         with metrics.RENDER_DOCUMENT_SECONDS.time():
-            result = render(inputs[workload_id], policy.rulesets, policy.groups, fleet)
+            result = compiled.render(inputs[workload_id])
         if current.get(workload_id) != result.version:
             moved[workload_id] = result.version
             rendered_by_version[result.version] = result

@@ -5,11 +5,11 @@ from __future__ import annotations
 from controlplane import clock
 from controlplane.clock import rfc3339
 from controlplane.conditional import version_text
+from fleet import health as flow_health
 from fleet.choices import SyncState
 from fleet.credentials import credential_renewal_due_at, credential_state
 from fleet.models import ModeChange, RenderedPolicy, Workload
 from fleet.selectors import workload_flow_window
-from flows import health as flow_health
 
 
 def telemetry_live(workload: Workload, now) -> bool:

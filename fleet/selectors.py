@@ -1,4 +1,5 @@
-"""Reads of the fleet: the workload list in fleet order, counts, one workload, its rendered policy."""
+"""Reads of the fleet: the workload list in fleet order, counts, one workload, its rendered policy, and
+what a selector matches now (POST /selectors/preview)."""
 
 from __future__ import annotations
 
@@ -14,14 +15,15 @@ from django.db.models.lookups import In
 from controlplane.lookups import get_or_not_found
 from controlplane.pagination import OrderKey, Page, list_fingerprint, paginate
 from controlplane.problems import Finding, ValidationFailed
-from controlplane.validation import quoted
+from controlplane.validation import Findings, quoted, reject_unknown, require_object, take_string
+from fleet import health as flow_health
 from fleet.choices import OwnedTableState, SyncState
 from fleet.models import Workload
-from flows import health as flow_health
 from policy.grammar import GrammarError, Selector, parse_selector
 
 # As many ids as a mode change's selection may name (fleet.services uses the same bound).
 MAX_ID_FILTERS = 10_000
+PREVIEW_LIMIT = 100
 # Degraded and enforcement-removed first, then offline, pending, synced; by host name within each.
 FLEET_ORDER = (OrderKey("rank"), OrderKey("hostname"), OrderKey("id", read=lambda w: str(w.id)))
 
@@ -164,7 +166,7 @@ CLOCK_SKEWED = Q(clock_skew_seconds__isnull=False)
 
 def telemetry_live_filter(*, now) -> Q:
     """fleet/representations.py's `telemetry_live` as a database filter: a report within two of the
-    workload's own flow windows (flows/health.py), one condition per window length the fleet reports."""
+    workload's own flow windows (fleet/health.py), one condition per window length the fleet reports."""
     lengths = Workload.objects.order_by().values_list("flow_window_seconds", flat=True).distinct()
     live = Q(pk__isnull=True)  # no workload: nothing is live
     for seconds in lengths:
@@ -220,3 +222,23 @@ def workloads_holding(*, addresses: list[str], excluding: uuid.UUID | None = Non
 def selector_preview(*, selector: Selector, limit: int = 100) -> tuple[int, list[Workload]]:
     matched = workload_queryset(labels=[selector]).order_by("hostname", "id")
     return matched.count(), list(matched[:limit])
+
+
+def selector_preview_request(*, data) -> dict:
+    """POST /selectors/preview (and `manage.py selector-preview`): what a selector matches now."""
+    data = require_object(data)
+    findings = Findings()
+    reject_unknown(data, {"selector"}, findings)
+    text = take_string(data, "selector", findings, max_length=4096)
+    findings.raise_if_any()
+    try:
+        selector = parse_selector(text)
+    except GrammarError as error:
+        raise ValidationFailed([Finding("/selector", error.rule, error.message)]) from None
+    count, sample = selector_preview(selector=selector, limit=PREVIEW_LIMIT)
+    return {
+        "selector": str(selector),
+        "count": count,
+        "workloads": [{"id": str(w.id), "hostname": w.hostname, "labels": w.labels} for w in sample],
+        "truncated": count > len(sample),
+    }

@@ -29,11 +29,11 @@ from controlplane import clock, metrics
 from controlplane.problems import Problem
 from controlplane.text import visible
 from controlplane.webhooks.outbox import webhook_events_record, workload_event
+from fleet import health as flow_health
 from fleet.choices import OwnedTableState, SyncState
 from fleet.models import Workload, workload_column_value
 from fleet.push import notify_streams
 from fleet.selectors import workload_get
-from flows import health as flow_health
 
 
 def rank_of(sync_state: str, owned_table_state: str) -> int:

@@ -1,5 +1,5 @@
 """Span arithmetic: spans start at multiples of their length from one origin, in UTC, as PostgreSQL's
-date_bin counts them. The spans themselves are the sums ladder's (flows/sums.py)."""
+date_bin counts them. The spans themselves are the sums ladder's (flows/sums/ladder.py)."""
 
 from __future__ import annotations
 

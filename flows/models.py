@@ -67,7 +67,7 @@ class FlowGroup(FlowCounters):
 class FlowSums(FlowCounters):
     """The groups of one workload's windows that start in one span, summed per key. Written by
     serve's housekeeping a few minutes after each ten-minute block is over
-    (flows.services.flow_windows_sum), not by ingestion."""
+    (flows.sums.writes.flow_windows_sum), not by ingestion."""
 
     id = models.BigAutoField(primary_key=True)
     rule_number = models.PositiveIntegerField()  # 0: no rule decided (a key column, so never null)

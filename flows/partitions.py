@@ -19,9 +19,9 @@ from datetime import UTC, date, datetime, time, timedelta
 
 from django.db import DatabaseError, connection, transaction
 
-from flows.sums import LADDER
+from flows.sums.ladder import LADDER
 
-# table -> the column it is partitioned by; the sums' tables are the ladder's (flows/sums.py)
+# table -> the column it is partitioned by; the sums' tables are the ladder's (flows/sums/ladder.py)
 PARTITIONED = {
     "flows_flowwindow": "start",
     "flows_flowgroup": "start",
@@ -29,7 +29,7 @@ PARTITIONED = {
     "flows_evidencegap": "end",
 }
 DAYS_AHEAD = 3
-# Each rung's storage options (flows.sums.Span.storage); the other tables are only ever appended to.
+# Each rung's storage options (flows.sums.ladder.Span.storage); the other tables are only ever appended to.
 STORAGE = {rung.table: rung.storage for rung in LADDER if rung.storage}
 _NAME = re.compile(r"_p(\d{8})$")
 _known: set[str] = set()  # partitions this process has seen exist: ingestion checks nothing twice

@@ -34,8 +34,19 @@ ACCEPTED, REFUSED = "accepted", "refused"
 DECISIONS = frozenset(Decision.values)  # `.values` builds a list on every read: once per group is too often
 
 
+# Why a window or a gap is refused, for the metrics (controlplane/metrics.py counts these codes, never
+# the messages): malformed, on a day outside the stored range, or an id another workload's item holds.
+MALFORMED, OUTSIDE_STORED_RANGE, ID_TAKEN = "malformed", "outside_stored_range", "id_taken"
+REFUSAL_CODES = (MALFORMED, OUTSIDE_STORED_RANGE, ID_TAKEN)
+
+
 class Refused(ValueError):
-    """One window or gap is malformed; the message says why (sent back to the agent)."""
+    """One window or gap refused: `code` (one of REFUSAL_CODES) says why to the metrics, the message
+    says it to the agent, which is sent it back."""
+
+    def __init__(self, message: str, code: str = MALFORMED) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass(frozen=True)
@@ -267,9 +278,12 @@ def _gap(raw: Any) -> tuple[uuid.UUID, dict]:
     }
 
 
-def item_answer(raw: Any, outcome: str, reason: str = "") -> dict:
+def item_answer(raw: Any, refused: Refused | None = None) -> dict:
+    """A window's or gap's answer: accepted, or refused with the reason."""
     item_id = raw.get("id") if isinstance(raw, dict) and isinstance(raw.get("id"), str) else None
-    return {"id": item_id[:64] if item_id else None, "result": outcome, "reason": reason or None}
+    if refused is None:
+        return {"id": item_id[:64] if item_id else None, "result": ACCEPTED, "reason": None}
+    return {"id": item_id[:64] if item_id else None, "result": REFUSED, "reason": str(refused)}
 
 
 def _stored_days(now: datetime) -> tuple[date, date]:
@@ -281,7 +295,9 @@ def _stored_days(now: datetime) -> tuple[date, date]:
 
 def _check_stored_day(instant: datetime, name: str, days: tuple[date, date]) -> None:
     if not days[0] <= instant.astimezone(UTC).date() <= days[1]:
-        raise Refused(f"{name} lies outside the stored range: back to the retention, a year ahead")
+        raise Refused(
+            f"{name} lies outside the stored range: back to the retention, a year ahead", OUTSIDE_STORED_RANGE
+        )
 
 
 @dataclass(frozen=True)
@@ -355,11 +371,11 @@ def keys_fold(groups: list[dict], *, keep: int) -> tuple[list[dict], Aggregated 
 @dataclass(frozen=True)
 class ParsedReport:
     """A report whose every window and gap has been checked: each item is its raw form (for the answer)
-    with either what it parsed to or the reason it is refused."""
+    with either what it parsed to or why it is refused."""
 
     envelope: Report
-    windows: list[tuple[Any, ParsedWindow | str]]
-    gaps: list[tuple[Any, tuple[uuid.UUID, dict] | str]]
+    windows: list[tuple[Any, ParsedWindow | Refused]]
+    gaps: list[tuple[Any, tuple[uuid.UUID, dict] | Refused]]
     days: set[date]  # the days its rows fall on (windows by start, gaps by end, and today)
 
 
@@ -374,7 +390,7 @@ def report_parse(data: Any, *, now: datetime) -> ParsedReport:
     envelope = report_envelope(data)
     stored = _stored_days(now)
     today = now.astimezone(UTC).date()
-    windows: list[tuple[Any, ParsedWindow | str]] = []
+    windows: list[tuple[Any, ParsedWindow | Refused]] = []
     row_days = {today}
     per_window, left = settings.PALISADE_FLOW_WINDOW_MAX_KEYS, settings.PALISADE_FLOW_REPORT_MAX_KEYS
     for raw in envelope.windows:
@@ -400,8 +416,8 @@ def report_parse(data: Any, *, now: datetime) -> ParsedReport:
             left -= sum(1 for group in groups if group["peer"] != AGGREGATE)
             row_days.add(start.astimezone(UTC).date())
         except Refused as refused:
-            windows.append((raw, str(refused)))
-    gaps: list[tuple[Any, tuple[uuid.UUID, dict] | str]] = []
+            windows.append((raw, refused))
+    gaps: list[tuple[Any, tuple[uuid.UUID, dict] | Refused]] = []
     for raw in envelope.gaps:
         try:
             gap_id, gap = _gap(raw)
@@ -409,5 +425,5 @@ def report_parse(data: Any, *, now: datetime) -> ParsedReport:
             gaps.append((raw, (gap_id, gap)))
             row_days.add(gap["end"].astimezone(UTC).date())
         except Refused as refused:
-            gaps.append((raw, str(refused)))
+            gaps.append((raw, refused))
     return ParsedReport(envelope, windows, gaps, row_days)

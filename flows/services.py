@@ -12,23 +12,22 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import time
 import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from django.conf import settings
-from django.db import DataError, OperationalError, connection, transaction
+from django.db import connection, transaction
 
 from controlplane import clock, metrics
 from controlplane.outage import database_busy, database_unavailable
 from controlplane.problems import Problem
 from controlplane.sqlite import database_wait
 from controlplane.webhooks.outbox import Event, webhook_events_record, workload_event
+from fleet import health
 from fleet.models import Workload
 from fleet.selectors import workload_get
-from flows import health
 from flows.choices import AGGREGATE, GapKind
 from flows.group_commit import GroupCommit
 from flows.models import (
@@ -39,17 +38,17 @@ from flows.models import (
 )
 from flows.partitions import flow_partitions_drop, flow_partitions_ensure
 from flows.reports import (
-    ACCEPTED,
-    REFUSED,
+    ID_TAKEN,
     Aggregated,
     ParsedReport,
     ParsedWindow,
+    Refused,
     Report,
     item_answer,
     keys_fold,
     report_parse,
 )
-from flows.sums import LADDER, SUMMED, UNSUMMED_PRUNE_MARGIN, Span, rule_stored_sql
+from flows.sums.ladder import LADDER, UNSUMMED_PRUNE_MARGIN
 
 log = logging.getLogger("palisade.flows")
 _peer_map: tuple[tuple, dict[str, uuid.UUID]] = ((), {})
@@ -216,177 +215,6 @@ def _binary_copy_type(field) -> str:
     return _BINARY_COPY_TYPES[(field.target_field if field.is_relation else field).get_internal_type()]
 
 
-def _upsert_clause(sums: Span, least: str, greatest: str) -> str:
-    table = sums.model._meta.db_table
-    updates = [f'"{name}" = "{table}"."{name}" + excluded."{name}"' for name in SUMMED] + [
-        f'"first_seen" = {least}("{table}"."first_seen", excluded."first_seen")',
-        f'"last_seen" = {greatest}("{table}"."last_seen", excluded."last_seen")',
-        '"peer_workload_id" = excluded."peer_workload_id"',
-    ]
-    conflict = ", ".join(f'"{name}"' for name in sums.key())
-    return f"ON CONFLICT ({conflict}) DO UPDATE SET {', '.join(updates)}"
-
-
-WINDOWS_PER_SUM = 5000  # a transaction of about 250,000 group rows at 50 keys a window
-# ... and at most this many groups: a workload's windows of thousands of keys must not make one long
-# transaction. SQLite's is smaller: its one writer holds every other writer for the whole of it (10,000
-# groups: about 0.25 s).
-GROUPS_PER_SUM = {"postgresql": 250_000}
-GROUPS_PER_SUM_ELSEWHERE = 10_000
-
-
-def _within_groups(candidates: list[tuple]) -> list[tuple[uuid.UUID, uuid.UUID, datetime]]:
-    """The first of `candidates` (id, workload, start, groups) whose groups fit one transaction's
-    budget (at least one window)."""
-    most = GROUPS_PER_SUM.get(connection.vendor, GROUPS_PER_SUM_ELSEWHERE)
-    taken, groups = [], 0
-    for window_id, workload_id, start, keys in candidates:
-        groups += keys
-        if taken and groups > most:
-            break
-        taken.append((window_id, workload_id, start))
-    return taken
-
-
-# A round of summing ends after this long even with windows left, which the next round (a minute later)
-# takes on: a flood of keys makes summing lag, never a housekeeping round that does not end (nor a
-# serve that cannot stop: it waits for the round under way). Rollups read what is not summed yet.
-SUM_ROUND_SECONDS = 15.0
-
-
-def flow_windows_sum(
-    *, before: datetime, most: int = WINDOWS_PER_SUM, seconds: float = SUM_ROUND_SECONDS
-) -> int:
-    """Add the groups of the stored windows that started before `before` and are not summed yet to
-    their quarters', hours' and blocks' sums; returns how many windows. Each batch of `most` windows
-    (fewer when their groups pass GROUPS_PER_SUM) is one transaction that removes the windows from
-    UnsummedWindow and adds their groups, so a window is summed exactly once, into each, even with two
-    serve processes at it (each skips the rows the other holds).
-
-    A batch whose sums would leave their columns' range (a workload's flood of windows, or counts an
-    older version accepted) is summed in halves, down to the windows that cannot be added: those stay
-    unsummed, read from their minute rows by every rollup, and are tried again on the next round. One
-    workload's counts never stop the fleet's sums.
-
-    A call returns once `seconds` have passed, at the end of a transaction, with windows left."""
-    summed, left_out = 0, set()
-    ends = time.monotonic() + seconds
-    while True:
-        taken: list[tuple[uuid.UUID, uuid.UUID, datetime]] = []
-        try:
-            with transaction.atomic():
-                taken = _within_groups(
-                    UnsummedWindow.objects.filter(start__lt=before)
-                    .exclude(window_id__in=left_out)
-                    .order_by("workload_id", "start")
-                    .select_for_update(skip_locked=True)
-                    .values_list("window_id", "workload_id", "start", "keys")[:most]
-                )
-                if not taken:
-                    return summed
-                UnsummedWindow.objects.filter(window_id__in=[window_id for window_id, _, _ in taken]).delete()
-                _sums_add(taken)
-            summed += len(taken)
-        except OUT_OF_RANGE:
-            if not taken:
-                raise
-            done, out = _windows_sum_in_halves(taken)
-            summed, left_out = summed + done, left_out | out
-        if time.monotonic() >= ends:
-            return summed
-
-
-# PostgreSQL's "bigint out of range"; on SQLite, sum() past its 64-bit integers (_sums_add_in_sqlite).
-OUT_OF_RANGE = (DataError, OverflowError)
-
-
-def _windows_sum_or_halves(taken: list[tuple[uuid.UUID, uuid.UUID, datetime]]) -> tuple[int, set[uuid.UUID]]:
-    """Sum `taken` in one transaction, else each half so; returns how many windows were summed and the
-    ids of those that cannot be. Each is locked again: another summer may have had it since."""
-    try:
-        with transaction.atomic():
-            locked = set(
-                UnsummedWindow.objects.filter(window_id__in=[window_id for window_id, _, _ in taken])
-                .select_for_update(skip_locked=True)
-                .values_list("window_id", flat=True)
-            )
-            mine = [window for window in taken if window[0] in locked]
-            if mine:
-                UnsummedWindow.objects.filter(window_id__in=locked).delete()
-                _sums_add(mine)
-            return len(mine), set()
-    except OUT_OF_RANGE as error:
-        if len(taken) == 1:
-            log.warning("cannot sum flow window %s (%s): rollups read its minute rows", taken[0][0], error)
-            return 0, {taken[0][0]}
-    return _windows_sum_in_halves(taken)
-
-
-def _windows_sum_in_halves(taken: list[tuple[uuid.UUID, uuid.UUID, datetime]]) -> tuple[int, set[uuid.UUID]]:
-    first = _windows_sum_or_halves(taken[: len(taken) // 2])
-    second = _windows_sum_or_halves(taken[len(taken) // 2 :])
-    return first[0] + second[0], first[1] | second[1]
-
-
-def _sums_add(windows: list[tuple[uuid.UUID, uuid.UUID, datetime]]) -> None:
-    """Add the groups of `windows` (id, workload id, start) to their quarters', hours' and blocks'
-    sums, one upsert per workload, span and key, summed by the database where the groups lie."""
-    for sums in LADDER:
-        if connection.vendor == "postgresql":
-            _sums_add_in_postgresql(sums, windows)
-        else:
-            _sums_add_in_sqlite(sums, windows)
-
-
-def _sums_add_in_sqlite(sums: Span, windows: list[tuple[uuid.UUID, uuid.UUID, datetime]]) -> None:
-    """As on PostgreSQL, the database sums the groups where they lie: SQLite's one writer holds every
-    other for the whole transaction, and summing in Python there (0.4 s for 10,000 groups alone) took
-    5-8 s while other threads parsed reports. The windows' ids pick their groups off the window index."""
-    quoted = ", ".join(f'"{name}"' for name in sums.columns())
-    sql = (
-        f'INSERT INTO "{sums.model._meta.db_table}" ({quoted}) '  # noqa: S608 - our names
-        f"SELECT workload_id, {sums.start_in_sqlite()}, peer, protocol, port, decision,"
-        f" {rule_stored_sql('rule_number')}, max(peer_workload_id), sum(connection_count), sum(bytes_in),"
-        f' sum(bytes_out), min(first_seen), max(last_seen) FROM "{FlowGroup._meta.db_table}"'
-        f" WHERE window_id IN ({', '.join(['%s'] * len(windows))})"
-        " GROUP BY 1, 2, 3, 4, 5, 6, 7 " + _upsert_clause(sums, "min", "max")
-    )
-    try:
-        with connection.cursor() as cursor:
-            cursor.execute(sql, [window_id.hex for window_id, _, _ in windows])
-    except OperationalError as error:  # sum() past a 64-bit integer: as Python's own sum would have
-        if "integer overflow" not in str(error):
-            raise
-        raise OverflowError(str(error)) from error
-
-
-def _sums_add_in_postgresql(sums: Span, windows: list[tuple[uuid.UUID, uuid.UUID, datetime]]) -> None:
-    # The windows' workloads and starts pick the groups off the (workload, start) index within their
-    # day partitions, then the window ids keep those of these windows. By start alone the read would
-    # walk every workload's rows of those minutes: the whole fleet's. GROUP BY makes each key appear
-    # once, as ON CONFLICT needs.
-    quoted = ", ".join(f'"{name}"' for name in sums.columns())
-    sql = (
-        f'INSERT INTO "{sums.model._meta.db_table}" ({quoted}) '  # noqa: S608 - our names
-        f"SELECT workload_id, {sums.start_in_postgresql()}, peer, protocol, port, decision,"
-        f" {rule_stored_sql('rule_number')}, (array_agg(peer_workload_id))[1], sum(connection_count), sum(bytes_in),"
-        f' sum(bytes_out), min(first_seen), max(last_seen) FROM "{FlowGroup._meta.db_table}"'
-        " WHERE workload_id = ANY(%s) AND start >= %s AND start <= %s AND window_id = ANY(%s)"
-        " GROUP BY 1, 2, 3, 4, 5, 6, 7 " + _upsert_clause(sums, "LEAST", "GREATEST")
-    )
-    starts = [start for _, _, start in windows]
-    with connection.cursor() as cursor:
-        cursor.execute(
-            sql,
-            [
-                list({workload_id for _, workload_id, _ in windows}),
-                min(starts),
-                max(starts),
-                [window_id for window_id, _, _ in windows],
-            ],
-        )
-
-
 def _webhook_events(workload: Workload, changes: dict, new_gaps: list[EvidenceGap]) -> list[Event]:
     """An evidence gap recorded (each new one), and clock skew detected (it was not skewed before)."""
     events = [
@@ -508,7 +336,7 @@ def _reports_write(items: list[SubmittedReport], *, skip_locked: bool) -> list[d
             [w.id for item in items for _, w in item.report.windows if isinstance(w, ParsedWindow)],
         )
         stored_gaps = _owners_of(
-            EvidenceGap, [g[0] for item in items for _, g in item.report.gaps if not isinstance(g, str)]
+            EvidenceGap, [g[0] for item in items for _, g in item.report.gaps if not isinstance(g, Refused)]
         )
         kept = _keys_kept_by_start(
             [
@@ -519,6 +347,7 @@ def _reports_write(items: list[SubmittedReport], *, skip_locked: bool) -> list[d
             ]
         )
         outcomes: list[dict | Exception | None] = []
+        counted = metrics.FlowItemsCounted()
         windows: list[dict] = []
         parsed: list[ParsedWindow] = []  # beside `windows`, row for row
         groups: list[dict] = []
@@ -534,22 +363,28 @@ def _reports_write(items: list[SubmittedReport], *, skip_locked: bool) -> list[d
                 continue
             window_answers, new_windows = [], []
             for raw, window in item.report.windows:
-                if isinstance(window, str):
-                    window_answers.append(item_answer(raw, REFUSED, window))
-                    continue
-                answer, new = _stored_once(raw, window.id, stored_windows, workload.id)
-                window_answers.append(answer)
-                if new:
+                refused = window if isinstance(window, Refused) else None
+                new = False
+                if refused is None:
+                    new, refused = _stored_once(window.id, stored_windows, workload.id)
+                window_answers.append(item_answer(raw, refused))
+                if refused is not None:
+                    counted.window_refused(refused.code, raw)
+                elif new:
                     new_windows.append(_within_start_bound(window, workload_id=workload.id, kept=kept))
+                else:
+                    counted.resent += 1
             gap_answers, new_gaps = [], []
             for raw, gap in item.report.gaps:
-                if isinstance(gap, str):
-                    gap_answers.append(item_answer(raw, REFUSED, gap))
-                    continue
-                gap_id, fields = gap
-                answer, new = _stored_once(raw, gap_id, stored_gaps, workload.id)
-                gap_answers.append(answer)
-                if new:
+                refused = gap if isinstance(gap, Refused) else None
+                new = False
+                if refused is None:
+                    gap_id, fields = gap
+                    new, refused = _stored_once(gap_id, stored_gaps, workload.id)
+                gap_answers.append(item_answer(raw, refused))
+                if refused is not None:
+                    counted.gaps_refused[refused.code] += 1
+                elif new:
                     new_gaps.append(
                         EvidenceGap(id=gap_id, workload_id=workload.id, received_at=now, **fields)
                     )
@@ -576,6 +411,7 @@ def _reports_write(items: list[SubmittedReport], *, skip_locked: bool) -> list[d
             for name, value in changes.items():
                 setattr(workload, name, value)
             touched.append(workload)
+            counted.reports += 1
             outcomes.append({"windows": window_answers, "gaps": gap_answers})
         _rows_insert(FlowWindow, windows)
         _rows_insert(FlowGroup, groups)
@@ -585,7 +421,8 @@ def _reports_write(items: list[SubmittedReport], *, skip_locked: bool) -> list[d
         )
         EvidenceGap.objects.bulk_create(gaps)
         _workloads_update(touched)
-        metrics.flow_reports_stored(items, outcomes, windows=len(windows), groups=len(groups), gaps=gaps)
+        counted.windows, counted.groups = len(windows), len(groups)
+        metrics.flow_reports_stored(counted, gaps=gaps)
         webhook_events_record(events)
     return outcomes
 
@@ -633,16 +470,16 @@ def _owners_of(model, ids: list[uuid.UUID]) -> dict[uuid.UUID, uuid.UUID]:
         return {pk.to_python(row[0]): owner.target_field.to_python(row[1]) for row in cursor.fetchall()}
 
 
-def _stored_once(raw: Any, item_id: uuid.UUID, stored: dict, workload_id: uuid.UUID) -> tuple[dict, bool]:
-    """A window's or gap's answer, and whether to store it: an id already stored for this workload is
-    a re-send (acknowledged again, stored once), an id stored for another workload is refused."""
+def _stored_once(item_id: uuid.UUID, stored: dict, workload_id: uuid.UUID) -> tuple[bool, Refused | None]:
+    """Whether to store a window or gap, or why it is refused: an id already stored for this workload
+    is a re-send (acknowledged again, stored once), an id stored for another workload is refused."""
     owner = stored.get(item_id)
     if owner is None:
         stored[item_id] = workload_id  # a repeat later in this write is a re-send
-        return item_answer(raw, ACCEPTED), True
+        return True, None
     if owner == workload_id:
-        return item_answer(raw, ACCEPTED), False
-    return item_answer(raw, REFUSED, "id is taken"), False
+        return False, None
+    return False, Refused("id is taken", ID_TAKEN)
 
 
 def _window_row(window: ParsedWindow, *, workload: Workload, now: datetime) -> dict:
@@ -771,7 +608,7 @@ def flow_evidence_prune(*, older_than: timedelta) -> Pruned:
     cutoff = clock.now() - older_than
     partitions = flow_partitions_drop(before=cutoff)
     _deleted(FlowGroup.objects.filter(end__lt=cutoff))
-    for rung in LADDER:  # each past its own margin (flows.sums.Span.prune_margin)
+    for rung in LADDER:  # each past its own margin (flows.sums.ladder.Span.prune_margin)
         _deleted(rung.model.objects.filter(**{f"{rung.column}__lt": cutoff - rung.prune_margin}))
     _deleted(UnsummedWindow.objects.filter(start__lt=cutoff - UNSUMMED_PRUNE_MARGIN))
     windows = _deleted(FlowWindow.objects.filter(end__lt=cutoff))

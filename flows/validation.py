@@ -1,15 +1,25 @@
 """What the flow reads admit: the query parameters of GET /flows, /flows/gaps, /flows/rollup and
-/flows/review (and the same options of `manage.py flows`), parsed with one finding per parameter to fix.
-The reads themselves are flows/selectors.py."""
+/flows/review (and the same options of `manage.py flows`), and the range, selection and label keys of
+the reads of draft policy (POST /policies/impact and /policies/suggestions, and `manage.py policy`),
+parsed with one finding per parameter to fix. The reads themselves are flows/selectors.py.
+
+A range and a selection are parsed by one function, `flow_selection_parse`, wherever they are given:
+the same input gets the same finding rule from every endpoint and command that takes it, at the path
+of the parameter (`?from`, `?label[1]`) or of the body's member (`/from`, `/label/1`)."""
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 from controlplane.problems import Finding, ValidationFailed
 from controlplane.validation import is_digits, parse_instant
+from fleet.selectors import label_filters_parse
 from flows.choices import AGGREGATE, Decision
 from flows.reports import Refused, peer_address
+from policy.grammar import GrammarError, Selector, validate_label_key
 
 MAX_RANGE = timedelta(days=31)
 # No evidence lies outside these, and reading a range reaches a window's length before it and a few
@@ -52,6 +62,92 @@ def flow_range_parse(*, start: str | None, end: str | None) -> tuple[datetime, d
     if findings:
         raise ValidationFailed(findings)
     return parsed["from"], parsed["to"]
+
+
+@dataclass(frozen=True)
+class FlowSelection:
+    """A range of flow evidence and the workloads selected in it: ids and label selectors, ANDed; with
+    neither, the whole fleet (flows.selectors.workloads_selected resolves them)."""
+
+    start: datetime
+    end: datetime
+    labels: list[Selector]
+    workload_ids: list[str]
+
+
+QUERY, BODY = "query", "body"
+
+
+def flow_selection_parse(
+    *, start: Any, end: Any, labels: Any, workloads: Any, at: str = QUERY
+) -> FlowSelection:
+    """`from`, `to`, `label` and `workload` as a range (`flow_range_parse`) and a selection, every
+    finding at once. `at` says where they were given: query parameters (`?from`, `?label[1]`) or the
+    members of a JSON body (`/from`, `/label/1`), where `label` and `workload` must be lists of strings
+    and a `from` or `to` that is not a string is a malformed instant (rule `instant`), as its text would
+    be in a query, not a missing one."""
+    findings: list[Finding] = []
+    range_ = labels_ = None
+    try:
+        range_ = flow_range_parse(start=_instant_text(start), end=_instant_text(end))
+    except ValidationFailed as failed:
+        findings.extend(failed.findings)
+    try:
+        labels_ = label_filters_parse(_texts("label", labels, findings))
+    except ValidationFailed as failed:
+        findings.extend(failed.findings)
+    workload_ids = _texts("workload", workloads, findings)
+    if findings:
+        raise ValidationFailed([_at_body(f) for f in findings] if at == BODY else findings)
+    assert range_ is not None and labels_ is not None  # noqa: S101  # else a finding was raised
+    return FlowSelection(start=range_[0], end=range_[1], labels=labels_, workload_ids=workload_ids)
+
+
+def _instant_text(value: Any) -> str | None:
+    return value if isinstance(value, str) or value is None else repr(value)
+
+
+def _texts(name: str, value: Any, findings: list[Finding]) -> list[str]:
+    if not isinstance(value, list | tuple) or not all(isinstance(item, str) for item in value):
+        findings.append(Finding(f"?{name}", "type", f"{name} must be a list of strings."))
+        return []
+    return list(value)
+
+
+def _at_body(finding: Finding) -> Finding:
+    """A query parameter's finding at the body's pointer: `?from` -> `/from`, `?label[1]` -> `/label/1`."""
+    return Finding(
+        re.sub(r"^\?([^\[]*)(?:\[(\d+)\])?$", _pointer, finding.path), finding.rule, finding.message
+    )
+
+
+def _pointer(match: re.Match) -> str:
+    name, index = match.groups()
+    return f"/{name}" + (f"/{index}" if index is not None else "")
+
+
+# `app` alone: it names what a workload runs, the group that rules are written for
+# (docs/labels-and-selectors.md). Every key must be on both ends of a connection for it to be
+# generalised, so a second default key (`role`) would leave every workload without it out of the
+# proposal; operators whose fleets label roles ask for both.
+DEFAULT_LABEL_KEYS = ("app",)
+
+
+def label_keys_parse(value: Any) -> list[str]:
+    """Suggested rules' `label_keys`, the label keys that name a group of workloads (a caller whose
+    request gives none passes DEFAULT_LABEL_KEYS), without repeats."""
+    findings: list[Finding] = []
+    keys = _texts("label_keys", value, findings)
+    for index, key in enumerate(keys):
+        try:
+            validate_label_key(key)
+        except GrammarError as error:
+            findings.append(Finding(f"?label_keys[{index}]", error.rule, error.message))
+    if not keys and not findings:
+        findings.append(Finding("?label_keys", "empty", "label_keys needs at least one label key."))
+    if findings:
+        raise ValidationFailed([_at_body(f) for f in findings])
+    return list(dict.fromkeys(keys))
 
 
 def group_filters_parse(

@@ -14,10 +14,10 @@ same inputs would do with its first packet, and with which ct mark:
   which is what ``decode_mark`` reads from the conntrack entry; no rule: ``would_block`` in
   simulation, ``blocked`` in enforced.
 
-It walks the renderer's own compiled rules and source sets (``_applicable``,
-``_compiled_ruleset``, ``_source_sets``, memoised in the fleet index like a render), so the
-two cannot disagree about order, selectors resolved to the fleet's addresses now, address
-groups, services, ranges, ICMP and ``any``. Pure: no Django, no I/O.
+It walks the renderer's own compiled policy (``compile_policy``: the rulesets that apply, their
+rules' lines, their sources' sets, compiled once per fleet as for a render), so the two cannot
+disagree about order, selectors resolved to the fleet's addresses now, address groups, services,
+ranges, ICMP and ``any``. Pure: no Django, no I/O.
 
 A line the renderer leaves out (a source with addresses of the other family only) would
 match nothing here either: its set is empty.
@@ -44,9 +44,8 @@ from policy.renderer import (
     DECISION_NAMES,
     DECISION_OBSERVED,
     DECISION_WOULD_BLOCK,
-    _applicable,
-    _compiled_ruleset,
-    _source_sets,
+    CompiledPolicy,
+    compile_policy,
 )
 
 STATES = ("new", "established", "related", "invalid")
@@ -132,7 +131,7 @@ def classify(
         )
     if workload.mode == "visibility":
         return Outcome(DECISION_NAMES[DECISION_OBSERVED])
-    rule = _first_rule(workload, rulesets, groups, fleet, connection, family, address)
+    rule = _first_rule(workload, compile_policy(rulesets, groups, fleet), connection, family, address)
     if rule is not None:
         return Outcome(DECISION_NAMES[DECISION_ALLOWED], rule)
     if workload.mode == "enforced":
@@ -152,22 +151,16 @@ def admitting_rule(
     Rules only: the baseline and the workload's mode are ``classify``'s business.
     """
     peer = parse_host_address(connection.peer)
-    return _first_rule(workload, rulesets, groups, fleet, connection, peer.version, int(peer))
+    return _first_rule(workload, compile_policy(rulesets, groups, fleet), connection, peer.version, int(peer))
 
 
 def _first_rule(
-    workload: WorkloadInput,
-    rulesets: Sequence[RulesetInput],
-    groups: Mapping[str, AddressGroupInput],
-    fleet: FleetIndex,
-    connection: Connection,
-    family: int,
-    address: int,
+    workload: WorkloadInput, policy: CompiledPolicy, connection: Connection, family: int, address: int
 ) -> int | None:
     protocol, port = connection.protocol, connection.port
     ported = protocol in PORT_PROTOCOLS
-    for ruleset in _applicable(workload, rulesets, fleet):
-        for rule, compiled in _compiled_ruleset(ruleset, fleet):
+    for ruleset in policy.applicable(workload):
+        for rule, compiled in ruleset.rules:
             # "meta l4proto . th dport @svc_...": the same set on each of the rule's lines.
             in_service_set = ported and any(
                 p == protocol and low <= port <= high  # type: ignore[operator]  # tcp/udp have one
@@ -183,7 +176,7 @@ def _first_rule(
                     # "ip saddr @..." / "ip6 saddr @...": only packets of the line's family.
                     if family != line.family:
                         continue
-                    if not _source_sets(line.source, compiled, groups, fleet).contains(family, address):
+                    if not policy.source_sets(line.source, compiled).contains(family, address):
                         continue
                 return rule.number
     return None

@@ -184,9 +184,9 @@ _EMPTY: frozenset[int] = frozenset()
 class FleetIndex:
     """Every workload's labels and addresses, indexed for selector evaluation.
 
-    Build one per render pass: ``memo`` is scratch space in which the renderer keeps pieces
-    derived from this fleet and from the policy objects it was called with (those pieces
-    hold references to the objects they came from, so identities stay valid).
+    Build one per render pass: ``memo`` is the renderer's, which keeps in it what it derives
+    from this fleet (a selector's sets of peer addresses, the set names given out) and the
+    policies compiled against it (``policy.renderer.compile_policy``).
     """
 
     workload_ids: tuple[str, ...]

@@ -121,34 +121,11 @@ def render(
     groups: Mapping[str, AddressGroupInput],
     fleet: FleetIndex,
 ) -> RenderedDocument:
+    """The document of `workload` under the policy (`rulesets`, `groups`) in `fleet`."""
     if workload.mode == "visibility":
         document = _observe_document()
         return RenderedDocument(document, {}, _version(document))
-
-    blocks: list[str] = []
-    rule_index: dict[int, dict] = {}
-    sets: dict[str, str] = {}
-    for ruleset in _applicable(workload, rulesets, fleet):
-        text, block_sets, entries = _ruleset_block(ruleset, groups, fleet)
-        blocks.append(text)
-        sets.update(block_sets)
-        for number, entry in entries:
-            if number in rule_index:
-                raise ValueError(f"rule number {number} is given to two rules")
-            rule_index[number] = dict(entry)
-
-    enforced = workload.mode == "enforced"
-    parts = [f"table {TABLE_FAMILY} {TABLE_NAME} {{\n", _table_comment(workload.mode)]
-    parts.extend(sets[name] for name in sorted(sets))
-    parts.append(_CHAIN_HEAD.format(name="input"))
-    parts.append(_ESTABLISHED)
-    parts.append(_INVALID_ENFORCED if enforced else _INVALID_SIMULATION)
-    parts.append(_BASELINE)
-    parts.extend(blocks)
-    parts.append(_TERMINAL_ENFORCED if enforced else _TERMINAL_SIMULATION)
-    parts.append("\t}\n}\n")
-    document = "".join(parts)
-    return RenderedDocument(document, rule_index, _version(document))
+    return compile_policy(rulesets, groups, fleet).render(workload)
 
 
 # --- fixed text ------------------------------------------------------------------------
@@ -216,33 +193,13 @@ def _ruleset_order(ruleset: RulesetInput) -> tuple[str, str]:
     return ruleset.name, ruleset.id
 
 
-# --- applicable rulesets, memoised per fleet ----------------------------------------------
-
-
-def _applicable(
-    workload: WorkloadInput, rulesets: Sequence[RulesetInput], fleet: FleetIndex
-) -> Sequence[RulesetInput]:
-    position = fleet.position_of(workload.id)
-    if position is None or fleet.labels[position] != workload.labels:
-        return applicable_rulesets(workload, rulesets)
-    # One pass over each scope's matching positions serves the whole fleet. The entry keeps
-    # the rulesets themselves so that the ids in its key cannot be reused by other objects.
-    key = ("applicable", tuple(map(id, rulesets)))
-    entry = fleet.memo.get(key)
-    if entry is None:
-        per_position: dict[int, list[RulesetInput]] = {}
-        for ruleset in sorted(rulesets, key=_ruleset_order):
-            for p in fleet.positions_matching(ruleset.scope):
-                per_position.setdefault(p, []).append(ruleset)
-        entry = fleet.memo[key] = (tuple(rulesets), per_position)
-    return entry[1].get(position, ())
-
-
-# --- rules: compiled once per ruleset object, numbered per document ------------------------
+# --- the compiled policy: what every document of a fleet is rendered from ---------------------
 
 
 @dataclass(frozen=True)
-class _Line:
+class Line:
+    """One nftables line of a compiled rule (a rule has one per source and family it matches)."""
+
     source: tuple[str, str] | None  # ("sel", canonical selector) / ("grp", group id); None = any
     family: int  # 4 or 6: which of the source's sets the line reads (ignored for "any")
     match: str  # the nftables match, without the verdict
@@ -251,8 +208,10 @@ class _Line:
 
 
 @dataclass(frozen=True)
-class _CompiledRule:
-    lines: tuple[_Line, ...]
+class CompiledRule:
+    """A rule as its lines, the same in every document it is in; only its number's mark differs."""
+
+    lines: tuple[Line, ...]
     selectors: dict[str, Selector]  # canonical text -> selector, for the sets of "sel" sources
     group_ids: tuple[str, ...]  # of the "grp" sources
     service_set: tuple[str, str] | None  # (name, definition)
@@ -261,16 +220,167 @@ class _CompiledRule:
     service_ranges: tuple[tuple[str, int, int], ...] = ()
 
 
-def _compiled_ruleset(ruleset: RulesetInput, fleet: FleetIndex) -> list[tuple[RuleInput, _CompiledRule]]:
-    key = ("ruleset", id(ruleset))
-    entry = fleet.memo.get(key)
-    if entry is None or entry[0] is not ruleset:
-        rules = sorted(ruleset.rules, key=lambda r: (r.position, r.id))
-        entry = fleet.memo[key] = (ruleset, [(r, _compile_rule(ruleset, r)) for r in rules])
-    return entry[1]
+# A ruleset's chain lines, the sets they read, and its rules' (number, rule-index entry).
+_Block = tuple[str, tuple[tuple[str, str], ...], tuple[tuple[int, dict], ...]]
 
 
-def _compile_rule(ruleset: RulesetInput, rule: RuleInput) -> _CompiledRule:
+class CompiledRuleset:
+    """A ruleset's rules in chain order, each compiled once (on first use)."""
+
+    def __init__(self, ruleset: RulesetInput) -> None:
+        self.ruleset = ruleset
+        self._rules: tuple[tuple[RuleInput, CompiledRule], ...] | None = None
+
+    @property
+    def rules(self) -> tuple[tuple[RuleInput, CompiledRule], ...]:
+        if self._rules is None:
+            ordered = sorted(self.ruleset.rules, key=lambda r: (r.position, r.id))
+            self._rules = tuple((r, _compile_rule(self.ruleset, r)) for r in ordered)
+        return self._rules
+
+
+class CompiledPolicy:
+    """A policy (`rulesets`, `groups`) compiled against one fleet: which rulesets apply to each
+    workload, their rules' lines and the sets of their sources. The renderer writes every document
+    from it and the classifier (policy/classify.py) walks it, so the two cannot disagree about order,
+    selectors resolved to the fleet's addresses now, address groups, services, ranges, ICMP and `any`.
+    Everything is worked out on first use and kept: a ruleset's chain lines are the same for every
+    workload it applies to."""
+
+    def __init__(
+        self, rulesets: Sequence[RulesetInput], groups: Mapping[str, AddressGroupInput], fleet: FleetIndex
+    ) -> None:
+        self.rulesets = tuple(rulesets)
+        self.groups = groups
+        self.fleet = fleet
+        self._ordered = [CompiledRuleset(r) for r in sorted(self.rulesets, key=_ruleset_order)]
+        self._per_position: dict[int, list[CompiledRuleset]] | None = None
+        self._group_sets: dict[str, SourceSets] = {}
+        self._blocks: dict[CompiledRuleset, _Block] = {}
+
+    def applicable(self, workload: WorkloadInput) -> Sequence[CompiledRuleset]:
+        """The rulesets whose scope matches the workload's labels, in rule-numbering order."""
+        position = self.fleet.position_of(workload.id)
+        if position is None or self.fleet.labels[position] != workload.labels:
+            return [r for r in self._ordered if r.ruleset.scope.matches(workload.labels)]
+        if self._per_position is None:
+            # One pass over each scope's matching positions serves the whole fleet.
+            self._per_position = {}
+            for compiled in self._ordered:
+                for p in self.fleet.positions_matching(compiled.ruleset.scope):
+                    self._per_position.setdefault(p, []).append(compiled)
+        return self._per_position.get(position, ())
+
+    def source_sets(self, source: tuple[str, str], rule: CompiledRule) -> SourceSets:
+        """The sets of a line's source: a selector's peers in this fleet, or an address group's members."""
+        kind, key = source
+        if kind == "grp":
+            found = self._group_sets.get(key)
+            if found is None:
+                group = self.groups.get(key)
+                if group is None:
+                    raise ValueError(f"a rule refers to address group {key!r}, which is not among the groups")
+                found = self._group_sets[key] = _group_sets(group, self.fleet)
+            return found
+        # A selector's sets depend on the fleet alone: kept in its index, shared by every policy.
+        found = self.fleet.memo.get(("sel", key))
+        if found is None:
+            found = self.fleet.memo[("sel", key)] = _selector_sets(rule.selectors[key], self.fleet)
+        return found
+
+    def render(self, workload: WorkloadInput) -> RenderedDocument:
+        if workload.mode == "visibility":
+            document = _observe_document()
+            return RenderedDocument(document, {}, _version(document))
+        blocks: list[str] = []
+        rule_index: dict[int, dict] = {}
+        sets: dict[str, str] = {}
+        for compiled in self.applicable(workload):
+            text, block_sets, entries = self._block(compiled)
+            blocks.append(text)
+            sets.update(block_sets)
+            for number, entry in entries:
+                if number in rule_index:
+                    raise ValueError(f"rule number {number} is given to two rules")
+                rule_index[number] = dict(entry)
+
+        enforced = workload.mode == "enforced"
+        parts = [f"table {TABLE_FAMILY} {TABLE_NAME} {{\n", _table_comment(workload.mode)]
+        parts.extend(sets[name] for name in sorted(sets))
+        parts.append(_CHAIN_HEAD.format(name="input"))
+        parts.append(_ESTABLISHED)
+        parts.append(_INVALID_ENFORCED if enforced else _INVALID_SIMULATION)
+        parts.append(_BASELINE)
+        parts.extend(blocks)
+        parts.append(_TERMINAL_ENFORCED if enforced else _TERMINAL_SIMULATION)
+        parts.append("\t}\n}\n")
+        document = "".join(parts)
+        return RenderedDocument(document, rule_index, _version(document))
+
+    def _block(self, compiled: CompiledRuleset) -> _Block:
+        """A ruleset's chain lines, their sets, and its rules' (number, rule-index entry): the same for
+        every workload it applies to."""
+        found = self._blocks.get(compiled)
+        if found is not None:
+            return found
+        ruleset = compiled.ruleset
+        lines: list[str] = []
+        sets: dict[str, str] = {}
+        entries = []
+        for rule, rule_compiled in compiled.rules:
+            if not 0 < rule.number <= MAX_RULES:
+                raise ValueError(f"rule {rule.id} has no lifetime number (1-{MAX_RULES}): {rule.number!r}")
+            heads, rule_sets = self._resolved(rule_compiled)
+            tail = f"{encode_mark(DECISION_ALLOWED, rule.number):#010x} accept{rule_compiled.comment}\n"
+            lines.extend(head + tail for head in heads)
+            sets.update(rule_sets)
+            entries.append(
+                (
+                    rule.number,
+                    {
+                        "ruleset_id": ruleset.id,
+                        "ruleset_name": ruleset.name,
+                        "rule_id": rule.id,
+                        "position": rule.position,
+                    },
+                )
+            )
+        found = self._blocks[compiled] = ("".join(lines), tuple(sets.items()), tuple(entries))
+        return found
+
+    def _resolved(self, rule: CompiledRule) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
+        """The rule's lines up to the mark value, and the sets they read."""
+        heads: list[str] = []
+        sets: dict[str, str] = {}
+        for line in rule.lines:
+            if line.source is not None:
+                source = self.source_sets(line.source, rule)
+                if not source.has[line.family] and (source.has[4] or source.has[6]):
+                    continue
+                name, definition = source.sets[line.family]
+                sets[name] = definition
+            if line.uses_service_set and rule.service_set is not None:  # the set exists when a line uses it
+                name, definition = rule.service_set
+                sets[name] = _claimed(self.fleet, name, definition, definition)
+            heads.append(f"\t\t{line.match} ct mark set ")
+        return tuple(heads), tuple(sets.items())
+
+
+def compile_policy(
+    rulesets: Sequence[RulesetInput], groups: Mapping[str, AddressGroupInput], fleet: FleetIndex
+) -> CompiledPolicy:
+    """The policy compiled against `fleet`, once for the same ruleset and group objects: rendering every
+    workload of a fleet, or classifying each of its flow keys, compiles its policy once. Kept in the
+    fleet index by the identity of those objects; the compiled policy holds them, so that their ids
+    cannot be taken by other objects while it is kept."""
+    key = ("policy", tuple(map(id, rulesets)), tuple((name, id(group)) for name, group in groups.items()))
+    found = fleet.memo.get(key)
+    if found is None:
+        found = fleet.memo[key] = CompiledPolicy(rulesets, groups, fleet)
+    return found
+
+
+def _compile_rule(ruleset: RulesetInput, rule: RuleInput) -> CompiledRule:
     service_ranges = _service_ranges(rule.entries)
     service_set = _service_set(service_ranges)
     protocols = {e.protocol for e in rule.entries}
@@ -284,7 +394,7 @@ def _compile_rule(ruleset: RulesetInput, rule: RuleInput) -> _CompiledRule:
     if "icmpv6" in protocols:
         matches.append((6, "meta l4proto ipv6-icmp", False, "icmpv6"))
 
-    lines: list[_Line] = []
+    lines: list[Line] = []
     selectors: dict[str, Selector] = {}
     if any(s.kind == "any" for s in rule.sources):
         # "any" admits every source address, so the rule's other sources add nothing.
@@ -292,7 +402,7 @@ def _compile_rule(ruleset: RulesetInput, rule: RuleInput) -> _CompiledRule:
         for family, match, uses_service, l4proto in matches:
             if match not in seen:
                 seen.add(match)
-                lines.append(_Line(None, family, match, uses_service, l4proto))
+                lines.append(Line(None, family, match, uses_service, l4proto))
     else:
         sources: set[tuple[str, str]] = set()
         for s in rule.sources:
@@ -306,13 +416,13 @@ def _compile_rule(ruleset: RulesetInput, rule: RuleInput) -> _CompiledRule:
             for family, match, uses_service, l4proto in matches:
                 saddr = "ip saddr" if family == 4 else "ip6 saddr"
                 lines.append(
-                    _Line(source, family, f"{saddr} @{base}_v{family} {match}", uses_service, l4proto)
+                    Line(source, family, f"{saddr} @{base}_v{family} {match}", uses_service, l4proto)
                 )
     description = f"{ruleset.name} #{rule.position}" + (f": {rule.description}" if rule.description else "")
     group_ids = tuple(
         sorted({key for kind, key in (line.source for line in lines if line.source) if kind == "grp"})
     )
-    return _CompiledRule(
+    return CompiledRule(
         tuple(lines),
         selectors,
         group_ids,
@@ -322,79 +432,13 @@ def _compile_rule(ruleset: RulesetInput, rule: RuleInput) -> _CompiledRule:
     )
 
 
-def _ruleset_block(
-    ruleset: RulesetInput, groups: Mapping[str, AddressGroupInput], fleet: FleetIndex
-) -> tuple[str, tuple[tuple[str, str], ...], tuple[tuple[int, dict], ...]]:
-    """A ruleset's chain lines, their sets, and its rules' (number, rule-index entry); the same for
-    every workload it applies to, so memoised."""
-    compiled_rules = _compiled_ruleset(ruleset, fleet)
-    referenced = tuple(groups.get(g) for _, c in compiled_rules for g in c.group_ids)
-    key = ("block", id(ruleset), tuple(map(id, referenced)))
-    entry = fleet.memo.get(key)
-    if entry is not None:
-        return entry[1]
-    lines: list[str] = []
-    sets: dict[str, str] = {}
-    entries = []
-    for rule, compiled in compiled_rules:
-        if not 0 < rule.number <= MAX_RULES:
-            raise ValueError(f"rule {rule.id} has no lifetime number (1-{MAX_RULES}): {rule.number!r}")
-        heads, rule_sets = _resolved(compiled, groups, fleet)
-        tail = f"{encode_mark(DECISION_ALLOWED, rule.number):#010x} accept{compiled.comment}\n"
-        lines.extend(head + tail for head in heads)
-        sets.update(rule_sets)
-        entries.append(
-            (
-                rule.number,
-                {
-                    "ruleset_id": ruleset.id,
-                    "ruleset_name": ruleset.name,
-                    "rule_id": rule.id,
-                    "position": rule.position,
-                },
-            )
-        )
-    found = ("".join(lines), tuple(sets.items()), tuple(entries))
-    fleet.memo[key] = ((ruleset, referenced), found)
-    return found
-
-
-def _resolved(
-    compiled: _CompiledRule, groups: Mapping[str, AddressGroupInput], fleet: FleetIndex
-) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
-    """The rule's lines up to the mark value, and the sets they read, for these groups.
-
-    Memoised per compiled rule and the group objects it reads (kept in the entry, so that
-    their ids stay theirs): only the rule number differs between documents.
-    """
-    referenced = tuple(groups.get(g) for g in compiled.group_ids)
-    key = ("resolved", id(compiled), tuple(map(id, referenced)))
-    entry = fleet.memo.get(key)
-    if entry is not None:
-        return entry[1]
-    heads: list[str] = []
-    sets: dict[str, str] = {}
-    for line in compiled.lines:
-        if line.source is not None:
-            source = _source_sets(line.source, compiled, groups, fleet)
-            if not source.has[line.family] and (source.has[4] or source.has[6]):
-                continue
-            name, definition = source.sets[line.family]
-            sets[name] = definition
-        if line.uses_service_set and compiled.service_set is not None:  # the set exists when a line uses it
-            name, definition = compiled.service_set
-            sets[name] = _claimed(fleet, name, definition, definition)
-        heads.append(f"\t\t{line.match} ct mark set ")
-    found = (tuple(heads), tuple(sets.items()))
-    fleet.memo[key] = (referenced, found)
-    return found
-
-
 # --- named sets ----------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class _SourceSets:
+class SourceSets:
+    """A source's named sets, one per family, and what they hold."""
+
     sets: dict[int, tuple[str, str]]  # family -> (set name, definition)
     has: dict[int, bool]  # family -> the set has elements
     # What the elements hold, for policy.classify: family -> sorted, disjoint (first, last)
@@ -425,28 +469,7 @@ def _claimed(fleet: FleetIndex, name: str, owner: object, definition: str) -> st
     return definition
 
 
-def _source_sets(
-    source: tuple[str, str],
-    compiled: _CompiledRule,
-    groups: Mapping[str, AddressGroupInput],
-    fleet: FleetIndex,
-) -> _SourceSets:
-    kind, key = source
-    if kind == "grp":
-        group = groups.get(key)
-        if group is None:
-            raise ValueError(f"a rule refers to address group {key!r}, which is not among the groups")
-        entry = fleet.memo.get(("grp", id(group)))
-        if entry is None or entry[0] is not group:
-            entry = fleet.memo[("grp", id(group))] = (group, _group_sets(group, fleet))
-        return entry[1]
-    found = fleet.memo.get(("sel", key))
-    if found is None:
-        found = fleet.memo[("sel", key)] = _selector_sets(compiled.selectors[key], fleet)
-    return found
-
-
-def _selector_sets(selector: Selector, fleet: FleetIndex) -> _SourceSets:
+def _selector_sets(selector: Selector, fleet: FleetIndex) -> SourceSets:
     selector_text = str(selector)
     four, six = fleet.address_values_matching(selector)
     label = f"peers: {selector_text}" if selector_text else "peers: every workload"
@@ -456,10 +479,10 @@ def _selector_sets(selector: Selector, fleet: FleetIndex) -> _SourceSets:
         name = f"{base}_v{family}"
         definition = _set_definition(name, family, label, _host_elements(values, family))
         found[family] = (name, _claimed(fleet, name, ("sel", selector_text), definition))
-    return _SourceSets(found, {4: bool(four), 6: bool(six)}, addresses={4: four, 6: six})
+    return SourceSets(found, {4: bool(four), 6: bool(six)}, addresses={4: four, 6: six})
 
 
-def _group_sets(group: AddressGroupInput, fleet: FleetIndex) -> _SourceSets:
+def _group_sets(group: AddressGroupInput, fleet: FleetIndex) -> SourceSets:
     networks: dict[int, list] = {4: [], 6: []}
     for member in group.members:
         try:
@@ -478,7 +501,7 @@ def _group_sets(group: AddressGroupInput, fleet: FleetIndex) -> _SourceSets:
         definition = _set_definition(name, family, label, elements)
         found[family] = (name, _claimed(fleet, name, ("grp", group.id), definition))
         intervals[family] = tuple((int(n.network_address), int(n.broadcast_address)) for n in collapsed)
-    return _SourceSets(found, {4: bool(networks[4]), 6: bool(networks[6])}, intervals=intervals)
+    return SourceSets(found, {4: bool(networks[4]), 6: bool(networks[6])}, intervals=intervals)
 
 
 def _host_elements(values: Iterable[int], family: int) -> list[str]:

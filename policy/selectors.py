@@ -96,7 +96,7 @@ def policy_inputs_load() -> PolicyInputs:
     )
     rule_ids = [r[0] for r in rules]
     # The renderer knows a group by its name, unique like its id but the same on every control plane:
-    # its set's name derives from it, so a policy exported and applied elsewhere (policy/as_code.py)
+    # its set's name derives from it, so a policy exported and applied elsewhere (flows/policy_drafts/as_code/)
     # renders the same document.
     group_rows = list(AddressGroup.objects.values_list("id", "name", "members"))
     group_names = {gid: name for gid, name, _ in group_rows}

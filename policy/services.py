@@ -4,7 +4,7 @@ row, so policy writes are serialised and the policy version moves exactly once p
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -161,7 +161,7 @@ def _save_unique(obj) -> None:
         findings.raise_if_any()
 
 
-# --- services ---
+# --- the audit of authored objects ---
 
 
 _AUDITED_TYPES = {Service: "service", AddressGroup: "address_group", Ruleset: "ruleset", Rule: "rule"}
@@ -195,60 +195,118 @@ def _audit(
     )
 
 
-def _write_service_entries(service: Service, entries) -> None:
+# --- services and address groups: their create, replace and delete, written once ---
+
+
+def _write_service_entries(service: Service, spec) -> None:
     ServiceEntry.objects.filter(service=service).delete()
     ServiceEntry.objects.bulk_create(
         ServiceEntry(service=service, position=i, protocol=e.protocol, port=e.port, port_to=e.port_to)
-        for i, e in enumerate(entries)
+        for i, e in enumerate(spec.entries)
     )
 
 
-def service_create(
-    *, actor: Actor, data: Mapping[str, Any], audit_detail: Mapping[str, Any] | None = None
-) -> Service:
-    spec = service_input(data)
+@dataclass(frozen=True)
+class _Named:
+    """A kind of named object that rules use (a service, an address group): what its create, replace
+    and delete, written once below, need to know of it."""
+
+    model: type[Service] | type[AddressGroup]
+    what: str
+    maximum: int
+    parse: Callable[[Any], Any]  # a write's body -> its spec
+    fields: Callable[[Any], dict[str, Any]]  # a spec -> the row's fields
+    write_rows: Callable[[Any, Any], None]  # (object, spec): the rows it owns (a service's entries)
+    users: Callable[[Any], Any]  # object -> the rules that use it
+
+
+_SERVICES = _Named(
+    model=Service,
+    what="service",
+    maximum=MAX_SERVICES,
+    parse=service_input,
+    fields=lambda spec: {"name": spec.name, "description": spec.description},
+    write_rows=_write_service_entries,
+    users=lambda service: Rule.objects.filter(services__service=service),
+)
+_ADDRESS_GROUPS = _Named(
+    model=AddressGroup,
+    what="address group",
+    maximum=MAX_ADDRESS_GROUPS,
+    parse=address_group_input,
+    fields=lambda spec: {"name": spec.name, "description": spec.description, "members": list(spec.members)},
+    write_rows=lambda group, spec: None,
+    users=lambda group: Rule.objects.filter(sources__address_group=group),
+)
+
+
+def _named_create(
+    kind: _Named, *, actor: Actor, data: Mapping[str, Any], audit_detail: Mapping[str, Any] | None
+):
+    spec = kind.parse(data)
     with transaction.atomic():
         state = _lock_policy()
         findings = Findings()
-        _check_room(Service, MAX_SERVICES, findings)
-        _check_unique_name(Service, spec.name, findings)
+        _check_room(kind.model, kind.maximum, findings)
+        _check_unique_name(kind.model, spec.name, findings)
         findings.raise_if_any()
         now = clock.now()
-        service = Service(name=spec.name, description=spec.description, created_at=now, updated_at=now)
-        _save_unique(service)
-        _write_service_entries(service, spec.entries)
-        _audit("create", service, actor=actor, audit_detail=audit_detail)
+        named = kind.model(**kind.fields(spec), created_at=now, updated_at=now)
+        _save_unique(named)
+        kind.write_rows(named, spec)
+        _audit("create", named, actor=actor, audit_detail=audit_detail)
         _policy_changed(state)
-    return service
+    return named
 
 
-def service_replace(
+def _named_replace(
+    kind: _Named,
     *,
     actor: Actor,
-    service_id: str,
+    object_id: str,
     expected_version: str,
     data: Mapping[str, Any],
-    audit_detail: Mapping[str, Any] | None = None,
-) -> Service:
-    _get(Service, service_id, "service")
-    spec = service_input(data)
+    audit_detail: Mapping[str, Any] | None,
+):
+    _get(kind.model, object_id, kind.what)
+    spec = kind.parse(data)
     with transaction.atomic():
         state = _lock_policy()
-        service = locked_for_write(
-            Service.objects, pk=service_id, expected_version=expected_version, what="service"
+        named = locked_for_write(
+            kind.model.objects, pk=object_id, expected_version=expected_version, what=kind.what
         )
         findings = Findings()
-        _check_unique_name(Service, spec.name, findings, exclude_id=service.id)
+        _check_unique_name(kind.model, spec.name, findings, exclude_id=named.id)
         findings.raise_if_any()
-        service.name, service.description = spec.name, spec.description
-        _audit("replace", service, actor=actor, audit_detail=audit_detail)
-        service.version += 1
-        service.updated_at = clock.now()
-        _save_unique(service)
-        _write_service_entries(service, spec.entries)
-        users = Rule.objects.filter(services__service=service).select_related("ruleset")
-        _policy_changed(state, scopes=_scopes_using(users))
-    return service
+        for field_name, value in kind.fields(spec).items():
+            setattr(named, field_name, value)
+        _audit("replace", named, actor=actor, audit_detail=audit_detail)
+        named.version += 1
+        named.updated_at = clock.now()
+        _save_unique(named)
+        kind.write_rows(named, spec)
+        _policy_changed(state, scopes=_scopes_using(kind.users(named).select_related("ruleset")))
+    return named
+
+
+def _named_delete(
+    kind: _Named,
+    *,
+    actor: Actor,
+    object_id: str,
+    expected_version: str,
+    audit_detail: Mapping[str, Any] | None,
+) -> None:
+    _get(kind.model, object_id, kind.what)
+    with transaction.atomic():
+        state = _lock_policy()
+        named = locked_for_write(
+            kind.model.objects, pk=object_id, expected_version=expected_version, what=kind.what
+        )
+        _refuse_if_used(named, kind.users(named).select_related("ruleset").distinct(), kind.what)
+        _audit("delete", named, actor=actor, audit_detail=audit_detail)
+        named.delete()
+        _policy_changed(state)
 
 
 def _referencing_rules(rules: Iterable[Rule]) -> list[dict[str, str]]:
@@ -270,47 +328,46 @@ def _refuse_if_used(obj, rules, what: str) -> None:
         )
 
 
+def service_create(
+    *, actor: Actor, data: Mapping[str, Any], audit_detail: Mapping[str, Any] | None = None
+) -> Service:
+    return _named_create(_SERVICES, actor=actor, data=data, audit_detail=audit_detail)
+
+
+def service_replace(
+    *,
+    actor: Actor,
+    service_id: str,
+    expected_version: str,
+    data: Mapping[str, Any],
+    audit_detail: Mapping[str, Any] | None = None,
+) -> Service:
+    return _named_replace(
+        _SERVICES,
+        actor=actor,
+        object_id=service_id,
+        expected_version=expected_version,
+        data=data,
+        audit_detail=audit_detail,
+    )
+
+
 def service_delete(
     *, actor: Actor, service_id: str, expected_version: str, audit_detail: Mapping[str, Any] | None = None
 ) -> None:
-    _get(Service, service_id, "service")
-    with transaction.atomic():
-        state = _lock_policy()
-        service = locked_for_write(
-            Service.objects, pk=service_id, expected_version=expected_version, what="service"
-        )
-        rules = Rule.objects.filter(services__service=service).select_related("ruleset").distinct()
-        _refuse_if_used(service, rules, "service")
-        _audit("delete", service, actor=actor, audit_detail=audit_detail)
-        service.delete()
-        _policy_changed(state)
-
-
-# --- address groups ---
+    _named_delete(
+        _SERVICES,
+        actor=actor,
+        object_id=service_id,
+        expected_version=expected_version,
+        audit_detail=audit_detail,
+    )
 
 
 def address_group_create(
     *, actor: Actor, data: Mapping[str, Any], audit_detail: Mapping[str, Any] | None = None
 ) -> AddressGroup:
-    spec = address_group_input(data)
-    with transaction.atomic():
-        state = _lock_policy()
-        findings = Findings()
-        _check_room(AddressGroup, MAX_ADDRESS_GROUPS, findings)
-        _check_unique_name(AddressGroup, spec.name, findings)
-        findings.raise_if_any()
-        now = clock.now()
-        group = AddressGroup(
-            name=spec.name,
-            description=spec.description,
-            members=list(spec.members),
-            created_at=now,
-            updated_at=now,
-        )
-        _save_unique(group)
-        _audit("create", group, actor=actor, audit_detail=audit_detail)
-        _policy_changed(state)
-    return group
+    return _named_create(_ADDRESS_GROUPS, actor=actor, data=data, audit_detail=audit_detail)
 
 
 def address_group_replace(
@@ -321,40 +378,26 @@ def address_group_replace(
     data: Mapping[str, Any],
     audit_detail: Mapping[str, Any] | None = None,
 ) -> AddressGroup:
-    _get(AddressGroup, group_id, "address group")
-    spec = address_group_input(data)
-    with transaction.atomic():
-        state = _lock_policy()
-        group = locked_for_write(
-            AddressGroup.objects, pk=group_id, expected_version=expected_version, what="address group"
-        )
-        findings = Findings()
-        _check_unique_name(AddressGroup, spec.name, findings, exclude_id=group.id)
-        findings.raise_if_any()
-        group.name, group.description, group.members = spec.name, spec.description, list(spec.members)
-        _audit("replace", group, actor=actor, audit_detail=audit_detail)
-        group.version += 1
-        group.updated_at = clock.now()
-        _save_unique(group)
-        users = Rule.objects.filter(sources__address_group=group).select_related("ruleset")
-        _policy_changed(state, scopes=_scopes_using(users))
-    return group
+    return _named_replace(
+        _ADDRESS_GROUPS,
+        actor=actor,
+        object_id=group_id,
+        expected_version=expected_version,
+        data=data,
+        audit_detail=audit_detail,
+    )
 
 
 def address_group_delete(
     *, actor: Actor, group_id: str, expected_version: str, audit_detail: Mapping[str, Any] | None = None
 ) -> None:
-    _get(AddressGroup, group_id, "address group")
-    with transaction.atomic():
-        state = _lock_policy()
-        group = locked_for_write(
-            AddressGroup.objects, pk=group_id, expected_version=expected_version, what="address group"
-        )
-        rules = Rule.objects.filter(sources__address_group=group).select_related("ruleset").distinct()
-        _refuse_if_used(group, rules, "address group")
-        _audit("delete", group, actor=actor, audit_detail=audit_detail)
-        group.delete()
-        _policy_changed(state)
+    _named_delete(
+        _ADDRESS_GROUPS,
+        actor=actor,
+        object_id=group_id,
+        expected_version=expected_version,
+        audit_detail=audit_detail,
+    )
 
 
 # --- rulesets and rules ---

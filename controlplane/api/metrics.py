@@ -1,6 +1,7 @@
 """`GET /metrics` on the operator listener: the Prometheus exposition of this process's instruments
 (controlplane/metrics.py) and of the fleet's figures, read from the database as it is scraped
-(fleet/metrics_collector.py). docs/metrics.md lists every metric.
+(controlplane/metrics_collector.py, registered when Django starts: controlplane/apps.py). docs/metrics.md
+lists every metric.
 
 It needs a credential as every operator endpoint does (an operator token as a bearer credential is what
 Prometheus's `authorization` setting sends; a session cookie works too), and answers 401 with the
@@ -17,11 +18,6 @@ from rest_framework.negotiation import BaseContentNegotiation
 from rest_framework.views import APIView
 
 from controlplane import metrics
-from fleet import held_streams
-from fleet.metrics_collector import FleetCollector
-
-metrics.REGISTRY.register(FleetCollector())
-metrics.STREAMS_HELD.set_function(lambda: len(held_streams.open_streams))
 
 
 class WhateverIsAccepted(BaseContentNegotiation):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -278,21 +278,31 @@ def operator_token_mint(*, actor: Actor, data: Mapping[str, Any]) -> MintedToken
     return MintedToken(secret=secret, token=token)
 
 
-def operator_token_revoke(*, actor: Actor, token_id: str) -> OperatorToken:
+def token_revoke(model, *, actor: Actor, token_id: str, what: str, name: Callable[[Any], str]):
+    """Revoke a token (an operator token, a provisioning token: a row with `revoked_at` and `prefix`):
+    it is refused from now on. Revoking twice is harmless and keeps the first instant; the revoke is
+    audited once, as `<type>.revoke`, the token named by `name`."""
+    object_type = what.replace(" ", "_")
     with transaction.atomic():
-        token = get_or_not_found(OperatorToken, token_id, what="operator token", for_update=True)
+        token = get_or_not_found(model, token_id, what=what, for_update=True)
         if token.revoked_at is None:
             token.revoked_at = clock.now()
             token.save(update_fields=["revoked_at"])
             audit_record(
                 actor=actor,
-                action="operator_token.revoke",
-                object_type="operator_token",
+                action=f"{object_type}.revoke",
+                object_type=object_type,
                 object_id=token.id,
-                object_name=token.name,
+                object_name=name(token),
                 detail={"prefix": token.prefix},
             )
     return token
+
+
+def operator_token_revoke(*, actor: Actor, token_id: str) -> OperatorToken:
+    return token_revoke(
+        OperatorToken, actor=actor, token_id=token_id, what="operator token", name=lambda token: token.name
+    )
 
 
 @dataclass(frozen=True)

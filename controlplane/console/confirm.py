@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from controlplane.console.pages import page
+from controlplane.text import counted
 
 CONFIRMED = "yes"
 
@@ -33,10 +34,6 @@ def ask(request, confirmation: Confirmation):
     return page(request, "console/confirm.html", {"confirm": confirmation, "confirmed_value": CONFIRMED})
 
 
-def _plural(n: int, one: str, many: str | None = None) -> str:
-    return f"{n} {one if n == 1 else (many or one + 's')}"
-
-
 def scope_reach(api, ruleset: dict) -> tuple[str, list[str]]:
     """How many workloads a ruleset protects now (its scope's workloads, all pages, through the API)
     and what deleting its rules does to each mode: a clause for the summary and the consequences."""
@@ -50,21 +47,21 @@ def scope_reach(api, ruleset: dict) -> tuple[str, list[str]]:
     total = len(listing.data["items"])
     if not ruleset.get("enabled", True):
         return (
-            f"it is disabled, so it protects no workload now (its scope selects {_plural(total, 'workload')})",
+            f"it is disabled, so it protects no workload now (its scope selects {counted(total, 'workload')})",
             [],
         )
     consequences = []
     if by_mode.get("enforced"):
         consequences.append(
-            f"{_plural(by_mode['enforced'], 'enforced workload')}: connections that only these rules admit are "
+            f"{counted(by_mode['enforced'], 'enforced workload')}: connections that only these rules admit are "
             "blocked there as soon as the change is applied."
         )
     if by_mode.get("simulation"):
         consequences.append(
-            f"{_plural(by_mode['simulation'], 'workload')} in simulation: those connections show as would-block."
+            f"{counted(by_mode['simulation'], 'workload')} in simulation: those connections show as would-block."
         )
     if by_mode.get("visibility"):
         consequences.append(
-            f"{_plural(by_mode['visibility'], 'workload')} in visibility: nothing changes on the host."
+            f"{counted(by_mode['visibility'], 'workload')} in visibility: nothing changes on the host."
         )
-    return f"it protects {_plural(total, 'workload')} now", consequences
+    return f"it protects {counted(total, 'workload')} now", consequences

@@ -1,6 +1,6 @@
-"""Webhook writes (create, delete) for the API and `manage.py webhook`, the noticing of expired
-credentials, and the pruning of finished deliveries. Each write is audited and is itself an event
-(`webhook.created`, `webhook.deleted`), so nobody can silence alerts unseen."""
+"""Webhook writes (create, delete) for the API and `manage.py webhook`, and the pruning of finished
+deliveries. Each write is audited and is itself an event (`webhook.created`, `webhook.deleted`), so
+nobody can silence alerts unseen."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import base64
 import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import timedelta
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -25,16 +25,13 @@ from controlplane.webhooks.models import (
     WebhookAttempt,
     WebhookDelivery,
     WebhookEvent,
-    WebhookWatermark,
 )
 from controlplane.webhooks.outbox import (
     EVENT_TYPES,
     Event,
     fleet_events_turn,
     webhook_events_record,
-    workload_event,
 )
-from fleet.models import Workload
 
 MAX_WEBHOOKS = 50
 MAX_URL = 2000
@@ -177,41 +174,6 @@ def webhook_delete(*, actor: Actor, webhook_id: str) -> Webhook:
         )
         webhook_events_record([Event(type="webhook.deleted", data={"webhook": ref, "actor": actor.label})])
     return webhook
-
-
-CREDENTIAL_EXPIRY = "credential-expiry"
-
-
-def credential_expiries_notice(*, now: datetime | None = None) -> int:
-    """Record `workload.credential_expired` once for each credential that expired since the last
-    round. The watermark row is locked for the round, so several serve processes notice each expiry
-    once; it starts at the first round (credentials that expired before webhooks existed are not news)."""
-    now = now or clock.now()
-    with transaction.atomic():
-        mark = WebhookWatermark.objects.select_for_update().filter(name=CREDENTIAL_EXPIRY).first()
-        if mark is None:
-            WebhookWatermark.objects.create(name=CREDENTIAL_EXPIRY, at=now)
-            return 0
-        if now <= mark.at:
-            return 0
-        expired = list(
-            Workload.objects.select_for_update()
-            .filter(credential_expires_at__gt=mark.at, credential_expires_at__lte=now)
-            .order_by("credential_expires_at", "id")
-        )
-        webhook_events_record(
-            workload_event(
-                "workload.credential_expired",
-                workload,
-                credential_serial=workload.credential_serial,
-                expired_at=clock.rfc3339(workload.credential_expires_at),
-                revoked=workload.credential_revoked_at is not None,
-            )
-            for workload in expired
-        )
-        mark.at = now
-        mark.save(update_fields=["at"])
-    return len(expired)
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,6 @@ from drf_spectacular.utils import inline_serializer
 from rest_framework import serializers
 
 from fleet.choices import Mode, OwnedTableState, SyncState
-from flows.api.schemas import CoverageSerializer
 
 
 class SyncSerializer(serializers.Serializer):
@@ -160,97 +159,6 @@ PreviewSerializer = inline_serializer(
         "truncated": serializers.BooleanField(),
     },
 )
-DryrunRequest = inline_serializer(
-    "RenderDryrunRequest",
-    {
-        "rulesets": serializers.ListField(child=serializers.DictField()),
-        "services": serializers.ListField(child=serializers.DictField(), required=False),
-        "address_groups": serializers.ListField(child=serializers.DictField(), required=False),
-    },
-)
-DryrunSerializer = inline_serializer(
-    "RenderDryrun",
-    {
-        "changed_count": serializers.IntegerField(),
-        "unchanged_count": serializers.IntegerField(),
-        "changed": serializers.ListField(child=serializers.DictField()),
-        "truncated": serializers.BooleanField(),
-        "warnings": serializers.ListField(child=serializers.DictField()),
-    },
-)
-ImpactRequest = inline_serializer(
-    "PolicyImpactRequest",
-    {
-        "rulesets": serializers.ListField(
-            child=serializers.DictField(), help_text="The draft: as `POST /policies/render-dryrun`."
-        ),
-        "services": serializers.ListField(child=serializers.DictField(), required=False),
-        "address_groups": serializers.ListField(child=serializers.DictField(), required=False),
-        "from": serializers.DateTimeField(help_text="The range's start (RFC 3339), as the rollup's `from`."),
-        "to": serializers.DateTimeField(help_text="The range's end, at most 31 days after `from`."),
-        "label": serializers.ListField(
-            child=serializers.CharField(), required=False, help_text="Workload selection: selectors, ANDed."
-        ),
-        "workload": serializers.ListField(
-            child=serializers.UUIDField(), required=False, help_text="Workload selection: ids, ANDed."
-        ),
-    },
-)
-
-
-class PolicyImpactRuleSerializer(serializers.Serializer):
-    number = serializers.IntegerField(help_text="The lifetime number, as the ct mark carries it.")
-    ruleset_id = serializers.CharField()
-    ruleset_name = serializers.CharField()
-    rule_id = serializers.CharField(help_text="A draft's new rule: `new:<ruleset name>:<position>`.")
-    position = serializers.IntegerField()
-
-
-class PolicyImpactKeySerializer(serializers.Serializer):
-    workload_id = serializers.UUIDField()
-    mode = serializers.ChoiceField(choices=Mode.values, help_text="Now; keys are judged as rules judge them.")
-    peer = serializers.CharField()
-    peer_workload_id = serializers.UUIDField(allow_null=True)
-    protocol = serializers.CharField()
-    port = serializers.IntegerField()
-    connection_count = serializers.IntegerField()
-    first_seen = serializers.DateTimeField()
-    last_seen = serializers.DateTimeField()
-    rule_now = PolicyImpactRuleSerializer(allow_null=True, help_text="The rule in force now that admits it.")
-    rule_draft = PolicyImpactRuleSerializer(allow_null=True, help_text="The draft's rule that admits it.")
-
-
-class PolicyImpactSummarySerializer(serializers.Serializer):
-    count = serializers.IntegerField(help_text="Keys (workload, peer, service).")
-    connection_count = serializers.IntegerField()
-    peer_count = serializers.IntegerField()
-    service_count = serializers.IntegerField()
-    workload_count = serializers.IntegerField()
-
-
-class PolicyImpactSerializer(serializers.Serializer):
-    # "from" is a keyword: declared below.
-    to = serializers.DateTimeField()
-    keys_classified = serializers.IntegerField(help_text="Flow keys (workload, peer, service) of the range.")
-    newly_refused_summary = PolicyImpactSummarySerializer()
-    newly_refused = PolicyImpactKeySerializer(
-        many=True,
-        help_text="Admitted by a rule now, by none in the draft (enforced would block them); most connections "
-        "first, the first 1,000.",
-    )
-    newly_admitted_summary = PolicyImpactSummarySerializer()
-    newly_admitted = PolicyImpactKeySerializer(
-        many=True, help_text="Admitted by no rule now, by one in the draft; the first 1,000."
-    )
-    truncated = serializers.BooleanField()
-    coverage = CoverageSerializer()
-    warnings = serializers.ListField(child=serializers.DictField())
-
-
-PolicyImpactSerializer._declared_fields["from"] = serializers.DateTimeField()
-ImpactSerializer = PolicyImpactSerializer
-
-
 RevokeCredentialRequest = inline_serializer(
     "RevokeCredentialRequest",
     {

@@ -12,6 +12,4 @@ urlpatterns = [
     path("workloads/<str:workload_id>/revoke-credential", views.RevokeCredentialView.as_view()),
     path("mode-changes", views.ModeChangeView.as_view()),
     path("selectors/preview", views.SelectorPreviewView.as_view()),
-    path("policies/render-dryrun", views.RenderDryrunView.as_view()),
-    path("policies/impact", views.PolicyImpactView.as_view()),
 ]

@@ -1,5 +1,5 @@
-"""Fleet endpoints: workloads, labels, rendered policy, resend-snapshot, revoke-credential, mode changes, selector
-preview and render dry-run. Each handler parses, calls one domain function and renders."""
+"""Fleet endpoints: workloads, labels, rendered policy, resend-snapshot, revoke-credential, mode changes and
+selector preview. Each handler parses, calls one domain function and renders."""
 
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema
@@ -15,7 +15,7 @@ from controlplane.api.schema import (
     WRITE_ERRORS,
     problem,
 )
-from fleet import credentials, dryrun, impact, selectors, services
+from fleet import credentials, selectors, services
 from fleet.api import schemas
 from fleet.choices import SyncState
 from fleet.representations import labels_data, mode_change_data, rendered_policy_data, workload_data
@@ -157,24 +157,4 @@ class SelectorPreviewView(APIView):
         responses={200: schemas.PreviewSerializer, **WRITE_ERRORS},
     )
     def post(self, request):
-        return Response(dryrun.selector_preview(data=request.data))
-
-
-class RenderDryrunView(APIView):
-    @extend_schema(
-        operation_id="policies_render_dryrun",
-        request=schemas.DryrunRequest,
-        responses={200: schemas.DryrunSerializer, **WRITE_ERRORS},
-    )
-    def post(self, request):
-        return Response(dryrun.render_dryrun(data=request.data))
-
-
-class PolicyImpactView(APIView):
-    @extend_schema(
-        operation_id="policies_impact",
-        request=schemas.ImpactRequest,
-        responses={200: schemas.ImpactSerializer, **WRITE_ERRORS},
-    )
-    def post(self, request):
-        return Response(impact.policy_impact(data=request.data))
+        return Response(selectors.selector_preview_request(data=request.data))

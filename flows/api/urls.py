@@ -4,7 +4,6 @@ from flows.api.views import (
     EvidenceGapListView,
     FlowRollupView,
     FlowWindowListView,
-    PolicySuggestionsView,
     SimulationReviewView,
 )
 
@@ -13,5 +12,4 @@ urlpatterns = [
     path("flows/gaps", EvidenceGapListView.as_view(), name="flows-gaps"),
     path("flows/rollup", FlowRollupView.as_view(), name="flows-rollup"),
     path("flows/review", SimulationReviewView.as_view(), name="flows-review"),
-    path("policies/suggestions", PolicySuggestionsView.as_view(), name="policies-suggestions"),
 ]

@@ -8,15 +8,12 @@ from rest_framework.views import APIView
 from controlplane.api.responses import page_params, page_response
 from controlplane.api.schema import COMMON_ERRORS, PAGE_PARAMETERS, page_of, problem
 from controlplane.validation import parsed_together
-from fleet.selectors import label_filters_parse
-from flows import selectors, suggestions, validation
+from flows import selectors, validation
 from flows.api.schemas import (
     EvidenceGapSerializer,
     FlowWindowSerializer,
     ReviewSerializer,
     RollupSerializer,
-    SuggestionRequestSerializer,
-    SuggestionSerializer,
 )
 from flows.choices import Decision
 from flows.representations import (
@@ -126,16 +123,14 @@ class EvidenceGapListView(APIView):
         },
     )
     def get(self, request):
-        (start, end), (cursor, limit), labels = parsed_together(
-            lambda: _range(request),
-            lambda: page_params(request),
-            lambda: label_filters_parse(request.query_params.getlist("label")),
+        selection, (cursor, limit) = parsed_together(
+            lambda: _selection(request), lambda: page_params(request)
         )
         page = selectors.evidence_gaps_list(
-            workload_ids=request.query_params.getlist("workload"),
-            labels=labels,
-            start=start,
-            end=end,
+            workload_ids=selection.workload_ids,
+            labels=selection.labels,
+            start=selection.start,
+            end=selection.end,
             cursor=cursor,
             limit=limit,
         )
@@ -150,8 +145,18 @@ SELECTION = [
 ]
 
 
-def _selected(request, labels):
-    return selectors.workloads_selected(workload_ids=request.query_params.getlist("workload"), labels=labels)
+def _selection(request) -> validation.FlowSelection:
+    params = request.query_params
+    return validation.flow_selection_parse(
+        start=params.get("from"),
+        end=params.get("to"),
+        labels=params.getlist("label"),
+        workloads=params.getlist("workload"),
+    )
+
+
+def _selected(selection: validation.FlowSelection):
+    return selectors.workloads_selected(workload_ids=selection.workload_ids, labels=selection.labels)
 
 
 class FlowRollupView(APIView):
@@ -169,17 +174,16 @@ class FlowRollupView(APIView):
         responses={200: RollupSerializer, **INVALID, **NOT_FOUND, **COMMON_ERRORS},
     )  # fmt: skip
     def get(self, request):
-        (start, end), (cursor, limit), group_by, labels = parsed_together(
-            lambda: _range(request),
+        selection, (cursor, limit), group_by = parsed_together(
+            lambda: _selection(request),
             lambda: page_params(request),
             lambda: validation.group_by_parse(request.query_params.getlist("group_by")),
-            lambda: label_filters_parse(request.query_params.getlist("label")),
         )
         rollup = selectors.flow_rollup_read(
-            selected=_selected(request, labels),
+            selected=_selected(selection),
             group_by=group_by,
-            start=start,
-            end=end,
+            start=selection.start,
+            end=selection.end,
             cursor=cursor,
             limit=limit,
         )
@@ -201,25 +205,8 @@ class SimulationReviewView(APIView):
         responses={200: ReviewSerializer, **INVALID, **NOT_FOUND, **COMMON_ERRORS},
     )
     def get(self, request):
-        (start, end), labels = parsed_together(
-            lambda: _range(request), lambda: label_filters_parse(request.query_params.getlist("label"))
+        selection = _selection(request)
+        review = selectors.simulation_review(
+            selected=_selected(selection), start=selection.start, end=selection.end
         )
-        review = selectors.simulation_review(selected=_selected(request, labels), start=start, end=end)
         return Response(review_data(review))
-
-
-class PolicySuggestionsView(APIView):
-    @extend_schema(
-        operation_id="policies_suggestions",
-        request=SuggestionRequestSerializer,
-        responses={
-            200: SuggestionSerializer,
-            422: problem("`validation`: a bad range, selector, label key or prefix length."),
-            **NOT_FOUND,
-            **COMMON_ERRORS,
-        },
-    )
-    def post(self, request):
-        """Rules suggested from the stored flows no rule admitted (docs/policy.md, "Suggested rules").
-        Saves nothing."""
-        return Response(suggestions.policy_suggest_request(data=request.data))

@@ -1,4 +1,4 @@
-"""The console's "policy from evidence" pages in process (issue 25, item 3): rules suggested from
+"""The console's "policy from evidence" pages in process: rules suggested from
 stored flows of known counts, read with their evidence, saved through the API; and the impact of a rule
 edit over past traffic beside the dry-run."""
 

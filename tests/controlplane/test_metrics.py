@@ -11,10 +11,11 @@ import pytest
 import yaml
 from django.db import transaction
 
-from controlplane import clock, metrics
+from controlplane import clock, metrics, runtime
 from fleet.sync import workload_applied, workload_stream_opened
+from flows.reports import REFUSAL_CODES
 from flows.services import flow_report_ingest
-from tests.support.flow_evidence import at_agent_clock, enrolled, golden
+from tests.support.flow_evidence import at_agent_clock, enrolled, flow_report, golden, windows_between
 from tests.support.helpers import assert_problem
 from tests.support.prometheus import check_metrics
 from tests.support.workloads import connect, make_workload
@@ -126,12 +127,40 @@ def test_agent_silent_is_counted_as_the_control_plane_records_it(db, clock_at, c
     assert delta() == [1]
 
 
-def test_refused_item_reasons_are_bounded():
-    assert metrics.item_refusal("id is taken") == "id_taken"
-    assert metrics.item_refusal(
-        "start lies outside the stored range: back to the retention, a year ahead"
-    ) == ("outside_stored_range")
-    assert metrics.item_refusal("peer is not an IP address") == "malformed"
+def _refused(name: str, reason: str) -> tuple[str, dict]:
+    return (f"palisade_flow_{name}_refused_total", {"reason": reason})
+
+
+def test_refused_items_are_counted_by_the_code_they_carry(db, committed):
+    """Each refusal is counted by its code (flows/reports.py REFUSAL_CODES), whatever its message
+    says: a malformed window, one outside the stored range, one whose id another workload holds, and
+    a malformed gap."""
+    first, _, _ = enrolled()
+    second = make_workload(hostname="second", render=False)
+    runtime.facts_set(flow_retention_days=30)
+    fine = windows_between(clock.now() - timedelta(minutes=10), 1)
+    old = windows_between(clock.now() - timedelta(days=31), 1)
+    malformed = {**windows_between(clock.now() - timedelta(minutes=20), 1)[0], "accounting": "yes"}
+    delta = Delta(
+        *(_refused("windows", code) for code in metrics.ITEM_REFUSALS),
+        *(_refused("group_rows", code) for code in metrics.ITEM_REFUSALS),
+        *(_refused("gaps", code) for code in metrics.ITEM_REFUSALS),
+    )
+    with committed():
+        flow_report_ingest(workload_id=str(first.id), data=flow_report("p1", 100, fine))
+        report = flow_report("p2", 100, [*old, malformed, *fine])
+        report["gaps"] = [{**golden()["gaps"][0], "id": str(uuid.uuid4()), "kind": "no-such-kind"}]
+        answer = flow_report_ingest(workload_id=str(second.id), data=report)
+    assert [item["result"] for item in answer["windows"]] == ["refused"] * 3
+    # malformed, outside_stored_range, id_taken: windows, then their group rows, then gaps
+    assert delta() == [1, 1, 1, 1, 1, 1, 1, 0, 0]
+
+
+def test_the_metrics_count_every_refusal_code_from_zero():
+    assert metrics.ITEM_REFUSALS == REFUSAL_CODES
+    for counter in (metrics.FLOW_WINDOWS_REFUSED, metrics.FLOW_GROUP_ROWS_REFUSED, metrics.FLOW_GAPS_REFUSED):
+        (family,) = counter.collect()
+        assert {sample.labels["reason"] for sample in family.samples} == set(REFUSAL_CODES)
 
 
 ACK = ("palisade_policy_acknowledgement_seconds_count", {})

@@ -1,4 +1,4 @@
-"""Policy from evidence end to end (issue 25): a real agent on a database server in a namespace counts
+"""Policy from evidence end to end: a real agent on a database server in a namespace counts
 scripted connections of known counts (clients labelled `app=web` on tcp/5432, an address outside the
 fleet on tcp/22, each connection from its own source port across the ephemeral range), and through the
 real serve: the rules suggested from them are exactly the two the traffic needs; saved unchanged and
@@ -6,7 +6,7 @@ put in `simulation` they admit the same traffic again and nothing else; and the 
 draft that drops a rule is what the kernel then decides.
 
 The range with an evidence gap (suggestion and impact both incomplete, naming the gap) is covered in
-process: tests/flows/test_suggestions.py and tests/fleet/test_policy_impact.py."""
+process: tests/policy_drafts/test_suggestions.py and tests/policy_drafts/test_policy_impact.py."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Revoking a workload's credential (issue 23, item 4): the API and the host command, the open stream
+"""Revoking a workload's credential: the API and the host command, the open stream
 closing at once, streams, renewals and flow reports refused, the workload still in the fleet showing
 why, and the way back only through a token minted for it."""
 
@@ -19,7 +19,7 @@ from fleet.credentials import credential_renew, credential_revoke
 from fleet.enrolment import workload_enrol
 from fleet.models import Workload
 from fleet.provisioning import provisioning_token_mint
-from tests.fleet.test_gateway import FINGERPRINT, Agent, open_stream, receive
+from tests.support.gateway_stream import FINGERPRINT, Agent, open_stream, receive
 from tests.support.helpers import assert_problem
 from tests.support.helpers import run_command as run
 

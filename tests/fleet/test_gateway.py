@@ -19,12 +19,12 @@ from controlplane import clock
 from controlplane.auth.actor import CLI_ACTOR
 from controlplane.problems import ValidationFailed
 from controlplane.urls_gateway import websocket_application
-from fleet.enrolment import workload_enrol
 from fleet.models import Workload
-from fleet.provisioning import provisioning_token_mint
+from tests.support.gateway_stream import FINGERPRINT, Agent, open_stream, receive, workload
+from tests.support.gateway_stream import enforced as _enforce
+from tests.support.gateway_stream import stream_state as _state
 
 GOLDEN = Path(__file__).resolve().parent.parent / "golden" / "protocol"
-FINGERPRINT = ":".join(["AB"] * 32)
 
 
 @pytest.fixture(autouse=True)
@@ -45,56 +45,6 @@ def test_golden_messages_decode_and_encode_byte_for_byte(path):
 def test_a_heartbeat_of_an_agent_before_flow_backlog_since_still_decodes():
     text = '{"clock":"c","owned_table":"absent","process_start_id":"p","type":"heartbeat","uptime_seconds":1.0,"v":1}'
     assert protocol.decode(text, sender="agent").flow_backlog_since is None
-
-
-class Agent:
-    def __init__(self, db_token_labels=None):
-        self.key = Ed25519PrivateKey.generate()
-        secret = provisioning_token_mint(
-            actor=CLI_ACTOR, data={"description": "t", "labels": db_token_labels or {}}
-        ).secret
-        enrolled = workload_enrol(
-            token_secret=secret,
-            public_key=public_key_encode(self.key.public_key()),
-            hostname="agent-1",
-            addresses=["10.0.0.7"],
-            agent_version="0.1.0",
-        )
-        self.workload_id = str(enrolled.workload.id)
-        self.credential = enrolled.credential.text
-
-    def auth(self, nonce_b64, **overrides):
-        nonce = protocol.b64decode(nonce_b64, what="nonce")
-        values = dict(
-            workload_id=self.workload_id,
-            credential=self.credential,
-            proof=protocol.sign_proof(
-                self.key, nonce=nonce, workload_id=self.workload_id, gateway_fingerprint=FINGERPRINT
-            ),
-            agent_version="0.1.0",
-            process_start_id="p1",
-            uptime_seconds=1.0,
-            owned_table="present",
-        )
-        values.update(overrides)
-        return protocol.Auth(**values).encode()
-
-
-async def open_stream(agent, **overrides):
-    communicator = WebsocketCommunicator(websocket_application, protocol.STREAM_PATH)
-    connected, _ = await communicator.connect()
-    assert connected
-    hello = protocol.decode(await communicator.receive_from(), sender="gateway")
-    await communicator.send_to(text_data=agent.auth(hello.nonce, **overrides))
-    return communicator
-
-
-async def receive(communicator):
-    return protocol.decode(await communicator.receive_from(timeout=5), sender="gateway")
-
-
-def workload(agent):
-    return Workload.objects.get(id=agent.workload_id)
 
 
 @pytest.mark.django_db(transaction=True)
@@ -171,12 +121,6 @@ def test_a_heartbeat_s_flow_backlog_is_recorded_as_it_appears_and_clears_and_dro
         assert closed == {"type": "websocket.close", "code": protocol.CLOSE_MALFORMED}
 
     async_to_sync(scenario)()
-
-
-@database_sync_to_async
-def _state(agent):
-    w = workload(agent)
-    return w.sync_state, w.last_snapshot_sent_at, w.owned_table_state
 
 
 @pytest.mark.django_db(transaction=True)
@@ -304,14 +248,6 @@ def test_new_version_pushes_a_snapshot_and_resend_asks_the_agent_to_reconnect():
         }
 
     async_to_sync(scenario)()
-
-
-def _enforce(agent):
-    from fleet.services import mode_change_create
-
-    mode_change_create(
-        actor=CLI_ACTOR, data={"selection": {"workload_ids": [agent.workload_id]}, "mode": "enforced"}
-    )
 
 
 def _resend(agent):

@@ -1,4 +1,4 @@
-"""Re-enrolment needs the operator's consent for that one workload (issue 23, item 1), as a hostile
+"""Re-enrolment needs the operator's consent for that one workload, as a hostile
 host on the network tries it at POST /agent/v1/enrol: a general token with a victim's id, a token
 minted for another workload, a workload token used to create a workload, replayed, stale, re-bound or
 foreign key proofs. Every refusal leaves the victim and the token as they were and says why; every

@@ -13,7 +13,9 @@ from channels.db import database_sync_to_async
 from agent import protocol
 from controlplane.channel_layer import FailureLog, layer_health
 from fleet import held_streams, sync
-from tests.fleet.test_gateway import FINGERPRINT, Agent, _enforce, _state, open_stream, receive
+from tests.support.gateway_stream import FINGERPRINT, Agent, open_stream, receive
+from tests.support.gateway_stream import enforced as _enforce
+from tests.support.gateway_stream import stream_state as _state
 from tests.support.serve_process import free_port
 
 

@@ -18,7 +18,9 @@ from fleet.services import workload_labels_replace
 from flows import services
 from flows.csv_rows import csv_text, rollup_columns, rollup_row
 from flows.models import EvidenceGap, FlowGroup, UnsummedWindow
-from flows.services import flow_report_ingest, flow_windows_sum
+from flows.services import flow_report_ingest
+from flows.sums import writes
+from flows.sums.writes import flow_windows_sum
 from tests.support.flow_evidence import enrolled, flow_report, windows_between
 
 _uptimes = itertools.count(100)
@@ -186,7 +188,7 @@ def test_summing_takes_windows_up_to_a_number_of_groups_per_transaction(db, boun
     for window in windows:
         _ingest(web, [window])
     assert sorted(UnsummedWindow.objects.values_list("keys", flat=True)) == [2, 2, 2, 2]
-    monkeypatch.setitem(services.GROUPS_PER_SUM, connection.vendor, 5)  # two windows' groups at most
+    monkeypatch.setitem(writes.GROUPS_PER_SUM, connection.vendor, 5)  # two windows' groups at most
     with CaptureQueriesContext(connection) as queries:
         assert flow_windows_sum(before=clock.now() + timedelta(hours=1)) == 4
     taken = [
@@ -202,7 +204,7 @@ def test_a_round_of_summing_ends_after_its_time_and_the_next_takes_the_rest(db, 
     web, _, _ = enrolled()
     for i in range(4):
         _ingest(web, [_window(i, [(f"10.1.{i}.{k}", 1, "allowed") for k in range(2)])])
-    monkeypatch.setitem(services.GROUPS_PER_SUM, connection.vendor, 5)
+    monkeypatch.setitem(writes.GROUPS_PER_SUM, connection.vendor, 5)
     assert flow_windows_sum(before=clock.now() + timedelta(hours=1), seconds=0) == 2  # one transaction
     assert UnsummedWindow.objects.count() == 2
     assert flow_windows_sum(before=clock.now() + timedelta(hours=1)) == 2

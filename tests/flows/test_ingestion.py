@@ -205,7 +205,7 @@ def test_retention_removes_old_evidence(db, clock_at):
     import uuid
 
     from flows.models import FlowBlock, FlowHour, FlowQuarter
-    from flows.services import flow_windows_sum
+    from flows.sums.writes import flow_windows_sum
 
     flow_report_ingest(workload_id=str(workload.id), data=at_agent_clock(golden(), clock.now()))
     assert flows_prune_step() == 0
@@ -493,7 +493,8 @@ def test_reports_of_several_workloads_written_together_are_each_stored_and_answe
     import uuid
 
     from flows.models import FlowHour
-    from flows.services import flow_reports_write, flow_windows_sum
+    from flows.services import flow_reports_write
+    from flows.sums.writes import flow_windows_sum
 
     first, second, third = (enrolled(f"web-{i}", f"10.50.1.{i}")[0] for i in range(3))
     stored_before = at_agent_clock(golden(), clock.now())

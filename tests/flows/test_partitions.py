@@ -11,7 +11,8 @@ from django.db import connection
 from controlplane import clock, runtime
 from flows.models import EvidenceGap, FlowGroup, FlowWindow
 from flows.partitions import PARTITIONED, flow_partitions_ahead, flow_partitions_list
-from flows.services import flow_report_ingest, flow_windows_sum
+from flows.services import flow_report_ingest
+from flows.sums.writes import flow_windows_sum
 from tests.support.flow_evidence import at_agent_clock, enrolled, golden
 from tests.support.requirements import require
 

@@ -240,7 +240,7 @@ def test_the_flows_command_rolls_up_and_reviews(db):
         0,
         "peer,rule_number,rule_id," + "connection_count,bytes_in,bytes_out,first_seen,last_seen",
     )
-    assert "incomplete: 0 gaps, 1 workloads sent no window in the range" in err
+    assert "incomplete: 0 gaps, 1 workload sent no window in the range" in err
     assert "evidence before " in err and " removed" in err  # January lies before the retention
     code, out, _ = run_command("flows", "rollup", "--group-by", "peer", *empty)
     assert out.splitlines()[0] == "no flows in the range" and out.splitlines()[1].startswith("incomplete:")

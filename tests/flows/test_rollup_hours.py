@@ -22,8 +22,9 @@ from flows.selectors import (
     ruleset_of_rule,
     simulation_review,
 )
-from flows.services import flow_report_ingest, flow_windows_sum
-from flows.sums import BLOCK, HOUR, QUARTER
+from flows.services import flow_report_ingest
+from flows.sums.ladder import BLOCK, HOUR, QUARTER
+from flows.sums.writes import flow_windows_sum
 from tests.support.flow_evidence import enrolled, flow_report
 
 GROUPINGS = [

@@ -13,7 +13,7 @@ from django.test.utils import CaptureQueriesContext
 from controlplane import clock
 from flows.models import FlowGroup, FlowWindow, UnsummedWindow
 from flows.partitions import flow_partitions_ensure
-from flows.sums import LADDER
+from flows.sums.ladder import LADDER
 from tests.support.helpers import run_command
 from tests.support.workloads import make_workload
 

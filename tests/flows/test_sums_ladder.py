@@ -1,4 +1,4 @@
-"""The sums ladder has one registry (flows.sums.LADDER): every table of sums is in it, and the writes,
+"""The sums ladder has one registry (flows.sums.ladder.LADDER): every table of sums is in it, and the writes,
 the read plan, the day partitions and pruning all follow it. A span added to the registry alone is
 written, read, partitioned and pruned; a model of sums left out of it fails here."""
 
@@ -15,9 +15,11 @@ from flows.buckets import ORIGIN, span_start
 from flows.choices import MAX_WINDOW_SECONDS
 from flows.models import FlowGroup, FlowSums, FlowWindow, UnsummedWindow
 from flows.partitions import PARTITIONED, STORAGE, flow_partitions_ensure
-from flows.selectors import flow_rollup, sum_reads
-from flows.services import flow_evidence_prune, flow_windows_sum
-from flows.sums import LADDER, NO_RULE, rule_read, rule_stored, sums_due
+from flows.selectors import flow_rollup
+from flows.services import flow_evidence_prune
+from flows.sums.ladder import LADDER, NO_RULE, rule_read, rule_stored, sums_due
+from flows.sums.reads import sum_reads
+from flows.sums.writes import flow_windows_sum
 from tests.support.workloads import make_workload
 
 SHORTEST, LONGEST = LADDER[-1].span, LADDER[0].span

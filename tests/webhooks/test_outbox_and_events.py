@@ -13,9 +13,9 @@ from controlplane.auth.actor import CLI_ACTOR
 from controlplane.models import AuditEvent
 from controlplane.webhooks.models import Webhook, WebhookDelivery, WebhookEvent
 from controlplane.webhooks.outbox import EVENT_TYPES, webhook_event_record
-from controlplane.webhooks.services import credential_expiries_notice, webhook_create
+from controlplane.webhooks.services import webhook_create
 from fleet import sync
-from fleet.credentials import credential_renewal_failed
+from fleet.credentials import credential_expiries_notice, credential_renewal_failed
 from fleet.services import mode_change_create
 from flows.services import flow_report_ingest
 from tests.support.flow_evidence import at_agent_clock, enrolled, golden

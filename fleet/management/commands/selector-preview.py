@@ -1,7 +1,7 @@
 """What a selector matches now: the same domain function as POST /selectors/preview."""
 
 from controlplane.management.base import PalisadeCommand
-from fleet.dryrun import selector_preview
+from fleet.selectors import selector_preview_request
 
 
 class Command(PalisadeCommand):
@@ -12,7 +12,7 @@ class Command(PalisadeCommand):
         parser.add_argument("selector")
 
     def handle(self, *args, **o):
-        data = selector_preview(data={"selector": o["selector"]})
+        data = selector_preview_request(data={"selector": o["selector"]})
         lines = [f"{data['count']} workload(s) match {data['selector']!r}"]
         lines += [f"  {w['id']}  {w['hostname']}" for w in data["workloads"]]
         if data["truncated"]:

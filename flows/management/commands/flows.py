@@ -8,8 +8,8 @@ from django.core.management.base import CommandError
 
 from controlplane.management.base import PalisadeCommand
 from controlplane.pagination import MAX_LIMIT
-from controlplane.text import visible
-from fleet.selectors import label_filters_parse
+from controlplane.text import counted, visible
+from controlplane.validation import parsed_together
 from flows import selectors, validation
 from flows.choices import Decision
 from flows.csv_rows import GAP_COLUMNS, csv_text, rollup_columns, rollup_row
@@ -33,6 +33,16 @@ def _pages(fetch):
         items.extend(page.items)
         if not (cursor := page.next_cursor):
             return items
+
+
+def _selection(o) -> validation.FlowSelection:
+    return validation.flow_selection_parse(
+        start=o["start"], end=o["end"], labels=o["label"], workloads=o["workload"]
+    )
+
+
+def _selected(selection: validation.FlowSelection):
+    return selectors.workloads_selected(workload_ids=selection.workload_ids, labels=selection.labels)
 
 
 def _csv(columns, rows) -> str:
@@ -106,14 +116,13 @@ class Command(PalisadeCommand):
         self.emit({"items": data, "next_cursor": None}, "\n".join(lines))
 
     def do_gaps(self, o):
-        start, end = validation.flow_range_parse(start=o["start"], end=o["end"])
-        labels = label_filters_parse(o["label"])
+        selection = _selection(o)
         gaps = _pages(
             lambda cursor: selectors.evidence_gaps_list(
-                workload_ids=o["workload"],
-                labels=labels,
-                start=start,
-                end=end,
+                workload_ids=selection.workload_ids,
+                labels=selection.labels,
+                start=selection.start,
+                end=selection.end,
                 cursor=cursor,
                 limit=MAX_LIMIT,
             )
@@ -131,17 +140,18 @@ class Command(PalisadeCommand):
             )
         self.emit({"items": data, "next_cursor": None}, "\n".join(lines))
 
-    def _selected(self, o):
-        return selectors.workloads_selected(
-            workload_ids=o["workload"], labels=label_filters_parse(o["label"])
-        )
-
     def do_rollup(self, o):
-        start, end = validation.flow_range_parse(start=o["start"], end=o["end"])
-        group_by = validation.group_by_parse(o["group_by"])
+        selection, group_by = parsed_together(
+            lambda: _selection(o), lambda: validation.group_by_parse(o["group_by"])
+        )
         # Every row at once: as GET /flows/rollup answers with every page in it (no cursor left).
         rollup = selectors.flow_rollup_read(
-            selected=self._selected(o), group_by=group_by, start=start, end=end, cursor=None, limit=None
+            selected=_selected(selection),
+            group_by=group_by,
+            start=selection.start,
+            end=selection.end,
+            cursor=None,
+            limit=None,
         )
         covered, unused = coverage_data(rollup.coverage), rollup.unused_rules
         document = rollup_data(
@@ -149,8 +159,8 @@ class Command(PalisadeCommand):
         )
         flat = [rollup_row(row) for row in document["items"]]
         incomplete = (
-            f"incomplete: {covered['gap_count']} gaps, "
-            f"{covered['workloads_without_reports_count']} workloads sent no window in the range, "
+            f"incomplete: {counted(covered['gap_count'], 'gap')}, "
+            f"{counted(covered['workloads_without_reports_count'], 'workload')} sent no window in the range, "
             f"{covered['silent_workloads_count']} silent since before its end, "
             f"{covered['pending_workloads_count']} holding evidence not delivered yet"
             + (
@@ -175,8 +185,12 @@ class Command(PalisadeCommand):
         self.emit(document, "\n".join(lines))
 
     def do_review(self, o):
-        start, end = validation.flow_range_parse(start=o["start"], end=o["end"])
-        data = review_data(selectors.simulation_review(selected=self._selected(o), start=start, end=end))
+        selection = _selection(o)
+        data = review_data(
+            selectors.simulation_review(
+                selected=_selected(selection), start=selection.start, end=selection.end
+            )
+        )
         text = data["verdict"].upper() + "".join(f"\n  - {reason}" for reason in data["reasons"])
         self.emit(data, text)
         if data["verdict"] == "fail":  # a pipeline gates on the exit status alone

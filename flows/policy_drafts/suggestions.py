@@ -1,5 +1,5 @@
-"""Suggested rules: a draft ruleset proposed from the stored flows that no rule admitted (issue 25,
-item 2). A read: it saves nothing; the operator saves the draft with the ordinary writes.
+"""Suggested rules: a draft ruleset proposed from the stored flows that no rule admitted. A read: it
+saves nothing; the operator saves the draft with the ordinary writes.
 
 The evidence is the selected workloads' keys (workload, peer, peer workload, protocol, port) decided
 `observed`, `would_block` or `blocked` in the range, summed in SQL as the rollup sums them
@@ -19,7 +19,6 @@ How the evidence becomes rules, never wider than what was seen:
 from __future__ import annotations
 
 import ipaddress
-import re
 import uuid
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -27,42 +26,29 @@ from datetime import datetime
 from typing import Any, NamedTuple
 
 from controlplane.clock import rfc3339
-from controlplane.problems import Finding, ValidationFailed, pointer
+from controlplane.problems import ValidationFailed, pointer
 from controlplane.validation import Findings, parsed_together, reject_unknown, require_object
-from fleet.key_classifier import FlowKeyClassifier
 from fleet.models import Workload
-from fleet.selectors import label_filters_parse
 from flows.choices import AGGREGATE, Decision
+from flows.policy_drafts.classifier import FlowKeyClassifier
+from flows.policy_drafts.draft import in_force_load
 from flows.representations import coverage_data
 from flows.selectors import coverage, flow_keys_summed, flow_range_plan, workloads_selected
-from flows.validation import flow_range_parse
-from policy.grammar import GrammarError, Requirement, Selector, validate_label_key
+from flows.validation import (
+    BODY,
+    DEFAULT_LABEL_KEYS,
+    FlowSelection,
+    flow_selection_parse,
+    label_keys_parse,
+)
+from policy.grammar import Requirement, Selector
 from policy.models import AddressGroup, Ruleset, Service
 from policy.validation import MAX_NAME, MAX_RULES_PER_RULESET, MAX_SOURCES_PER_RULE
 
-# `app` alone: it names what a workload runs, the group that rules are written for
-# (docs/labels-and-selectors.md). Every key must be on both ends of a connection for it to be
-# generalised, so a second default key (`role`) would leave every workload without it out of the
-# proposal; operators whose fleets label roles ask for both.
-DEFAULT_LABEL_KEYS = ("app",)
 DESCRIPTION = "Suggested from observed traffic."
 KEYS_LISTED = 1000
 UNADMITTED = (Decision.OBSERVED, Decision.WOULD_BLOCK, Decision.BLOCKED)
 KEY_COLUMNS = ["workload_id", "peer", "peer_workload_id", "protocol", "port"]
-
-
-def label_keys_check(label_keys: list[str]) -> list[str]:
-    findings = []
-    for index, key in enumerate(label_keys):
-        try:
-            validate_label_key(key)
-        except GrammarError as error:
-            findings.append(Finding(f"/label_keys/{index}", error.rule, error.message))
-    if not label_keys:
-        findings.append(Finding("/label_keys", "empty", "label_keys needs at least one label key."))
-    if findings:
-        raise ValidationFailed(findings)
-    return list(dict.fromkeys(label_keys))
 
 
 def _values_selector(labels: dict, label_keys: list[str]) -> tuple[str | None, list[str]]:
@@ -168,11 +154,11 @@ def _sorted_out(rows: list[dict], workloads: dict, label_keys: list[str]) -> _So
     """Each key: admitted now by a rule in force, not generalised (and why), or seen[scope][source]
     [(protocol, port)], a source being ("selector", text) or ("address", peer).
 
-    Admitted now is the impact's classifier on the policy in force now (fleet/key_classifier.py): a
+    Admitted now is the impact's classifier on the policy in force now (classifier.py): a
     workload in `visibility` records as `observed` what its rules would admit, and a rule added since
     may admit what was refused; the key is judged as its workload's table in `simulation` or
     `enforced` would judge a new inbound connection, selectors resolved to the fleet's addresses now."""
-    in_force, out = FlowKeyClassifier(), _SortedOut()
+    judge, out = FlowKeyClassifier(in_force_load()), _SortedOut()
     # The selector of label_keys (or the keys lacking) of each set of their values, worked out once: a
     # fleet has far fewer of those than workloads.
     named: dict[tuple, tuple[str | None, list[str]]] = {}
@@ -185,7 +171,7 @@ def _sorted_out(rows: list[dict], workloads: dict, label_keys: list[str]) -> _So
 
     for row in rows:
         workload, peer = workloads[row["workload_id"]], workloads.get(row["peer_workload_id"])
-        if in_force.admitted_now(row):
+        if judge.admitted_now(row):
             out.admitted_now.append(_row_data(row))
             continue
         scope, missing = selector_of(workload)
@@ -300,7 +286,7 @@ def policy_suggest(
     """Rules proposed from the selected workloads' (`selected` as flows.selectors.workloads_selected
     gives it; None: the whole fleet) unadmitted connections in [start, end), with their evidence, the
     connections that could not be generalised, and the range's coverage. Saves nothing."""
-    label_keys = label_keys_check(list(label_keys) if label_keys is not None else list(DEFAULT_LABEL_KEYS))
+    label_keys = label_keys_parse(list(label_keys) if label_keys is not None else list(DEFAULT_LABEL_KEYS))
     planned = flow_range_plan(selected=selected, start=start, end=end)
     covered = coverage(selected, start, end, lookback=planned.lookback)
     rows = flow_keys_summed(planned, KEY_COLUMNS, decision__in=list(UNADMITTED))
@@ -351,14 +337,6 @@ def policy_suggest(
 REQUEST_FIELDS = ("label", "workload", "from", "to", "label_keys", "aggregate_prefix", "aggregate_prefix_v6")
 
 
-def _strings(data, name: str, findings: Findings) -> list[str]:
-    value = data.get(name, [])
-    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
-        findings.add(pointer(name), "type", f"{name} must be a list of strings.")
-        return []
-    return value
-
-
 def _prefix(data, name: str, longest: int, findings: Findings) -> int | None:
     value = data.get(name)
     if value is None:
@@ -369,13 +347,6 @@ def _prefix(data, name: str, longest: int, findings: Findings) -> int | None:
     return value
 
 
-def _at_body(failed: ValidationFailed) -> list[Finding]:
-    """A query parameter parser's findings at the body's pointers: `?from` -> `/from`, `?label[1]` ->
-    `/label/1`."""
-    path = lambda p: re.sub(r"\[(\d+)\]$", r"/\1", "/" + p[1:]) if p.startswith("?") else p  # noqa: E731
-    return [Finding(path(f.path), f.rule, f.message) for f in failed.findings]
-
-
 def policy_suggest_request(*, data: Any) -> dict:
     """POST /policies/suggestions (and `manage.py policy suggest`): the body parsed, every finding at
     once, then `policy_suggest`. The body: `label` (selectors, ANDed) and `workload` (ids) select the
@@ -384,33 +355,33 @@ def policy_suggest_request(*, data: Any) -> dict:
     data = require_object(data)
     findings = Findings()
     reject_unknown(data, REQUEST_FIELDS, findings)
-    labels, workload_ids = _strings(data, "label", findings), _strings(data, "workload", findings)
-    keys = _strings(data, "label_keys", findings) if "label_keys" in data else list(DEFAULT_LABEL_KEYS)
     prefix = _prefix(data, "aggregate_prefix", 32, findings)
     prefix_v6 = _prefix(data, "aggregate_prefix_v6", 128, findings)
-    parsed = [None, None, None]
+    parsed = [None, None]
     try:
         parsed = parsed_together(
-            lambda: flow_range_parse(start=_text(data.get("from")), end=_text(data.get("to"))),
-            lambda: label_filters_parse(labels),
-            lambda: label_keys_check(keys),
+            lambda: flow_selection_parse(
+                start=data.get("from"),
+                end=data.get("to"),
+                labels=data.get("label", []),
+                workloads=data.get("workload", []),
+                at=BODY,
+            ),
+            lambda: label_keys_parse(data.get("label_keys", list(DEFAULT_LABEL_KEYS))),
         )
     except ValidationFailed as failed:
-        findings.extend(_at_body(failed))
+        findings.extend(failed.findings)
     findings.raise_if_any()
-    (start, end), selectors, label_keys = parsed  # type: ignore[misc]
+    selection, label_keys = parsed
+    assert isinstance(selection, FlowSelection)  # noqa: S101  # else the findings were raised
     return policy_suggest(
-        selected=workloads_selected(workload_ids=workload_ids, labels=selectors),
-        start=start,
-        end=end,
+        selected=workloads_selected(workload_ids=selection.workload_ids, labels=selection.labels),
+        start=selection.start,
+        end=selection.end,
         label_keys=label_keys,
         aggregate_prefix=prefix,
         aggregate_prefix_v6=prefix_v6,
     )
-
-
-def _text(value) -> str | None:
-    return value if isinstance(value, str) else None
 
 
 def _single_entry_services() -> dict[tuple, dict]:

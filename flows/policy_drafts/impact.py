@@ -10,65 +10,27 @@ evidence is not.
 
 Keys are judged as a table in `simulation` or `enforced` judges them, whatever the workload's mode
 now: a workload in `visibility` has no rules, and the question is what its rules would do. The
-classifier's inputs are built in fleet/key_classifier.py, which the suggestions share.
+classifier's inputs are built in flows/policy_drafts/classifier.py, which the suggestions share.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 from controlplane.clock import rfc3339
-from controlplane.problems import Finding, ValidationFailed
+from controlplane.problems import ValidationFailed
 from controlplane.validation import Findings, require_object
-from fleet.dryrun import hypothetical_policy, unmatched_selectors
-from fleet.key_classifier import FlowKeyClassifier
-from fleet.selectors import label_filters_parse
 from flows.choices import AGGREGATE
+from flows.policy_drafts.classifier import FlowKeyClassifier
+from flows.policy_drafts.draft import Draft, draft_parse
 from flows.representations import coverage_data
 from flows.selectors import coverage, flow_keys_summed, flow_range_plan, workloads_selected
-from flows.validation import flow_range_parse
+from flows.validation import BODY, FlowSelection, flow_selection_parse
 from policy.selectors import PolicyInputs
 
 MAX_LISTED = 1000
 KEY_COLUMNS = ["workload_id", "peer", "peer_workload_id", "protocol", "port"]
-BODY_KEYS = frozenset({"from", "to", "label", "workload"})
-
-
-def _body_path(finding: Finding) -> Finding:
-    """A query parameter's finding (`?from`, `?label[2]`) as the body's pointer (`/from`, `/label/2`)."""
-    path = finding.path
-    if path.startswith("?"):
-        name, _, index = path[1:].partition("[")
-        path = f"/{name}" + (f"/{index.rstrip(']')}" if index else "")
-    return Finding(path, finding.rule, finding.message)
-
-
-def _strings(data: dict, key: str, findings: Findings) -> list[str]:
-    items = data.get(key, [])
-    if not isinstance(items, list) or not all(isinstance(item, str) for item in items):
-        findings.add(f"/{key}", "type", f"{key} must be a list of strings.")
-        return []
-    return items
-
-
-def _selection(data: dict, findings: Findings):
-    start = end = None
-    labels: list = []
-    try:
-        start, end = flow_range_parse(start=_text(data.get("from")), end=_text(data.get("to")))
-    except ValidationFailed as failed:
-        findings.extend([_body_path(f) for f in failed.findings])
-    try:
-        labels = label_filters_parse(_strings(data, "label", findings))
-    except ValidationFailed as failed:
-        findings.extend([_body_path(f) for f in failed.findings])
-    return start, end, labels, _strings(data, "workload", findings)
-
-
-def _text(value: Any) -> str | None:
-    # A non-string is refused as a malformed instant, not as a missing one.
-    return value if isinstance(value, str) or value is None else repr(value)
+SELECTION_KEYS = frozenset({"from", "to", "label", "workload"})
 
 
 def _rules_by_number(policy: PolicyInputs) -> dict[int, dict]:
@@ -95,18 +57,32 @@ def _summary(entries: list[dict]) -> dict:
     }
 
 
-def policy_impact(*, data: Any, rule_numbers: Mapping[tuple[str, int], int] | None = None) -> dict:
-    """The keys of the range whose outcome the draft (a render dry-run's body) changes; see the module.
-    `rule_numbers`: see `hypothetical_policy`."""
+def policy_impact(*, data: Any) -> dict:
+    """POST /policies/impact (and `manage.py policy impact`): the body's draft (a render dry-run's body)
+    and its range and selection (`from`, `to`, `label`, `workload`, as the rollup's), every finding at
+    once, then `draft_impact`."""
     data = require_object(data)
     findings = Findings()
-    start, end, labels, workload_ids = _selection(data, findings)
-    specs, draft = hypothetical_policy(
-        data=data, findings=findings, more_keys=BODY_KEYS, rule_numbers=rule_numbers
-    )
-    assert start is not None and end is not None  # noqa: S101  # else hypothetical_policy raised
+    selection = None
+    try:
+        selection = flow_selection_parse(
+            start=data.get("from"),
+            end=data.get("to"),
+            labels=data.get("label", []),
+            workloads=data.get("workload", []),
+            at=BODY,
+        )
+    except ValidationFailed as failed:
+        findings.extend(failed.findings)
+    draft = draft_parse(data=data, findings=findings, more_keys=SELECTION_KEYS)
+    assert selection is not None  # noqa: S101  # else draft_parse raised its findings
+    return draft_impact(draft=draft, selection=selection)
 
-    selected = workloads_selected(workload_ids=workload_ids, labels=labels)
+
+def draft_impact(*, draft: Draft, selection: FlowSelection) -> dict:
+    """The keys of the selection's range whose outcome `draft` changes; see the module."""
+    selected = workloads_selected(workload_ids=selection.workload_ids, labels=selection.labels)
+    start, end = selection.start, selection.end
     planned = flow_range_plan(selected=selected, start=start, end=end)
     covered = coverage(selected, start, end, lookback=planned.lookback)
     rows = flow_keys_summed(planned, KEY_COLUMNS)
@@ -114,8 +90,8 @@ def policy_impact(*, data: Any, rule_numbers: Mapping[tuple[str, int], int] | No
     # proposed or judged from it; its range's keys_aggregated gap already says the evidence is not whole.
     rows = [row for row in rows if row["peer"] != AGGREGATE]
 
-    judge = FlowKeyClassifier(drafts=[draft])
-    rules_now, rules_draft = _rules_by_number(judge.now), _rules_by_number(draft)
+    judge = FlowKeyClassifier(draft.in_force, drafts=[draft.policy])
+    rules_now, rules_draft = _rules_by_number(draft.in_force.policy), _rules_by_number(draft.policy)
     refused: list[dict] = []
     admitted: list[dict] = []
     for row in rows:
@@ -161,5 +137,5 @@ def policy_impact(*, data: Any, rule_numbers: Mapping[tuple[str, int], int] | No
         "newly_admitted": admitted[:MAX_LISTED],
         "truncated": len(refused) > MAX_LISTED or len(admitted) > MAX_LISTED,
         "coverage": coverage_data(covered),
-        "warnings": unmatched_selectors(specs, judge.fleet),
+        "warnings": draft.warnings(),
     }

@@ -1,7 +1,7 @@
 """Render a hypothetical policy set against the fleet: the same function as POST /policies/render-dryrun."""
 
 from controlplane.management.base import PalisadeCommand
-from fleet.dryrun import render_dryrun
+from flows.policy_drafts.dryrun import render_dryrun_request
 
 
 class Command(PalisadeCommand):
@@ -12,7 +12,7 @@ class Command(PalisadeCommand):
         parser.add_argument("file", help="JSON file, or - for standard input")
 
     def handle(self, *args, **o):
-        data = render_dryrun(data=self.read_json_input(o["file"]))
+        data = render_dryrun_request(data=self.read_json_input(o["file"]))
         lines = [f"{data['changed_count']} document(s) would change, {data['unchanged_count']} unchanged"]
         for entry in data["changed"]:
             summary = ", ".join(

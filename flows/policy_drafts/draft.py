@@ -1,46 +1,93 @@
-"""Reads that answer "what if": a selector's matches now, and a hypothetical policy's effect on every
-workload's document. Nothing here writes."""
+"""A draft policy, parsed once: the body of a render dry-run (`rulesets`, the complete hypothetical set;
+`services` and `address_groups`, which replace or add objects by name) as the renderer's inputs, with
+the fleet and the policy in force now loaded once beside it. The render dry-run, the impact over past
+traffic and a policy file's plan all judge this one value. Nothing here writes."""
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from controlplane.problems import Finding, ValidationFailed, pointer
-from controlplane.validation import Findings, quoted, reject_unknown, require_object, take_string
-from fleet.models import RenderedPolicy, Workload
+from controlplane.validation import Findings, quoted, reject_unknown
 from fleet.rendering import fleet_load
-from fleet.selectors import selector_preview as matching_workloads
 from policy.choices import SourceKind
-from policy.grammar import GrammarError, parse_selector
+from policy.grammar import parse_selector
 from policy.models import AddressGroup, PolicyState, Rule, Service
-from policy.render_inputs import AddressGroupInput, PortEntry, RuleInput, RulesetInput, SourceInput
-from policy.renderer import render
+from policy.render_inputs import (
+    AddressGroupInput,
+    FleetIndex,
+    PortEntry,
+    RuleInput,
+    RulesetInput,
+    SourceInput,
+    WorkloadInput,
+)
 from policy.selectors import PolicyInputs, policy_inputs_load
-from policy.validation import address_group_input, ruleset_input, service_input
+from policy.validation import RulesetSpec, address_group_input, ruleset_input, service_input
 
-PREVIEW_LIMIT = 100
-MAX_REPORTED = 1000
+DRAFT_KEYS = frozenset({"rulesets", "services", "address_groups"})
 
 
-def selector_preview(*, data: Any) -> dict:
-    data = require_object(data)
-    findings = Findings()
-    reject_unknown(data, {"selector"}, findings)
-    text = take_string(data, "selector", findings, max_length=4096)
+@dataclass(frozen=True)
+class InForce:
+    """The fleet and the policy in force now, loaded once: what a draft, or a stored flow key, is
+    judged against (selectors resolve to the fleet's addresses now, as in the tables)."""
+
+    fleet: FleetIndex
+    workloads: Mapping[str, WorkloadInput]  # by id
+    policy: PolicyInputs
+
+
+def in_force_load() -> InForce:
+    fleet, workloads = fleet_load()
+    return InForce(fleet=fleet, workloads=workloads, policy=policy_inputs_load())
+
+
+@dataclass(frozen=True)
+class Draft:
+    """A draft as the renderer's inputs (`policy`), the body's rulesets as parsed (`specs`, whose
+    positions the warnings point at), and what it is judged against (`in_force`)."""
+
+    specs: tuple[RulesetSpec, ...]
+    policy: PolicyInputs
+    in_force: InForce
+
+    def warnings(self) -> list[dict]:
+        """The draft's scopes and source selectors that match no workload now."""
+        return unmatched_selectors(self.specs, self.in_force.fleet)
+
+
+def draft_parse(
+    *,
+    data: Mapping[str, Any],
+    findings: Findings | None = None,
+    more_keys: frozenset[str] = frozenset(),
+    rule_numbers: Mapping[tuple[str, int], int] | None = None,
+) -> Draft:
+    """The draft of a body, then the fleet and the policy in force now. `more_keys` are the caller's
+    own members of the body, whose findings are in `findings` already: every finding is raised
+    together, before anything is loaded. `rule_numbers` (internal: a body's `number` is ignored) gives
+    new rules, by ruleset name and position, the numbers an apply will create them with."""
+    findings = findings if findings is not None else Findings()
+    reject_unknown(data, DRAFT_KEYS | more_keys, findings)
+    if "rulesets" not in data:
+        findings.add(
+            "/rulesets", "required", "rulesets is required: the complete hypothetical set of rulesets."
+        )
+    specs = _parse_list(data, "rulesets", ruleset_input, findings)
+    services = _parse_list(data, "services", service_input, findings)
+    groups = _parse_list(data, "address_groups", address_group_input, findings)
     findings.raise_if_any()
-    try:
-        selector = parse_selector(text)
-    except GrammarError as error:
-        raise ValidationFailed([Finding("/selector", error.rule, error.message)]) from None
-    count, sample = matching_workloads(selector=selector, limit=PREVIEW_LIMIT)
-    return {
-        "selector": str(selector),
-        "count": count,
-        "workloads": [{"id": str(w.id), "hostname": w.hostname, "labels": w.labels} for w in sample],
-        "truncated": count > len(sample),
-    }
+    catalogue = _Catalogue(services, groups)
+    policy = PolicyInputs(
+        rulesets=tuple(_hypothetical_rulesets(specs, catalogue, findings, rule_numbers or {})),
+        groups=catalogue.group_inputs,
+    )
+    findings.raise_if_any()
+    return Draft(specs=tuple(specs), policy=policy, in_force=in_force_load())
 
 
 def _prefixed(error: ValidationFailed, base: str) -> list[Finding]:
@@ -183,22 +230,6 @@ def _hypothetical_rulesets(
     return rulesets
 
 
-def _rule_keys(rule_index: dict) -> dict[str, tuple[str, str]]:
-    return {entry["rule_id"]: (entry["ruleset_name"], entry["rule_id"]) for entry in rule_index.values()}
-
-
-def _rule_definitions(policy: PolicyInputs) -> dict[str, tuple]:
-    out = {}
-    for ruleset in policy.rulesets:
-        for rule in ruleset.rules:
-            groups = tuple(
-                policy.groups[s.address_group_id].members if s.address_group_id in policy.groups else None
-                for s in rule.sources
-            )
-            out[rule.id] = (ruleset.name, rule.sources, rule.entries, groups)
-    return out
-
-
 def unmatched_selectors(specs, fleet) -> list[dict]:
     flagged = []
     for r_index, spec in enumerate(specs):
@@ -217,84 +248,3 @@ def unmatched_selectors(specs, fleet) -> list[dict]:
                     }
                 )
     return flagged
-
-
-def hypothetical_policy(
-    *,
-    data: dict,
-    findings: Findings,
-    more_keys: frozenset[str] = frozenset(),
-    rule_numbers: Mapping[tuple[str, int], int] | None = None,
-):
-    """The hypothetical policy of a dry-run's body (`rulesets`, `services`, `address_groups`) as the
-    renderer's inputs, and the parsed ruleset specs; `more_keys` are the caller's own keys of the body,
-    whose findings are in `findings` already (all are raised together). `rule_numbers` (internal: a
-    body's `number` is ignored) gives new rules, by ruleset name and position, the numbers an apply
-    will create them with."""
-    reject_unknown(data, {"rulesets", "services", "address_groups", *more_keys}, findings)
-    if "rulesets" not in data:
-        findings.add(
-            "/rulesets", "required", "rulesets is required: the complete hypothetical set of rulesets."
-        )
-    specs = _parse_list(data, "rulesets", ruleset_input, findings)
-    services = _parse_list(data, "services", service_input, findings)
-    groups = _parse_list(data, "address_groups", address_group_input, findings)
-    findings.raise_if_any()
-    catalogue = _Catalogue(services, groups)
-    hypothetical = PolicyInputs(
-        rulesets=tuple(_hypothetical_rulesets(specs, catalogue, findings, rule_numbers or {})),
-        groups=catalogue.group_inputs,
-    )
-    findings.raise_if_any()
-    return specs, hypothetical
-
-
-def render_dryrun(*, data: Any, rule_numbers: Mapping[tuple[str, int], int] | None = None) -> dict:
-    """Render the whole fleet under a hypothetical policy: `rulesets` replaces every stored ruleset;
-    `services` and `address_groups` replace or add objects by name. Reports each workload whose
-    document would change, with the rules it would gain, lose or see changed. `rule_numbers`: see
-    `hypothetical_policy`."""
-    specs, hypothetical = hypothetical_policy(
-        data=require_object(data), findings=Findings(), rule_numbers=rule_numbers
-    )
-    fleet, inputs = fleet_load()
-    current_policy = policy_inputs_load()
-    before_rules, after_rules = _rule_definitions(current_policy), _rule_definitions(hypothetical)
-    latest = dict(Workload.objects.values_list("id", "latest_policy_id"))
-    indexes = dict(
-        RenderedPolicy.objects.filter(version__in=set(latest.values())).values_list("version", "rule_index")
-    )
-    changed = []
-    for workload_id, workload in inputs.items():
-        result = render(workload, hypothetical.rulesets, hypothetical.groups, fleet)
-        current_version = latest.get(uuid.UUID(workload_id))
-        if result.version == current_version:
-            continue
-        before = _rule_keys(indexes.get(current_version, {}))
-        after = _rule_keys({str(k): v for k, v in result.rule_index.items()})
-        changed.append(
-            {
-                "workload_id": workload_id,
-                "mode": workload.mode,
-                "current_version": current_version,
-                "hypothetical_version": result.version,
-                "rules_added": sorted(after[k] for k in after.keys() - before.keys()),
-                "rules_removed": sorted(before[k] for k in before.keys() - after.keys()),
-                "rules_changed": sorted(
-                    after[k]
-                    for k in after.keys() & before.keys()
-                    if before_rules.get(k) != after_rules.get(k)
-                ),
-            }
-        )
-    changed.sort(key=lambda c: c["workload_id"])
-    for entry in changed:
-        for key in ("rules_added", "rules_removed", "rules_changed"):
-            entry[key] = [{"ruleset_name": name, "rule_id": rule_id} for name, rule_id in entry[key]]
-    return {
-        "changed_count": len(changed),
-        "unchanged_count": len(inputs) - len(changed),
-        "changed": changed[:MAX_REPORTED],
-        "truncated": len(changed) > MAX_REPORTED,
-        "warnings": unmatched_selectors(specs, fleet),
-    }

@@ -4,8 +4,8 @@ Read at scrape time rather than counted in memory, so that every serve process o
 figures, whichever one Prometheus asks. Each figure is one definition, shared with the API: the sync
 states and `removed` are `GET /workloads/counts`' own read (fleet/selectors.py `workload_counts`);
 telemetry live, clock skew and the credential states are the filters that stand beside the workload
-representation's rules (fleet/selectors.py, fleet/credentials.py, flows/health.py), and
-tests/fleet/test_metrics_collector.py keeps each equal to what a workload read shows.
+representation's rules (fleet/selectors.py, fleet/credentials.py, fleet/health.py), and
+tests/controlplane/test_metrics_collector.py keeps each equal to what a workload read shows.
 
 A scrape costs a few aggregate statements over the workloads table (no row per workload leaves the
 database) and one index probe of the unsummed windows, under a statement timeout: a database that is

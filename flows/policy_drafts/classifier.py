@@ -1,12 +1,11 @@
-"""Stored flow keys judged by the classifier: the one place that builds policy/classify.py's inputs
-from the database, for the impact of a draft (fleet/impact.py) and for what suggestions leave out as
-admitted now (flows/suggestions.py). Nothing here writes.
+"""Stored flow keys judged by the classifier (policy/classify.py), for the impact of a draft (impact.py)
+and for what suggestions leave out as admitted now (suggestions.py). Nothing here writes.
 
 The inputs are a render's: the fleet's workloads and addresses now (selectors resolve to them, as in
-the table) and the enabled policy in force now, plus any hypothetical policies the caller judges
-beside it. A key is judged as a table in `simulation` or `enforced` judges a new inbound connection,
-whatever the workload's mode now: a workload in `visibility` has no rules, and the question is what
-its rules would do.
+the table) and the enabled policy in force now (draft.py `InForce`, loaded once by the caller), plus
+any drafts the caller judges beside it. A key is judged as a table in `simulation` or `enforced`
+judges a new inbound connection, whatever the workload's mode now: a workload in `visibility` has no
+rules, and the question is what its rules would do.
 """
 
 from __future__ import annotations
@@ -14,10 +13,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from fleet.rendering import fleet_load
+from flows.policy_drafts.draft import InForce
 from policy.classify import Connection, classify
 from policy.render_inputs import PROTOCOLS, WorkloadInput, parse_host_address
-from policy.selectors import PolicyInputs, policy_inputs_load
+from policy.selectors import PolicyInputs
 
 
 def flow_key_connection(row: dict) -> Connection | None:
@@ -40,13 +39,12 @@ def _judged(workload: WorkloadInput) -> WorkloadInput:
 
 
 class FlowKeyClassifier:
-    """The fleet and the policy in force now (`now`), loaded once, and `drafts` beside it: for a key,
-    the rule of each policy that admits it (`rules`)."""
+    """The fleet and the policy in force now (`in_force`) and `drafts` beside it: for a key, the rule of
+    each policy that admits it (`rules`)."""
 
-    def __init__(self, *, drafts: Sequence[PolicyInputs] = ()) -> None:
-        self.fleet, self.workloads = fleet_load()
-        self.now = policy_inputs_load()
-        self.policies = (self.now, *drafts)
+    def __init__(self, in_force: InForce, *, drafts: Sequence[PolicyInputs] = ()) -> None:
+        self.fleet, self.workloads = in_force.fleet, in_force.workloads
+        self.policies = (in_force.policy, *drafts)
         # A workload's labels decide which rulesets apply to it: workloads with the same labels judge
         # a connection alike, and a fleet has far fewer label sets than keys. A range's keys repeat
         # their workloads and services too: each is looked up or parsed once.

@@ -1,4 +1,4 @@
-"""The spec's "Limits" and its rules for `agent_silent`, case by case (flows/health.py).
+"""The spec's "Limits" and its rules for `agent_silent`, case by case (fleet/health.py).
 
 Each row is a case in the spec's words; its id is what the test run prints. Instants are minutes and
 seconds after T, a whole minute; windows are one minute (the default) unless a row says otherwise.
@@ -10,7 +10,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from flows import health
+from fleet import health
 
 T = datetime(2026, 3, 2, 10, 0, tzinfo=UTC)
 MINUTE = timedelta(minutes=1)

@@ -3,15 +3,17 @@
 Agents send windows of a minute; each window's groups (one per peer, service, decision and rule) are
 stored as minute rows (FlowGroup). A few minutes after each ten-minute block ends, serve's housekeeping
 adds the groups of the windows that started in it to one row per key in each span of the ladder
-(flows.services.flow_windows_sum): quarter days (six hours), hours and ten-minute blocks. All spans start
-at multiples of their length from one origin, in UTC, as PostgreSQL's date_bin counts them
-(flows/buckets.py). A rollup then reads its range's whole quarters from the quarters, the whole hours
-beside them from the hours, the whole blocks beside those from the blocks, and minute rows only at the
-two edges and for windows not summed yet (flows.selectors.flow_rollup).
+(flows/sums/writes.py `flow_windows_sum`): quarter days (six hours), hours and ten-minute blocks. All
+spans start at multiples of their length from one origin, in UTC, as PostgreSQL's date_bin counts
+them (flows/buckets.py). A rollup then reads its range's whole quarters from the quarters, the whole
+hours beside them from the hours, the whole blocks beside those from the blocks, and minute rows only
+at the two edges and for windows not summed yet (flows/sums/reads.py, for flows.selectors'
+`flow_rollup_read` and the reads of draft policy).
 
-LADDER below is the one list of spans: the writes, the read plan, the day partitions and pruning all
-read it. A new span is an entry here, a model (a FlowSums subclass) and its migration; tests/flows/
-test_sums_ladder.py fails if a model of sums is missing here or a span is left out of a read.
+LADDER below is the one list of spans: the writes, the read plan (flows/sums/), the day partitions
+(flows/partitions.py) and pruning (flows.services `flow_evidence_prune`) all read it. A new span is
+an entry here, a model (a FlowSums subclass) and its migration; tests/flows/test_sums_ladder.py fails
+if a model of sums is missing here or a span is left out of a read.
 
 The sums' key columns cannot hold a null, so a group that no rule decided is stored with rule number 0
 (NO_RULE) and read back as None (`rule_stored`, `rule_read`).
@@ -94,8 +96,8 @@ UNSUMMED_PRUNE_MARGIN = LADDER[-1].prune_margin
 
 
 def sums_due(*, now: datetime) -> datetime:
-    """Windows that start before this are summed by serve's housekeeping (flows.services
-    flow_windows_sum): those of every block over by SUMMED_AFTER."""
+    """Windows that start before this are summed by serve's housekeeping (flows/sums/writes.py
+    `flow_windows_sum`): those of every block over by SUMMED_AFTER."""
     return span_start(now - SUMMED_AFTER, BLOCK)
 
 

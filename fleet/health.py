@@ -1,7 +1,7 @@
 """Flow health: the spec's "Limits" and its rules for `agent_silent`, in one place.
 
 Pure: functions of instants, durations and agent process ids (no Django, no database), so that each
-rule reads as the spec states it and tests/flows/test_health.py checks it case by case. The callers
+rule reads as the spec states it and tests/fleet/test_health.py checks it case by case. The callers
 read and write the workload's fields: `fleet/representations.py` (telemetry live), `fleet/sync.py`
 (heartbeats keep a process alive), `flows/services.py` (a report: news or replay, clock skew,
 agent_silent) and `flows/selectors.py` (the coverage's silent workloads).
@@ -28,7 +28,7 @@ def limit(window: timedelta) -> timedelta:
 
 def telemetry_live_since(*, window: timedelta, now: datetime) -> datetime:
     """The earliest flow report that keeps telemetry live at `now`: two flow windows before it (the
-    fleet's counts select on it in SQL, fleet/metrics_collector.py)."""
+    fleet's counts select on it in SQL, controlplane/metrics_collector.py)."""
     return now - limit(window)
 
 

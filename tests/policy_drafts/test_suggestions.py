@@ -1,4 +1,4 @@
-"""Suggested rules from stored flow windows of known counts (issue 25, item 2), in process."""
+"""Suggested rules from stored flow windows of known counts, in process."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from controlplane import clock
 from controlplane.auth.actor import CLI_ACTOR
 from controlplane.problems import ValidationFailed
 from fleet.services import workload_labels_replace
+from flows.policy_drafts.suggestions import policy_suggest
 from flows.selectors import workloads_selected
 from flows.services import flow_report_ingest
-from flows.suggestions import policy_suggest
 from policy import services
 from policy.grammar import parse_selector
 from policy.representations import ruleset_data
@@ -395,7 +395,7 @@ def test_suggest_says_prominently_when_the_range_is_incomplete(fleet):
     assert f"{clients[0].id}: no flow window in the range" in err
 
 
-# --- "admitted now" is the classifier's judgement (fleet/key_classifier.py) ---
+# --- "admitted now" is the classifier's judgement (flows/policy_drafts/classifier.py) ---
 
 
 def test_a_selector_source_admits_by_the_fleets_addresses_now_as_the_table_does(fleet):

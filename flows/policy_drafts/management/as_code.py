@@ -1,4 +1,4 @@
-"""`manage.py policy export|plan|apply`: policy as code (policy/as_code.py). Kept apart from the
+"""`manage.py policy export|plan|apply`: policy as code (flows/policy_drafts/as_code/). Kept apart from the
 command, as the impact action is, so that the `policy` command joins them with a few lines."""
 
 from __future__ import annotations
@@ -11,16 +11,10 @@ import tempfile
 
 from django.core.management.base import CommandError
 
-from controlplane.text import visible
-from policy.as_code import (
-    FORMATS,
-    dump,
-    file_path,
-    policy_apply,
-    policy_export_data,
-    policy_file_load,
-    policy_plan,
-)
+from controlplane.text import counted, visible
+from flows.policy_drafts.as_code.apply import policy_apply
+from flows.policy_drafts.as_code.format import FORMATS, dump, file_path, policy_export_data, policy_file_load
+from flows.policy_drafts.as_code.plan import policy_plan
 
 
 def add_as_code_actions(actions) -> None:
@@ -198,23 +192,21 @@ def plan_text(answer: dict, path: str, *, prune: bool) -> str:
         lines.insert(0, f"no changes (policy version {answer['policy_version']})")
         return "\n".join(lines)
     render = answer["render"]
-    lines.append(
-        f"render dry-run: {render['changed_count']} workloads' documents change, "
-        f"{render['unchanged_count']} unchanged"
-    )
+    changed = counted(render["changed_count"], "workload's document changes", "workloads' documents change")
+    lines.append(f"render dry-run: {changed}, {render['unchanged_count']} unchanged")
     impact = answer["impact"]
     refused, admitted = impact["newly_refused_summary"], impact["newly_admitted_summary"]
     lines.append(
-        f"impact over {impact['from']} .. {impact['to']} ({impact['keys_classified']} flow keys): newly refused "
-        f"{refused['connection_count']} connections ({refused['count']} keys, {refused['peer_count']} peers, "
-        f"{refused['workload_count']} workloads); newly admitted {admitted['connection_count']} connections "
-        f"({admitted['count']} keys)"
+        f"impact over {impact['from']} .. {impact['to']} ({counted(impact['keys_classified'], 'flow key')}): "
+        f"newly refused {counted(refused['connection_count'], 'connection')} ({counted(refused['count'], 'key')}, "
+        f"{counted(refused['peer_count'], 'peer')}, {counted(refused['workload_count'], 'workload')}); newly "
+        f"admitted {counted(admitted['connection_count'], 'connection')} ({counted(admitted['count'], 'key')})"
     )
     coverage = impact["coverage"]
     if not coverage["complete"]:
         lines.append(
-            f"  INCOMPLETE EVIDENCE: {coverage['gap_count']} gaps, "
-            f"{coverage['workloads_without_reports_count']} workloads without reports, "
+            f"  INCOMPLETE EVIDENCE: {counted(coverage['gap_count'], 'gap')}, "
+            f"{counted(coverage['workloads_without_reports_count'], 'workload')} without reports, "
             f"{coverage['silent_workloads_count']} silent, {coverage['pending_workloads_count']} pending: "
             "traffic not seen is not judged"
         )

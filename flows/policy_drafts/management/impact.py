@@ -3,8 +3,8 @@ command so that the `policy` command's other actions (suggest) and this one join
 
 from __future__ import annotations
 
-from controlplane.text import visible
-from fleet.impact import policy_impact
+from controlplane.text import counted, visible
+from flows.policy_drafts.impact import policy_impact
 
 
 def add_impact_action(actions) -> None:
@@ -51,15 +51,16 @@ def impact_text(answer: dict) -> str:
     if not answer["coverage"]["complete"]:
         lines.append("INCOMPLETE RANGE: the evidence has gaps or silent, pending or unreported workloads:")
         lines.append(
-            f"  {answer['coverage']['gap_count']} gaps, "
-            f"{answer['coverage']['workloads_without_reports_count']} workloads without reports, "
+            f"  {counted(answer['coverage']['gap_count'], 'gap')}, "
+            f"{counted(answer['coverage']['workloads_without_reports_count'], 'workload')} without reports, "
             f"{answer['coverage']['silent_workloads_count']} silent, "
             f"{answer['coverage']['pending_workloads_count']} pending"
         )
     lines.append(
-        f"{answer['from']} .. {answer['to']}: {answer['keys_classified']} flow keys; the draft would newly refuse "
-        f"{refused['connection_count']} connections from {refused['peer_count']} peers to "
-        f"{refused['service_count']} services, and newly admit {admitted['connection_count']} connections"
+        f"{answer['from']} .. {answer['to']}: {counted(answer['keys_classified'], 'flow key')}; the draft would "
+        f"newly refuse {counted(refused['connection_count'], 'connection')} from "
+        f"{counted(refused['peer_count'], 'peer')} to {counted(refused['service_count'], 'service')}, and newly "
+        f"admit {counted(admitted['connection_count'], 'connection')}"
     )
     for title, entries in (
         ("newly refused", answer["newly_refused"]),
@@ -67,7 +68,8 @@ def impact_text(answer: dict) -> str:
     ):
         for e in entries:
             lines.append(
-                f"  {title}: {e['workload_id']} <- {e['peer']} {_service(e)}: {e['connection_count']} connections, "
+                f"  {title}: {e['workload_id']} <- {e['peer']} {_service(e)}: "
+                f"{counted(e['connection_count'], 'connection')}, "
                 f"{e['first_seen']} .. {e['last_seen']}; now {_rule(e['rule_now'])}, draft {_rule(e['rule_draft'])}"
             )
     if answer["truncated"]:

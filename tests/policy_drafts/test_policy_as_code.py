@@ -1,4 +1,4 @@
-"""Policy as code: export, plan and apply (policy/as_code.py, `manage.py policy export|plan|apply`)."""
+"""Policy as code: export, plan and apply (flows/policy_drafts/as_code/, `manage.py policy export|plan|apply`)."""
 
 from __future__ import annotations
 
@@ -13,15 +13,11 @@ from controlplane.auth.actor import CLI_ACTOR
 from controlplane.models import AuditEvent
 from controlplane.problems import Problem
 from fleet.models import RenderedPolicy, Workload
+from flows.policy_drafts.as_code.apply import policy_apply
+from flows.policy_drafts.as_code.format import file_path, policy_export, policy_file_load
+from flows.policy_drafts.as_code.parse import PolicyFileInvalid
+from flows.policy_drafts.as_code.plan import policy_plan
 from policy import services as writes
-from policy.as_code import (
-    PolicyFileInvalid,
-    file_path,
-    policy_apply,
-    policy_export,
-    policy_file_load,
-    policy_plan,
-)
 from policy.models import AddressGroup, PolicyState, Rule, Ruleset, Service
 from policy.selectors import policy_version
 from tests.support.helpers import race
@@ -199,10 +195,10 @@ def _versions() -> dict[str, str]:
 @pytest.fixture
 def dryrun_seen(monkeypatch):
     """The render dry-runs the plans make, each workload's hypothetical version."""
-    import policy.as_code
+    from flows.policy_drafts.as_code import plan
 
     seen: list[dict[str, str]] = []
-    real = policy.as_code.render_dryrun
+    real = plan.render_dryrun
 
     def spy(**kwargs):
         answer = real(**kwargs)
@@ -212,7 +208,7 @@ def dryrun_seen(monkeypatch):
         )
         return answer
 
-    monkeypatch.setattr(policy.as_code, "render_dryrun", spy)
+    monkeypatch.setattr(plan, "render_dryrun", spy)
     return seen
 
 
@@ -644,7 +640,7 @@ BAD_FINDINGS = [
 
 
 def test_a_bad_file_gets_every_finding_with_its_path_and_nothing_is_written(db, tmp_path):
-    from policy.as_code import file_path
+    from flows.policy_drafts.as_code.format import file_path
 
     data = policy_file_load(text=BAD_FILE, source="bad.yaml")
     for call in (

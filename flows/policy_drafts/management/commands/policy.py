@@ -1,6 +1,6 @@
 """Policy from evidence (the same domain functions as POST /api/v1/policies/suggestions and
-POST /api/v1/policies/impact) and policy as code (export, plan, apply: policy/as_code.py). One action
-per method `do_<action>`."""
+POST /api/v1/policies/impact) and policy as code (export, plan, apply: flows/policy_drafts/as_code/).
+One action per method `do_<action>`."""
 
 from __future__ import annotations
 
@@ -10,16 +10,16 @@ from django.core.management.base import CommandError
 
 from controlplane.management.base import PalisadeCommand
 from controlplane.problems import ValidationFailed
-from controlplane.text import visible
-from flows.suggestions import policy_suggest_request
-from policy.management.as_code import (
+from controlplane.text import counted, visible
+from flows.policy_drafts.management.as_code import (
     add_as_code_actions,
     findings_text,
     run_apply,
     run_export,
     run_plan,
 )
-from policy.management.impact import add_impact_action, run_impact
+from flows.policy_drafts.management.impact import add_impact_action, run_impact
+from flows.policy_drafts.suggestions import policy_suggest_request
 
 
 class Command(PalisadeCommand):
@@ -137,7 +137,8 @@ def _text(answer: dict) -> str:
     for unseen in answer["address_group_evidence"]:
         if unseen["unseen_addresses_admitted"]:
             lines.append(
-                f"  {visible(unseen['name'])} admits {unseen['unseen_addresses_admitted']} addresses never seen"
+                f"  {visible(unseen['name'])} admits "
+                f"{counted(unseen['unseen_addresses_admitted'], 'address', 'addresses')} never seen"
             )
     for ruleset, evidence in zip(answer["rulesets"], answer["evidence"], strict=True):
         lines.append(f"ruleset {visible(ruleset['name'])}  scope {visible(ruleset['scope'])}")
@@ -145,13 +146,13 @@ def _text(answer: dict) -> str:
             sources = ", ".join(visible(next(iter(s.values()))) for s in rule["sources"])
             services = ", ".join(_service_text(s) for s in rule["services"])
             lines.append(
-                f"  from {sources} to {services}: {seen['connection_count']} connections from "
-                f"{len(seen['peers'])} peers, {seen['first_seen']} .. {seen['last_seen']}"
+                f"  from {sources} to {services}: {counted(seen['connection_count'], 'connection')} from "
+                f"{counted(len(seen['peers']), 'peer')}, {seen['first_seen']} .. {seen['last_seen']}"
             )
     for row in answer["not_generalised"]:
         lines.append(
             f"not generalised: {row['peer']} -> {row['service']['protocol']}/{row['service']['port']} "
-            f"({row['connection_count']} connections): {visible(row['reason'])}"
+            f"({counted(row['connection_count'], 'connection')}): {visible(row['reason'])}"
         )
     if not answer["rulesets"]:
         lines.append("no rule proposed")

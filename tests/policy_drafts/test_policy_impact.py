@@ -9,8 +9,8 @@ from datetime import timedelta
 from controlplane import clock
 from controlplane.auth.actor import CLI_ACTOR
 from controlplane.http_threads import HEAVY_PATHS
-from fleet.impact import policy_impact
 from fleet.services import workload_labels_replace
+from flows.policy_drafts.impact import policy_impact
 from flows.services import flow_report_ingest
 from tests.support.flow_evidence import enrolled, flow_report, windows_between
 from tests.support.helpers import assert_problem
@@ -189,7 +189,7 @@ def test_manage_py_policy_impact_calls_the_same_function(api, db, monkeypatch, t
         str(db_host.id),
     )
     assert code == 0
-    assert "newly refuse 7 connections from 1 peers to 1 services" in out
+    assert "newly refuse 7 connections from 1 peer to 1 service" in out
     assert f"newly refused: {db_host.id} <- 10.50.0.1 tcp/5432: 7 connections" in out
     assert "INCOMPLETE" not in out
     code, out, _ = run("policy", "impact", str(spec), "--from", span["from"], "--to", span["to"])

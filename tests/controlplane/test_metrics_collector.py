@@ -1,4 +1,4 @@
-"""The fleet's figures for Prometheus (fleet/metrics_collector.py) are the API's: the sync states and
+"""The fleet's figures for Prometheus (controlplane/metrics_collector.py) are the API's: the sync states and
 `removed` of GET /workloads/counts, and telemetry live, clock skew and the credential states as each
 workload's representation shows them. Each is checked against the API's reads, and its definition
 case by case at its boundaries, so a change to either side of a definition fails here."""
@@ -12,12 +12,11 @@ import pytest
 from django.conf import settings
 
 from controlplane import clock
-from fleet import sync
+from controlplane.metrics_collector import FleetCollector, fleet_figures
+from fleet import health, sync
 from fleet.credentials import credential_beyond_grace, credential_grace, credential_state
-from fleet.metrics_collector import FleetCollector, fleet_figures
 from fleet.models import Workload
 from fleet.representations import telemetry_live
-from flows import health
 from flows.models import UnsummedWindow
 from tests.support.workloads import connect, make_workload
 
@@ -117,7 +116,7 @@ def test_the_collector_yields_them_as_prometheus_families(fleet):
 def test_a_failed_read_is_a_scrape_that_says_so(db, monkeypatch):
     from django.db import OperationalError
 
-    from fleet import metrics_collector
+    from controlplane import metrics_collector
 
     def failing(now):
         raise OperationalError("canceling statement due to statement timeout")
@@ -132,7 +131,7 @@ def test_a_failed_read_is_a_scrape_that_says_so(db, monkeypatch):
 def test_the_scrapes_reads_run_under_a_statement_timeout(db, monkeypatch):
     from django.db import connection
 
-    from fleet import metrics_collector
+    from controlplane import metrics_collector
 
     seen = []
 

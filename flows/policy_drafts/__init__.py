@@ -1,0 +1,1 @@
+"""Draft policy: what a change would do before it is made (docs/architecture.md, "The apps")."""

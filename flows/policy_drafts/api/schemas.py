@@ -1,0 +1,212 @@
+"""OpenAPI shapes of draft policy: the render dry-run, the impact over past traffic and the suggested
+rules (documentation; the domain functions build the answers)."""
+
+from drf_spectacular.utils import inline_serializer
+from rest_framework import serializers
+
+from fleet.choices import Mode
+from flows.api.schemas import CoverageSerializer, ServiceKeySerializer
+
+DryrunRequest = inline_serializer(
+    "RenderDryrunRequest",
+    {
+        "rulesets": serializers.ListField(child=serializers.DictField()),
+        "services": serializers.ListField(child=serializers.DictField(), required=False),
+        "address_groups": serializers.ListField(child=serializers.DictField(), required=False),
+    },
+)
+DryrunSerializer = inline_serializer(
+    "RenderDryrun",
+    {
+        "changed_count": serializers.IntegerField(),
+        "unchanged_count": serializers.IntegerField(),
+        "changed": serializers.ListField(child=serializers.DictField()),
+        "truncated": serializers.BooleanField(),
+        "warnings": serializers.ListField(child=serializers.DictField()),
+    },
+)
+ImpactRequest = inline_serializer(
+    "PolicyImpactRequest",
+    {
+        "rulesets": serializers.ListField(
+            child=serializers.DictField(), help_text="The draft: as `POST /policies/render-dryrun`."
+        ),
+        "services": serializers.ListField(child=serializers.DictField(), required=False),
+        "address_groups": serializers.ListField(child=serializers.DictField(), required=False),
+        "from": serializers.DateTimeField(help_text="The range's start (RFC 3339), as the rollup's `from`."),
+        "to": serializers.DateTimeField(help_text="The range's end, at most 31 days after `from`."),
+        "label": serializers.ListField(
+            child=serializers.CharField(), required=False, help_text="Workload selection: selectors, ANDed."
+        ),
+        "workload": serializers.ListField(
+            child=serializers.UUIDField(), required=False, help_text="Workload selection: ids, ANDed."
+        ),
+    },
+)
+
+
+class PolicyImpactRuleSerializer(serializers.Serializer):
+    number = serializers.IntegerField(help_text="The lifetime number, as the ct mark carries it.")
+    ruleset_id = serializers.CharField()
+    ruleset_name = serializers.CharField()
+    rule_id = serializers.CharField(help_text="A draft's new rule: `new:<ruleset name>:<position>`.")
+    position = serializers.IntegerField()
+
+
+class PolicyImpactKeySerializer(serializers.Serializer):
+    workload_id = serializers.UUIDField()
+    mode = serializers.ChoiceField(choices=Mode.values, help_text="Now; keys are judged as rules judge them.")
+    peer = serializers.CharField()
+    peer_workload_id = serializers.UUIDField(allow_null=True)
+    protocol = serializers.CharField()
+    port = serializers.IntegerField()
+    connection_count = serializers.IntegerField()
+    first_seen = serializers.DateTimeField()
+    last_seen = serializers.DateTimeField()
+    rule_now = PolicyImpactRuleSerializer(allow_null=True, help_text="The rule in force now that admits it.")
+    rule_draft = PolicyImpactRuleSerializer(allow_null=True, help_text="The draft's rule that admits it.")
+
+
+class PolicyImpactSummarySerializer(serializers.Serializer):
+    count = serializers.IntegerField(help_text="Keys (workload, peer, service).")
+    connection_count = serializers.IntegerField()
+    peer_count = serializers.IntegerField()
+    service_count = serializers.IntegerField()
+    workload_count = serializers.IntegerField()
+
+
+class PolicyImpactSerializer(serializers.Serializer):
+    # "from" is a keyword: declared below.
+    to = serializers.DateTimeField()
+    keys_classified = serializers.IntegerField(help_text="Flow keys (workload, peer, service) of the range.")
+    newly_refused_summary = PolicyImpactSummarySerializer()
+    newly_refused = PolicyImpactKeySerializer(
+        many=True,
+        help_text="Admitted by a rule now, by none in the draft (enforced would block them); most connections "
+        "first, the first 1,000.",
+    )
+    newly_admitted_summary = PolicyImpactSummarySerializer()
+    newly_admitted = PolicyImpactKeySerializer(
+        many=True, help_text="Admitted by no rule now, by one in the draft; the first 1,000."
+    )
+    truncated = serializers.BooleanField()
+    coverage = CoverageSerializer()
+    warnings = serializers.ListField(child=serializers.DictField())
+
+
+PolicyImpactSerializer._declared_fields["from"] = serializers.DateTimeField()
+ImpactSerializer = PolicyImpactSerializer
+
+
+class SuggestionRequestSerializer(serializers.Serializer):
+    label = serializers.ListField(
+        child=serializers.CharField(),
+        required=False,
+        help_text="Label selectors, ANDed: the workloads to protect.",
+    )
+    workload = serializers.ListField(child=serializers.UUIDField(), required=False)
+    # `from` is a keyword: declared below.
+    to = serializers.DateTimeField(help_text="RFC 3339; at most 31 days after `from`.")
+    label_keys = serializers.ListField(
+        child=serializers.CharField(),
+        required=False,
+        help_text='The label keys that name a group of workloads; default ["app"].',
+    )
+    aggregate_prefix = serializers.IntegerField(
+        required=False,
+        min_value=0,
+        max_value=32,
+        help_text="Aggregate outside IPv4 peers into CIDRs of this length.",
+    )
+    aggregate_prefix_v6 = serializers.IntegerField(required=False, min_value=0, max_value=128)
+
+
+SuggestionRequestSerializer._declared_fields["from"] = serializers.DateTimeField(help_text="RFC 3339.")
+
+
+class SuggestedSpanSerializer(serializers.Serializer):
+    connection_count = serializers.IntegerField()
+    first_seen = serializers.DateTimeField()
+    last_seen = serializers.DateTimeField()
+
+
+class SuggestedPeerSerializer(SuggestedSpanSerializer):
+    peer = serializers.CharField()
+    peer_workload_id = serializers.UUIDField(allow_null=True)
+
+
+class SuggestedServiceSerializer(SuggestedSpanSerializer):
+    protocol = serializers.CharField()
+    port = serializers.IntegerField()
+
+
+class SuggestedRuleEvidenceSerializer(SuggestedSpanSerializer):
+    peers = SuggestedPeerSerializer(many=True)
+    services = SuggestedServiceSerializer(many=True)
+    workload_ids = serializers.ListField(child=serializers.UUIDField())
+
+
+class SuggestedRulesetEvidenceSerializer(serializers.Serializer):
+    ruleset = serializers.CharField(help_text="The proposed ruleset's name.")
+    workloads = serializers.ListField(child=serializers.UUIDField())
+    rules = SuggestedRuleEvidenceSerializer(many=True, help_text="In the order of the ruleset's rules.")
+
+
+class AddressGroupEvidenceSerializer(serializers.Serializer):
+    name = serializers.CharField()
+    addresses_seen = serializers.IntegerField()
+    unseen_addresses_admitted = serializers.IntegerField(
+        help_text="Addresses the members admit beyond those seen: 0 unless aggregation was asked for."
+    )
+
+
+class SuggestionKeySerializer(SuggestedSpanSerializer):
+    workload_id = serializers.UUIDField()
+    peer = serializers.CharField()
+    peer_workload_id = serializers.UUIDField(allow_null=True)
+    service = ServiceKeySerializer()
+
+
+class NotGeneralisedSerializer(SuggestionKeySerializer):
+    reason = serializers.CharField()
+
+
+class IncompleteIntervalSerializer(serializers.Serializer):
+    workload_id = serializers.UUIDField(allow_null=True)
+    start = serializers.DateTimeField()
+    end = serializers.DateTimeField()
+    reason = serializers.CharField()
+
+
+class SuggestionSerializer(serializers.Serializer):
+    to = serializers.DateTimeField()
+    label_keys = serializers.ListField(child=serializers.CharField())
+    complete = serializers.BooleanField(help_text="The range's coverage is complete.")
+    warning = serializers.CharField(allow_null=True, help_text="Set when the range is incomplete.")
+    draft = serializers.DictField(
+        allow_null=True,
+        help_text="The one ruleset body, as POST /rulesets takes it, when the evidence has one scope.",
+    )
+    rulesets = serializers.ListField(child=serializers.DictField(), help_text="A ruleset body per scope.")
+    address_groups = serializers.ListField(
+        child=serializers.DictField(),
+        help_text="Address group bodies to create first (POST /address-groups).",
+    )
+    services = serializers.ListField(child=serializers.DictField(), help_text="Services to create first.")
+    address_group_evidence = AddressGroupEvidenceSerializer(many=True)
+    evidence = SuggestedRulesetEvidenceSerializer(many=True)
+    not_generalised_count = serializers.IntegerField()
+    not_generalised = NotGeneralisedSerializer(
+        many=True, help_text="The first 1,000, most connections first."
+    )
+    admitted_now_count = serializers.IntegerField()
+    admitted_now = SuggestionKeySerializer(
+        many=True,
+        help_text="Keys decided unadmitted in the range that a rule in force now admits, not proposed: "
+        "the first 1,000, most connections first.",
+    )
+    coverage = CoverageSerializer()
+    incomplete_intervals = IncompleteIntervalSerializer(many=True)
+
+
+SuggestionSerializer._declared_fields["from"] = serializers.DateTimeField()

@@ -1,0 +1,9 @@
+from django.urls import path
+
+from flows.policy_drafts.api import views
+
+urlpatterns = [
+    path("policies/render-dryrun", views.RenderDryrunView.as_view()),
+    path("policies/impact", views.PolicyImpactView.as_view()),
+    path("policies/suggestions", views.PolicySuggestionsView.as_view(), name="policies-suggestions"),
+]

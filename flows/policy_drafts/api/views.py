@@ -1,0 +1,49 @@
+"""Draft policy endpoints: POST /policies/render-dryrun, /policies/impact and /policies/suggestions.
+Each handler calls one domain function with the body and renders its answer."""
+
+from drf_spectacular.utils import extend_schema
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from controlplane.api.schema import COMMON_ERRORS, WRITE_ERRORS, problem
+from flows.policy_drafts import dryrun, impact, suggestions
+from flows.policy_drafts.api import schemas
+
+NOT_FOUND = {404: problem("`not-found`: no such workload.")}
+
+
+class RenderDryrunView(APIView):
+    @extend_schema(
+        operation_id="policies_render_dryrun",
+        request=schemas.DryrunRequest,
+        responses={200: schemas.DryrunSerializer, **WRITE_ERRORS},
+    )
+    def post(self, request):
+        return Response(dryrun.render_dryrun_request(data=request.data))
+
+
+class PolicyImpactView(APIView):
+    @extend_schema(
+        operation_id="policies_impact",
+        request=schemas.ImpactRequest,
+        responses={200: schemas.ImpactSerializer, **WRITE_ERRORS, **NOT_FOUND},
+    )
+    def post(self, request):
+        return Response(impact.policy_impact(data=request.data))
+
+
+class PolicySuggestionsView(APIView):
+    @extend_schema(
+        operation_id="policies_suggestions",
+        request=schemas.SuggestionRequestSerializer,
+        responses={
+            200: schemas.SuggestionSerializer,
+            422: problem("`validation`: a bad range, selector, label key or prefix length."),
+            **NOT_FOUND,
+            **COMMON_ERRORS,
+        },
+    )
+    def post(self, request):
+        """Rules suggested from the stored flows no rule admitted (docs/policy.md, "Suggested rules").
+        Saves nothing."""
+        return Response(suggestions.policy_suggest_request(data=request.data))

@@ -1,0 +1,160 @@
+"""The read plan of the sums: which rows of which span hold a range (`sum_reads`, down the ladder of
+flows/sums/ladder.py), and a range's groups added up from them, the windows not summed yet and the
+minute rows at its edges (`spans_summed`): on PostgreSQL in the statement that reads them, on SQLite
+in Python."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from django.db import connections
+from django.db.models import Max, Min, Sum
+
+from controlplane import clock
+from flows.buckets import whole_spans
+from flows.models import UnsummedWindow
+from flows.sums.ladder import LADDER, NO_RULE, SUMMED, Span, rule_read, sums_due
+
+
+def key_sums(queryset, columns: list[str]):
+    """Rows of `queryset` (minute rows or sums) summed per key of `columns`."""
+    return queryset.values(*columns).annotate(
+        connection_count=Sum("connection_count"),
+        bytes_in=Sum("bytes_in"),
+        bytes_out=Sum("bytes_out"),
+        first_seen=Min("first_seen"),
+        last_seen=Max("last_seen"),
+    )
+
+
+def sum_reads(low: datetime, high: datetime, ladder: tuple[Span, ...] = LADDER) -> list:
+    """The read plan: the rows of sums that hold [low, high) (whole blocks), down the ladder
+    (flows/sums/ladder.py), longest span first: its whole quarters, the whole hours left beside them, the
+    blocks left beside those. Each a plain range of its span's start, which reads only its own
+    partitions and index range (a day's range: three or four quarters and a few hours a key)."""
+    rung, shorter = ladder[0], ladder[1:]
+    whole = whole_spans(low, high, rung.span) if shorter else (low, high)
+    if whole is None:
+        return sum_reads(low, high, shorter)
+    first, last = whole
+    reads = (
+        [rung.model.objects.filter(**{f"{rung.column}__gte": first, f"{rung.column}__lt": last})]
+        if first < last
+        else []
+    )
+    for side_low, side_high in ((low, first), (last, high)):
+        if side_low < side_high:
+            reads += sum_reads(side_low, side_high, shorter)
+    return reads
+
+
+def spans_summed(
+    *,
+    groups,
+    selected,
+    blocks: tuple[datetime, datetime],
+    columns: list[str],
+    annotate: Mapping[str, Callable[[], Any]] | None = None,
+    **filters,
+) -> list[dict]:
+    """Every group of a range that holds a whole ten-minute block, summed by `columns`, in key order:
+    its whole blocks (`blocks`) from the sums (`sum_reads`), the groups of windows in those not summed
+    yet, and the minute rows only at the two edges (under ten minutes each, and the blocks too recent
+    to be summed). `groups` are the range's minute rows (flows.selectors.groups_in_range), `selected`
+    its workloads (None: the whole fleet), `annotate` the computed columns that `columns` may name
+    (each made for every part), `filters` narrow every part by key columns. One statement: summing
+    moves windows from the groups read to the sums, and two statements could see a window in both or
+    in neither."""
+    first_block, last_block = blocks
+    # The blocks from here on are not summed yet, bar a round of housekeeping that ran late: read as
+    # minute rows at the edge, not window by window from the unsummed list. Exact wherever it falls:
+    # the sums are read only before it, and the minute rows only from it on.
+    split = min(last_block, max(first_block, sums_due(now=clock.now())))
+    groups = groups.filter(**filters)
+    sums = [part.filter(**filters) for part in sum_reads(first_block, split)]
+    if selected is not None:
+        sums = [part.filter(workload__in=selected) for part in sums]
+    for name, made in (annotate or {}).items():
+        groups = groups.annotate(**{name: made()})
+        sums = [part.annotate(**{name: made()}) for part in sums]
+    unsummed = UnsummedWindow.objects.filter(start__gte=first_block, start__lt=split)
+    edges = [groups.filter(start__lt=first_block), groups.filter(start__gte=split)]
+    within = groups.filter(
+        start__gte=first_block, start__lt=split, window_id__in=unsummed.values("window_id")
+    )
+    first, *rest = [key_sums(part, columns) for part in (*edges, within, *sums)]
+    parts = first.union(*rest, all=True)
+    if connections[parts.db].vendor == "postgresql":
+        return _added_up_in_sql(parts, columns)
+    return _merged(parts, columns=columns)
+
+
+def _merged(*parts, columns: list[str]) -> list[dict]:
+    """Rows of the same key from several sums, added up, in the order SQL would give (nulls last)."""
+    merged: dict[tuple, dict] = {}
+    for part in parts:
+        for row in part:
+            if "rule_number" in row:
+                row["rule_number"] = rule_read(row["rule_number"])
+            key = tuple(row[column] for column in columns)
+            seen = merged.get(key)
+            if seen is None:
+                merged[key] = row
+                continue
+            for name in ("connection_count", "bytes_in", "bytes_out"):
+                seen[name] += row[name]
+            seen["first_seen"] = min(seen["first_seen"], row["first_seen"])
+            seen["last_seen"] = max(seen["last_seen"], row["last_seen"])
+    return [merged[key] for key in sorted(merged, key=null_last)]
+
+
+def null_last(values) -> tuple:
+    """The sort key of a group's key values: in column order, a null after every value."""
+    return tuple((value is None, value if value is not None else 0) for value in values)
+
+
+# How PostgreSQL orders a key column as `null_last` orders its values in Python: text by code point
+# (the database's collation may order "1.2.3.4" after "12.0.0.1"), uuids bytewise as their integers.
+_TEXT_COLUMNS = frozenset({"peer", "protocol", "decision"})
+
+
+def _added_up_in_sql(parts, columns: list[str]) -> list[dict]:
+    """`_merged` in SQL: one row a key around the parts' UNION ALL, in the same order. A day of a
+    thousand workloads is some 20,000 partial sums but 5,000 keys: turning each partial sum into a
+    dict, its two timestamps parsed, was most of a rollup's time."""
+    connection = connections[parts.db]
+    sql, params = parts.query.get_compiler(connection=connection).as_sql()
+    q = connection.ops.quote_name
+    keys = [f"NULLIF({q(c)}, {NO_RULE})" if c == "rule_number" else q(c) for c in columns]
+    # sum() of bigint is numeric, exact past 2**63 (an older version took counts up to 2**62 a window):
+    # read as text and made an int, as Django's Sum makes its Decimal an int, three times faster.
+    added = [f"sum({q(c)})::text" for c in SUMMED]
+    # The instants as microseconds since the epoch: parsing 10,000 timestamps' text cost more than
+    # the rest of the read in Python.
+    added += [f"(extract(epoch FROM {f}({q(c)})) * 1000000)::bigint" for f, c in _SEEN]
+    by = ", ".join(str(position) for position in range(1, len(columns) + 1))
+    order = ", ".join(
+        f'{q(c)} COLLATE "C" NULLS LAST' if c in _TEXT_COLUMNS else f"{position} NULLS LAST"
+        for position, c in enumerate(columns, start=1)
+    )
+    select = ", ".join(keys + added)
+    statement = f"SELECT {select} FROM ({sql}) AS parts GROUP BY {by} ORDER BY {order}"  # noqa: S608 - our columns
+    with connection.cursor() as cursor:
+        cursor.execute(statement, params)
+        rows = cursor.fetchall()
+    added_up = []
+    width, summed = len(columns), len(columns) + len(SUMMED)
+    for values in rows:
+        row = dict(zip(columns, values[:width], strict=True))
+        row.update(zip(SUMMED, map(int, values[width:summed]), strict=True))
+        first_seen, last_seen = values[summed:]
+        row["first_seen"] = _EPOCH + timedelta(microseconds=first_seen)
+        row["last_seen"] = _EPOCH + timedelta(microseconds=last_seen)
+        added_up.append(row)
+    return added_up
+
+
+_SEEN = (("min", "first_seen"), ("max", "last_seen"))
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
