@@ -270,6 +270,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         heartbeat_seconds=args.heartbeat_seconds,
         duration=args.duration,
         verbose=args.verbose,
+        first_index=args.first_index,
     )
 
 
@@ -345,6 +346,13 @@ def build_parser() -> argparse.ArgumentParser:
     simulate = command("simulate", cmd_simulate, "run many simulated agents in one process (no kernel)")
     _bundle_options(simulate)
     simulate.add_argument("--count", type=int, required=True, help="how many agents")
+    simulate.add_argument(
+        "--first-index",
+        type=int,
+        default=1,
+        help="number the agents from here (default 1); each number has its own host name and addresses,"
+        " so simulators sharing a control plane need numbers of their own",
+    )
     simulate.add_argument("--state-root", required=True, help="one state directory per agent goes here")
     simulate.add_argument("--heartbeat-seconds", type=float, default=15.0, help="default 15")
     simulate.add_argument("--duration", type=float, default=None, help="stop after this many seconds")

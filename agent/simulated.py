@@ -158,11 +158,18 @@ async def start_simulated_fleet(
     verbose: bool = False,
     log_stream: TextIO | None = None,
     pinned: Pinned | None = None,
+    first_index: int = 1,
 ) -> SimulatedFleet:
-    """Enrol `count` simulated agents (those already enrolled under `state_root` are reused) and
-    build them, ready to run."""
+    """Enrol `count` simulated agents numbered from `first_index` (those already enrolled under
+    `state_root` are reused) and build them, ready to run. An agent's number gives its host name and
+    addresses, and an address belongs to one enrolled workload: simulators sharing a control plane
+    need numbers of their own."""
     if count < 1:
         raise AgentError("--count must be at least 1")
+    if first_index < 1 or first_index + count - 1 > MAX_AGENTS:
+        raise AgentError(
+            f"simulated agents are numbered 1 to {MAX_AGENTS}: --first-index and --count leave it"
+        )
     root = Path(state_root)
     StateDir(root).create()
     log = EventLog("fleet", log_stream)
@@ -170,7 +177,7 @@ async def start_simulated_fleet(
     loop = asyncio.get_running_loop()
     # One handshake and one SSL context for the whole fleet; blocking, so off the loop.
     pinned = pinned or await loop.run_in_executor(None, pin, bundle)
-    indexes = range(1, count + 1)
+    indexes = range(first_index, first_index + count)
     dirs = {i: root / sim_hostname(i) for i in indexes}
     missing = [i for i in indexes if not StateDir(dirs[i]).is_enrolled()]
     log("enrolling", agents=len(missing), reusing=count - len(missing))
@@ -217,6 +224,7 @@ def run_simulated_fleet(
     duration: float | None = None,
     verbose: bool = False,
     on_started: Callable[[SimulatedFleet], None] | None = None,
+    first_index: int = 1,
 ) -> int:
     """Enrol and run a simulated fleet in this process until SIGTERM/SIGINT or `duration`."""
     _raise_open_file_limit()
@@ -230,6 +238,7 @@ def run_simulated_fleet(
             heartbeat_seconds=heartbeat_seconds,
             verbose=verbose,
             log_stream=sys.stderr,
+            first_index=first_index,
         )
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):

@@ -113,6 +113,26 @@ def test_simulate_command(tmp_path):
         )
         assert status["hostname"] == "sim-00003"
 
+        # A second simulator on the same control plane numbers its agents apart (and so their addresses).
+        apart = run_cli(
+            "simulate", "--bundle", gateway.bundle(uses=2), "--count", "2", "--first-index", "6",
+            "--state-root", str(tmp_path / "apart"), "--duration", "1",
+        )  # fmt: skip
+        assert apart.returncode == 0, apart.stderr
+        assert sorted(w["hostname"] for w in gateway.gateway.workloads.values())[-2:] == [
+            "sim-00006",
+            "sim-00007",
+        ]
+        assert sorted(w["addresses"][0] for w in gateway.gateway.workloads.values())[-2:] == [
+            "10.200.0.6",
+            "10.200.0.7",
+        ]
+        beyond = run_cli(
+            "simulate", "--bundle", gateway.bundle(uses=3), "--count", "3", "--first-index", "64999",
+            "--state-root", str(tmp_path / "beyond"), "--duration", "1",
+        )  # fmt: skip
+        assert beyond.returncode == 1 and "numbered 1 to 65000" in beyond.stderr
+
         refused = run_cli(
             "simulate", "--bundle", gateway.bundle(uses=1), "--count", "3", "--state-root", str(tmp_path / "other"),
             "--duration", "1",

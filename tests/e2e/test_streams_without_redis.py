@@ -80,12 +80,13 @@ def redis_server():
     server.stop()
 
 
-def simulate(bundle: str, root: Path) -> subprocess.Popen:
+def simulate(bundle: str, root: Path, first_index: int) -> subprocess.Popen:
+    # Each fleet numbers its agents apart: an agent's number is its address, held by one workload.
     (root / "bundle.txt").parent.mkdir(parents=True, exist_ok=True)
     (root / "bundle.txt").write_text(bundle)
     return subprocess.Popen(
         [sys.executable, "-m", "agent", "simulate", "--bundle-file", str(root / "bundle.txt"),
-         "--count", str(AGENTS_EACH), "--state-root", str(root / "agents"), "--heartbeat-seconds", "1"],
+         "--count", str(AGENTS_EACH), "--first-index", str(first_index), "--state-root", str(root / "agents"), "--heartbeat-seconds", "1"],
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         env=dict(os.environ, PYTHONPATH=str(REPO)), cwd=REPO, start_new_session=True,
     )  # fmt: skip
@@ -154,9 +155,9 @@ def test_streams_survive_redis_stopped_and_restarted_under_two_serve_processes(
                 )
                 assert minted.status_code == 201, minted.text
                 fleets[name] = minted.json()["bundle"]  # names the gateway of the process that minted it
-            simulators = [simulate(fleets["first"], tmp_path / "first")]
+            simulators = [simulate(fleets["first"], tmp_path / "first", 1)]
             wait_for(apis[0], all_in("visibility", AGENTS_EACH), 60, "the first fleet synced")
-            simulators.append(simulate(fleets["second"], tmp_path / "second"))
+            simulators.append(simulate(fleets["second"], tmp_path / "second", 1 + AGENTS_EACH))
             total = 2 * AGENTS_EACH
             wait_for(apis[0], all_in("visibility", total), 60, "both fleets synced")
 
@@ -181,7 +182,7 @@ def test_streams_survive_redis_stopped_and_restarted_under_two_serve_processes(
             assert counts(apis[1])["sync_state"] == {"synced": AGENTS_EACH, "offline": AGENTS_EACH} | {
                 state: 0 for state in counts(apis[1])["sync_state"] if state not in ("synced", "offline")
             }
-            simulators.append(simulate(fleets["second"], tmp_path / "second"))
+            simulators.append(simulate(fleets["second"], tmp_path / "second", 1 + AGENTS_EACH))
             wait_for(apis[0], all_in("enforced", total), what="the agents reconnected without Redis")
 
             # -- Redis is back: notifications travel again --
