@@ -28,6 +28,10 @@ MAX_RANGE = timedelta(days=31)
 # deduplicated (by the UUID they name, however it is written) before they are counted, and resolved in
 # one query: a thousand is far past any fleet's group and keeps that query's parameters bounded.
 MAX_SELECTORS = 64
+# And their requirements in all: each is a few terms of the workloads' query, and SQLite refuses an
+# expression deeper than 1,000 terms (PostgreSQL takes more, but the answer must not depend on the
+# database).
+MAX_SELECTION_REQUIREMENTS = 256
 MAX_WORKLOAD_IDS = 1000
 # The label keys that name a group for suggested rules: a rule's scope is a selector of one value per
 # key, so a few keys already make every group its own.
@@ -116,6 +120,14 @@ def flow_selection_parse(
         labels_ = label_filters_parse(label_texts)
     except ValidationFailed as failed:
         findings.extend(failed.findings)
+    if labels_ is not None and sum(len(s.requirements) for s in labels_) > MAX_SELECTION_REQUIREMENTS:
+        findings.append(
+            Finding(
+                "?label",
+                "too-many",
+                f"label's selectors hold at most {MAX_SELECTION_REQUIREMENTS} requirements in all.",
+            )
+        )
     workload_ids = _distinct_ids(_texts("workload", workloads, findings))
     if len(workload_ids) > MAX_WORKLOAD_IDS:
         findings.append(
