@@ -162,3 +162,24 @@ def test_a_page_of_the_rollup_reads_only_its_rows_and_pages_on_past_the_bound(ap
         if not (cursor := page["next_cursor"]):
             break
     assert peers == [AGGREGATE, *PEERS]
+
+
+def test_a_plans_impact_past_the_key_bound_says_what_it_left_out(server, monkeypatch, tmp_path):
+    monkeypatch.setattr(selectors, "KEYS_READ", 2)
+    rule = {"sources": [{"any": True}], "services": [{"protocol": "tcp", "port": 22}]}
+    data = {
+        "version": 1,
+        "services": [],
+        "address_groups": [],
+        "rulesets": [{"name": "ssh", "scope": "app=db", "rules": [rule]}],
+    }
+    path = tmp_path / "policy.yaml"
+    path.write_text(json.dumps(data))
+    code, out, _ = run_command("policy", "plan", str(path), "--json")
+    impact = json.loads(out)["impact"]
+    assert code == 0
+    assert {k: impact[k] for k in ("keys_total", "keys_left_out", "connections_left_out")} == _left_out(
+        2, MINUTES
+    )
+    code, out, _ = run_command("policy", "plan", str(path))
+    assert "TRUNCATED: 3 flow keys of fewest connections not judged" in out

@@ -304,6 +304,9 @@ def policy_plan(
             "keys_classified",
             "newly_refused_summary",
             "newly_admitted_summary",
+            "keys_total",
+            "keys_left_out",
+            "connections_left_out",
             "coverage",
         )
     }
