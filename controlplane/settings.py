@@ -179,6 +179,10 @@ WHITENOISE_AUTOREFRESH = False
 # Request bodies: the API never needs more than this; larger bodies get 413 before parsing.
 PALISADE_MAX_BODY_BYTES = int(os.environ.get("PALISADE_MAX_BODY_BYTES", 1024 * 1024))
 DATA_UPLOAD_MAX_MEMORY_SIZE = PALISADE_MAX_BODY_BYTES
+# Query parameters a request may have: room for the largest selection a flow read admits (64 `label`s
+# and 1,000 `workload`s, flows/validation.py), so that its own bounds are what refuse one past them;
+# more is a malformed request (controlplane/api/errors.py), not Django's 400 page or a 500.
+DATA_UPLOAD_MAX_NUMBER_FIELDS = 2000
 # An agent's flow report carries whole windows; it alone may be this large.
 PALISADE_MAX_FLOW_REPORT_BYTES = int(os.environ.get("PALISADE_MAX_FLOW_REPORT_BYTES", 32 * 1024 * 1024))
 # The bytes of request bodies each listener holds at once, from admitting a body until it is answered

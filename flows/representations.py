@@ -164,3 +164,14 @@ def rollup_data(
         "coverage": coverage,
         "unused_rules": None if unused_rules is None else [rule_data_brief(rule) for rule in unused_rules],
     }
+
+
+def keys_read_data(read) -> dict[str, Any]:
+    """What a read of draft policy (impact, suggestions) says of the flow keys it read
+    (flows.selectors.flow_keys_summed): how many keys the range holds, and how many of them (and of their
+    connections) were left out past the bound: the answer is incomplete when any was."""
+    return {
+        "keys_total": read.key_count,
+        "keys_left_out": read.key_count - len(read.rows),
+        "connections_left_out": read.connections_left_out,
+    }

@@ -18,7 +18,7 @@ from fleet.choices import Mode, SyncState
 from fleet.models import Workload
 from fleet.selectors import workload_flow_window, workload_get, workload_queryset
 from flows.buckets import whole_spans
-from flows.choices import Decision
+from flows.choices import AGGREGATE, Decision
 from flows.models import (
     EvidenceGap,
     FlowGroup,
@@ -26,7 +26,7 @@ from flows.models import (
 )
 from flows.retention import flow_retention
 from flows.sums.ladder import BLOCK
-from flows.sums.reads import key_sums, null_last, spans_summed
+from flows.sums.reads import Summed, added_up, key_sums, null_last, spans_summed
 from flows.validation import GROUP_KEYS, workload_required
 from policy.grammar import Selector
 from policy.models import Rule
@@ -115,8 +115,24 @@ def workloads_selected(*, workload_ids: list[str], labels: list[Selector]):
         return None
     selected = workload_queryset(labels=labels)
     if workload_ids:
-        selected = selected.filter(id__in=[workload_get(workload_id=w).id for w in workload_ids])
+        selected = selected.filter(id__in=_workloads_named(workload_ids))
     return selected.values("id")
+
+
+def _workloads_named(workload_ids: list[str]) -> list[uuid.UUID]:
+    """The ids (distinct, bounded: flows/validation.py) in one query; the first that names no workload
+    is not found, as `workload_get` says it."""
+    keys = {}
+    for text in workload_ids:
+        try:
+            keys[text] = uuid.UUID(text)
+        except ValueError:
+            keys[text] = None
+    found = set(Workload.objects.filter(id__in=[k for k in keys.values() if k]).values_list("id", flat=True))
+    for text, key in keys.items():
+        if key not in found:
+            workload_get(workload_id=text)  # raises its not-found problem
+    return list(found)
 
 
 def _starts_in(start: datetime, end: datetime, lookback: timedelta) -> dict:
@@ -258,16 +274,16 @@ def ruleset_of_rule():
 UUID_COLUMNS = frozenset({"workload_id", "peer_workload_id", "ruleset_id"})
 
 
-def _summed_by_spans(planned: FlowRange, columns: list[str], **filters) -> list[dict]:
-    """The range's groups summed by `columns` from the sums (flows/sums/reads.py `spans_summed`), for
-    a range that holds a whole ten-minute block."""
+def _summed_by_spans(planned: FlowRange, columns: list[str], **options) -> Summed:
+    """The range's groups summed by `columns` from the sums (flows/sums/reads.py `spans_summed`, which
+    takes `options`), for a range that holds a whole ten-minute block."""
     return spans_summed(
         groups=groups_in_range(planned),
         selected=planned.selected,
         blocks=planned.blocks,  # type: ignore[arg-type]
         columns=columns,
         annotate={"ruleset_id": ruleset_of_rule} if "ruleset_id" in columns else None,
-        **filters,
+        **options,
     )
 
 
@@ -297,27 +313,41 @@ class Rollup:
     rule_ids: dict[int, str]
     coverage: dict
     unused_rules: list[Rule] | None
+    # Read unpaged (`limit` None), at most ROLLUP_ROWS rows: how many more there were.
+    rows_left_out: int = 0
+
+
+# The rows a rollup read unpaged (`manage.py flows rollup`, one document) holds at most: past them
+# it says how many it left out. A page of the API is bounded by its `limit`, and only that page's rows
+# (one more) are read.
+ROLLUP_ROWS = 100_000
 
 
 def flow_rollup_read(
     *, selected, group_by: list[str], start: datetime, end: datetime, cursor: str | None, limit: int | None
 ) -> Rollup:
     """The rollup of the selected workloads over [start, end) with everything said of it, from one plan
-    of the range for all its reads. `limit` None reads every row (the command's one document).
+    of the range for all its reads. `limit` None reads every row up to ROLLUP_ROWS (the command's one
+    document), and counts the rows left out.
 
     Grouped by `rule` alone over a fully covered range, the rules hit are the rollup's own rows, read
-    once, every page of them (a row per rule number): the sums are not read a second time for them."""
+    once, every page of them (a row per rule number): the sums are not read a second time for them.
+    Past ROLLUP_ROWS rule numbers the rules without hits are not said (None)."""
     planned = flow_range_plan(selected=selected, start=start, end=end)
     covered = coverage(selected, start, end, lookback=planned.lookback)
     columns, fingerprint, last = _rollup_key(planned, group_by, cursor)
-    unused = None
+    unused, left_out = None, 0
     if group_by == ["rule"] and covered["complete"]:
-        every = _rollup_rows(planned, columns, last=None, most=None)
-        unused = _rules_without_hits({row["rule_number"] for row in every})
-        rows = _after(every, columns, last)
+        every = _rollup_rows(planned, columns, last=None, most=ROLLUP_ROWS)
+        if not every.truncated:
+            unused = _rules_without_hits({row["rule_number"] for row in every.rows})
+        rows = _after(every.rows, columns, last)
         rows = rows if limit is None else rows[: limit + 1]
+        left_out = every.key_count - len(every.rows)
     else:
-        rows = _rollup_rows(planned, columns, last=last, most=None if limit is None else limit + 1)
+        read = _rollup_rows(planned, columns, last=last, most=ROLLUP_ROWS if limit is None else limit + 1)
+        rows = read.rows
+        left_out = read.key_count - len(read.rows) if limit is None else 0
     rows, next_cursor = _page_end(rows, columns, fingerprint, limit)
     return Rollup(
         rows=rows,
@@ -325,6 +355,7 @@ def flow_rollup_read(
         rule_ids=rule_ids_by_number({row.get("rule_number") for row in rows}),
         coverage=covered,
         unused_rules=unused,
+        rows_left_out=left_out,
     )
 
 
@@ -334,7 +365,7 @@ def flow_rollup(
     """A page of the rollup's rows alone, and the next page's cursor (`flow_rollup_read` says the rest)."""
     planned = flow_range_plan(selected=selected, start=start, end=end)
     columns, fingerprint, last = _rollup_key(planned, group_by, cursor)
-    rows = _rollup_rows(planned, columns, last=last, most=limit + 1)
+    rows = _rollup_rows(planned, columns, last=last, most=limit + 1).rows
     return _page_end(rows, columns, fingerprint, limit)
 
 
@@ -364,22 +395,23 @@ def _rollup_key(
     return columns, fingerprint, last
 
 
-def _rollup_rows(
-    planned: FlowRange, columns: list[str], *, last: list | None, most: int | None
-) -> list[dict]:
+def _rollup_rows(planned: FlowRange, columns: list[str], *, last: list | None, most: int) -> Summed:
     """Sums of the range's groups by `columns`, in the order of their keys (nulls last), after the key
-    `last`, at most `most` of them (None: all). Whole blocks come from the sums (`_summed_by_spans`);
-    a range without one, or a series by window start, from the minute rows."""
+    `last`, at most `most` of them, and how many keys there were. Whole blocks come from the sums
+    (`_summed_by_spans`, the bound and the count in its statement on PostgreSQL); a range without one,
+    or a series by window start, from the minute rows (counted only when over the bound)."""
     if planned.blocks is None or "start" in columns:
         groups = groups_in_range(planned)
         if "ruleset_id" in columns:
             groups = groups.annotate(ruleset_id=ruleset_of_rule())
         if last is not None:
             groups = groups.filter(_after_key(columns, last))
-        ordered = key_sums(groups, columns).order_by(*[F(column).asc(nulls_last=True) for column in columns])
-        return list(ordered if most is None else ordered[:most])
-    merged = _after(_summed_by_spans(planned, columns), columns, last)
-    return merged if most is None else merged[:most]
+        summed = key_sums(groups, columns)
+        ordered = summed.order_by(*[F(column).asc(nulls_last=True) for column in columns])
+        rows = list(ordered[:most])
+        count = summed.count() if len(rows) == most else len(rows)
+        return Summed(rows=rows, key_count=count, connection_count=0)
+    return _summed_by_spans(planned, columns, most=most, after=last)
 
 
 def _after(rows: list[dict], columns: list[str], last: list | None) -> list[dict]:
@@ -408,20 +440,41 @@ def _rules_without_hits(hit: set) -> list[Rule]:
     )
 
 
-def _summed(planned: FlowRange, columns: list[str], **filters) -> list[dict]:
-    """The range's groups summed by `columns` (`filters` narrowing them). A range holding a whole
+def _summed(
+    planned: FlowRange,
+    columns: list[str],
+    *conditions: Q,
+    most: int | None = None,
+    by_connections: bool = False,
+    **filters,
+) -> Summed:
+    """The range's groups summed by `columns` (`conditions` and `filters` narrowing them), at most
+    `most` of them, by key or with `by_connections` most connections first. A range holding a whole
     ten-minute block reads the sums, as the rollup does: a day of a thousand workloads is millions of
     minute rows but a hundred thousand hour rows."""
     if planned.blocks is None:
-        return list(key_sums(groups_in_range(planned).filter(**filters), columns))
-    return _summed_by_spans(planned, columns, **filters)
+        parts = key_sums(groups_in_range(planned).filter(*conditions, **filters), columns)
+        return added_up(parts, columns, most=most, by_connections=by_connections)
+    return _summed_by_spans(
+        planned, columns, conditions=conditions, most=most, by_connections=by_connections, **filters
+    )
 
 
-def flow_keys_summed(planned: FlowRange, columns: list[str], **filters) -> list[dict]:
-    """Every group of the planned range summed by `columns` (`filters` narrow them by key columns),
-    read as the rollup reads them: for the impact of a draft policy (flows/policy_drafts/impact.py)
-    and suggested rules (flows/policy_drafts/suggestions.py)."""
-    return _summed(planned, columns, **filters)
+# The keys (workload, peer, service) the reads of draft policy judge at most, most connections first:
+# the impact judges each key twice and the suggestions build evidence of each, so an agent that
+# reports many distinct keys would otherwise make either read's time and answer grow with them.
+KEYS_READ = 20_000
+
+
+def flow_keys_summed(planned: FlowRange, columns: list[str], **filters) -> Summed:
+    """The groups of the planned range summed by `columns` (`filters` narrow them by key columns), read
+    as the rollup reads them, at most KEYS_READ keys, those of most connections first, with the count of
+    every key and of their connections: for the impact of a draft policy
+    (flows/policy_drafts/impact.py) and suggested rules (flows/policy_drafts/suggestions.py). A
+    window's aggregate key (peer `*`: its keys over the ingestion bound, summed) is no peer and no
+    service: it is left out in the query, neither read nor counted (its range's `keys_aggregated` gap
+    already says the evidence is not whole)."""
+    return _summed(planned, columns, ~Q(peer=AGGREGATE), most=KEYS_READ, by_connections=True, **filters)
 
 
 def _review_decisions(planned: FlowRange, elsewhere_ids: set) -> tuple[list, list]:
@@ -433,7 +486,7 @@ def _review_decisions(planned: FlowRange, elsewhere_ids: set) -> tuple[list, lis
     rows = _summed(
         planned, ["workload_id", "peer", "protocol", "port", "decision"],
         decision__in=[Decision.WOULD_BLOCK, Decision.OBSERVED, Decision.BLOCKED],
-    )  # fmt: skip
+    ).rows  # fmt: skip
     would_block = [
         {key: value for key, value in row.items() if key != "decision"}
         for row in rows

@@ -10,6 +10,7 @@ of the parameter (`?from`, `?label[1]`) or of the body's member (`/from`, `/labe
 from __future__ import annotations
 
 import re
+import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -22,6 +23,19 @@ from flows.reports import Refused, peer_address
 from policy.grammar import GrammarError, Selector, validate_label_key
 
 MAX_RANGE = timedelta(days=31)
+# A selection's bounds. Selectors are ANDed, so more than a few say nothing new, and each is a clause
+# of the workloads' query (64 of 64 requirements each is already 4,096 of them). Workload ids are
+# deduplicated (by the UUID they name, however it is written) before they are counted, and resolved in
+# one query: a thousand is far past any fleet's group and keeps that query's parameters bounded.
+MAX_SELECTORS = 64
+# And their requirements in all: each is a few terms of the workloads' query, and SQLite refuses an
+# expression deeper than 1,000 terms (PostgreSQL takes more, but the answer must not depend on the
+# database).
+MAX_SELECTION_REQUIREMENTS = 256
+MAX_WORKLOAD_IDS = 1000
+# The label keys that name a group for suggested rules: a rule's scope is a selector of one value per
+# key, so a few keys already make every group its own.
+MAX_LABEL_KEYS = 16
 # No evidence lies outside these, and reading a range reaches a window's length before it and a few
 # hours around it: near year 1 or 9999 that arithmetic leaves what a datetime can hold.
 EARLIEST = datetime(1970, 1, 1, tzinfo=UTC)
@@ -92,11 +106,35 @@ def flow_selection_parse(
         range_ = flow_range_parse(start=_instant_text(start), end=_instant_text(end))
     except ValidationFailed as failed:
         findings.extend(failed.findings)
+    label_texts = _texts("label", labels, findings)
+    if len(label_texts) > MAX_SELECTORS:
+        findings.append(
+            Finding(
+                "?label",
+                "too-many",
+                f"label may be given at most {MAX_SELECTORS} times (selectors are ANDed).",
+            )
+        )
+        label_texts = []
     try:
-        labels_ = label_filters_parse(_texts("label", labels, findings))
+        labels_ = label_filters_parse(label_texts)
     except ValidationFailed as failed:
         findings.extend(failed.findings)
-    workload_ids = _texts("workload", workloads, findings)
+    if labels_ is not None and sum(len(s.requirements) for s in labels_) > MAX_SELECTION_REQUIREMENTS:
+        findings.append(
+            Finding(
+                "?label",
+                "too-many",
+                f"label's selectors hold at most {MAX_SELECTION_REQUIREMENTS} requirements in all.",
+            )
+        )
+    workload_ids = _distinct_ids(_texts("workload", workloads, findings))
+    if len(workload_ids) > MAX_WORKLOAD_IDS:
+        findings.append(
+            Finding(
+                "?workload", "too-many", f"workload names at most {MAX_WORKLOAD_IDS} distinct workload ids."
+            )
+        )
     if findings:
         raise ValidationFailed([_at_body(f) for f in findings] if at == BODY else findings)
     assert range_ is not None and labels_ is not None  # noqa: S101  # else a finding was raised
@@ -112,6 +150,19 @@ def _texts(name: str, value: Any, findings: list[Finding]) -> list[str]:
         findings.append(Finding(f"?{name}", "type", f"{name} must be a list of strings."))
         return []
     return list(value)
+
+
+def _distinct_ids(texts: list[str]) -> list[str]:
+    """Workload ids once each, in their first order: the same UUID however written (case, braces) is
+    one id; a text that is no UUID is kept as given (it names no workload: not found)."""
+    seen: dict[object, str] = {}
+    for text in texts:
+        try:
+            key: object = uuid.UUID(text)
+        except ValueError:
+            key = text
+        seen.setdefault(key, text)
+    return list(seen.values())
 
 
 def _at_body(finding: Finding) -> Finding:
@@ -138,6 +189,11 @@ def label_keys_parse(value: Any) -> list[str]:
     request gives none passes DEFAULT_LABEL_KEYS), without repeats."""
     findings: list[Finding] = []
     keys = _texts("label_keys", value, findings)
+    if len(keys) > MAX_LABEL_KEYS:
+        findings.append(
+            Finding("?label_keys", "too-many", f"label_keys may name at most {MAX_LABEL_KEYS} label keys.")
+        )
+        keys = []
     for index, key in enumerate(keys):
         try:
             validate_label_key(key)

@@ -8,6 +8,7 @@ references, duplicate names) are checked in services.py with the same finding sh
 from __future__ import annotations
 
 import ipaddress
+import unicodedata
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -119,7 +120,51 @@ def _take_name(data, findings, base: str = "") -> str:
         findings.add(base + "/name", "name-whitespace", "name must not start or end with whitespace.")
     if name and _looks_like_id(name):
         findings.add(base + "/name", "name-is-id", "name must not look like an object id.")
+    if name and (problem := lookalike_problem(name)) is not None:
+        findings.add(base + "/name", "name-lookalike", f"name {problem}.")
     return name
+
+
+# Cyrillic and Greek letters that look like Latin ones: a name written in them alone reads as a Latin
+# name it is not (`раураl` for `paypal`). Mixed with Latin letters they are refused anyway.
+_LATIN_LOOKALIKES = frozenset(
+    "АВЕЅІЈКМНОРСТХУаеіјорсхуѕԁһԛԝүӏ"  # Cyrillic
+    "ΑΒΕΖΗΙΚΜΝΟΡΤΥΧοϲνι"  # Greek
+)
+# Letters of these scripts are written together in one name (Japanese, Chinese, Korean).
+_HAN_FAMILY = frozenset({"CJK", "HIRAGANA", "KATAKANA", "KATAKANA-HIRAGANA", "HANGUL", "BOPOMOFO"})
+
+
+def _script(character: str) -> str | None:
+    """The script of a letter by the first word of its Unicode name (LATIN, CYRILLIC, GREEK, CJK ...);
+    None for what is not a letter (digits, punctuation, the space)."""
+    if not unicodedata.category(character).startswith("L"):
+        return None
+    script = unicodedata.name(character, "?").split(" ", 1)[0]
+    return "HAN" if script in _HAN_FAMILY else script
+
+
+def lookalike_problem(text: str) -> str | None:
+    """Why a name could be taken for another, or None. A name is what an operator reads in a plan, a
+    console or an audit trail and matches by eye, so it must read as what it is: its NFKC form is
+    itself (no full-width `ｗｅｂ`, no ligature, no compatibility form), every character is visible
+    (no zero-width, format, private-use, unassigned or separator character but the ASCII space), its
+    letters are of one script (no Latin word with a Cyrillic `а` in it; Chinese, Japanese and Korean
+    count as one), and it is not written wholly in Cyrillic or Greek letters that look like Latin ones."""
+    normalised = unicodedata.normalize("NFKC", text)
+    if normalised != text:
+        return f"must be written in its normal form (NFKC: {normalised!r}): compatibility forms look like other text"
+    for position, character in enumerate(text):
+        category = unicodedata.category(character)
+        if character != " " and (category[0] in "CZ" or category in ("Mn", "Me") and position == 0):
+            return f"contains U+{ord(character):04X} at position {position}, which is not a visible character"
+    scripts = {script for script in map(_script, text) if script is not None}
+    if len(scripts) > 1:
+        return f"mixes the letters of {', '.join(sorted(scripts)).lower()} scripts: it could pass for another name"
+    letters = [character for character in text if _script(character) is not None]
+    if letters and scripts <= {"CYRILLIC", "GREEK"} and all(c in _LATIN_LOOKALIKES for c in letters):
+        return "is written in Cyrillic or Greek letters that look like Latin ones: it could pass for a Latin name"
+    return None
 
 
 def _looks_like_id(text: str) -> bool:

@@ -8,7 +8,7 @@ import logging
 import math
 import sys
 
-from django.core.exceptions import RequestDataTooBig
+from django.core.exceptions import RequestDataTooBig, TooManyFieldsSent
 from django.http import Http404, HttpResponse
 from django.shortcuts import render
 from rest_framework import exceptions as drf
@@ -92,6 +92,13 @@ def problem_from_exception(exc: Exception) -> Problem | None:
         from django.conf import settings
 
         return Problem("payload-too-large", max_bytes=settings.PALISADE_MAX_BODY_BYTES)
+    if isinstance(exc, TooManyFieldsSent):
+        from django.conf import settings
+
+        return Problem(
+            "malformed-request",
+            f"The request has more than {settings.DATA_UPLOAD_MAX_NUMBER_FIELDS:,} query parameters.",
+        )
     if isinstance(exc, drf.ParseError):
         return Problem("malformed-request", f"The body is not valid JSON: {exc.detail}")
     if isinstance(exc, (drf.NotAuthenticated, drf.AuthenticationFailed)):

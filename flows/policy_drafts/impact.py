@@ -20,10 +20,9 @@ from typing import Any
 from controlplane.clock import rfc3339
 from controlplane.problems import ValidationFailed
 from controlplane.validation import Findings, require_object
-from flows.choices import AGGREGATE
 from flows.policy_drafts.classifier import FlowKeyClassifier
 from flows.policy_drafts.draft import Draft, draft_parse
-from flows.representations import coverage_data
+from flows.representations import coverage_data, keys_read_data
 from flows.selectors import coverage, flow_keys_summed, flow_range_plan, workloads_selected
 from flows.validation import BODY, FlowSelection, flow_selection_parse
 from policy.selectors import PolicyInputs
@@ -85,10 +84,10 @@ def draft_impact(*, draft: Draft, selection: FlowSelection) -> dict:
     start, end = selection.start, selection.end
     planned = flow_range_plan(selected=selected, start=start, end=end)
     covered = coverage(selected, start, end, lookback=planned.lookback)
-    rows = flow_keys_summed(planned, KEY_COLUMNS)
-    # A window's aggregate key (its keys over the bound, summed) is no peer and no service: nothing is
-    # proposed or judged from it; its range's keys_aggregated gap already says the evidence is not whole.
-    rows = [row for row in rows if row["peer"] != AGGREGATE]
+    # The keys of most connections, up to a bound (the aggregate key left out in the query): past it
+    # the answer says how many keys and connections were not judged.
+    read = flow_keys_summed(planned, KEY_COLUMNS)
+    rows = read.rows
 
     judge = FlowKeyClassifier(draft.in_force, drafts=[draft.policy])
     rules_now, rules_draft = _rules_by_number(draft.in_force.policy), _rules_by_number(draft.policy)
@@ -135,7 +134,10 @@ def draft_impact(*, draft: Draft, selection: FlowSelection) -> dict:
         "newly_refused": refused[:MAX_LISTED],
         "newly_admitted_summary": _summary(admitted),
         "newly_admitted": admitted[:MAX_LISTED],
-        "truncated": len(refused) > MAX_LISTED or len(admitted) > MAX_LISTED,
+        # The lists stop at MAX_LISTED entries (their summaries count every one); `keys_left_out` says
+        # the keys themselves stopped at their bound, and then the summaries too are of the keys read.
+        "truncated": len(refused) > MAX_LISTED or len(admitted) > MAX_LISTED or read.truncated,
+        **keys_read_data(read),
         "coverage": coverage_data(covered),
         "warnings": draft.warnings(),
     }

@@ -29,10 +29,10 @@ from controlplane.clock import rfc3339
 from controlplane.problems import ValidationFailed, pointer
 from controlplane.validation import Findings, parsed_together, reject_unknown, require_object
 from fleet.models import Workload
-from flows.choices import AGGREGATE, Decision
+from flows.choices import Decision
 from flows.policy_drafts.classifier import FlowKeyClassifier
 from flows.policy_drafts.draft import in_force_load
-from flows.representations import coverage_data
+from flows.representations import coverage_data, keys_read_data
 from flows.selectors import coverage, flow_keys_summed, flow_range_plan, workloads_selected
 from flows.validation import (
     BODY,
@@ -289,10 +289,10 @@ def policy_suggest(
     label_keys = label_keys_parse(list(label_keys) if label_keys is not None else list(DEFAULT_LABEL_KEYS))
     planned = flow_range_plan(selected=selected, start=start, end=end)
     covered = coverage(selected, start, end, lookback=planned.lookback)
-    rows = flow_keys_summed(planned, KEY_COLUMNS, decision__in=list(UNADMITTED))
-    # A window's aggregate key (its keys over the bound, summed) is no peer and no service: nothing is
-    # proposed or judged from it; its range's keys_aggregated gap already says the evidence is not whole.
-    rows = [row for row in rows if row["peer"] != AGGREGATE]
+    # The keys of most connections, up to a bound (the aggregate key left out in the query): past it
+    # the answer says how many keys and connections it did not learn from.
+    read = flow_keys_summed(planned, KEY_COLUMNS, decision__in=list(UNADMITTED))
+    rows = read.rows
     ids = {r["workload_id"] for r in rows} | {r["peer_workload_id"] for r in rows if r["peer_workload_id"]}
     workloads = {
         row[0]: _Workload(*row)
@@ -331,6 +331,9 @@ def policy_suggest(
         "admitted_now": _most(sorted_out.admitted_now),
         "coverage": coverage_data(covered),
         "incomplete_intervals": intervals,
+        # The keys read stopped at their bound: the proposal lacks the keys of fewest connections.
+        "truncated": read.truncated,
+        **keys_read_data(read),
     }
 
 

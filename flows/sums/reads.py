@@ -6,11 +6,12 @@ in Python."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from django.db import connections
-from django.db.models import Max, Min, Sum
+from django.db.models import Max, Min, Q, Sum
 
 from controlplane import clock
 from flows.buckets import whole_spans
@@ -50,6 +51,24 @@ def sum_reads(low: datetime, high: datetime, ladder: tuple[Span, ...] = LADDER) 
     return reads
 
 
+@dataclass(frozen=True)
+class Summed:
+    """A range's rows added up by key: at most the bound a read asked for, and how many keys (and
+    their connections) there were in all, so that a read past its bound says what it left out."""
+
+    rows: list[dict]
+    key_count: int
+    connection_count: int
+
+    @property
+    def truncated(self) -> bool:
+        return self.key_count > len(self.rows)
+
+    @property
+    def connections_left_out(self) -> int:
+        return self.connection_count - sum(row["connection_count"] for row in self.rows)
+
+
 def spans_summed(
     *,
     groups,
@@ -57,23 +76,27 @@ def spans_summed(
     blocks: tuple[datetime, datetime],
     columns: list[str],
     annotate: Mapping[str, Callable[[], Any]] | None = None,
+    conditions: tuple[Q, ...] = (),
+    most: int | None = None,
+    by_connections: bool = False,
+    after: list | None = None,
     **filters,
-) -> list[dict]:
-    """Every group of a range that holds a whole ten-minute block, summed by `columns`, in key order:
-    its whole blocks (`blocks`) from the sums (`sum_reads`), the groups of windows in those not summed
-    yet, and the minute rows only at the two edges (under ten minutes each, and the blocks too recent
-    to be summed). `groups` are the range's minute rows (flows.selectors.groups_in_range), `selected`
-    its workloads (None: the whole fleet), `annotate` the computed columns that `columns` may name
-    (each made for every part), `filters` narrow every part by key columns. One statement: summing
-    moves windows from the groups read to the sums, and two statements could see a window in both or
-    in neither."""
+) -> Summed:
+    """Every group of a range that holds a whole ten-minute block, summed by `columns`: its whole
+    blocks (`blocks`) from the sums (`sum_reads`), the groups of windows in those not summed yet, and
+    the minute rows only at the two edges (under ten minutes each, and the blocks too recent to be
+    summed). `groups` are the range's minute rows (flows.selectors.groups_in_range), `selected` its
+    workloads (None: the whole fleet), `annotate` the computed columns that `columns` may name (each
+    made for every part), `conditions` and `filters` narrow every part by key columns. One statement:
+    summing moves windows from the groups read to the sums, and two statements could see a window in
+    both or in neither. `most`, `by_connections` and `after` as `added_up` takes them."""
     first_block, last_block = blocks
     # The blocks from here on are not summed yet, bar a round of housekeeping that ran late: read as
     # minute rows at the edge, not window by window from the unsummed list. Exact wherever it falls:
     # the sums are read only before it, and the minute rows only from it on.
     split = min(last_block, max(first_block, sums_due(now=clock.now())))
-    groups = groups.filter(**filters)
-    sums = [part.filter(**filters) for part in sum_reads(first_block, split)]
+    groups = groups.filter(*conditions, **filters)
+    sums = [part.filter(*conditions, **filters) for part in sum_reads(first_block, split)]
     if selected is not None:
         sums = [part.filter(workload__in=selected) for part in sums]
     for name, made in (annotate or {}).items():
@@ -86,9 +109,32 @@ def spans_summed(
     )
     first, *rest = [key_sums(part, columns) for part in (*edges, within, *sums)]
     parts = first.union(*rest, all=True)
+    return added_up(parts, columns, most=most, by_connections=by_connections, after=after)
+
+
+def added_up(
+    parts,
+    columns: list[str],
+    *,
+    most: int | None = None,
+    by_connections: bool = False,
+    after: list | None = None,
+) -> Summed:
+    """The rows of `parts` (`key_sums` of one or more querysets) added up by key: in key order (nulls
+    last) after the key `after`, or with `by_connections` most connections first (then by key); at
+    most `most` of them (None: all), with the count of every key. On PostgreSQL in one statement
+    around the parts (the bound and the count in it: what is left out is never sent), on SQLite in
+    Python."""
     if connections[parts.db].vendor == "postgresql":
-        return _added_up_in_sql(parts, columns)
-    return _merged(parts, columns=columns)
+        return _added_up_in_sql(parts, columns, most=most, by_connections=by_connections, after=after)
+    rows = _merged(parts, columns=columns)
+    if after is not None:
+        bound = null_last(after)
+        rows = [row for row in rows if null_last(row[c] for c in columns) > bound]
+    if by_connections:
+        rows.sort(key=lambda row: -row["connection_count"])  # stable: ties stay in key order
+    total = sum(row["connection_count"] for row in rows)
+    return Summed(rows=rows if most is None else rows[:most], key_count=len(rows), connection_count=total)
 
 
 def _merged(*parts, columns: list[str]) -> list[dict]:
@@ -120,40 +166,79 @@ def null_last(values) -> tuple:
 _TEXT_COLUMNS = frozenset({"peer", "protocol", "decision"})
 
 
-def _added_up_in_sql(parts, columns: list[str]) -> list[dict]:
+def _added_up_in_sql(
+    parts, columns: list[str], *, most: int | None, by_connections: bool, after: list | None
+) -> Summed:
     """`_merged` in SQL: one row a key around the parts' UNION ALL, in the same order. A day of a
     thousand workloads is some 20,000 partial sums but 5,000 keys: turning each partial sum into a
-    dict, its two timestamps parsed, was most of a rollup's time."""
+    dict, its two timestamps parsed, was most of a rollup's time. The keys after `after` are chosen
+    before they are added up, the bound is a LIMIT, and the count of every key (and of their
+    connections) is a window over the grouped rows, before the LIMIT."""
     connection = connections[parts.db]
     sql, params = parts.query.get_compiler(connection=connection).as_sql()
+    params = list(params)
     q = connection.ops.quote_name
-    keys = [f"NULLIF({q(c)}, {NO_RULE})" if c == "rule_number" else q(c) for c in columns]
+    expressions = {c: f"NULLIF({q(c)}, {NO_RULE})" if c == "rule_number" else q(c) for c in columns}
+    keys = [expressions[c] for c in columns]
     # sum() of bigint is numeric, exact past 2**63 (an older version took counts up to 2**62 a window):
     # read as text and made an int, as Django's Sum makes its Decimal an int, three times faster.
     added = [f"sum({q(c)})::text" for c in SUMMED]
     # The instants as microseconds since the epoch: parsing 10,000 timestamps' text cost more than
     # the rest of the read in Python.
     added += [f"(extract(epoch FROM {f}({q(c)})) * 1000000)::bigint" for f, c in _SEEN]
+    added += ["count(*) OVER ()", f"(sum(sum({q('connection_count')})) OVER ())::text"]
     by = ", ".join(str(position) for position in range(1, len(columns) + 1))
     order = ", ".join(
         f'{q(c)} COLLATE "C" NULLS LAST' if c in _TEXT_COLUMNS else f"{position} NULLS LAST"
         for position, c in enumerate(columns, start=1)
     )
+    if by_connections:
+        order = f"sum({q('connection_count')}) DESC, {order}"
+    where = ""
+    if after is not None:
+        condition, condition_params = _after_in_sql(expressions, columns, after)
+        where, params = f" WHERE {condition}", params + condition_params
+    limit = ""
+    if most is not None:
+        limit, params = " LIMIT %s", [*params, most]
     select = ", ".join(keys + added)
-    statement = f"SELECT {select} FROM ({sql}) AS parts GROUP BY {by} ORDER BY {order}"  # noqa: S608 - our columns
+    statement = f"SELECT {select} FROM ({sql}) AS parts{where} GROUP BY {by} ORDER BY {order}{limit}"  # noqa: S608 - our columns
     with connection.cursor() as cursor:
         cursor.execute(statement, params)
         rows = cursor.fetchall()
     added_up = []
     width, summed = len(columns), len(columns) + len(SUMMED)
+    key_count, connection_count = 0, 0
     for values in rows:
         row = dict(zip(columns, values[:width], strict=True))
         row.update(zip(SUMMED, map(int, values[width:summed]), strict=True))
-        first_seen, last_seen = values[summed:]
+        first_seen, last_seen, key_count, connection_total = values[summed:]
+        connection_count = int(connection_total)
         row["first_seen"] = _EPOCH + timedelta(microseconds=first_seen)
         row["last_seen"] = _EPOCH + timedelta(microseconds=last_seen)
         added_up.append(row)
-    return added_up
+    return Summed(rows=added_up, key_count=key_count, connection_count=connection_count)
+
+
+def _after_in_sql(expressions: dict[str, str], columns: list[str], last: list) -> tuple[str, list]:
+    """Rows whose key comes after `last` in the key order (nulls last, text by code point), as
+    flows.selectors `_after_key` says it for the ORM: (a > x or a is null) or (a = x and (b > y ...))."""
+    alternatives, params = [], []
+    for index, (column, value) in enumerate(zip(columns, last, strict=True)):
+        if value is None:
+            continue
+        collate = ' COLLATE "C"' if column in _TEXT_COLUMNS else ""
+        step = [f"({expressions[column]}{collate} > %s{collate} OR {expressions[column]} IS NULL)"]
+        step_params = [value]
+        for previous, earlier in zip(columns[:index], last[:index], strict=True):
+            if earlier is None:
+                step.append(f"{expressions[previous]} IS NULL")
+            else:
+                step.append(f"{expressions[previous]} = %s")
+                step_params.append(earlier)
+        alternatives.append("(" + " AND ".join(step) + ")")
+        params += step_params
+    return ("(" + " OR ".join(alternatives) + ")" if alternatives else "FALSE"), params
 
 
 _SEEN = (("min", "first_seen"), ("max", "last_seen"))

@@ -157,6 +157,12 @@ class Command(PalisadeCommand):
         document = rollup_data(
             rollup.rows, rule_ids=rollup.rule_ids, next_cursor=None, coverage=covered, unused_rules=unused
         )
+        # One document holds at most ROLLUP_ROWS rows: past them it says how many it left out.
+        document["truncated"], document["rows_left_out"] = rollup.rows_left_out > 0, rollup.rows_left_out
+        left_out = (
+            f"truncated: {counted(rollup.rows_left_out, 'more row')} not shown (at most "
+            f"{selectors.ROLLUP_ROWS:,} at once): narrow the selection or the range, or page GET /flows/rollup"
+        )
         flat = [rollup_row(row) for row in document["items"]]
         incomplete = (
             f"incomplete: {counted(covered['gap_count'], 'gap')}, "
@@ -173,10 +179,14 @@ class Command(PalisadeCommand):
             self.stdout.write(_csv(rollup_columns(group_by), flat))
             if not covered["complete"]:  # beside the data, where a spreadsheet would not take it for a row
                 self.stderr.write(incomplete + " (--json lists them)")
+            if rollup.rows_left_out:
+                self.stderr.write(left_out)
             return
         lines = [json.dumps(row, sort_keys=True) for row in flat] or ["no flows in the range"]
         if not covered["complete"]:
             lines.append(incomplete)
+        if rollup.rows_left_out:
+            lines.append(left_out)
         if unused:
             lines.append(
                 "unused in the range: "

@@ -89,7 +89,16 @@ class PolicyImpactSerializer(serializers.Serializer):
     newly_admitted = PolicyImpactKeySerializer(
         many=True, help_text="Admitted by no rule now, by one in the draft; the first 1,000."
     )
-    truncated = serializers.BooleanField()
+    truncated = serializers.BooleanField(
+        help_text="A list stopped at 1,000 entries, or the keys read at their bound (keys_left_out)."
+    )
+    keys_total = serializers.IntegerField(
+        help_text="Flow keys of the range (the windows' aggregate keys aside), every one counted."
+    )
+    keys_left_out = serializers.IntegerField(
+        help_text="Keys not read: past the bound of 20,000 keys read, those of fewest connections."
+    )
+    connections_left_out = serializers.IntegerField(help_text="The connections of the keys left out.")
     coverage = CoverageSerializer()
     warnings = serializers.ListField(child=serializers.DictField())
 
@@ -102,15 +111,21 @@ class SuggestionRequestSerializer(serializers.Serializer):
     label = serializers.ListField(
         child=serializers.CharField(),
         required=False,
-        help_text="Label selectors, ANDed: the workloads to protect.",
+        max_length=64,
+        help_text="Label selectors, ANDed (at most 64): the workloads to protect.",
     )
-    workload = serializers.ListField(child=serializers.UUIDField(), required=False)
+    workload = serializers.ListField(
+        child=serializers.UUIDField(),
+        required=False,
+        help_text="Workload ids: repeats count once, at most 1,000 distinct.",
+    )
     # `from` is a keyword: declared below.
     to = serializers.DateTimeField(help_text="RFC 3339; at most 31 days after `from`.")
     label_keys = serializers.ListField(
         child=serializers.CharField(),
         required=False,
-        help_text='The label keys that name a group of workloads; default ["app"].',
+        max_length=16,
+        help_text='The label keys that name a group of workloads (at most 16); default ["app"].',
     )
     aggregate_prefix = serializers.IntegerField(
         required=False,
@@ -207,6 +222,16 @@ class SuggestionSerializer(serializers.Serializer):
     )
     coverage = CoverageSerializer()
     incomplete_intervals = IncompleteIntervalSerializer(many=True)
+    truncated = serializers.BooleanField(
+        help_text="The keys read stopped at their bound: the proposal lacks the keys left out."
+    )
+    keys_total = serializers.IntegerField(
+        help_text="Flow keys of the range (the windows' aggregate keys aside), every one counted."
+    )
+    keys_left_out = serializers.IntegerField(
+        help_text="Keys not read: past the bound of 20,000 keys read, those of fewest connections."
+    )
+    connections_left_out = serializers.IntegerField(help_text="The connections of the keys left out.")
 
 
 SuggestionSerializer._declared_fields["from"] = serializers.DateTimeField()

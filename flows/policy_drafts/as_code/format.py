@@ -24,13 +24,17 @@ from controlplane.conditional import version_text
 from controlplane.problems import Problem
 from controlplane.strict_json import decoded_values_check, json_loads_strict
 from controlplane.validation import quoted
+from flows.policy_drafts.as_code.yaml_core import CoreConstructor, CoreParser, CoreResolver, aliases_refuse
 from policy.choices import SourceKind
 from policy.models import AddressGroup, PolicyState, Ruleset, Service
 from policy.representations import port_entry_data
 
 FORMAT_VERSION = 1
 FORMATS = ("yaml", "json")
-MAX_FILE_BYTES = 32 * 1024 * 1024
+# A file is read whole, then checked, planned and applied in one go: this much is read and planned
+# within a minute at the densest (bench/bench_policy_plan.py, docs/benchmarks.md); an export of
+# MAX_FILE_RULES rules of one source and one service each is under 3 MiB.
+MAX_FILE_BYTES = 4 * 1024 * 1024
 
 TOP_KEYS = ("version", "services", "address_groups", "rulesets")
 SERVICE_KEYS = ("name", "description", "entries")
@@ -213,17 +217,19 @@ class _Dumper(yaml.SafeDumper):
 # --- reading a file -----------------------------------------------------------------------------
 
 
-class _Loader(yaml.SafeLoader):
-    """YAML for a policy file: string keys, no key given twice (YAML keeps the last, silently), and
-    no aliases (a policy needs none; they could multiply a small file into a huge one)."""
+class _Loader(CoreParser, CoreConstructor, CoreResolver):
+    """YAML for a policy file: YAML 1.2's core schema (as_code/yaml_core.py), string keys, no key given
+    twice (YAML keeps the last, silently), and no aliases (a policy needs none; they could multiply a
+    small file into a huge one)."""
 
-    def compose_node(self, parent, index):
-        if self.check_event(yaml.AliasEvent):
-            event = self.peek_event()
-            raise yaml.composer.ComposerError(
-                None, None, "aliases (*name) are not admitted in a policy file", event.start_mark
-            )
-        return super().compose_node(parent, index)
+    def __init__(self, stream):
+        CoreParser.__init__(self, stream)
+        CoreConstructor.__init__(self)
+        CoreResolver.__init__(self)
+
+    def construct_document(self, node):
+        aliases_refuse(node)
+        return super().construct_document(node)
 
     def construct_mapping(self, node, deep=False):
         seen = set()
@@ -254,7 +260,7 @@ def policy_file_load(*, text: str | bytes, source: str) -> Any:
         except UnicodeDecodeError:
             raise Problem("malformed-request", f"{source} is not UTF-8 text.") from None
     try:
-        data = yaml.load(text, Loader=_Loader)  # noqa: S506  (_Loader is a SafeLoader)
+        data = yaml.load(text, Loader=_Loader)  # noqa: S506  (_Loader constructs the core schema alone)
     except yaml.MarkedYAMLError as error:
         mark = error.problem_mark or error.context_mark
         where = f" at line {mark.line + 1} column {mark.column + 1}" if mark else ""

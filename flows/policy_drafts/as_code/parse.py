@@ -43,6 +43,12 @@ from policy.validation import (
     service_input,
 )
 
+# The rules a file may hold, all rulesets together. The API's own limits (1,000 rulesets of 500 rules)
+# admit twenty times more, but a file is read whole (PyYAML builds every node in Python), then checked,
+# compared, rendered for every workload and judged against past traffic rule by rule: this many is read
+# and planned within a minute with room to spare (bench/bench_policy_plan.py, docs/benchmarks.md).
+MAX_FILE_RULES = 25_000
+
 
 class PolicyFileInvalid(ValidationFailed):
     """Every finding of a policy file, not the API's first fifty: the file is fixed in one pass."""
@@ -77,6 +83,14 @@ def _items(data: Mapping, key: str, maximum: int, findings: Findings) -> list:
         findings.add(pointer(key), "too-many", f"{key} may have at most {maximum} items.")
         return []
     return items
+
+
+def _rules_counted(rulesets: list) -> int:
+    return sum(
+        len(item["rules"])
+        for item in rulesets
+        if isinstance(item, Mapping) and isinstance(item.get("rules"), list)
+    )
 
 
 def _unique_name(kind: str, name: str, path: str, desired: DesiredPolicy, findings: Findings) -> None:
@@ -156,7 +170,15 @@ def file_parse(data: Any, findings: Findings) -> tuple[DesiredPolicy, list]:
     )
     numbers_seen: dict[int, str] = {}
     for kind, parse, keys, maximum in parsers:
-        for index, item in enumerate(_items(data, LISTS[kind], maximum, findings)):
+        items = _items(data, LISTS[kind], maximum, findings)
+        if kind == "ruleset" and (rules := _rules_counted(items)) > MAX_FILE_RULES:
+            findings.add(
+                pointer("rulesets"),
+                "too-many",
+                f"A policy file holds at most {MAX_FILE_RULES:,} rules in all; this one has {rules:,}.",
+            )
+            items = []
+        for index, item in enumerate(items):
             base = pointer(LISTS[kind], index)
             before = len(findings.items)
             name = item.get("name") if isinstance(item, Mapping) else None

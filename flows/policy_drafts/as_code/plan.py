@@ -8,6 +8,8 @@ number: flow evidence stays attributed to it, and its documents do not move.
 
 from __future__ import annotations
 
+import json
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -48,7 +50,9 @@ def _match_rules(old: list[dict], new: list[dict]) -> list[int | None]:
     """For each new rule, the stored rule it keeps (its index) or None for a new one. A numbered rule
     is the stored rule of its number (or new, with that number). An unnumbered one takes, among the
     stored rules no number of the file claims: an identical one not taken yet; else one with the same
-    sources or the same services (an edit of one side); else the one at the same position, if free."""
+    sources or the same services (an edit of one side); else the one at the same position, if free.
+    Each pass looks the stored rules up by what it compares (the first free one of that content, in
+    stored order), so a ruleset of 500 rules is matched in linear time, not 500 x 500 comparisons."""
     matched: list[int | None] = [None] * len(new)
     by_number = {rule["number"]: j for j, rule in enumerate(old)}
     for i, rule in enumerate(new):
@@ -57,24 +61,50 @@ def _match_rules(old: list[dict], new: list[dict]) -> list[int | None]:
     claimed = {rule["number"] for rule in new if "number" in rule}
     taken = {j for j, rule in enumerate(old) if rule["number"] in claimed}
 
-    def match(alike) -> None:
-        for i, rule in enumerate(new):
-            if matched[i] is not None or "number" in rule:
-                continue
-            for j, candidate in enumerate(old):
-                if j not in taken and alike(i, rule, j, candidate):
-                    matched[i] = j
-                    taken.add(j)
-                    break
+    def first_free(index: dict[str, deque], key: str) -> int | None:
+        candidates = index.get(key)
+        while candidates and candidates[0] in taken:
+            candidates.popleft()
+        return candidates[0] if candidates else None
 
-    match(lambda i, rule, j, candidate: _content(candidate) == rule)
-    match(
-        lambda i, rule, j, candidate: (
-            candidate["sources"] == rule["sources"] or candidate["services"] == rule["services"]
-        )
-    )
-    match(lambda i, rule, j, candidate: i == j)
+    def indexed(part) -> dict[str, deque]:
+        index: dict[str, deque] = defaultdict(deque)
+        for j, candidate in enumerate(old):
+            if j not in taken:
+                index[_key(part(candidate))].append(j)
+        return index
+
+    unnumbered = [i for i, rule in enumerate(new) if "number" not in rule]
+    contents = indexed(_content)
+    for i in unnumbered:
+        j = first_free(contents, _key(new[i]))
+        if j is not None:
+            matched[i] = j
+            taken.add(j)
+    by_sources, by_services = indexed(lambda r: r["sources"]), indexed(lambda r: r["services"])
+    for i in unnumbered:
+        if matched[i] is None:
+            found = [
+                j
+                for j in (
+                    first_free(by_sources, _key(new[i]["sources"])),
+                    first_free(by_services, _key(new[i]["services"])),
+                )
+                if j is not None
+            ]
+            if found:
+                matched[i] = min(found)
+                taken.add(min(found))
+    for i in unnumbered:
+        if matched[i] is None and i < len(old) and i not in taken:
+            matched[i] = i
+            taken.add(i)
     return matched
+
+
+def _key(value: Any) -> str:
+    """A rule's content (or one side of it) as a dictionary key: equal data, equal text."""
+    return json.dumps(value, sort_keys=True)
 
 
 def _rule_changes(old: list[dict], new: list[dict], matched: list[int | None]) -> list[dict]:
@@ -274,6 +304,9 @@ def policy_plan(
             "keys_classified",
             "newly_refused_summary",
             "newly_admitted_summary",
+            "keys_total",
+            "keys_left_out",
+            "connections_left_out",
             "coverage",
         )
     }

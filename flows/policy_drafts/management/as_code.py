@@ -210,6 +210,11 @@ def plan_text(answer: dict, path: str, *, prune: bool) -> str:
             f"{coverage['silent_workloads_count']} silent, {coverage['pending_workloads_count']} pending: "
             "traffic not seen is not judged"
         )
+    if impact["keys_left_out"]:
+        lines.append(
+            f"  TRUNCATED: {counted(impact['keys_left_out'], 'flow key')} of fewest connections not judged "
+            f"({counted(impact['connections_left_out'], 'connection')}): narrow the range with --from/--to"
+        )
     lines += [f"warning: {file_path(w['path'])}: {w['message']}" for w in answer["warnings"]]
     command = ["manage.py", "policy", "apply", path]
     if prune:

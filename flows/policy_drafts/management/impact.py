@@ -72,6 +72,11 @@ def impact_text(answer: dict) -> str:
                 f"{counted(e['connection_count'], 'connection')}, "
                 f"{e['first_seen']} .. {e['last_seen']}; now {_rule(e['rule_now'])}, draft {_rule(e['rule_draft'])}"
             )
+    if answer["keys_left_out"]:
+        lines.append(
+            f"  TRUNCATED: {counted(answer['keys_left_out'], 'flow key')} of fewest connections not judged "
+            f"({counted(answer['connections_left_out'], 'connection')}): narrow the selection or the range"
+        )
     if answer["truncated"]:
         lines.append("  (lists truncated: --json gives the counts)")
     lines += [f"warning: {w['path']}: {w['message']}" for w in answer["warnings"]]

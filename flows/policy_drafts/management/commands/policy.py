@@ -154,6 +154,11 @@ def _text(answer: dict) -> str:
             f"not generalised: {row['peer']} -> {row['service']['protocol']}/{row['service']['port']} "
             f"({counted(row['connection_count'], 'connection')}): {visible(row['reason'])}"
         )
+    if answer["truncated"]:
+        lines.append(
+            f"TRUNCATED: {counted(answer['keys_left_out'], 'flow key')} of fewest connections not learnt from "
+            f"({counted(answer['connections_left_out'], 'connection')}): narrow the selection or the range"
+        )
     if not answer["rulesets"]:
         lines.append("no rule proposed")
     return "\n".join(lines)
