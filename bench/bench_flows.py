@@ -425,9 +425,9 @@ def load_rollup_data(ids: list[str], hours: int, keys: int) -> int:
     rounds = [due - BLOCK * n for n in range(hours * 6 + 6, -1, -1)]
     with psycopg.connect(DB_URL, autocommit=True) as conn:
         conn.execute(
-            "INSERT INTO flows_unsummedwindow (window_id, workload_id, start)"
-            " SELECT id, workload_id, start FROM flows_flowwindow WHERE workload_id = ANY(%s)",
-            [[uuid.UUID(i) for i in ids]],
+            "INSERT INTO flows_unsummedwindow (window_id, workload_id, start, keys)"
+            " SELECT id, workload_id, start, %s FROM flows_flowwindow WHERE workload_id = ANY(%s)",
+            [keys, [uuid.UUID(i) for i in ids]],
         )
         conn.execute("VACUUM ANALYZE")
     postgres_before, started = _postgres_cpu_seconds(), time.perf_counter()
