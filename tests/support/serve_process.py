@@ -313,8 +313,9 @@ class ServeProcess(_HostCommands):
         """An httpx client for one listener that trusts exactly the certificate it served at start."""
         der = self._served.get(listener) or self.served_certificate(listener)
         hooks = {"response": [_check_against_the_published_schema]} if listener == "operator" else {}
+        kwargs.setdefault("timeout", 30)
         return httpx.Client(
-            base_url=self.url(listener), verify=pinned_context(der), timeout=30, event_hooks=hooks, **kwargs
+            base_url=self.url(listener), verify=pinned_context(der), event_hooks=hooks, **kwargs
         )
 
 
