@@ -265,6 +265,11 @@ class Command(PalisadeCommand):
         heavy_settings = heavy_pool.settings_problem()
         if heavy_settings is not None:
             raise CommandError(heavy_settings)
+        if os.environ.get("PALISADE_HEAVY_THREADS"):
+            log.warning(
+                "PALISADE_HEAVY_THREADS is no longer read: heavy requests run in PALISADE_HEAVY_WORKERS "
+                "worker processes (docs/operations.md)"
+            )
         self._configure(operator, gateway, options)
         try:
             limits = connection_limits.serve_limits(options)
