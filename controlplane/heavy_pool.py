@@ -4,7 +4,8 @@ A request is heavy when its work grows with the stored flows, the fleet or its b
 page: render dry-runs, policy impacts, suggestions, selector previews, flow rollups and simulation
 reviews (`HEAVY_PATHS`), and the console's CSV exports, which read every row (`EXPORT_PAGES`). On a
 thread of serve such work shares the interpreter lock with the event loop that holds every agent's
-stream: a suggestion over 320,000 stored keys held `GET /me` for 43 s and dropped most of 2,000 streams.
+stream: ten suggestions over 320,000 stored keys held `GET /me` for 5 s at p95 beside 2,000 agents, and
+on a busy machine most of the agents' streams missed their keepalives (docs/benchmarks.md).
 
 serve keeps PALISADE_HEAVY_WORKERS worker processes (`python -m controlplane.heavy_worker`), started
 with it at a lower CPU priority (PALISADE_HEAVY_NICE) so that on a small machine the event loop wins
