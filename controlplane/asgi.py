@@ -1,5 +1,6 @@
-"""ASGI entry: stamps each connection with the listener it arrived on, then hands HTTP to Django and
-websockets to the gateway's consumers. Websockets exist only on the gateway listener."""
+"""ASGI entry: stamps each connection with the listener it arrived on, then hands HTTP to Django (heavy
+requests to serve's worker processes) and websockets to the gateway's consumers. Websockets exist only on
+the gateway listener."""
 
 import os
 
@@ -9,9 +10,14 @@ import django  # noqa: E402
 
 django.setup(set_prefix=False)
 
+from controlplane import heavy_pool  # noqa: E402
 from controlplane.http_threads import ThreadPoolHttp  # noqa: E402
 
-django_http = ThreadPoolHttp()
+# Heavy requests run in worker processes started here, with the application (controlplane/heavy_pool.py);
+# the console's in-process API client finds them through `heavy_pool.current()`.
+heavy = heavy_pool.HeavyPool().start()
+heavy_pool.install(heavy)
+django_http = ThreadPoolHttp(heavy=heavy)
 
 from controlplane.listeners import GATEWAY, listener_for_scope  # noqa: E402
 from controlplane.urls_gateway import refuse_websocket, websocket_application  # noqa: E402

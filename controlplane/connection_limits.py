@@ -96,7 +96,8 @@ def descriptor_limit_raise() -> tuple[int, int]:
 
 
 def database_threads() -> int:
-    """Threads of serve that may each hold a database connection."""
+    """Threads of serve that may each hold a database connection. A heavy worker keeps its database in
+    its own process and costs serve one socket: it is counted as a thread, generously."""
     from django.conf import settings
     from twisted.internet import reactor
 
@@ -109,7 +110,7 @@ def database_threads() -> int:
     loop_executor = int(os.environ.get("ASGI_THREADS") or min(32, (os.cpu_count() or 1) + 4))
     return (
         http_threads.POOL_THREADS
-        + http_threads.HEAVY_THREADS
+        + settings.PALISADE_HEAVY_WORKERS
         + http_threads.FLOW_REPORT_THREADS
         + DB_THREADS
         + settings.PALISADE_WEBHOOK_SENDER_THREADS  # each also holds a receiver's socket

@@ -1,9 +1,12 @@
-"""HTTP requests run Django's synchronous handler on a fixed pool of threads.
+"""HTTP requests run Django's synchronous handler on a fixed pool of threads, or in a heavy worker.
 
 Django's ASGI handler hands one request between the event loop and fresh threads about ten times
 and starts a thread (and so a database connection) per request; measured here that is four fifths of
 a request's CPU time. Running the synchronous handler whole on a long-lived pool thread costs one
 handoff, and lets each pool thread keep its database connection. Websockets stay on Channels.
+
+Heavy requests (controlplane/heavy_pool.py: work that grows with the stored flows, the fleet or the
+body) never run in this process: they go to serve's worker processes, whose answers come back here.
 """
 
 from __future__ import annotations
@@ -19,24 +22,14 @@ from django.core.handlers.wsgi import WSGIHandler
 
 from agent.protocol import FLOWS_PATH
 from controlplane import metrics
+from controlplane.heavy_pool import HEAVY_PATHS, HeavyPool, busy_answer, django_answer, is_heavy
 from controlplane.listeners import body_limit
 from controlplane.problems import Problem
 from controlplane.response_headers import with_transport_security
 
+__all__ = ["HEAVY_PATHS", "ThreadPoolHttp"]
+
 POOL_THREADS = int(os.environ.get("PALISADE_HTTP_THREADS", 4))
-# Requests whose work grows with the body and the fleet (a 400 KB render dry-run takes seconds of CPU)
-# run on their own small pool, and only so many may wait: sixteen of them at once held every pool
-# thread, and `GET /me` waited seconds behind them.
-HEAVY_PATHS = frozenset(
-    {
-        "/api/v1/policies/render-dryrun",
-        "/api/v1/policies/impact",
-        "/api/v1/policies/suggestions",
-        "/api/v1/selectors/preview",
-    }
-)
-HEAVY_THREADS = int(os.environ.get("PALISADE_HEAVY_THREADS", 2))
-HEAVY_WAITING = 8
 # Agents' flow reports run on a pool of their own: a busy fleet's reports never hold the threads the
 # operator API answers on, and the reports that wait together are written together (flows/services.py
 # writes them in one transaction), so more threads here mean fewer, larger writes.
@@ -56,61 +49,32 @@ def _problem(problem: Problem, *, instance: str | None = None) -> tuple[int, lis
     return problem.status, [("Content-Type", "application/problem+json"), *problem.headers.items()], document
 
 
-def _heavy_refusal(path: str) -> tuple[int, list, bytes]:
-    problem = Problem(
-        "rate-limited",
-        "Too many render dry-runs and selector previews are running or waiting; retry in a second.",
-        headers={"Retry-After": "1"},
-        retry_after=1,
-    )
-    return _problem(problem, instance=path)
-
-
 class ThreadPoolHttp:
     def __init__(
         self,
         threads: int = POOL_THREADS,
-        heavy_threads: int = HEAVY_THREADS,
-        heavy_waiting: int = HEAVY_WAITING,
         flow_report_threads: int = FLOW_REPORT_THREADS,
+        heavy: HeavyPool | None = None,
     ):
         self.handler = WSGIHandler()
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="http")
         self.flow_report_pool = ThreadPoolExecutor(flow_report_threads, thread_name_prefix="http-flows")
-        self.heavy_pool = ThreadPoolExecutor(heavy_threads, thread_name_prefix="http-heavy")
-        self.heavy_admitted = 0  # running or queued; only the event loop's thread changes it
-        self.heavy_limit = heavy_threads + heavy_waiting
+        self.heavy = heavy  # None: heavy requests run on the pool threads (no workers in this process)
 
     async def _run(self, environ: dict) -> tuple[int, list, bytes]:
         loop = asyncio.get_running_loop()
         path = environ.get("PATH_INFO", "")
         if path == FLOWS_PATH:
             return await loop.run_in_executor(self.flow_report_pool, self._respond, environ)
-        if path not in HEAVY_PATHS:
+        if self.heavy is None or not is_heavy(path, environ.get("QUERY_STRING", "")):
             return await loop.run_in_executor(self.pool, self._respond, environ)
-        if self.heavy_admitted >= self.heavy_limit:
-            return _heavy_refusal(path)
-        self.heavy_admitted += 1
-        try:
-            return await loop.run_in_executor(self.heavy_pool, self._respond, environ)
-        finally:
-            self.heavy_admitted -= 1
+        answer = self.heavy.submit(environ, environ["wsgi.input"].read())
+        if answer is None:
+            return busy_answer(path)
+        return await asyncio.wrap_future(answer)
 
     def _respond(self, environ: dict) -> tuple[int, list, bytes]:
-        started: list = []
-
-        def start_response(status, headers, exc_info=None):
-            started[:] = [status, headers]
-
-        result = self.handler(environ, start_response)
-        try:
-            body = b"".join(result)
-        finally:
-            close = getattr(result, "close", None)
-            if close:
-                close()
-        status, headers = started
-        return int(status.split(" ", 1)[0]), headers, body
+        return django_answer(self.handler, environ)
 
     async def __call__(self, scope, receive, send):
         limit = body_limit(scope.get("path", ""))

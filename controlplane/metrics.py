@@ -141,6 +141,11 @@ STREAMS_HELD = Gauge(
     "Agent sync streams this process holds.",
     registry=REGISTRY,
 )
+HEAVY_REQUESTS = Gauge(
+    "palisade_heavy_requests",
+    "Heavy requests this process has given to its worker processes: running in one, or waiting for one.",
+    registry=REGISTRY,
+)
 HOUSEKEEPING_LAST_SUCCESS = Gauge(
     "palisade_housekeeping_last_success_timestamp_seconds",
     "When each housekeeping step last finished without failing (Unix time; 0: not yet).",

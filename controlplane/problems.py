@@ -76,6 +76,11 @@ PROBLEM_TYPES: dict[str, ProblemType] = {
     "validation": ProblemType(
         422, "Validation failed", "The request fails validation; `errors` holds one finding per field to fix."
     ),
+    "answer-too-large": ProblemType(
+        422,
+        "Answer too large",
+        "The answer to a heavy request (a rollup, review, suggestion, impact, dry-run, preview or export) would exceed `max_bytes`; nothing was sent; narrow its range or selection.",
+    ),
     "header-too-large": ProblemType(
         431, "Request header fields too large", "The request line or the headers exceed `max_bytes`."
     ),
@@ -85,13 +90,18 @@ PROBLEM_TYPES: dict[str, ProblemType] = {
     "rate-limited": ProblemType(
         429,
         "Too many requests",
-        "Too many failed logins from this client or from all clients together, too many heavy requests (render dry-runs, selector previews) at once, or (agent gateway) another flow report of the same workload being received; retry after `retry_after` seconds.",
+        "Too many failed logins from this client or from all clients together, or too many heavy requests (render dry-runs, impacts, suggestions, selector previews, flow rollups and reviews, exports) running and waiting at once, or (agent gateway) another flow report of the same workload being received; retry after `retry_after` seconds.",
     ),
     "internal": ProblemType(500, "Internal error", "The service failed; the error is logged on the host."),
     "service-unavailable": ProblemType(
         503,
         "Service unavailable",
-        "The service cannot answer now (its database is unreachable, or the listener holds as many request bodies as it admits at once); nothing was changed; retry after `retry_after` seconds (also the Retry-After header).",
+        "The service cannot answer now (its database is unreachable, the listener holds as many request bodies as it admits at once, or it is stopping); nothing was changed; retry after `retry_after` seconds (also the Retry-After header).",
+    ),
+    "deadline-exceeded": ProblemType(
+        504,
+        "Deadline exceeded",
+        "A heavy request ran past `deadline_seconds` and was stopped; nothing was changed; narrow its range or selection.",
     ),
 }
 

@@ -199,6 +199,16 @@ PALISADE_OPERATOR_BODY_BUDGET_BYTES = int(
 # 8 MiB within 9); a chunked one is never further behind. 128 kbit/s: agents on slower links need less.
 PALISADE_GATEWAY_BODY_MIN_RATE = int(os.environ.get("PALISADE_GATEWAY_BODY_MIN_RATE", 16 * 1024))
 
+# Heavy requests (render dry-runs, impacts, suggestions, selector previews, flow rollups and reviews,
+# the console's exports) run in worker processes of serve (controlplane/heavy_pool.py, docs/operations.md):
+# how many, how many more may wait, how long one may run, how large its answer may be, and the workers'
+# CPU priority (a nice value: the event loop that holds the agents' streams wins the CPU).
+PALISADE_HEAVY_WORKERS = int(os.environ.get("PALISADE_HEAVY_WORKERS", 2))
+PALISADE_HEAVY_WAITING = int(os.environ.get("PALISADE_HEAVY_WAITING", 8))
+PALISADE_HEAVY_DEADLINE_SECONDS = float(os.environ.get("PALISADE_HEAVY_DEADLINE_SECONDS", 60))
+PALISADE_HEAVY_MAX_ANSWER_BYTES = int(os.environ.get("PALISADE_HEAVY_MAX_ANSWER_BYTES", 32 * 1024 * 1024))
+PALISADE_HEAVY_NICE = int(os.environ.get("PALISADE_HEAVY_NICE", 10))
+
 # Operator authentication.
 PALISADE_SESSION_COOKIE = "palisade_session"
 PALISADE_SESSION_LIFETIME_SECONDS = 7 * 24 * 3600

@@ -4,6 +4,7 @@ from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, inline_serializer
 from rest_framework import serializers
 
+from controlplane.heavy_pool import HEAVY_PATHS
 from controlplane.problems import PROBLEM_TYPES, PROBLEM_URN
 
 _TYPES_TEXT = "\n".join(
@@ -33,7 +34,10 @@ class ProblemSerializer(serializers.Serializer):
     retry_after = serializers.IntegerField(
         required=False, help_text="`rate-limited` and `service-unavailable` only."
     )
-    max_bytes = serializers.IntegerField(required=False, help_text="`payload-too-large` only.")
+    max_bytes = serializers.IntegerField(
+        required=False, help_text="`payload-too-large` and `answer-too-large` only."
+    )
+    deadline_seconds = serializers.FloatField(required=False, help_text="`deadline-exceeded` only.")
     referenced_by = serializers.ListField(
         child=serializers.DictField(), required=False, help_text="`in-use` only."
     )
@@ -100,23 +104,39 @@ _UNAVAILABLE_ERROR = (
     "(also the `Retry-After` header)."
 )
 _PAGING_ERROR = "`validation`: `?limit` out of range or a `?cursor` this service did not issue."
+_ANSWER_TOO_LARGE = (
+    "Or `answer-too-large`: the answer would exceed `max_bytes` (PALISADE_HEAVY_MAX_ANSWER_BYTES); nothing "
+    "was sent."
+)
+_HEAVY_ERRORS = {
+    "429": "`rate-limited`: as many heavy requests as serve admits are running and waiting; retry after "
+    "`retry_after` seconds (also the `Retry-After` header).",
+    "504": "`deadline-exceeded`: the request ran past `deadline_seconds` (PALISADE_HEAVY_DEADLINE_SECONDS) "
+    "and was stopped; nothing was changed.",
+}
 
 
 def problems_as_problem_json(result, generator, request, public):
     """drf-spectacular post-processing hook: every error is `application/problem+json` (as the server
     sends it), and the errors any operation can meet are declared on every operation that can meet them:
     400, 500 and 503 on all (a malformed header; a failure; the database away), 422 on paged lists (a
-    bad `limit` or `cursor`)."""
+    bad `limit` or `cursor`), and on the heavy operations (controlplane/heavy_pool.py) what serve's
+    heavy workers answer: 422 `answer-too-large`, 429 when busy, 504 `deadline-exceeded`."""
     problem_ref = {"$ref": "#/components/schemas/Problem"}
     # Request bodies refuse members they do not name (`unknown-field`); say so.
     for name, component in result.get("components", {}).get("schemas", {}).items():
         if name.endswith("Request") and "properties" in component:
             component.setdefault("additionalProperties", False)
-    for operations in result.get("paths", {}).values():
+    for path, operations in result.get("paths", {}).items():
         for operation in operations.values():
             if not isinstance(operation, dict) or "responses" not in operation:
                 continue
             responses = operation["responses"]
+            if path in HEAVY_PATHS:
+                for status, description in _HEAVY_ERRORS.items():
+                    responses[status] = {"description": description}
+                invalid = responses.setdefault("422", {"description": "`validation`."})
+                invalid["description"] = f"{invalid['description']} {_ANSWER_TOO_LARGE}"
             responses.setdefault("400", {"description": _ANY_REQUEST_ERROR})
             responses.setdefault("500", {"description": _INTERNAL_ERROR})
             responses.setdefault("503", {"description": _UNAVAILABLE_ERROR})

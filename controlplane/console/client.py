@@ -3,6 +3,10 @@ views with the operator's own credential (the session cookie of the browser's re
 
 Nothing here knows a model: a page asks for `/api/v1/...` like any script would, and gets back the
 JSON the API would have sent, status and problem included. What the API refuses, the console refuses.
+
+Inside serve, a heavy call (a rollup, a review, a suggestion, an impact, a dry-run, a selector preview:
+controlplane/heavy_pool.py) goes to serve's heavy workers like any client's, queue, deadline and answer
+bound included, so that a page never does that work in serve's own interpreter.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import io
 import json
 from dataclasses import dataclass, field
+from http.cookies import SimpleCookie
 from typing import Any
 from urllib.parse import urlencode
 
@@ -17,6 +22,7 @@ from django.conf import settings
 from django.core.handlers.wsgi import WSGIRequest
 from django.urls import Resolver404, resolve
 
+from controlplane import heavy_pool
 from controlplane.problems import Problem
 
 API_PREFIX = "/api/v1"
@@ -114,27 +120,36 @@ class ApiClient:
             match = resolve(full_path, urlconf=settings.ROOT_URLCONF)
         except Resolver404:
             return ApiResult(404, {"type": "urn:service:problem:not-found", "detail": f"No {full_path}."})
-        api_request = self._api_request(method, full_path, params, body, if_match)
-        response = match.func(api_request, *match.args, **match.kwargs)
-        if hasattr(response, "render"):
-            response.render()
-        content = response.content
+        environ, payload = self._api_environ(method, full_path, params, body, if_match)
+        pool = heavy_pool.current()
+        if pool is not None and heavy_pool.is_heavy(full_path, environ["QUERY_STRING"]):
+            status, header_list, content = pool.answer(environ, payload)
+            headers = dict(header_list)
+            cookies = SimpleCookie()
+            for name, value in header_list:
+                if name.lower() == "set-cookie":
+                    cookies.load(value)
+        else:
+            response = match.func(WSGIRequest(environ), *match.args, **match.kwargs)
+            if hasattr(response, "render"):
+                response.render()
+            status, content, cookies = response.status_code, response.content, response.cookies
+            headers = {name: value for name, value in response.items()}
         data = json.loads(content) if content else None
-        headers = {name: value for name, value in response.items()}
-        if response.status_code == 401 and session_required:
+        if status == 401 and session_required:
             raise SessionEnded(data.get("detail", "") if isinstance(data, dict) else "")
-        if response.status_code == 503:
+        if status == 503:
             # Not a refusal a page can show beside its form: the whole page is "unavailable"
             # (controlplane.api.errors.handler500 renders it).
             raise Problem(
                 "service-unavailable",
                 data.get("detail", "") if isinstance(data, dict) else "",
-                headers={"Retry-After": response.get("Retry-After", "5")},
+                headers={"Retry-After": headers.get("Retry-After", "5")},
                 retry_after=data.get("retry_after") if isinstance(data, dict) else None,
             )
-        return ApiResult(response.status_code, data, headers, response.cookies)
+        return ApiResult(status, data, headers, cookies)
 
-    def _api_request(self, method, path, params, body, if_match) -> WSGIRequest:
+    def _api_environ(self, method, path, params, body, if_match) -> tuple[dict, bytes]:
         source = self._request.META
         payload = b"" if body is None else json.dumps(body).encode()
         environ = {
@@ -159,7 +174,7 @@ class ApiClient:
                 environ[key] = source[key]
         if if_match is not None:
             environ["HTTP_IF_MATCH"] = f'"{if_match}"'
-        return WSGIRequest(environ)
+        return environ, payload
 
 
 def api(request) -> ApiClient:

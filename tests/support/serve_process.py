@@ -264,6 +264,24 @@ class ServeProcess(_HostCommands):
             self.process.kill()
             self.process.wait()
 
+    def cpu_seconds(self) -> tuple[float, float]:
+        """The CPU time serve's own process has used, and its child processes' (the heavy workers):
+        those it reaped, and those still running."""
+        ticks = os.sysconf("SC_CLK_TCK")
+
+        def times(pid) -> list[int]:
+            return [int(f) for f in Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[11:15]]
+
+        utime, stime, reaped_utime, reaped_stime = times(self.process.pid)
+        children = 0
+        for task in Path(f"/proc/{self.process.pid}/task").iterdir():
+            for child in (task / "children").read_text().split():
+                try:
+                    children += sum(times(child)[:2])
+                except FileNotFoundError:  # ended meanwhile: it counts as reaped from now on
+                    continue
+        return (utime + stime) / ticks, (reaped_utime + reaped_stime + children) / ticks
+
     def _wait_for_drain(self, timeout: float = 5.0) -> None:
         deadline = time.monotonic() + timeout
         while self.process.stderr and not self.process.stderr.closed and time.monotonic() < deadline:
@@ -313,8 +331,9 @@ class ServeProcess(_HostCommands):
         """An httpx client for one listener that trusts exactly the certificate it served at start."""
         der = self._served.get(listener) or self.served_certificate(listener)
         hooks = {"response": [_check_against_the_published_schema]} if listener == "operator" else {}
+        kwargs.setdefault("timeout", 30)
         return httpx.Client(
-            base_url=self.url(listener), verify=pinned_context(der), timeout=30, event_hooks=hooks, **kwargs
+            base_url=self.url(listener), verify=pinned_context(der), event_hooks=hooks, **kwargs
         )
 
 

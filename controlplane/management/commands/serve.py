@@ -28,9 +28,10 @@ from twisted.logger import (
 )
 
 from agent.protocol import CLOSE_SHUTDOWN, MAX_MESSAGE_BYTES
-from controlplane import connection_limits, metrics, runtime, tls
+from controlplane import connection_limits, heavy_pool, metrics, runtime, tls
 from controlplane.data_dir import data_dir_check
 from controlplane.database import database_migrate, pending_migrations
+from controlplane.heavy_pool import HeavyPool
 from controlplane.http_limits import limited_channel_protocol
 from controlplane.listeners import (
     GATEWAY,
@@ -55,6 +56,7 @@ class _Server(daphne.server.Server):
 
     listen_failure: Exception | None = None
     limiter: connection_limits.ConnectionLimiter | None = None
+    heavy: HeavyPool | None = None
 
     def listen_success(self, port):
         # Before the reactor runs, so before the first connection is accepted.
@@ -67,7 +69,7 @@ class _Server(daphne.server.Server):
         self.stop()
 
     def run(self):
-        from twisted.internet import reactor, task
+        from twisted.internet import reactor, task, threads
 
         from controlplane.body_gate import credential_watch
         from controlplane.housekeeping import STEPS
@@ -76,6 +78,9 @@ class _Server(daphne.server.Server):
         reactor.addSystemEventTrigger("before", "shutdown", self.end_streams)
         reactor.addSystemEventTrigger("before", "shutdown", credential_watch.stop)
         reactor.callWhenRunning(credential_watch.start)
+        if self.heavy is not None:
+            heavy = self.heavy
+            reactor.addSystemEventTrigger("before", "shutdown", lambda: threads.deferToThread(heavy.stop))
         # daphne builds its HTTP factory in run(); no connection is accepted before the reactor runs.
         reactor.callWhenRunning(lambda: setattr(self.http_factory, "protocol", limited_channel_protocol))
         reactor.callWhenRunning(lambda: notify_streams_on(asyncio.get_event_loop()))
@@ -260,6 +265,14 @@ class Command(PalisadeCommand):
             "operator": self._certificate("operator", operator, options),
             "gateway": self._certificate("gateway", gateway, options),
         }
+        heavy_settings = heavy_pool.settings_problem()
+        if heavy_settings is not None:
+            raise CommandError(heavy_settings)
+        if os.environ.get("PALISADE_HEAVY_THREADS"):
+            log.warning(
+                "PALISADE_HEAVY_THREADS is no longer read: heavy requests run in PALISADE_HEAVY_WORKERS "
+                "worker processes (docs/operations.md)"
+            )
         self._configure(operator, gateway, options)
         try:
             limits = connection_limits.serve_limits(options)
@@ -286,7 +299,17 @@ class Command(PalisadeCommand):
         if options["verbosity"] < 2:  # from 2 on, daphne passes twisted's whole log to the logging module
             _show_twisted_errors()
 
-        from controlplane.asgi import application
+        from controlplane.asgi import application, heavy
+
+        log.info(
+            "heavy requests: %d worker processes (nice %d), %d more may wait, each for at most %g s and "
+            "%d bytes of answer",
+            heavy.workers,
+            settings.PALISADE_HEAVY_NICE,
+            heavy.limit - heavy.workers,
+            heavy.deadline,
+            settings.PALISADE_HEAVY_MAX_ANSWER_BYTES,
+        )
 
         server = _Server(
             application,
@@ -304,6 +327,7 @@ class Command(PalisadeCommand):
             ),
         )
         server.limiter = connection_limits.ConnectionLimiter(limits)
+        server.heavy = heavy
         return server
 
     def _certificate(self, name: str, listen: ListenAddress, options) -> tls.CertPaths:
