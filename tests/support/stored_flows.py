@@ -66,7 +66,7 @@ def _load(keys: int, apps: int) -> int:
     for workload in workloads:
         window = uuid.uuid4()
         windows.write(f"{window}\t{workload}\t{at}\t{to}\tv-loaded\tf\t{now}\n")
-        unsummed.write(f"{window}\t{workload}\t{at}\n")
+        unsummed.write(f"{window}\t{workload}\t{at}\t{keys}\n")
         for k in range(keys):
             peer = f"192.0.{k // 256 % 256}.{k % 256}"
             groups.write(
@@ -83,7 +83,7 @@ def _load(keys: int, apps: int) -> int:
             ('flows_flowwindow (id, workload_id, start, "end", policy_version, accounting, received_at)', windows),
             ('flows_flowgroup (window_id, workload_id, start, "end", peer, peer_workload_id, protocol, port, '
              "decision, rule_number, connection_count, first_seen, last_seen, bytes_in, bytes_out)", groups),
-            ("flows_unsummedwindow (window_id, workload_id, start)", unsummed),
+            ("flows_unsummedwindow (window_id, workload_id, start, keys)", unsummed),
         )  # fmt: skip
         raw = cursor.cursor  # psycopg's own cursor, for COPY
         for table, rows in copies:
