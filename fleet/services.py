@@ -194,8 +194,9 @@ def mode_change_create(*, actor: Actor, data: Mapping[str, Any]) -> ModeChange:
         )
         if intent.confirm_by is not None:
             mode_change_holds_record(change=intent, selected=selected)
-        Workload.objects.filter(id__in=changed).update(mode=mode, mode_since=now)
-        Workload.objects.filter(id__in=ids).update(mode_change=intent)
+        Workload.objects.filter(id__in=changed).update(mode=mode, mode_since=now, mode_change=intent)
+        unchanged = [workload_id for workload_id, current, _ in selected if current == mode]
+        Workload.objects.filter(id__in=unchanged).update(mode_change=intent)
         workloads_rerender(workload_ids=[str(i) for i in changed])
         audit_record(
             actor=actor,
