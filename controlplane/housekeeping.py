@@ -102,6 +102,14 @@ def credential_expiries_step() -> int:
     return credential_expiries_notice()
 
 
+def mode_changes_revert_step() -> int:
+    """Put back each mode change whose confirmation deadline passed unconfirmed (once, whichever serve
+    process gets there first: fleet.mode_confirmations)."""
+    from fleet.mode_confirmations import mode_changes_revert_due
+
+    return mode_changes_revert_due()
+
+
 def webhooks_prune_step() -> int:
     """Finished webhook deliveries past their retention (`PALISADE_WEBHOOK_RETENTION_DAYS`)."""
     from django.conf import settings
@@ -147,5 +155,8 @@ STEPS = (
     Step("send webhooks", _WEBHOOK_SEND_EVERY, run=webhooks_send_step),
     Step("cap webhook backlogs", 10, run=webhooks_cap_step),
     Step("notice expired credentials", 30, run=credential_expiries_step),
+    # Every second: a 10 s deadline is met within about a second (a serve that was down at the
+    # deadline reverts at its first round, a second after it starts).
+    Step("revert unconfirmed mode changes", 1, run=mode_changes_revert_step),
     Step("prune webhook deliveries", 3600, run=webhooks_prune_step),
 )

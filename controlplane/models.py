@@ -20,7 +20,7 @@ class AuditEvent(models.Model):
 
     id = models.BigAutoField(primary_key=True)
     at = models.DateTimeField()
-    actor_kind = models.CharField(max_length=16)  # session, token, cli or agent (an enrolment)
+    actor_kind = models.CharField(max_length=16)  # session, token, cli, agent (an enrolment) or system
     actor = models.CharField(max_length=300)  # e.g. "token deploy-bot (pal_op_Ab12)", "host: manage.py ..."
     actor_token_id = models.UUIDField(null=True)
     action = models.CharField(max_length=40)  # e.g. "service.replace", "mode_change.create"

@@ -64,6 +64,16 @@ PROBLEM_TYPES: dict[str, ProblemType] = {
         "Workload offline",
         "The workload was last recorded as offline; `last_heard_from` says when it was last heard from (null: never connected).",
     ),
+    "no-confirmation-deadline": ProblemType(
+        409,
+        "Nothing to confirm",
+        "A confirmation of a mode change made without a deadline (`confirm_within_seconds`): it stands as it is, and nothing was confirmed.",
+    ),
+    "confirmation-deadline-passed": ProblemType(
+        409,
+        "Confirmation deadline passed",
+        "A confirmation of a mode change after its deadline: the system puts, or has put, its workloads back; `confirm_by` is the deadline, `reverted_by` the system's mode change that put them back (null: not yet, within seconds).",
+    ),
     "precondition-failed": ProblemType(
         412,
         "Precondition failed",

@@ -308,7 +308,10 @@ SPECTACULAR_SETTINGS = {
     "SWAGGER_UI_DIST": "SIDECAR",
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "REDOC_DIST": "SIDECAR",
-    "ENUM_NAME_OVERRIDES": {"ProblemType": "controlplane.api.schema.PROBLEM_TYPE_CHOICES"},
+    "ENUM_NAME_OVERRIDES": {
+        "ProblemType": "controlplane.api.schema.PROBLEM_TYPE_CHOICES",
+        "ModeEnum": "fleet.choices.Mode.values",
+    },
     "POSTPROCESSING_HOOKS": [
         "drf_spectacular.hooks.postprocess_schema_enums",
         "controlplane.api.schema.problems_as_problem_json",

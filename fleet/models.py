@@ -49,6 +49,11 @@ class Workload(models.Model):
     mode = models.CharField(max_length=16, choices=Mode.choices, default=Mode.VISIBILITY)
     # When the current mode was chosen (a mode change's instant); null: since enrolment.
     mode_since = models.DateTimeField(null=True)
+    # The latest mode change that selected it (whether or not its mode moved): a change awaiting
+    # confirmation reverts only the workloads it still holds. Null: none since enrolment.
+    mode_change = models.ForeignKey(
+        "ModeChange", on_delete=models.SET_NULL, null=True, related_name="+", db_index=False
+    )
     latest_policy = models.ForeignKey(RenderedPolicy, on_delete=models.PROTECT, null=True, related_name="+")
     # When the latest version last moved: the time to the agent's first acknowledgement of it is a
     # metric (controlplane/metrics.py). Null: before this was recorded.
@@ -123,16 +128,64 @@ class Workload(models.Model):
 
 
 class ModeChange(models.Model):
-    """An operator's intent: move a selection of workloads to a mode. Convergence is read off the
-    workloads (applied vs latest version), never tracked here."""
+    """An intent: move a selection of workloads to a mode. Convergence is read off the workloads
+    (applied vs latest version), never tracked here.
+
+    An operator's intent may carry a deadline (`confirm_by`): unless confirmed by then, the system
+    puts its workloads back (fleet/mode_confirmations.py) with an intent of its own, which names the
+    one it `reverts` and gives its `reason`."""
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     actor = models.CharField(max_length=200)
     created_at = models.DateTimeField()
     selection = models.JSONField()
-    mode = models.CharField(max_length=16, choices=Mode.choices)
+    # Null only for a revert that put its workloads back into different modes (each one's is in its
+    # ModeChangeWorkload rows).
+    mode = models.CharField(max_length=16, choices=Mode.choices, null=True)
     resolved_count = models.PositiveIntegerField()
     changed_count = models.PositiveIntegerField()
+    confirm_by = models.DateTimeField(null=True)  # null: nothing to confirm
+    confirmed_at = models.DateTimeField(null=True)
+    confirmed_by = models.CharField(max_length=300, blank=True)  # the confirming actor's label
+    reverted_at = models.DateTimeField(null=True)  # the deadline passed unconfirmed: reverted then
+    # A system intent: the change it put back (one revert per change, at most: the database says so too).
+    reverts = models.OneToOneField(
+        "self", on_delete=models.PROTECT, null=True, related_name="revert", db_index=False
+    )
+    reason = models.CharField(max_length=300, blank=True)  # why the system made this intent
+    # A revert: the workloads of the change it put back that a later change had taken over, left as
+    # they were: [{"workload_id", "mode", "moved_by"}].
+    left_alone = models.JSONField(default=list)
+
+    class Meta:
+        indexes = [
+            models.Index(fields=["created_at", "id"], name="mode_change_order"),
+            # Housekeeping's question every second: which deadlines passed unconfirmed?
+            models.Index(
+                fields=["confirm_by"],
+                name="mode_change_awaiting",
+                condition=models.Q(
+                    confirm_by__isnull=False, confirmed_at__isnull=True, reverted_at__isnull=True
+                ),
+            ),
+        ]
+
+
+class ModeChangeWorkload(models.Model):
+    """One workload of a change that has a deadline, or of a revert: the mode it had before and the
+    mode the change set. For a change awaiting confirmation, `mode_before` is what its revert puts
+    back: the workload's mode, or, when an earlier change awaiting confirmation held it, the mode that
+    one would have put back (a chain of unconfirmed changes goes back to where it started)."""
+
+    mode_change = models.ForeignKey(ModeChange, on_delete=models.CASCADE, related_name="workloads")
+    workload = models.ForeignKey(Workload, on_delete=models.CASCADE, related_name="+", db_index=False)
+    mode_before = models.CharField(max_length=16, choices=Mode.choices)
+    mode_after = models.CharField(max_length=16, choices=Mode.choices)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["mode_change", "workload"], name="mode_change_workload_once"),
+        ]
 
 
 def workload_column_value(field: str, value):

@@ -9,7 +9,7 @@ from fleet import health as flow_health
 from fleet.choices import SyncState
 from fleet.credentials import credential_renewal_due_at, credential_state
 from fleet.models import ModeChange, RenderedPolicy, Workload
-from fleet.selectors import workload_flow_window
+from fleet.selectors import mode_change_workloads, workload_flow_window
 
 
 def telemetry_live(workload: Workload, now) -> bool:
@@ -100,7 +100,16 @@ def rendered_policy_data(workload: Workload, policy: RenderedPolicy | None) -> d
     }
 
 
+def _confirmation_state(intent: ModeChange) -> str | None:
+    if intent.confirm_by is None:
+        return None
+    if intent.confirmed_at is not None:
+        return "confirmed"
+    return "reverted" if intent.reverted_at is not None else "awaiting"
+
+
 def mode_change_data(intent: ModeChange) -> dict:
+    revert = getattr(intent, "revert", None) if intent.reverted_at is not None else None
     return {
         "id": str(intent.id),
         "mode": intent.mode,
@@ -109,4 +118,25 @@ def mode_change_data(intent: ModeChange) -> dict:
         "changed_count": intent.changed_count,
         "actor": intent.actor,
         "created_at": rfc3339(intent.created_at),
+        "confirm_by": rfc3339(intent.confirm_by),
+        "confirmation": _confirmation_state(intent),
+        "confirmed_at": rfc3339(intent.confirmed_at),
+        "confirmed_by": intent.confirmed_by or None,
+        "reverted_at": rfc3339(intent.reverted_at),
+        "reverted_by": str(revert.id) if revert is not None else None,
+        "reverts": str(intent.reverts_id) if intent.reverts_id else None,
+        "reason": intent.reason or None,
+    }
+
+
+def mode_change_detail_data(intent: ModeChange) -> dict:
+    """One mode change with its workloads: for a change with a deadline, the mode each would go back
+    to; for a revert, the mode each went back to, and the ones it left alone."""
+    return {
+        **mode_change_data(intent),
+        "workloads": [
+            {"workload_id": workload_id, "mode_before": before, "mode_after": after}
+            for workload_id, before, after in mode_change_workloads(change=intent)
+        ],
+        "left_alone": intent.left_alone,
     }

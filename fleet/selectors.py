@@ -1,5 +1,5 @@
-"""Reads of the fleet: the workload list in fleet order, counts, one workload, its rendered policy, and
-what a selector matches now (POST /selectors/preview)."""
+"""Reads of the fleet: the workload list in fleet order, counts, one workload, its rendered policy,
+what a selector matches now (POST /selectors/preview), and mode changes (one, or the list)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from controlplane.problems import Finding, ValidationFailed
 from controlplane.validation import Findings, quoted, reject_unknown, require_object, take_string
 from fleet import health as flow_health
 from fleet.choices import OwnedTableState, SyncState
-from fleet.models import Workload
+from fleet.models import ModeChange, ModeChangeWorkload, Workload
 from policy.grammar import GrammarError, Selector, parse_selector
 
 # As many ids as a mode change's selection may name (fleet.services uses the same bound).
@@ -242,3 +242,52 @@ def selector_preview_request(*, data) -> dict:
         "workloads": [{"id": str(w.id), "hostname": w.hostname, "labels": w.labels} for w in sample],
         "truncated": count > len(sample),
     }
+
+
+# The states of a mode change's confirmation (null: it needs none), and how each is read off the row.
+CONFIRMATION_STATES = {
+    "awaiting": Q(confirm_by__isnull=False, confirmed_at__isnull=True, reverted_at__isnull=True),
+    "confirmed": Q(confirmed_at__isnull=False),
+    "reverted": Q(reverted_at__isnull=False),
+}
+MODE_CHANGE_ORDER = (OrderKey("created_at", descending=True), OrderKey("id", descending=True))
+
+
+def mode_change_get(*, mode_change_id) -> ModeChange:
+    return get_or_not_found(ModeChange.objects.select_related("revert"), mode_change_id, what="mode change")
+
+
+def mode_change_list(*, confirmation: str | None, cursor: str | None, limit: int) -> Page:
+    """Mode changes, newest first; `confirmation` narrows them to one state (`awaiting`: the ones
+    whose deadline has not been met either way, the ones a console counts down)."""
+    changes = ModeChange.objects.select_related("revert")
+    if confirmation not in (None, ""):
+        if confirmation not in CONFIRMATION_STATES:
+            raise ValidationFailed(
+                [
+                    Finding(
+                        "?confirmation",
+                        "confirmation",
+                        f"confirmation is one of {', '.join(CONFIRMATION_STATES)}.",
+                    )
+                ]
+            )
+        changes = changes.filter(CONFIRMATION_STATES[confirmation])
+    return paginate(
+        changes,
+        order=MODE_CHANGE_ORDER,
+        cursor=cursor,
+        limit=limit,
+        fingerprint=list_fingerprint("mode-changes", {"confirmation": confirmation or ""}),
+    )
+
+
+def mode_change_workloads(*, change: ModeChange) -> list[tuple[str, str, str]]:
+    """(workload id, mode before, mode after) of each workload a change with a deadline would put
+    back, or a revert put back; by workload id."""
+    return [
+        (str(workload_id), before, after)
+        for workload_id, before, after in ModeChangeWorkload.objects.filter(mode_change=change)
+        .order_by("workload_id")
+        .values_list("workload_id", "mode_before", "mode_after")
+    ]

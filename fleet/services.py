@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Mapping
+from datetime import timedelta
 from typing import Any
 
 from django.db import transaction
@@ -13,9 +14,10 @@ from controlplane.audit import audit_record
 from controlplane.auth.actor import Actor
 from controlplane.conditional import check_version
 from controlplane.problems import Finding, Problem, ValidationFailed, pointer
-from controlplane.validation import Findings, quoted, reject_unknown, require_object
+from controlplane.validation import Findings, quoted, reject_unknown, require_object, take_int
 from controlplane.webhooks.outbox import webhook_event_record
 from fleet.choices import Mode, SyncState
+from fleet.mode_confirmations import CONFIRM_WITHIN_MAX, CONFIRM_WITHIN_MIN, mode_change_holds_record
 from fleet.models import ModeChange, Workload
 from fleet.push import notify_streams
 from fleet.rendering import rerender_for_peer_change, workloads_rerender
@@ -124,10 +126,12 @@ def _selection_input(data: Any, findings: Findings) -> dict:
     return selection
 
 
-def mode_change_input(data: Any) -> tuple[dict, str]:
+def mode_change_input(data: Any) -> tuple[dict, str, int | None]:
+    """The selection, the mode and the seconds within which the change must be confirmed (None: it
+    need not be)."""
     data = require_object(data)
     findings = Findings()
-    reject_unknown(data, {"selection", "mode"}, findings)
+    reject_unknown(data, {"selection", "mode", "confirm_within_seconds"}, findings)
     if "selection" not in data:
         findings.add("/selection", "required", "selection is required.")
         selection = {}
@@ -140,8 +144,11 @@ def mode_change_input(data: Any) -> tuple[dict, str]:
             "mode" if "mode" in data else "required",
             f"mode must be one of {', '.join(Mode.values)}.",
         )
+    confirm_within = take_int(
+        data, "confirm_within_seconds", findings, minimum=CONFIRM_WITHIN_MIN, maximum=CONFIRM_WITHIN_MAX
+    )
     findings.raise_if_any()
-    return selection, mode
+    return selection, mode, confirm_within
 
 
 def selection_resolve(selection: dict) -> list[str]:
@@ -157,30 +164,40 @@ def selection_resolve(selection: dict) -> list[str]:
 
 def mode_change_create(*, actor: Actor, data: Mapping[str, Any]) -> ModeChange:
     """Record the intent, move the selected workloads' mode and render their documents. Convergence
-    (applied == latest) is observed on the workloads, not awaited here."""
-    selection, mode = mode_change_input(data)
+    (applied == latest) is observed on the workloads, not awaited here. With `confirm_within_seconds`
+    the change must be confirmed by then, or the system puts it back (fleet/mode_confirmations.py)."""
+    selection, mode, confirm_within = mode_change_input(data)
     with transaction.atomic():
         ids = selection_resolve(selection)
         if not ids:
             raise ValidationFailed(
                 [Finding("/selection", "selects-nothing", "The selection matches no workload.")]
             )
-        changed = list(
+        # Every selected workload is locked, in one order (two changes never wait on each other in
+        # a circle): this change takes each one over from whichever change selected it before.
+        selected = list(
             Workload.objects.select_for_update()
             .filter(id__in=ids)
-            .exclude(mode=mode)
-            .values_list("id", flat=True)
+            .order_by("id")
+            .values_list("id", "mode", "mode_change_id")
         )
-        Workload.objects.filter(id__in=changed).update(mode=mode, mode_since=clock.now())
-        workloads_rerender(workload_ids=[str(i) for i in changed])
+        changed = [workload_id for workload_id, current, _ in selected if current != mode]
+        now = clock.now()
         intent = ModeChange.objects.create(
             actor=str(actor),
-            created_at=clock.now(),
+            created_at=now,
             selection=selection,
             mode=mode,
             resolved_count=len(ids),
             changed_count=len(changed),
+            confirm_by=now + timedelta(seconds=confirm_within) if confirm_within else None,
         )
+        if intent.confirm_by is not None:
+            mode_change_holds_record(change=intent, selected=selected)
+        Workload.objects.filter(id__in=changed).update(mode=mode, mode_since=now, mode_change=intent)
+        unchanged = [workload_id for workload_id, current, _ in selected if current == mode]
+        Workload.objects.filter(id__in=unchanged).update(mode_change=intent)
+        workloads_rerender(workload_ids=[str(i) for i in changed])
         audit_record(
             actor=actor,
             action="mode_change.create",
@@ -191,6 +208,7 @@ def mode_change_create(*, actor: Actor, data: Mapping[str, Any]) -> ModeChange:
                 "mode": mode,
                 "resolved_count": len(ids),
                 "changed_workload_ids": sorted(str(i) for i in changed),
+                **({"confirm_by": clock.rfc3339(intent.confirm_by)} if intent.confirm_by else {}),
             },
         )
         webhook_event_record("mode_change.requested", _mode_change_event_data(intent, actor, changed))
@@ -205,6 +223,7 @@ def _mode_change_event_data(intent: ModeChange, actor: Actor, changed: list) -> 
             "selection": intent.selection,
             "resolved_count": intent.resolved_count,
             "changed_workload_ids": sorted(str(i) for i in changed),
+            "confirm_by": clock.rfc3339(intent.confirm_by),
         },
         "actor": actor.label,
     }

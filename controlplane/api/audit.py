@@ -17,9 +17,9 @@ class AuditEventSerializer(serializers.Serializer):
     actor = inline_serializer(
         "AuditActor",
         {
-            "kind": serializers.ChoiceField(choices=["session", "token", "cli", "agent"]),
+            "kind": serializers.ChoiceField(choices=["session", "token", "cli", "agent", "system"]),
             "label": serializers.CharField(
-                help_text="The token's name and prefix, or the host command line."
+                help_text="The token's name and prefix, the host command line, or `system`."
             ),
             "token_id": serializers.UUIDField(allow_null=True),
         },

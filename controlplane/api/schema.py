@@ -44,6 +44,13 @@ class ProblemSerializer(serializers.Serializer):
     last_heard_from = serializers.DateTimeField(
         required=False, allow_null=True, help_text="`workload-offline` only; null: never connected."
     )
+    confirm_by = serializers.DateTimeField(required=False, help_text="`confirmation-deadline-passed` only.")
+    reverted_by = serializers.UUIDField(
+        required=False,
+        allow_null=True,
+        help_text="`confirmation-deadline-passed` only: the system's mode change that put it back; null: "
+        "not yet.",
+    )
 
 
 def problem(description: str) -> OpenApiResponse:

@@ -9,7 +9,9 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Actor:
-    kind: str  # "session", "token", "cli", or "agent" (an enrolment at the agent gateway)
+    # "session", "token", "cli", "agent" (an enrolment at the agent gateway) or "system" (the control
+    # plane on its own: a mode change put back when its deadline passed unconfirmed)
+    kind: str
     label: str  # e.g. "token ci-deploy (pal_op_Ab12)" or "host command line"
     token_id: str | None = None
     session_id: int | None = None
@@ -23,6 +25,7 @@ class Actor:
 
 
 CLI_ACTOR = Actor(kind="cli", label="host command line")
+SYSTEM_ACTOR = Actor(kind="system", label="system")
 
 
 def cli_actor(argv: Sequence[str]) -> Actor:

@@ -41,6 +41,15 @@ def duration_text(seconds: float) -> str:
     return f"{days} d {rest} h" if rest else f"{days} d"
 
 
+def countdown_text(seconds: int) -> str:
+    """'9 s', '4 min 12 s', '1 h 0 min 5 s': every unit down to the second, for a deadline counted down."""
+    seconds = max(int(seconds), 0)
+    hours, minutes, rest = seconds // 3600, seconds // 60 % 60, seconds % 60
+    if hours:
+        return f"{hours} h {minutes} min {rest} s"
+    return f"{minutes} min {rest} s" if minutes else f"{rest} s"
+
+
 def _ago(instant: datetime, now: datetime) -> str:
     return f"{duration_text((now - instant).total_seconds())} ago"
 

@@ -26,6 +26,8 @@ urlpatterns = [
     path("policy/selector-preview", policy.selector_preview),
     path("mode-changes", evidence.mode_changes),
     path("mode-changes/convergence", evidence.convergence),
+    path("mode-changes/<str:mode_change_id>", evidence.mode_change),
+    path("mode-changes/<str:mode_change_id>/confirm", evidence.mode_change_confirm),
     path("review", evidence.review),
     path("flows", evidence.flows),
     path("tokens", tokens.tokens),

@@ -32,6 +32,7 @@ EVENT_TYPES = (
     "workload.evidence_gap",
     "workload.clock_skew",
     "mode_change.requested",
+    "mode_change.reverted",
     "webhook.created",
     "webhook.deleted",
 )

@@ -4,6 +4,7 @@ from drf_spectacular.utils import inline_serializer
 from rest_framework import serializers
 
 from fleet.choices import Mode, OwnedTableState, SyncState
+from fleet.mode_confirmations import CONFIRM_WITHIN_MAX, CONFIRM_WITHIN_MIN
 
 
 class SyncSerializer(serializers.Serializer):
@@ -135,18 +136,84 @@ Selection = inline_serializer(
     },
 )
 ModeChangeRequest = inline_serializer(
-    "ModeChangeRequest", {"selection": Selection, "mode": serializers.ChoiceField(choices=Mode.values)}
+    "ModeChangeRequest",
+    {
+        "selection": Selection,
+        "mode": serializers.ChoiceField(choices=Mode.values),
+        "confirm_within_seconds": serializers.IntegerField(
+            required=False,
+            allow_null=True,
+            min_value=CONFIRM_WITHIN_MIN,
+            max_value=CONFIRM_WITHIN_MAX,
+            help_text="The change must be confirmed (`POST /mode-changes/{id}/confirm`) within this many "
+            "seconds, or the system puts its workloads back into the mode each had before. "
+            "Absent or null: nothing to confirm.",
+        ),
+    },
 )
 
 
 class ModeChangeSerializer(serializers.Serializer):
     id = serializers.UUIDField()
-    mode = serializers.ChoiceField(choices=Mode.values)
-    selection = serializers.DictField()
+    mode = serializers.ChoiceField(
+        choices=Mode.values,
+        allow_null=True,
+        help_text="The mode the change moves its workloads to. Null only for a revert whose workloads "
+        "went back to different modes (each one's is in `workloads` of `GET /mode-changes/{id}`).",
+    )
+    selection = serializers.DictField(help_text="A revert's is the `workload_ids` of the change it put back.")
     resolved_count = serializers.IntegerField()
     changed_count = serializers.IntegerField()
-    actor = serializers.CharField()
+    actor = serializers.CharField(
+        help_text="Who asked: an operator's token or session, a host command, or `system`."
+    )
     created_at = serializers.DateTimeField()
+    confirm_by = serializers.DateTimeField(
+        allow_null=True, help_text="The deadline to confirm the change by; null: nothing to confirm."
+    )
+    confirmation = serializers.ChoiceField(
+        choices=["awaiting", "confirmed", "reverted"],
+        allow_null=True,
+        help_text="`awaiting` until confirmed or put back (also for the seconds between the deadline and "
+        "the revert); null: nothing to confirm.",
+    )
+    confirmed_at = serializers.DateTimeField(allow_null=True)
+    confirmed_by = serializers.CharField(allow_null=True, help_text="The actor that confirmed it.")
+    reverted_at = serializers.DateTimeField(allow_null=True)
+    reverted_by = serializers.UUIDField(
+        allow_null=True, help_text="The system's mode change that put it back."
+    )
+    reverts = serializers.UUIDField(
+        allow_null=True, help_text="For the system's revert: the mode change it put back."
+    )
+    reason = serializers.CharField(allow_null=True, help_text="Why the system made this mode change.")
+
+
+class ModeChangeWorkloadSerializer(serializers.Serializer):
+    workload_id = serializers.UUIDField()
+    mode_before = serializers.ChoiceField(choices=Mode.values)
+    mode_after = serializers.ChoiceField(choices=Mode.values)
+
+
+class LeftAloneSerializer(serializers.Serializer):
+    workload_id = serializers.UUIDField()
+    mode = serializers.ChoiceField(choices=Mode.values, help_text="Its mode when the revert left it.")
+    moved_by = serializers.UUIDField(
+        allow_null=True, help_text="The latest mode change that selected it, which holds it now."
+    )
+
+
+class ModeChangeDetailSerializer(ModeChangeSerializer):
+    workloads = ModeChangeWorkloadSerializer(
+        many=True,
+        help_text="A change with a deadline: each workload it moved away from the mode its revert would "
+        "put back, with that mode (`mode_before`). A revert: each workload it put back. Empty otherwise.",
+    )
+    left_alone = LeftAloneSerializer(
+        many=True,
+        help_text="A revert: the workloads of the change that a later mode change had taken over, left as "
+        "they were. Empty otherwise.",
+    )
 
 
 PreviewRequest = inline_serializer("SelectorPreviewRequest", {"selector": serializers.CharField()})

@@ -11,5 +11,7 @@ urlpatterns = [
     path("workloads/<str:workload_id>/resend-snapshot", views.ResendSnapshotView.as_view()),
     path("workloads/<str:workload_id>/revoke-credential", views.RevokeCredentialView.as_view()),
     path("mode-changes", views.ModeChangeView.as_view()),
+    path("mode-changes/<str:mode_change_id>", views.ModeChangeDetailView.as_view()),
+    path("mode-changes/<str:mode_change_id>/confirm", views.ModeChangeConfirmView.as_view()),
     path("selectors/preview", views.SelectorPreviewView.as_view()),
 ]

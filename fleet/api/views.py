@@ -6,19 +6,26 @@ from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from controlplane.api.responses import expected_version, page_params, versioned
+from controlplane.api.responses import expected_version, page_params, page_response, versioned
 from controlplane.api.schema import (
     COMMON_ERRORS,
     CONDITIONAL_ERRORS,
     IF_MATCH,
     PAGE_PARAMETERS,
     WRITE_ERRORS,
+    page_of,
     problem,
 )
-from fleet import credentials, selectors, services
+from fleet import credentials, mode_confirmations, selectors, services
 from fleet.api import schemas
 from fleet.choices import SyncState
-from fleet.representations import labels_data, mode_change_data, rendered_policy_data, workload_data
+from fleet.representations import (
+    labels_data,
+    mode_change_data,
+    mode_change_detail_data,
+    rendered_policy_data,
+    workload_data,
+)
 
 NOT_FOUND = {404: problem("`not-found`.")}
 LIST_FILTERS = [
@@ -141,6 +148,31 @@ class RevokeCredentialView(APIView):
 
 class ModeChangeView(APIView):
     @extend_schema(
+        operation_id="mode_changes_list",
+        parameters=[
+            OpenApiParameter(
+                "confirmation",
+                OpenApiTypes.STR,
+                enum=["awaiting", "confirmed", "reverted"],
+                description="Only the mode changes whose confirmation is in this state (`awaiting`: "
+                "the ones to confirm, or to be put back).",
+            ),
+            *PAGE_PARAMETERS,
+        ],
+        responses={
+            200: page_of("ModeChangePage", schemas.ModeChangeSerializer()),
+            422: problem("`validation`: a filter or paging parameter out of range."),
+            **COMMON_ERRORS,
+        },
+    )
+    def get(self, request):
+        cursor, limit = page_params(request)
+        page = selectors.mode_change_list(
+            confirmation=request.query_params.get("confirmation"), cursor=cursor, limit=limit
+        )
+        return page_response(page, [mode_change_data(change) for change in page.items])
+
+    @extend_schema(
         operation_id="mode_changes_create",
         request=schemas.ModeChangeRequest,
         responses={202: schemas.ModeChangeSerializer, **WRITE_ERRORS},
@@ -148,6 +180,34 @@ class ModeChangeView(APIView):
     def post(self, request):
         intent = services.mode_change_create(actor=request.user, data=request.data)
         return Response(mode_change_data(intent), status=202)
+
+
+class ModeChangeDetailView(APIView):
+    @extend_schema(
+        operation_id="mode_changes_get",
+        responses={200: schemas.ModeChangeDetailSerializer, **NOT_FOUND, **COMMON_ERRORS},
+    )
+    def get(self, request, mode_change_id):
+        return Response(mode_change_detail_data(selectors.mode_change_get(mode_change_id=mode_change_id)))
+
+
+class ModeChangeConfirmView(APIView):
+    @extend_schema(
+        operation_id="mode_changes_confirm",
+        request=None,
+        responses={
+            200: schemas.ModeChangeSerializer,
+            **NOT_FOUND,
+            409: problem(
+                "`confirmation-deadline-passed`: the deadline passed unconfirmed (carries `confirm_by` "
+                "and `reverted_by`); `no-confirmation-deadline`: the change has nothing to confirm."
+            ),
+            **WRITE_ERRORS,
+        },
+    )
+    def post(self, request, mode_change_id):
+        change = mode_confirmations.mode_change_confirm(actor=request.user, mode_change_id=mode_change_id)
+        return Response(mode_change_data(change))
 
 
 class SelectorPreviewView(APIView):

@@ -423,6 +423,37 @@ def test_a_mode_change_to_enforced_needs_confirmation_of_what_fails_then_converg
     logged_in.check()
 
 
+def test_a_mode_change_with_confirmation_counts_down_until_confirmed(logged_in, lab):
+    page = logged_in.goto("/mode-changes")
+    page.get_by_label("Workload ids").fill(lab.ids["never-1"])
+    page.get_by_label("simulation").check()
+    page.get_by_label(re.compile("with confirmation")).check()
+    page.get_by_label("Seconds to confirm within").fill("300")
+    page.get_by_role("button", name="Change mode to simulation").click()
+    block = page.locator('#mode-change .notice + [data-confirmation="awaiting"]')
+    block.wait_for()
+    counted = block.locator("[data-seconds-left]")
+    first = int(counted.get_attribute("data-seconds-left"))
+    assert 290 <= first <= 300, first
+    # The block polls every second: the count goes down without a reload.
+    page.wait_for_function(
+        "first => Number(document.querySelector('#mode-change [data-seconds-left]')"
+        ".getAttribute('data-seconds-left')) < first",
+        arg=first,
+        timeout=10_000,
+    )
+    logged_in.shot("mode-change-countdown")
+    page.locator("#mode-change").get_by_role("button", name="Confirm").click()
+    page.locator('#mode-change [data-confirmation="confirmed"]').wait_for()
+    assert "stands" in page.locator('#mode-change [data-confirmation="confirmed"]').inner_text()
+    logged_in.shot("mode-change-confirmed")
+    changes = lab.http.get("/api/v1/mode-changes", params={"limit": 1}).json()["items"]
+    assert changes[0]["confirmation"] == "confirmed" and changes[0]["selection"] == {
+        "workload_ids": [lab.ids["never-1"]]
+    }
+    logged_in.check()
+
+
 def test_the_review_page_states_its_reasons(logged_in, lab):
     page = logged_in.goto(f"/review?range=1h&workloads={lab.ids['web-1']}")
     assert page.locator('[data-verdict="fail"]').count() == 1

@@ -2,7 +2,7 @@
 
 from django import template
 
-from controlplane.console.chips import duration_text, short_instant, short_version
+from controlplane.console.chips import countdown_text, duration_text, short_instant, short_version
 from controlplane.text import visible
 from flows.choices import AGGREGATE
 
@@ -11,6 +11,7 @@ register = template.Library()
 register.filter("short_version", short_version)
 register.filter("short_instant", short_instant)
 register.filter("duration", duration_text)
+register.filter("countdown", countdown_text)
 
 
 # An agent's free text (its version, a gap's `lost` names) with control and format characters escaped:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from django.http import HttpResponse
-from django.views.decorators.http import require_GET, require_http_methods
+import math
 
-from controlplane.console.chips import workload_chips
+from django.http import HttpResponse
+from django.views.decorators.http import require_GET, require_http_methods, require_POST
+
+from controlplane import clock
+from controlplane.console.chips import parse_instant, workload_chips
 from controlplane.console.client import PAGE_LIMIT
 from controlplane.console.impact import refused_when_enforced, refused_words
 from controlplane.console.pages import RANGES, chosen_range, lines, operator_page, page
@@ -16,6 +19,7 @@ LISTED = 200  # workloads named on the page; the counts are over all of them
 PLOT_ROWS = 12_000  # window-by-decision rows a plot reads at most (a day of minute windows is 5,760)
 GROUPINGS = ("workload", "peer", "peer_workload", "service", "decision", "rule", "ruleset")
 MODES = ("visibility", "simulation", "enforced")
+CONFIRM_WITHIN_DEFAULT = "300"  # seconds: time enough to check a workload is still reachable
 
 
 def selection_form(params) -> dict:
@@ -49,7 +53,12 @@ def review_of(api, form: dict, span: dict):
 @operator_page
 def mode_changes(request, api):
     params = request.POST if request.method == "POST" else request.GET
-    form = {**selection_form(params), "mode": params.get("mode", "simulation")}
+    form = {
+        **selection_form(params),
+        "mode": params.get("mode", "simulation"),
+        "with_confirmation": params.get("with_confirmation") == "yes",
+        "confirm_within": params.get("confirm_within", CONFIRM_WITHIN_DEFAULT).strip(),
+    }
     span = chosen_range(params)
     context: dict = {"form": form, "modes": MODES, "span": span, "ranges": list(RANGES)}
     if form["labels"] or form["workloads"]:
@@ -74,12 +83,70 @@ def mode_changes(request, api):
                 body["selection"]["labels"] = selection["label"]
             if selection["workload"]:
                 body["selection"]["workload_ids"] = selection["workload"]
+            if form["with_confirmation"]:
+                # As typed, when not a number: the API's finding says what it takes.
+                within = form["confirm_within"]
+                body["confirm_within_seconds"] = int(within) if within.isdigit() else within
             result = api.post("/mode-changes", body)
-            context["intent"] = result.data if result.ok else None
+            context["intent"] = countdown_of(result.data) if result.ok else None
             context["problem"] = result.problem
+    context["awaiting"] = awaiting_confirmation(api, besides=(context.get("intent") or {}).get("id"))
     return page(
         request, "console/mode_changes.html", context, partial="console/partials/mode_change_body.html"
     )
+
+
+def countdown_of(change: dict) -> dict:
+    """A mode change as its confirmation block shows it, with the whole seconds left before its
+    deadline while it awaits confirmation (0: passed, the revert is due)."""
+    left = None
+    if change.get("confirmation") == "awaiting":
+        deadline = parse_instant(change["confirm_by"])
+        left = max(0, math.ceil((deadline - clock.now()).total_seconds())) if deadline else 0
+    return {**change, "seconds_left": left}
+
+
+def awaiting_confirmation(api, *, besides: str | None = None) -> list[dict]:
+    """Every mode change awaiting confirmation, so that one made earlier (in another tab, by a script)
+    is never out of sight while its deadline runs."""
+    result = api.get_all("/mode-changes", params={"confirmation": "awaiting"})
+    if not result.ok:
+        return []
+    return [countdown_of(change) for change in result.data["items"] if change["id"] != besides]
+
+
+def _mode_change_page(request, api, mode_change_id: str, *, problem: dict | None = None, status: int = 200):
+    found = api.get(f"/mode-changes/{mode_change_id}")
+    if not found.ok:
+        return page(request, "console/not_found.html", {"what": f"mode change {mode_change_id}"}, status=404)
+    change = countdown_of(found.data)
+    revert = None
+    if change["reverted_by"]:
+        reverted = api.get(f"/mode-changes/{change['reverted_by']}")
+        revert = reverted.data if reverted.ok else None
+    context = {"change": change, "revert": revert, "problem": problem}
+    return page(
+        request,
+        "console/mode_change.html",
+        context,
+        partial="console/partials/confirmation.html",
+        status=status,
+    )
+
+
+@require_GET
+@operator_page
+def mode_change(request, api, mode_change_id: str):
+    """One mode change: its facts, its workloads, and while it awaits confirmation the countdown and
+    the Confirm button (HTMX polls the block every second, and stops once it is settled)."""
+    return _mode_change_page(request, api, mode_change_id)
+
+
+@require_POST
+@operator_page
+def mode_change_confirm(request, api, mode_change_id: str):
+    result = api.post(f"/mode-changes/{mode_change_id}/confirm")
+    return _mode_change_page(request, api, mode_change_id, problem=result.problem, status=result.status)
 
 
 @require_GET
