@@ -83,5 +83,14 @@ def _database_options(database: dict, seconds: float) -> None:
     options["application_name"] = APPLICATION_NAME
 
 
+def run(argv: list[str]) -> int:
+    """serve may be gone before its worker is ready (its port was in use, an operator's Ctrl-C): the
+    worker then has no one to answer and leaves quietly, not with a traceback in serve's error output."""
+    try:
+        return main(argv)
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        return 0
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    sys.exit(run(sys.argv))

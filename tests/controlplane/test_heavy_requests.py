@@ -136,3 +136,24 @@ def test_the_consoles_heavy_calls_go_to_the_pool_and_its_other_calls_stay_in_pro
     assert page.status_code == 200 and 'data-problem="rate-limited"' in page.content.decode()
     assert "Too many heavy requests" in preview.content.decode()
     assert fleet.status_code == 200  # no heavy call: the fleet page reads through the API in process
+
+
+def test_a_worker_whose_serve_is_gone_leaves_quietly():
+    """serve that fails to bind its port closes its workers' sockets before they are ready."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    ours, theirs = socket.socketpair()
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "controlplane.heavy_worker", str(theirs.fileno())],
+        pass_fds=[theirs.fileno()],
+        stderr=subprocess.PIPE,
+        env={**os.environ, "DJANGO_SETTINGS_MODULE": "controlplane.settings"},
+    )
+    theirs.close()
+    ours.close()
+    _, stderr = worker.communicate(timeout=60)
+    assert worker.returncode == 0, stderr
+    assert b"Traceback" not in stderr, stderr
