@@ -425,7 +425,9 @@ def test_a_bundle_of_several_gateways_is_version_2_and_keeps_their_order():
         "token": token,
     }
     # One gateway is still written as version 1, which agents of every version read.
-    assert bundle_encode(gateways=gateways[:1], fingerprint=FINGERPRINT, token=token).startswith(BUNDLE_PREFIX)
+    assert bundle_encode(gateways=gateways[:1], fingerprint=FINGERPRINT, token=token).startswith(
+        BUNDLE_PREFIX
+    )
 
 
 def test_minted_bundles_list_every_gateway_serve_recorded(api, gateway):
