@@ -262,7 +262,9 @@ class Command(PalisadeCommand):
         self.listeners = (operator, gateway)
         if options["flow_retention_days"] is not None and options["flow_retention_days"] < 1:
             raise CommandError("--flow-retention-days must be at least 1")
-        advertised = [value.strip() for value in options["gateway_advertise"]]
+        advertised = [value.strip() for value in options["gateway_advertise"]] or [
+            value.strip() for value in settings.PALISADE_GATEWAY_ADVERTISE.split(",") if value.strip()
+        ]
         for value in advertised:
             # Not resolved here: the name only has to resolve where the agents are.
             try:
@@ -423,10 +425,31 @@ class Command(PalisadeCommand):
     def _record_gateway_identity(self, fingerprint: str) -> None:
         """What provisioning bundles carry and agents bind their proofs to; commands run outside
         `serve` (minting a token on the host) read it from the database."""
-        from controlplane.service_identity import gateway_identity_record
+        from controlplane.models import GatewayIdentity
+        from controlplane.service_identity import gateway_addresses, gateway_identity_record
 
         runtime.facts_set(gateway_fingerprint=fingerprint)
         try:
+            before = GatewayIdentity.objects.filter(id=1).first()
+            if before is not None and before.fingerprint != fingerprint:
+                # Another serve process of this control plane (or this one before) presented another
+                # certificate: agents pinned to it refuse this gateway, and that one's agents this one.
+                log.warning(
+                    "the gateway certificate recorded by the last serve started (SHA-256 %s) is not the one "
+                    "this process presents (%s): agents enrolled before refuse this gateway; give every "
+                    "serve process the same gateway certificate and key (docs/operations.md, several serve "
+                    "processes)",
+                    before.fingerprint,
+                    fingerprint,
+                )
+            listed = list(gateway_addresses())
+            if before is not None and before.addresses and list(before.addresses) != listed:
+                log.info(
+                    "the gateways agents are given change from %s to %s: every serve process sends the new "
+                    "list to the agents it holds",
+                    ", ".join(before.addresses),
+                    ", ".join(listed),
+                )
             gateway_identity_record(fingerprint=fingerprint)
         except DatabaseError as error:
             raise CommandError(f"cannot use the database: {_first_line(error)}") from None
