@@ -41,7 +41,7 @@ from agent.credential import (
 )
 from agent.errors import AgentError, EnrolmentNeeded
 from agent.eventlog import EventLog
-from agent.gateways import CONNECT_SECONDS, Candidate, candidates, rotated
+from agent.gateways import CONNECT_SECONDS, Candidate, candidates, needs_resolving, rotated
 from agent.state import Identity, StateDir
 from agent.status import DaemonStatus
 from agent.tablewatch import ABSENT, PRESENT, UNKNOWN, TableWatcher
@@ -302,8 +302,10 @@ class Agent:
         self.status.stream("connecting")
         began = None
         outcome = Outcome()
-        loop = asyncio.get_running_loop()
-        found = await loop.run_in_executor(None, candidates, self.gateways)
+        if needs_resolving(self.gateways):
+            found = await asyncio.get_running_loop().run_in_executor(None, candidates, self.gateways)
+        else:  # thousands of simulated agents reconnecting at once need no thread each
+            found = candidates(self.gateways)
         # Having lost a gateway, the next one first: the lost one is most likely still gone.
         for candidate in rotated(found, self._lost):
             try:

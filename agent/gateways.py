@@ -57,6 +57,11 @@ def resolve(host: str, port: int) -> list[str]:
     return addresses
 
 
+def needs_resolving(gateways: list[str]) -> bool:
+    """Whether any entry names a host rather than an address (resolving blocks: off the event loop)."""
+    return not all(_is_ip(split_gateway(address)[0]) for address in gateways)
+
+
 def candidates(gateways: list[str], *, resolver: Resolver = resolve) -> list[Candidate]:
     """Every gateway to try, in order; a name that does not resolve stays, to fail (and be logged) when
     it is tried."""

@@ -14,7 +14,7 @@ from agent import protocol as p
 from agent.daemon import Agent
 from agent.enrol import enrol
 from agent.eventlog import EventLog
-from agent.gateways import Candidate, candidates, rotated
+from agent.gateways import Candidate, candidates, needs_resolving, rotated
 from agent.simulated import RecordingDataplane
 from agent.state import StateDir
 from agent.status import collect, render
@@ -41,6 +41,8 @@ def test_a_name_with_several_addresses_counts_as_several_gateways_in_order():
     # Having lost the second, the agent starts with the third and comes round to the first last.
     assert rotated(found, found[1])[:2] == [found[2], found[3]] and rotated(found, found[1])[-1] == found[1]
     assert rotated(found, None) == found
+    assert needs_resolving(["10.0.0.9:9443", "gw.example.test:8443"])
+    assert not needs_resolving(["10.0.0.9:9443", "[2001:db8::1]:8443"])
     assert rotated(found, Candidate("other:1", "other", 1)) == found
 
 
