@@ -16,7 +16,7 @@ from cryptography.x509.oid import NameOID
 
 from controlplane.tls import ensure_certificate, fingerprint_of
 from tests.support.requirements import require
-from tests.support.serve_process import ServeProcess, Site, free_port, manage, throwaway_database
+from tests.support.serve_process import Site, free_port, manage, throwaway_database
 
 pytestmark = pytest.mark.e2e
 
@@ -138,20 +138,24 @@ def test_several_advertised_gateways_are_given_to_agents_in_order(site):
 
 def test_a_serve_process_presenting_another_gateway_certificate_than_the_others_is_warned(site, tmp_path):
     first = site.serve()
-    # Sharing the certificate and key files, named: the same fingerprint, no warning.
+    shared = first.gateway_fingerprint_served()
+    assert first.stop() == 0
+    # The certificate and key files named, as another host would: the same fingerprint, no warning.
     second = site.serve(
         ["--gateway-tls-cert", str(site.data_dir / "gateway-cert.pem"),
          "--gateway-tls-key", str(site.data_dir / "gateway-key.pem")],
     )  # fmt: skip
-    assert second.gateway_fingerprint_served() == first.gateway_fingerprint_served()
+    assert second.gateway_fingerprint_served() == shared
+    assert second.stop() == 0
     assert "is not the one this process presents" not in second.stderr_text()
-    other = ServeProcess(tmp_path / "elsewhere", database_url=site.database_url)  # a certificate of its own
-    site.processes.append(other)
-    other.start()
+    (tmp_path / "elsewhere").mkdir()
+    own = ensure_certificate(tmp_path / "elsewhere", "gateway", [])
+    other = site.serve(["--gateway-tls-cert", str(own.cert_path), "--gateway-tls-key", str(own.key_path)])
     other.wait_for_stderr(
-        rf"the gateway certificate recorded by the last serve started \(SHA-256 {first.gateway_fingerprint_served()}\) "
-        rf"is not the one this process presents \({other.gateway_fingerprint_served()}\)"
+        rf"the gateway certificate recorded by the last serve started \(SHA-256 {shared}\) "
+        rf"is not the one this process presents \({own.fingerprint}\)"
     )
+    assert other.stop() == 0
 
 
 def test_an_advertised_gateway_named_twice_is_refused(site):
