@@ -3,9 +3,13 @@
     palisade-enrol-v1:<base64url, no padding, of compact JSON>
     {"gateway":"<host:port>","fingerprint":"<SHA-256 of the gateway certificate, colon hex>","token":"pal_pt_..."}
 
-`gateway` is where the agent enrols and streams; `fingerprint` is what it pins the gateway's TLS
-certificate to (no CA involved); `token` is the provisioning token. A new format gets a new prefix
-(`palisade-enrol-v2:`), so v1 takes exactly these three fields.
+    palisade-enrol-v2:<the same encoding>
+    {"gateways":["<host:port>", ...],"fingerprint":"...","token":"pal_pt_..."}
+
+`gateway` is where the agent enrols and streams; `gateways` (v2) is the ordered list of the control
+plane's gateways, which all present the one certificate `fingerprint` pins (no CA involved); `token` is
+the provisioning token. Each version takes exactly its three fields. The control plane writes v1 while it
+advertises one gateway, so agents that only read v1 still enrol; v2 when it advertises several.
 
 Standard library only: the control plane encodes bundles with this module and the agent decodes them.
 """
@@ -16,10 +20,14 @@ import base64
 import binascii
 import json
 import re
+from typing import Any
 
 BUNDLE_PREFIX = "palisade-enrol-v1:"
+BUNDLE_PREFIX_V2 = "palisade-enrol-v2:"
 PROVISIONING_TOKEN_PREFIX = "pal_pt_"  # noqa: S105 - a public prefix, not a secret
 FIELDS = ("gateway", "fingerprint", "token")
+FIELDS_V2 = ("gateways", "fingerprint", "token")
+MAX_GATEWAYS = 16
 
 _BASE64URL = re.compile(r"[A-Za-z0-9_-]+")
 _FINGERPRINT = re.compile(r"[0-9A-Fa-f]{2}(?::[0-9A-Fa-f]{2}){31}")
@@ -46,6 +54,18 @@ def _check_gateway(gateway: object) -> str:
     return gateway
 
 
+def gateways_check(gateways: object, *, what: str = "the enrolment bundle's gateways") -> list[str]:
+    """An ordered, non-empty list of distinct HOST:PORT addresses (BundleError otherwise)."""
+    if not isinstance(gateways, list) or not gateways:
+        raise BundleError(f"{what} must be a non-empty list of HOST:PORT")
+    if len(gateways) > MAX_GATEWAYS:
+        raise BundleError(f"{what} lists {len(gateways)} addresses; at most {MAX_GATEWAYS}")
+    checked = [_check_gateway(gateway) for gateway in gateways]
+    if len(set(checked)) != len(checked):
+        raise BundleError(f"{what} lists an address twice")
+    return checked
+
+
 def _check_fingerprint(fingerprint: object) -> str:
     if not isinstance(fingerprint, str) or not _FINGERPRINT.fullmatch(fingerprint):
         raise BundleError(
@@ -62,19 +82,24 @@ def _check_token(token: object) -> str:
     return token
 
 
-def bundle_encode(*, gateway: str, fingerprint: str, token: str) -> str:
-    """The bundle for these three values; each is checked as `bundle_decode` would check it."""
-    fields = {
-        "gateway": _check_gateway(gateway),
-        "fingerprint": _check_fingerprint(fingerprint),
-        "token": _check_token(token),
-    }
+def bundle_encode(
+    *, fingerprint: str, token: str, gateways: list[str] | None = None, gateway: str | None = None
+) -> str:
+    """The bundle for these values (`gateways`, or one `gateway`), each checked as `bundle_decode` would
+    check it: v1 for one gateway (every agent version reads it), v2 for several."""
+    checked = gateways_check(list(gateways) if gateways is not None else [gateway])
+    fields: dict[str, object] = {"fingerprint": _check_fingerprint(fingerprint), "token": _check_token(token)}
+    if len(checked) == 1:
+        prefix, fields = BUNDLE_PREFIX, {"gateway": checked[0], **fields}
+    else:
+        prefix, fields = BUNDLE_PREFIX_V2, {"gateways": checked, **fields}
     raw = json.dumps(fields, separators=(",", ":")).encode()
-    return BUNDLE_PREFIX + base64.urlsafe_b64encode(raw).rstrip(b"=").decode("ascii")
+    return prefix + base64.urlsafe_b64encode(raw).rstrip(b"=").decode("ascii")
 
 
-def bundle_decode(text: object) -> dict[str, str]:
-    """The bundle's fields `{"gateway", "fingerprint", "token"}`; BundleError for anything else.
+def bundle_decode(text: object) -> dict[str, Any]:
+    """The bundle's fields `{"gateways", "gateway", "fingerprint", "token"}` (`gateway` is the first of
+    `gateways`, which a v1 bundle lists alone); BundleError for anything else.
 
     Whitespace anywhere is ignored (a bundle wrapped or indented when it was pasted still reads),
     and so is `=` padding; everything else must be exactly as `bundle_encode` writes it.
@@ -84,7 +109,8 @@ def bundle_decode(text: object) -> dict[str, str]:
     compact = "".join(text.split())
     if not compact:
         raise BundleError("the enrolment bundle is empty")
-    if not compact.startswith(BUNDLE_PREFIX):
+    prefix = next((p for p in (BUNDLE_PREFIX, BUNDLE_PREFIX_V2) if compact.startswith(p)), None)
+    if prefix is None:
         if compact.startswith(PROVISIONING_TOKEN_PREFIX):
             raise BundleError(
                 "this is a bare provisioning token, not an enrolment bundle; "
@@ -93,10 +119,11 @@ def bundle_decode(text: object) -> dict[str, str]:
         if compact.startswith("palisade-enrol-"):
             version = compact.split(":", 1)[0][len("palisade-enrol-") :]
             raise BundleError(
-                f"unsupported enrolment bundle version {version!r}; this agent reads {BUNDLE_PREFIX}..."
+                f"unsupported enrolment bundle version {version!r}; this agent reads "
+                f"{BUNDLE_PREFIX}... and {BUNDLE_PREFIX_V2}..."
             )
         raise BundleError(f"not an enrolment bundle: it must start with {BUNDLE_PREFIX}")
-    body = compact[len(BUNDLE_PREFIX) :].rstrip("=")
+    body = compact[len(prefix) :].rstrip("=")
     if not body:
         raise BundleError("the enrolment bundle is truncated: nothing follows the prefix")
     if not _BASE64URL.fullmatch(body) or len(body) % 4 == 1:
@@ -108,16 +135,22 @@ def bundle_decode(text: object) -> dict[str, str]:
         raise BundleError("the enrolment bundle is damaged or truncated: its content is not JSON") from None
     if not isinstance(fields, dict):
         raise BundleError("the enrolment bundle is damaged: its content is not a JSON object")
-    missing = [name for name in FIELDS if name not in fields]
+    expected = FIELDS if prefix == BUNDLE_PREFIX else FIELDS_V2
+    missing = [name for name in expected if name not in fields]
     if missing:
         raise BundleError(f"the enrolment bundle lacks {', '.join(missing)}")
-    unknown = sorted(str(name) for name in fields if name not in FIELDS)
+    unknown = sorted(str(name) for name in fields if name not in expected)
     if unknown:
         raise BundleError(
             f"the enrolment bundle has unknown fields {', '.join(unknown)}; is it from a newer version?"
         )
+    if prefix == BUNDLE_PREFIX:
+        gateways = [_check_gateway(fields["gateway"])]
+    else:
+        gateways = gateways_check(fields["gateways"])
     return {
-        "gateway": _check_gateway(fields["gateway"]),
+        "gateways": gateways,
+        "gateway": gateways[0],
         "fingerprint": _check_fingerprint(fields["fingerprint"]),
         "token": _check_token(fields["token"]),
     }

@@ -279,7 +279,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 def _bundle_options(parser: argparse.ArgumentParser, *, required: bool = True) -> None:
     source = parser.add_mutually_exclusive_group(required=required)
-    source.add_argument("--bundle", help="the enrolment bundle (palisade-enrol-v1:...)")
+    source.add_argument("--bundle", help="the enrolment bundle (palisade-enrol-v1:... or v2:...)")
     source.add_argument(
         "--bundle-file", metavar="FILE", help="read the enrolment bundle from FILE ('-': stdin)"
     )

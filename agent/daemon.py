@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import socket
 import ssl
 import time
 import uuid
@@ -30,6 +31,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus, WebSocketExce
 from agent import __version__
 from agent import protocol as p
 from agent.backoff import retry_delay
+from agent.bundle import BundleError, gateways_check
 from agent.credential import (
     CredentialError,
     credential_verify,
@@ -39,6 +41,7 @@ from agent.credential import (
 )
 from agent.errors import AgentError, EnrolmentNeeded
 from agent.eventlog import EventLog
+from agent.gateways import CONNECT_SECONDS, Candidate, candidates, needs_resolving, rotated
 from agent.state import Identity, StateDir
 from agent.status import DaemonStatus
 from agent.tablewatch import ABSENT, PRESENT, UNKNOWN, TableWatcher
@@ -118,6 +121,9 @@ class Agent:
         # still due by its clock) and hold its flow reports back as if the credential had expired.
         self.server_offset = timedelta(0)
         self._context = context  # simulated agents share one
+        self.gateways: list[str] = []
+        self.connected_gateway: str | None = None  # the gateway of the open stream (its label)
+        self._lost: Candidate | None = None  # the gateway whose stream ended last: tried last
         self._identity_stamp: int | None = None
         self.identity: Identity | None = None
         self._load()
@@ -155,6 +161,7 @@ class Agent:
         if self._context is None or (self.identity and self.identity.certificate_pem != pem):
             self._context = pinned_context(pem)
         self.identity, self.key, self.credential = enrolment.identity, enrolment.key, enrolment.credential
+        self.gateways = self.state.load_gateways(enrolment.identity)
         self.expires_at = enrolment.expires_at
         self._identity_stamp = self.state.identity_stamp()
 
@@ -225,7 +232,10 @@ class Agent:
         """Until stop() (returns) or a close code that needs the operator (CredentialBeyondGrace,
         CredentialRevoked)."""
         self.log(
-            "starting", workload=self.identity.workload_id, gateway=self.identity.gateway, version=__version__
+            "starting",
+            workload=self.identity.workload_id,
+            gateways=",".join(self.gateways),
+            version=__version__,
         )
         if self.watcher is not None:
             self.watcher.attach(asyncio.get_running_loop(), self.table_event)
@@ -289,13 +299,77 @@ class Agent:
 
     async def _session(self) -> Outcome:
         self._reload_if_reenrolled()
-        uri = f"wss://{self.identity.gateway}{p.STREAM_PATH}"
         self.status.stream("connecting")
-        self.log("stream connecting", url=uri)
         began = None
+        outcome = Outcome()
+        if needs_resolving(self.gateways):
+            found = await asyncio.get_running_loop().run_in_executor(None, candidates, self.gateways)
+        else:  # thousands of simulated agents reconnecting at once need no thread each
+            found = candidates(self.gateways)
+        # Having lost a gateway, the next one first: the lost one is most likely still gone.
+        for candidate in rotated(found, self._lost):
+            try:
+                ws = await self._open(candidate)
+            except EnrolmentNeeded:
+                raise
+            except Exception as error:  # noqa: BLE001 - whatever failed, the next gateway is tried
+                outcome = self._open_failed(candidate, error)
+                continue
+            self._lost = None
+            try:
+                async with ws:
+                    began = await self._authenticate(ws, candidate)
+                    outcome = await self._converse(ws, began)
+                    if not outcome.immediate:
+                        self._lost = candidate
+                    return outcome
+            except EnrolmentNeeded:
+                raise
+            except ConnectionClosed as closed:
+                code, reason = (
+                    (closed.rcvd.code, closed.rcvd.reason) if closed.rcvd else (1006, "connection lost")
+                )
+                self._lost = candidate
+                return self._closed(code, reason, began)
+            except p.ProtocolError as error:
+                self.log("protocol error", code=error.code, error=error.reason)
+                self.status.error(f"protocol error from the gateway: {error.reason}")
+            except (OSError, TimeoutError, WebSocketException) as error:
+                self._connect_failed(getattr(error, "strerror", None) or str(error) or type(error).__name__)
+            except Exception as error:  # noqa: BLE001 - a firewall agent logs, backs off and carries on
+                self._connect_failed(f"unexpected {type(error).__name__}: {error}")
+            finally:
+                self._ws = None
+                self._renew_only = False
+                self.connected_gateway = None
+                self.status.stream("disconnected")
+            self._lost = candidate
+            return Outcome(stable=self._was_stable(began))
+        # No gateway answered: back off (as long as the last one asked, if it did) and try them all again.
+        self._lost = None
+        self.status.stream("disconnected")
+        return outcome
+
+    async def _open(self, candidate: Candidate) -> ClientConnection:
+        """The websocket to one gateway; the TCP connection given CONNECT_SECONDS, so that a gateway
+        whose host is gone does not hold up the next one for the whole handshake time."""
+        uri = f"wss://{candidate.address}{p.STREAM_PATH}"
+        self.log(
+            "stream connecting",
+            url=uri,
+            address=candidate.host if candidate.label != candidate.address else None,
+        )
+        family = socket.AF_INET6 if ":" in candidate.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setblocking(False)
         try:
-            async with connect(
+            await asyncio.wait_for(
+                asyncio.get_running_loop().sock_connect(sock, (candidate.host, candidate.port)),
+                CONNECT_SECONDS,
+            )
+            return await connect(
                 uri,
+                sock=sock,
                 ssl=self._context,
                 max_size=p.MAX_MESSAGE_BYTES,
                 open_timeout=HANDSHAKE_SECONDS,
@@ -303,36 +377,26 @@ class Agent:
                 compression=self.compression,
                 **_DIRECT,
                 user_agent_header=f"palisade-agent/{__version__}",
-            ) as ws:
-                began = await self._authenticate(ws)
-                return await self._converse(ws, began)
-        except EnrolmentNeeded:
+            )
+        except BaseException:
+            sock.close()
             raise
-        except ConnectionClosed as closed:
-            code, reason = (
-                (closed.rcvd.code, closed.rcvd.reason) if closed.rcvd else (1006, "connection lost")
-            )
-            return self._closed(code, reason, began)
-        except p.ProtocolError as error:
-            self.log("protocol error", code=error.code, error=error.reason)
-            self.status.error(f"protocol error from the gateway: {error.reason}")
-        except ssl.SSLCertVerificationError as error:
-            self._connect_failed(
-                f"the gateway no longer presents the pinned certificate ({error.verify_message})"
-            )
-        except InvalidStatus as error:
+
+    def _open_failed(self, candidate: Candidate, error: Exception) -> Outcome:
+        if isinstance(error, ssl.SSLCertVerificationError):
+            message = f"the gateway no longer presents the pinned certificate ({error.verify_message})"
+        elif isinstance(error, InvalidStatus):
             status = error.response.status_code
-            self._connect_failed(f"the gateway refused the stream with HTTP {status}")
+            self._connect_failed(f"the gateway {candidate.label} refused the stream with HTTP {status}")
             return Outcome(retry_after=p.retry_after(status, error.response.headers.get("Retry-After")))
-        except (OSError, TimeoutError, WebSocketException) as error:
-            self._connect_failed(getattr(error, "strerror", None) or str(error) or type(error).__name__)
-        except Exception as error:  # noqa: BLE001 - a firewall agent logs, backs off and carries on
-            self._connect_failed(f"unexpected {type(error).__name__}: {error}")
-        finally:
-            self._ws = None
-            self._renew_only = False
-            self.status.stream("disconnected")
-        return Outcome(stable=self._was_stable(began))
+        elif isinstance(error, TimeoutError):
+            message = "timed out"
+        elif isinstance(error, OSError | WebSocketException):
+            message = getattr(error, "strerror", None) or str(error) or type(error).__name__
+        else:
+            message = f"unexpected {type(error).__name__}: {error}"
+        self._connect_failed(f"the gateway {candidate.label}: {message}")
+        return Outcome()
 
     def _connect_failed(self, message: str) -> None:
         self.log("stream error", error=message)
@@ -403,7 +467,7 @@ class Agent:
         await ws.close(error.code, error.reason)
         raise error
 
-    async def _authenticate(self, ws: ClientConnection) -> float:
+    async def _authenticate(self, ws: ClientConnection, candidate: Candidate) -> float:
         hello = await self._expect(ws, p.Hello)
         server_time = _instant(hello.server_time)
         if server_time is not None:
@@ -427,16 +491,19 @@ class Agent:
             process_start_id=self.process_start_id,
             uptime_seconds=round(time.monotonic() - self.started, 3),
             owned_table=self.owned_table,
+            gateway=candidate.address,
         )
         await ws.send(auth.encode())
         welcome = await self._expect(ws, p.Welcome)
         self._ws = ws
         self._renew_only = welcome.renew_only
         self._credential_times(welcome.expires_at, welcome.renewal_due_at, welcome.credential_state)
-        self.status.stream("connected")
+        self.connected_gateway = candidate.label
+        self.status.stream("connected", gateway=candidate.label)
         self.log(
             "stream connected",
             workload=welcome.workload_id,
+            gateway=candidate.label,
             credential=welcome.credential_state,
             renew_only="yes" if welcome.renew_only else None,
         )
@@ -482,6 +549,8 @@ class Agent:
                     # begins with a snapshot.
                     await ws.close(1000, "renewed")
                     return Outcome(immediate=renewed)
+            elif isinstance(message, p.Gateways):
+                await self._on_gateways(ws, message)
             elif isinstance(message, p.Reconnect):
                 self.log("reconnect requested", reason=message.reason)
                 self.force_apply = True
@@ -490,6 +559,26 @@ class Agent:
             else:
                 await self._refuse(ws, p.ProtocolError(p.CLOSE_UNEXPECTED, f"{message.type} after welcome"))
         return None
+
+    # --- the list of gateways ---
+
+    async def _on_gateways(self, ws: ClientConnection, message: p.Gateways) -> None:
+        """Keep the control plane's list for the next connection; a list that is no list ends the
+        stream as malformed, and the one kept stays."""
+        try:
+            gateways = gateways_check(message.addresses, what="the gateways the gateway sent")
+        except BundleError as error:
+            await self._refuse(ws, p.ProtocolError(p.CLOSE_MALFORMED, str(error)))
+            return
+        if gateways == self.gateways:
+            return
+        try:
+            self.state.write_gateways(gateways, updated_at=_now())
+        except AgentError as error:
+            self.log("gateways not kept", error=error.message)
+            return
+        self.gateways = gateways
+        self.log("gateways changed", gateways=",".join(gateways))
 
     # --- snapshots ---
 

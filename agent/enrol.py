@@ -14,6 +14,7 @@ import ssl
 import time
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
+from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
@@ -26,7 +27,7 @@ from agent.credential import (
     format_instant,
     public_key_encode,
 )
-from agent.errors import AgentError
+from agent.errors import AgentError, GatewayUnreachable
 from agent.hostinfo import host_addresses, host_name
 from agent.protocol import ENROL_PATH, EnrolRequest, EnrolResponse, ProtocolError, retry_after, sign_key_proof
 from agent.state import Enrolment, Identity, StateDir
@@ -43,18 +44,36 @@ class Pinned:
 
     certificate_pem: str
     context: ssl.SSLContext
+    gateway: str = ""  # the gateway that presented it: the first of the list that answered
 
 
-def decode_bundle(bundle_text: str) -> dict[str, str]:
+def decode_bundle(bundle_text: str) -> dict[str, Any]:
     try:
         return bundle_decode(bundle_text)
     except BundleError as error:
         raise AgentError(str(error)) from None
 
 
-def pin(bundle: dict[str, str], *, timeout: float = 10.0) -> Pinned:
-    pem = pin_gateway(bundle["gateway"], bundle["fingerprint"], timeout=timeout)
-    return Pinned(pem, pinned_context(pem))
+def pin(bundle: dict[str, Any], *, timeout: float = 10.0) -> Pinned:
+    """The certificate of the first gateway of the bundle that answers, if it is the pinned one. A
+    gateway presenting another certificate is refused, not skipped: every gateway of one control plane
+    presents the same one, so another is a mistake or an interception the operator must see."""
+    unreachable: GatewayUnreachable | None = None
+    for gateway in bundle["gateways"]:
+        try:
+            pem = pin_gateway(gateway, bundle["fingerprint"], timeout=timeout)
+        except GatewayUnreachable as error:
+            unreachable = error
+            continue
+        return Pinned(pem, pinned_context(pem), gateway)
+    assert unreachable is not None  # noqa: S101 - the bundle lists at least one gateway
+    raise _none_answered(bundle["gateways"], unreachable)
+
+
+def _none_answered(gateways: list[str], last: GatewayUnreachable) -> AgentError:
+    if len(gateways) == 1:
+        return last
+    return GatewayUnreachable(f"none of the {len(gateways)} gateways answered; the last: {last.message}")
 
 
 def _check_addresses(addresses: list[str]) -> list[str]:
@@ -84,6 +103,20 @@ def _refusal(status: int, reason: str, content_type: str, body: bytes) -> str:
     name = problem.get("type", "")
     name = name[len(PROBLEM_PREFIX) :] if isinstance(name, str) and name.startswith(PROBLEM_PREFIX) else ""
     return f"enrolment refused: {text} [HTTP {status}{' ' + name if name else ''}]"
+
+
+def post_enrolment_any(
+    gateways: list[str], context: ssl.SSLContext, request: EnrolRequest, *, timeout: float = 30.0
+) -> tuple[str, EnrolResponse]:
+    """POST the enrolment to the first of `gateways` that can be reached: (that gateway, its answer)."""
+    unreachable: GatewayUnreachable | None = None
+    for gateway in gateways:
+        try:
+            return gateway, post_enrolment(gateway, context, request, timeout=timeout)
+        except GatewayUnreachable as error:
+            unreachable = error
+    assert unreachable is not None  # noqa: S101 - at least one gateway
+    raise _none_answered(gateways, unreachable)
 
 
 def post_enrolment(
@@ -134,7 +167,7 @@ def _post_enrolment(
         raise AgentError(f"TLS with the gateway {gateway} failed: {error.reason or error}") from None
     except (TimeoutError, OSError) as error:
         reason = getattr(error, "strerror", None) or str(error) or "timed out"
-        raise AgentError(f"cannot reach the gateway {gateway}: {reason}") from None
+        raise GatewayUnreachable(f"cannot reach the gateway {gateway}: {reason}") from None
     except http.client.HTTPException as error:
         raise AgentError(
             f"the gateway {gateway} sent a broken HTTP response ({type(error).__name__})"
@@ -223,7 +256,13 @@ def enrol(
         raise AgentError(f"nothing to re-enrol: {state.path} holds no enrolment; enrol without --reenrol")
     if bundle is None and current is not None:
         identity = current.identity
-        bundle = {"gateway": identity.gateway, "fingerprint": identity.fingerprint, "token": ""}
+        gateways = state.load_gateways(identity)
+        bundle = {
+            "gateways": gateways,
+            "gateway": gateways[0],
+            "fingerprint": identity.fingerprint,
+            "token": "",
+        }
         pinned = pinned or Pinned(identity.certificate_pem, pinned_context(identity.certificate_pem))
     elif bundle is None:
         raise AgentError(
@@ -247,11 +286,18 @@ def enrol(
     )
     if current is not None:
         request = replace(request, key_proof=_key_proof(current, request, bundle["fingerprint"]))
-    response = post_enrolment(bundle["gateway"], pinned.context, request, timeout=timeout)
+    # The gateway that presented the pinned certificate first, then the rest in their order.
+    gateways = list(bundle["gateways"])
+    order = (
+        [pinned.gateway, *(g for g in gateways if g != pinned.gateway)]
+        if pinned.gateway in gateways
+        else gateways
+    )
+    gateway, response = post_enrolment_any(order, pinned.context, request, timeout=timeout)
     _check_credential(response, key)
     identity = Identity(
         workload_id=response.workload_id,
-        gateway=bundle["gateway"],
+        gateway=gateway,
         fingerprint=bundle["fingerprint"].upper(),
         certificate_pem=pinned.certificate_pem,
         signing_public_key=response.signing_public_key,
@@ -261,6 +307,7 @@ def enrol(
     # The identity last: it is what makes the directory count as enrolled.
     state.write_key(key)
     state.write_credential(response.credential)
+    state.write_gateways(gateways, updated_at=identity.enrolled_at)
     state.write_identity(identity)
     state.write_status(
         {

@@ -18,3 +18,7 @@ class EnrolmentNeeded(AgentError):
     """Not enrolled, or the control plane refuses the credential for good (4403)."""
 
     exit_code = EXIT_ENROL
+
+
+class GatewayUnreachable(AgentError):
+    """No connection to one gateway (refused, timed out, no route): the next in the list is tried."""

@@ -6,7 +6,9 @@ gap until it has subscribed again. While the owned table is gone, every window p
 `table_removed` gap. A window the control plane refuses as malformed is dropped without retry and
 becomes a `window_rejected` gap of its range. While the gateway is unreachable or refuses a report,
 reports back off with jitter (1 s doubling to 60 s), and no sooner than a 429 or 503's Retry-After; the
-buffer keeps what waits, across restarts too.
+buffer keeps what waits, across restarts too. A report goes to the gateway the last one reached, and when
+that one cannot be reached, to the next of the list at once (agent/gateways.py); a report the gateway
+stored but could not answer is stored only once when sent again anywhere, its windows being idempotent.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import asyncio
 import http.client
 import json
 import math
+import socket
 import ssl
 import threading
 import time
@@ -28,7 +31,9 @@ from agent.backoff import retry_delay
 from agent.flowbuffer import FlowBuffer
 from agent.flowreport import instant, report_body
 from agent.flowwindow import Gap, Windows
+from agent.gateways import CONNECT_SECONDS, Candidate, candidates
 from agent.state import StateDir
+from agent.tls import split_gateway
 
 DEFAULT_WINDOW_SECONDS = 60
 DEFAULT_NETLINK_BUFFER = 64 << 20  # 64 MiB lost nothing at about 21,000 connections/s
@@ -221,6 +226,7 @@ class FlowReporter:
         self.on_status = on_status
         self.status_at = 0.0
         self.status_sources: tuple[tuple[bool, int], ...] = ()
+        self.gateway: Candidate | None = None  # the gateway the last report reached
 
     def start(self) -> None:
         for thread in self.threads:
@@ -286,10 +292,7 @@ class FlowReporter:
             window_seconds=self.settings.window_seconds,
         )
         headers = enrolment.flow_report_headers(body)
-        host, _, port = enrolment.identity.gateway.rpartition(":")
-        connection = http.client.HTTPSConnection(
-            host.strip("[]"), int(port), context=self.context(), timeout=30
-        )
+        connection = self._connect(self.state.load_gateways(enrolment.identity))
         try:
             try:
                 connection.request("POST", protocol.FLOWS_PATH, body=body, headers=headers)
@@ -334,6 +337,37 @@ class FlowReporter:
         if windows:
             self.last_acknowledged = windows[-1]["id"]
         return True
+
+    def _connect(self, gateways: list[str]) -> http.client.HTTPSConnection:
+        """A TLS connection to the gateway the last report reached, else to the first of the others that
+        answers; the OSError of the last one tried when none does."""
+        found = candidates(gateways)
+        if self.gateway in found:
+            found.remove(self.gateway)
+            found.insert(0, self.gateway)
+        failure: OSError = OSError("no gateway to report to")
+        for candidate in found:
+            try:
+                sock = socket.create_connection((candidate.host, candidate.port), timeout=CONNECT_SECONDS)
+            except OSError as error:
+                failure = error
+                if candidate == self.gateway:
+                    self.log("flow report gateway unreachable", gateway=candidate.label, error=str(error))
+                continue
+            try:
+                sock.settimeout(30)
+                connection = http.client.HTTPSConnection(
+                    split_gateway(candidate.address)[0], candidate.port, context=self.context(), timeout=30
+                )
+                connection.sock = self.context().wrap_socket(sock)
+            except BaseException:
+                sock.close()
+                raise
+            if candidate != self.gateway:
+                self.log("flow reports go to", gateway=candidate.label)
+            self.gateway = candidate
+            return connection
+        raise failure
 
     async def run(self, stopping: asyncio.Event) -> None:
         loop = asyncio.get_running_loop()

@@ -236,6 +236,15 @@ class CredentialIssued(Message):
     renewal_due_at: str
 
 
+@message("gateways", "gateway")
+class Gateways(Message):
+    """Every gateway of the control plane, in the order the agent should try them: sent after `welcome`
+    and whenever the operator changes the list (`serve --gateway-advertise`), only to agents whose
+    `auth` named the gateway they dialed (older agents know no such message)."""
+
+    addresses: list
+
+
 @message("reconnect", "gateway")
 class Reconnect(Message):
     """Close this stream and open a new one at once; the new stream begins with a fresh snapshot."""
@@ -255,6 +264,15 @@ class Auth(Message):
     process_start_id: str
     uptime_seconds: float
     owned_table: str  # present | absent | unknown
+    # The list entry (HOST:PORT) the agent dialed for this stream; absent from agents that know one
+    # gateway (and left out when None, so the frame is what such agents send).
+    gateway: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        data = super().to_dict()
+        if data["gateway"] is None:
+            del data["gateway"]
+        return data
 
 
 @message("applied", "agent")

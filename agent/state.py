@@ -3,6 +3,8 @@
     key.pem         the Ed25519 private key (0600); it never leaves the host
     credential      the control plane's signed credential (0600), replaced at each renewal
     identity.json   workload id, gateway, pinned fingerprint and certificate, control-plane signing key
+    gateways.json   every gateway of the control plane, in the order to try them (from the bundle, then
+                    as the gateway pushes it): {"gateways": ["HOST:PORT", ...], "updated_at": ...}
     status.json     what the daemon last saw, for `palisade-agent status`
 
 Every file is written to a temporary name and renamed, so a reader (or a crash) only ever sees a
@@ -22,6 +24,7 @@ from typing import Any
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from agent.bundle import BundleError, gateways_check
 from agent.credential import CredentialError, credential_verify, public_key_encode
 from agent.errors import AgentError, EnrolmentNeeded
 from agent.flowreport import report_headers
@@ -31,6 +34,7 @@ KEY_FILE = "key.pem"
 CREDENTIAL_FILE = "credential"
 IDENTITY_FILE = "identity.json"
 STATUS_FILE = "status.json"
+GATEWAYS_FILE = "gateways.json"
 ENROL_HINT = "run 'palisade-agent enrol --bundle ...' first"
 
 
@@ -183,6 +187,19 @@ class StateDir:
         if payload["public_key"] != public_key_encode(key.public_key()):
             raise AgentError(f"the stored credential does not name the key in {self.path}; enrol again")
         return Enrolment(identity, key, credential, payload["expires_at"])
+
+    def load_gateways(self, identity: Identity) -> list[str]:
+        """The gateways to try, in order: gateways.json, or (enrolled before there were several, or the
+        file damaged) the gateway of the enrolment alone."""
+        try:
+            data = json.loads(self.file(GATEWAYS_FILE).read_bytes())
+            return gateways_check(data.get("gateways") if isinstance(data, dict) else None)
+        except (OSError, ValueError, BundleError):
+            return [identity.gateway]
+
+    def write_gateways(self, gateways: list[str], *, updated_at: str) -> None:
+        data = {"gateways": list(gateways), "updated_at": updated_at}
+        self._write(GATEWAYS_FILE, json.dumps(data, indent=2).encode() + b"\n")
 
     def identity_stamp(self) -> int | None:
         """Changes when identity.json is replaced (a re-enrolment)."""

@@ -46,10 +46,14 @@ def collect(state: StateDir) -> dict[str, Any]:
     stream = dict(status.get("stream") or {"state": "disconnected", "since": None})
     if running is False:
         stream["state"] = "disconnected"  # the daemon died without saying so
+    if stream.get("state") != "connected":
+        stream["gateway"] = None
+    stream.setdefault("gateway", None)
     return {
         "workload_id": identity.workload_id,
         "hostname": identity.hostname,
         "gateway": identity.gateway,
+        "gateways": state.load_gateways(identity),
         "gateway_fingerprint": identity.fingerprint,
         "enrolled_at": identity.enrolled_at,
         "daemon": {"running": running, "pid": status.get("pid"), "started_at": status.get("started_at")},
@@ -78,9 +82,11 @@ def render(doc: dict[str, Any]) -> str:
     credential = doc["credential"]
     lines = [
         f"workload:     {doc['workload_id']} ({doc['hostname']})",
-        f"gateway:      {doc['gateway']}  pinned {doc['gateway_fingerprint']}",
+        f"gateways:     {', '.join(doc['gateways'])}  pinned {doc['gateway_fingerprint']}",
         f"daemon:       {running}",
-        f"stream:       {doc['stream'].get('state')}{_since(doc['stream'])}",
+        f"stream:       {doc['stream'].get('state')}"
+        + (f" to {doc['stream']['gateway']}" if doc["stream"].get("gateway") else "")
+        + _since(doc["stream"]),
         "applied:      "
         + (
             f"version {applied['version']} (mode {applied.get('mode')}) at {applied.get('at')}"
@@ -184,9 +190,10 @@ class DaemonStatus:
         if notable and self.on_change is not None:
             self.on_change()
 
-    def stream(self, state: str) -> None:
-        if self.data["stream"]["state"] != state:
-            self.data["stream"] = {"state": state, "since": now_instant()}
+    def stream(self, state: str, *, gateway: str | None = None) -> None:
+        """`gateway`: the one a connected stream is on."""
+        if self.data["stream"]["state"] != state or self.data["stream"].get("gateway") != gateway:
+            self.data["stream"] = {"state": state, "since": now_instant(), "gateway": gateway}
             self.save()
 
     def error(self, message: str) -> None:

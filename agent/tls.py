@@ -14,7 +14,7 @@ import ssl
 
 from cryptography import x509
 
-from agent.errors import AgentError
+from agent.errors import AgentError, GatewayUnreachable
 
 X509_V_FLAG_NO_CHECK_TIME = 0x200000  # OpenSSL's; Python's ssl module has no name for it
 
@@ -53,9 +53,11 @@ def fetch_certificate(gateway: str, *, timeout: float = 10.0) -> bytes:
             f"TLS handshake with the gateway {gateway} failed: {error.reason or error}"
         ) from None
     except TimeoutError:
-        raise AgentError(f"cannot reach the gateway {gateway}: timed out after {timeout:g} s") from None
+        raise GatewayUnreachable(
+            f"cannot reach the gateway {gateway}: timed out after {timeout:g} s"
+        ) from None
     except OSError as error:
-        raise AgentError(f"cannot reach the gateway {gateway}: {error.strerror or error}") from None
+        raise GatewayUnreachable(f"cannot reach the gateway {gateway}: {error.strerror or error}") from None
     if not der:
         raise AgentError(f"the gateway {gateway} presented no certificate")
     return der

@@ -8,7 +8,8 @@ class GatewayIdentity(models.Model):
     """One row, written by `serve` at every start: the gateway agents are given, and the flow retention
     serve prunes by (so that `manage.py flows` states the same coverage as the API)."""
 
-    address = models.CharField(max_length=300)
+    address = models.CharField(max_length=300)  # the first of `addresses`
+    addresses = models.JSONField(default=list)  # every advertised gateway, in order
     fingerprint = models.CharField(max_length=200)
     flow_retention_days = models.PositiveIntegerField(null=True)  # null: recorded before it was
     updated_at = models.DateTimeField()

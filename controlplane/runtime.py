@@ -16,16 +16,18 @@ class Facts:
     listener_ports: dict[int, str] = field(default_factory=dict)
     gateway_host: str = ""  # "" until serve listens: the host name is used
     gateway_port: int = 8443
-    gateway_advertise: str | None = None  # None: the environment's PALISADE_GATEWAY_ADVERTISE
+    # The gateways agents are given, in order; None: the environment's PALISADE_GATEWAY_ADVERTISE
+    # (comma-separated).
+    gateway_advertise: tuple[str, ...] | None = None
     gateway_fingerprint: str = ""  # "" outside serve: the one serve recorded in the database
     site_label: str | None = None  # None: the environment's PALISADE_SITE_LABEL
     flow_retention_days: int | None = None  # None: the environment's PALISADE_FLOW_RETENTION_DAYS
 
     @property
-    def advertised(self) -> str:
-        return (
-            settings.PALISADE_GATEWAY_ADVERTISE if self.gateway_advertise is None else self.gateway_advertise
-        )
+    def advertised(self) -> tuple[str, ...]:
+        if self.gateway_advertise is not None:
+            return self.gateway_advertise
+        return tuple(a.strip() for a in settings.PALISADE_GATEWAY_ADVERTISE.split(",") if a.strip())
 
     @property
     def retention_days(self) -> int:

@@ -202,11 +202,17 @@ class SyncStreamConsumer(LayerIndependentConsumer, AsyncWebsocketConsumer):
             log.info("stream of %s: credential expired, renew only", grant.hostname)
             return
         await held_streams.db(sync.workload_stream_opened)(
-            workload_id=grant.workload_id, stream_id=self.stream_id, agent_version=auth.agent_version
+            workload_id=grant.workload_id,
+            stream_id=self.stream_id,
+            agent_version=auth.agent_version,
+            gateway=auth.gateway or "",
         )
-        held_streams.open_streams[self.channel_name] = held_streams.HeldStream(
-            grant.workload_id, self.stream_id
-        )
+        held = held_streams.HeldStream(grant.workload_id, self.stream_id)
+        held_streams.open_streams[self.channel_name] = held
+        if auth.gateway is not None:
+            # An agent that names the gateway it dialed keeps a list: it gets the current one.
+            held.sent_gateways = await held_streams.gateways_advertised()
+            await self.send_message(protocol.Gateways(addresses=list(held.sent_gateways)))
         if self.table_state:
             await held_streams.db(sync.workload_table_reported)(
                 workload_id=grant.workload_id, stream_id=self.stream_id, state=self.table_state
@@ -334,6 +340,10 @@ class SyncStreamConsumer(LayerIndependentConsumer, AsyncWebsocketConsumer):
         # Several notifications (a burst of writes, the catch-up sweep) may name one version.
         if self.grant and not self.grant.renew_only:
             await self.send_snapshot(unless_version=self.sent_version)
+
+    async def gateways_changed(self, event):
+        if self.grant and not self.grant.renew_only:
+            await self.send_message(protocol.Gateways(addresses=list(event["addresses"])))
 
     async def resend_snapshot(self, event):
         if self.grant:

@@ -17,6 +17,7 @@ from django.db import connection, connections
 
 from controlplane.channel_layer import layer_health
 from controlplane.outage import outage
+from controlplane.service_identity import gateway_addresses_recorded
 from fleet import stream_layer, streams, sync
 
 log = logging.getLogger("palisade.gateway")
@@ -70,6 +71,37 @@ class HeldStream:
     workload_id: str
     stream_id: str
     sent_version: str | None = None
+    # The gateways list this stream was sent; None for an agent that knows one gateway (sent none).
+    sent_gateways: tuple[str, ...] | None = None
+
+
+# The gateways every agent is given, as the last started serve process recorded them; read again at
+# each sweep, so that a list changed by another process's start reaches the streams this one holds.
+_advertised: tuple[str, ...] = ()
+
+
+async def gateways_advertised() -> tuple[str, ...]:
+    global _advertised
+    if not _advertised:
+        _advertised = await db(gateway_addresses_recorded)()
+    return _advertised
+
+
+async def gateways_push() -> int:
+    """Send the recorded list of gateways to every held stream that was sent another one."""
+    global _advertised
+    _advertised = await db(gateway_addresses_recorded)()
+    pushed = 0
+    for channel, stream in list(open_streams.items()):
+        if stream.sent_gateways is not None and stream.sent_gateways != _advertised:
+            if stream_layer.deliver_locally(
+                channel, {"type": "gateways.changed", "addresses": list(_advertised)}
+            ):
+                stream.sent_gateways = _advertised
+                pushed += 1
+    if pushed:
+        log.info("sent the changed list of gateways (%s) to %d streams", ", ".join(_advertised), pushed)
+    return pushed
 
 
 # The streams this process holds, by channel name: a shutdown records them as ended (a stopping
@@ -153,4 +185,6 @@ async def streams_catch_up_step() -> int:
     await stream_layer.layer_check()
     came_back = layer_health.recoveries != _recoveries_seen
     _recoveries_seen = layer_health.recoveries
-    return await streams_catch_up(at_once=came_back or layer_health.down)
+    caught_up = await streams_catch_up(at_once=came_back or layer_health.down)
+    await gateways_push()
+    return caught_up

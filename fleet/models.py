@@ -64,6 +64,9 @@ class Workload(models.Model):
     sync_state = models.CharField(max_length=16, choices=SyncState.choices, default=SyncState.OFFLINE)
     sync_error = models.TextField(blank=True)
     stream_id = models.CharField(max_length=64, blank=True)  # the open stream; empty when none
+    # The gateway (HOST:PORT, as the agent's list names it) the agent dialed for its last stream; shown
+    # while that stream is open. Empty from agents that know one gateway.
+    stream_gateway = models.CharField(max_length=300, blank=True, default="")
     last_snapshot_sent_at = models.DateTimeField(null=True)
     # A resend asked for and not yet answered by a snapshot, which clears it (fleet.streams); no clock
     # comparison, so a host command on a machine whose clock runs ahead cannot repeat it forever.

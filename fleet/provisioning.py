@@ -137,8 +137,8 @@ def provisioning_token_state(token: ProvisioningToken, now: datetime | None = No
     return ACTIVE
 
 
-def gateway_identity() -> tuple[str, str]:
-    """(address, certificate fingerprint) a bundle carries."""
+def gateway_identity() -> tuple[tuple[str, ...], str]:
+    """(addresses, certificate fingerprint) a bundle carries."""
     from controlplane import tls
     from controlplane.service_identity import gateway_identity as identity
 
@@ -146,13 +146,13 @@ def gateway_identity() -> tuple[str, str]:
         found = identity(certificate_if_unrecorded=True)
     except tls.CertificateError as error:
         raise Problem("internal", f"Cannot read the gateway certificate: {error}.") from None
-    return found.address, found.fingerprint
+    return found.addresses, found.fingerprint
 
 
 def enrolment_bundle(secret: str) -> str:
-    address, fingerprint = gateway_identity()
+    addresses, fingerprint = gateway_identity()
     try:
-        return bundle_encode(gateway=address, fingerprint=fingerprint, token=secret)
+        return bundle_encode(gateways=list(addresses), fingerprint=fingerprint, token=secret)
     except BundleError as error:
         # e.g. an advertised address without a port: no agent could use such a bundle.
         raise Problem(

@@ -41,6 +41,7 @@ def workload_data(workload: Workload) -> dict:
             "last_snapshot_sent_at": rfc3339(workload.last_snapshot_sent_at),
             "last_heard_from": rfc3339(workload.last_heard_from),
             "never_connected": workload.last_heard_from is None,
+            "gateway": (workload.stream_gateway or None) if workload.stream_id else None,
             "error": workload.sync_error if state == SyncState.DEGRADED else None,
             "pending_version": latest if state == SyncState.PENDING else None,
         },

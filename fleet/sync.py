@@ -95,9 +95,12 @@ def _set_latest_versions(moved: dict[str, str]) -> None:
         Workload.objects.filter(id__in=ids).update(latest_policy_id=version, latest_version_at=now)
 
 
-def workload_stream_opened(*, workload_id, stream_id: str, agent_version: str = "") -> Workload:
+def workload_stream_opened(
+    *, workload_id, stream_id: str, agent_version: str = "", gateway: str = ""
+) -> Workload:
     """A sync stream began (the agent proved its key): offline -> pending; the caller sends the
-    snapshot next (fleet.streams.stream_snapshot, which records it as sent)."""
+    snapshot next (fleet.streams.stream_snapshot, which records it as sent). `gateway` is the address
+    the agent says it dialed ("" from an agent that knows one gateway)."""
     with transaction.atomic():
         workload = _locked(workload_id)
         workload.stream_id = stream_id
@@ -106,7 +109,16 @@ def workload_stream_opened(*, workload_id, stream_id: str, agent_version: str = 
         workload.last_heard_from = clock.now()
         if agent_version:
             workload.agent_version = visible(agent_version)[:64]  # the agent's free text, escaped
-        _save(workload, "stream_id", "sync_state", "sync_error", "last_heard_from", "agent_version")
+        workload.stream_gateway = visible(gateway)[:300]
+        _save(
+            workload,
+            "stream_id",
+            "sync_state",
+            "sync_error",
+            "last_heard_from",
+            "agent_version",
+            "stream_gateway",
+        )
     return workload
 
 

@@ -11,7 +11,7 @@ from controlplane import __version__, runtime
 from controlplane.api.schema import COMMON_ERRORS, WRITE_ERRORS, problem
 from controlplane.auth.services import session_close, session_input, session_open
 from controlplane.clock import rfc3339
-from controlplane.service_identity import gateway_address
+from controlplane.service_identity import gateway_address, gateway_addresses
 
 LoginRequest = inline_serializer("Login", {"password": serializers.CharField()})
 LoginResponse = inline_serializer(
@@ -29,7 +29,13 @@ MeResponse = inline_serializer(
             },
         ),
         "site_label": serializers.CharField(),
-        "gateway_address": serializers.CharField(help_text="host:port agents enrol and stream to."),
+        "gateway_address": serializers.CharField(
+            help_text="host:port agents enrol and stream to: the first of `gateway_addresses`."
+        ),
+        "gateway_addresses": serializers.ListField(
+            child=serializers.CharField(),
+            help_text="Every gateway (host:port) agents are given, in the order they try them.",
+        ),
         "version": serializers.CharField(help_text="The control plane's version."),
     },
 )
@@ -95,6 +101,7 @@ class MeView(APIView):
                 "credential": {"kind": actor.kind, "label": actor.label},
                 "site_label": runtime.facts.label,
                 "gateway_address": gateway_address(),
+                "gateway_addresses": list(gateway_addresses()),
                 "version": __version__,
             }
         )

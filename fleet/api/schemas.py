@@ -12,6 +12,13 @@ class SyncSerializer(serializers.Serializer):
     last_snapshot_sent_at = serializers.DateTimeField(allow_null=True)
     last_heard_from = serializers.DateTimeField(allow_null=True, help_text="null: never connected.")
     never_connected = serializers.BooleanField()
+    gateway = serializers.CharField(
+        allow_null=True,
+        help_text=(
+            "The gateway (host:port, as the agent's list of gateways names it) the open stream is "
+            "connected to; null without a stream, or from an agent that knows a single gateway."
+        ),
+    )
     error = serializers.CharField(allow_null=True, help_text="The agent's error while `degraded`.")
     pending_version = serializers.CharField(
         allow_null=True, help_text="The version not yet applied while `pending`."

@@ -30,7 +30,7 @@ BAD_BUNDLES = {
     "empty": ("", "empty"),
     "not a bundle": ("hello", "not an enrolment bundle"),
     "bare token": (TOKEN, "bare provisioning token"),
-    "newer version": ("palisade-enrol-v2:abc", "unsupported enrolment bundle version"),
+    "newer version": ("palisade-enrol-v3:abc", "unsupported enrolment bundle version"),
     "truncated": ("palisade-enrol-v1:", "truncated"),
     "damaged": ("palisade-enrol-v1:!!!!", "damaged"),
     "not json": ("palisade-enrol-v1:" + base64.urlsafe_b64encode(b"nope").decode(), "not JSON"),

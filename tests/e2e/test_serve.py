@@ -117,6 +117,50 @@ def test_an_operator_token_reaches_me_with_the_site_label_and_gateway_address(si
     assert me.json()["credential"]["kind"] == "token"
     assert me.json()["site_label"] == "lab west"
     assert me.json()["gateway_address"] == "gw.example.org:9443"
+    assert me.json()["gateway_addresses"] == ["gw.example.org:9443"]
+
+
+def test_several_advertised_gateways_are_given_to_agents_in_order(site):
+    listed = ["gw-b.example.org:9443", "[2001:db8::1]:8443", "gw-a.example.org:8443"]
+    serve = site.serve([arg for address in listed for arg in ("--gateway-advertise", address)])
+    token = serve.mint_operator_token()
+    with serve.client(headers={"Authorization": f"Bearer {token}"}) as http:
+        assert http.get("/api/v1/me").json()["gateway_addresses"] == listed
+        minted = http.post("/api/v1/provisioning-tokens", json={"description": "two"})
+    from agent.bundle import bundle_decode
+
+    assert bundle_decode(minted.json()["bundle"])["gateways"] == listed
+    # A host command beside serve mints the same bundle: it reads the list serve recorded.
+    out = site.manage("provisioning-token", "mint", "--description", "cli", "--json").stdout
+    assert bundle_decode(json.loads(out)["bundle"])["gateways"] == listed
+    assert serve.stop() == 0
+
+
+def test_a_serve_process_presenting_another_gateway_certificate_than_the_others_is_warned(site, tmp_path):
+    first = site.serve()
+    shared = first.gateway_fingerprint_served()
+    assert first.stop() == 0
+    # The certificate and key files named, as another host would: the same fingerprint, no warning.
+    second = site.serve(
+        ["--gateway-tls-cert", str(site.data_dir / "gateway-cert.pem"),
+         "--gateway-tls-key", str(site.data_dir / "gateway-key.pem")],
+    )  # fmt: skip
+    assert second.gateway_fingerprint_served() == shared
+    assert second.stop() == 0
+    assert "is not the one this process presents" not in second.stderr_text()
+    (tmp_path / "elsewhere").mkdir()
+    own = ensure_certificate(tmp_path / "elsewhere", "gateway", [])
+    other = site.serve(["--gateway-tls-cert", str(own.cert_path), "--gateway-tls-key", str(own.key_path)])
+    other.wait_for_stderr(
+        rf"the gateway certificate recorded by the last serve started \(SHA-256 {shared}\) "
+        rf"is not the one this process presents \({own.fingerprint}\)"
+    )
+    assert other.stop() == 0
+
+
+def test_an_advertised_gateway_named_twice_is_refused(site):
+    done = site.manage("serve", "--gateway-advertise", "gw:1", "--gateway-advertise", "gw:1", check=False)
+    assert done.returncode != 0 and "names the same address twice" in done.stderr
 
 
 def test_the_gateway_address_is_derived_from_the_gateway_listener(site):

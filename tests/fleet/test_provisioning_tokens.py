@@ -12,7 +12,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from django.db import connection
 
-from agent.bundle import BUNDLE_PREFIX, BundleError, bundle_decode, bundle_encode
+from agent.bundle import BUNDLE_PREFIX, BUNDLE_PREFIX_V2, BundleError, bundle_decode, bundle_encode
 from agent.credential import public_key_encode
 from controlplane import clock, tls
 from controlplane.auth.actor import CLI_ACTOR
@@ -93,7 +93,12 @@ def test_mint_shows_the_token_and_bundle_once_and_stores_only_a_digest(api, gate
     body = response.json()
     secret = body["token"]
     assert secret.startswith("pal_pt_") and len(secret) > 40
-    assert bundle_decode(body["bundle"]) == {"gateway": GATEWAY, "fingerprint": FINGERPRINT, "token": secret}
+    assert bundle_decode(body["bundle"]) == {
+        "gateways": [GATEWAY],
+        "gateway": GATEWAY,
+        "fingerprint": FINGERPRINT,
+        "token": secret,
+    }
     record = body["record"]
     assert set(record) == RECORD_FIELDS
     assert record["prefix"] == secret[:12]
@@ -399,10 +404,65 @@ def test_bundle_round_trip_tolerates_pasting_whitespace():
     assert list(payload) == ["gateway", "fingerprint", "token"]
     wrapped = "  " + bundle[:30] + "\n  " + bundle[30:] + "\n"
     assert bundle_decode(wrapped) == {
+        "gateways": ["[2001:db8::1]:8443"],
         "gateway": "[2001:db8::1]:8443",
         "fingerprint": FINGERPRINT,
         "token": token,
     }
+
+
+def test_a_bundle_of_several_gateways_is_version_2_and_keeps_their_order():
+    token = "pal_pt_" + "B" * 43
+    gateways = ["gw-b.example.test:8443", "[2001:db8::1]:8443", "10.0.0.7:9443"]
+    bundle = bundle_encode(gateways=gateways, fingerprint=FINGERPRINT, token=token)
+    assert bundle.startswith(BUNDLE_PREFIX_V2)
+    payload = json.loads(base64.urlsafe_b64decode(bundle[len(BUNDLE_PREFIX_V2) :] + "=="))
+    assert list(payload) == ["gateways", "fingerprint", "token"]
+    assert bundle_decode(bundle) == {
+        "gateways": gateways,
+        "gateway": gateways[0],
+        "fingerprint": FINGERPRINT,
+        "token": token,
+    }
+    # One gateway is still written as version 1, which agents of every version read.
+    assert bundle_encode(gateways=gateways[:1], fingerprint=FINGERPRINT, token=token).startswith(
+        BUNDLE_PREFIX
+    )
+
+
+def test_minted_bundles_list_every_gateway_serve_recorded(api, gateway):
+    gateway.addresses = ["gw-a.example.test:8443", "gw-b.example.test:8443"]
+    gateway.save()
+    response = api.post("/api/v1/provisioning-tokens", {"description": "two"}, format="json")
+    assert response.status_code == 201, response.content
+    assert bundle_decode(response.json()["bundle"])["gateways"] == [
+        "gw-a.example.test:8443",
+        "gw-b.example.test:8443",
+    ]
+
+
+def _b64_v2(obj) -> str:
+    return BUNDLE_PREFIX_V2 + base64.urlsafe_b64encode(json.dumps(obj).encode()).rstrip(b"=").decode()
+
+
+GOOD_V2 = {"gateways": ["a.test:1", "b.test:2"], "fingerprint": FINGERPRINT, "token": "pal_pt_" + "A" * 43}
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({**GOOD_V2, "gateways": []}, "non-empty list"),
+        ({**GOOD_V2, "gateways": "a.test:1"}, "non-empty list"),
+        ({**GOOD_V2, "gateways": ["a.test:1", "a.test:1"]}, "lists an address twice"),
+        ({**GOOD_V2, "gateways": ["a.test:1", "no-port"]}, "is not HOST:PORT"),
+        ({**GOOD_V2, "gateways": [f"h{i}.test:1" for i in range(17)]}, "at most 16"),
+        ({"gateway": "a.test:1", "fingerprint": FINGERPRINT, "token": GOOD_V2["token"]}, "lacks gateways"),
+    ],
+)
+def test_malformed_version_2_bundles_are_refused(fields, message):
+    with pytest.raises(BundleError) as error:
+        bundle_decode(_b64_v2(fields))
+    assert message in str(error.value)
 
 
 def _b64(obj) -> str:
@@ -420,7 +480,7 @@ GOOD = {"gateway": GATEWAY, "fingerprint": FINGERPRINT, "token": "pal_pt_" + "A"
         ("", "empty"),
         ("   \n", "empty"),
         ("pal_pt_" + "A" * 43, "bare provisioning token"),
-        ("palisade-enrol-v2:abc", "unsupported enrolment bundle version 'v2'"),
+        ("palisade-enrol-v3:abc", "unsupported enrolment bundle version 'v3'"),
         ("hello", "must start with palisade-enrol-v1:"),
         (BUNDLE_PREFIX, "truncated"),
         (BUNDLE_PREFIX + "a+b/c", "not base64url"),

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.urls("controlplane.urls_gateway")
 @pytest.fixture(autouse=True)
 def gateway(settings, tmp_path):
     settings.DATA_DIR = tmp_path
-    runtime.facts_set(gateway_fingerprint=FINGERPRINT, gateway_advertise="gw.example.test:8443")
+    runtime.facts_set(gateway_fingerprint=FINGERPRINT, gateway_advertise=("gw.example.test:8443",))
 
 
 def mint(**data) -> str:

@@ -27,6 +27,7 @@ from twisted.logger import (
     globalLogPublisher,
 )
 
+from agent.bundle import MAX_GATEWAYS
 from agent.protocol import CLOSE_SHUTDOWN, MAX_MESSAGE_BYTES
 from controlplane import connection_limits, heavy_pool, metrics, runtime, tls
 from controlplane.data_dir import data_dir_check
@@ -218,7 +219,15 @@ class Command(PalisadeCommand):
             help="keep stored flow windows and gaps this many days (default 30, or PALISADE_FLOW_RETENTION_DAYS)",
         )
         parser.add_argument(
-            "--gateway-advertise", metavar="HOST:PORT", help="the gateway address given to agents"
+            "--gateway-advertise",
+            action="append",
+            default=[],
+            metavar="HOST:PORT",
+            help=(
+                "a gateway address given to agents (repeatable, in the order agents try them); every "
+                "serve process of one control plane is given the same list and the same gateway "
+                "certificate (docs/operations.md)"
+            ),
         )
         parser.add_argument(
             "--no-migrate", action="store_true", help="do not apply database migrations at start"
@@ -253,14 +262,21 @@ class Command(PalisadeCommand):
         self.listeners = (operator, gateway)
         if options["flow_retention_days"] is not None and options["flow_retention_days"] < 1:
             raise CommandError("--flow-retention-days must be at least 1")
-        if options["gateway_advertise"]:
+        advertised = [value.strip() for value in options["gateway_advertise"]] or [
+            value.strip() for value in settings.PALISADE_GATEWAY_ADVERTISE.split(",") if value.strip()
+        ]
+        for value in advertised:
             # Not resolved here: the name only has to resolve where the agents are.
             try:
-                advertised_host = split_address("--gateway-advertise", options["gateway_advertise"])[0]
+                advertised_host = split_address("--gateway-advertise", value)[0]
             except ListenAddressError as error:
                 raise CommandError(str(error)) from None
             if not advertised_host:
                 raise CommandError("--gateway-advertise needs a host: HOST:PORT or [IPV6]:PORT")
+        if len(set(advertised)) != len(advertised):
+            raise CommandError("--gateway-advertise names the same address twice")
+        if len(advertised) > MAX_GATEWAYS:
+            raise CommandError(f"--gateway-advertise: at most {MAX_GATEWAYS} addresses")
         certs = {
             "operator": self._certificate("operator", operator, options),
             "gateway": self._certificate("gateway", gateway, options),
@@ -280,7 +296,7 @@ class Command(PalisadeCommand):
             raise CommandError(str(error)) from None
         self._prepare_database(migrate=not options["no_migrate"])
 
-        from controlplane.service_identity import gateway_address
+        from controlplane.service_identity import gateway_addresses
 
         log.info(
             "operator listener %s certificate SHA-256 fingerprint %s",
@@ -291,7 +307,7 @@ class Command(PalisadeCommand):
             "gateway listener %s certificate SHA-256 fingerprint %s (agents are given %s)",
             gateway.url(),
             certs["gateway"].fingerprint,
-            gateway_address(),
+            ", ".join(gateway_addresses()),
         )
         self._record_gateway_identity(certs["gateway"].fingerprint)
         self._refresh_stale_documents()
@@ -363,7 +379,7 @@ class Command(PalisadeCommand):
             listener_ports={operator.port: OPERATOR, gateway.port: GATEWAY},
             gateway_host=this_host_name() if gateway.is_wildcard else gateway.host,
             gateway_port=gateway.port,
-            gateway_advertise=(options["gateway_advertise"] or "").strip() or None,
+            gateway_advertise=tuple(v.strip() for v in options["gateway_advertise"]) or None,
             site_label=options["site_label"],
             # Resolved here, so the retention serve records for the commands beside it is its own.
             flow_retention_days=options["flow_retention_days"] or settings.PALISADE_FLOW_RETENTION_DAYS,
@@ -409,10 +425,31 @@ class Command(PalisadeCommand):
     def _record_gateway_identity(self, fingerprint: str) -> None:
         """What provisioning bundles carry and agents bind their proofs to; commands run outside
         `serve` (minting a token on the host) read it from the database."""
-        from controlplane.service_identity import gateway_identity_record
+        from controlplane.models import GatewayIdentity
+        from controlplane.service_identity import gateway_addresses, gateway_identity_record
 
         runtime.facts_set(gateway_fingerprint=fingerprint)
         try:
+            before = GatewayIdentity.objects.filter(id=1).first()
+            if before is not None and before.fingerprint != fingerprint:
+                # Another serve process of this control plane (or this one before) presented another
+                # certificate: agents pinned to it refuse this gateway, and that one's agents this one.
+                log.warning(
+                    "the gateway certificate recorded by the last serve started (SHA-256 %s) is not the one "
+                    "this process presents (%s): agents enrolled before refuse this gateway; give every "
+                    "serve process the same gateway certificate and key (docs/operations.md, several serve "
+                    "processes)",
+                    before.fingerprint,
+                    fingerprint,
+                )
+            listed = list(gateway_addresses())
+            if before is not None and before.addresses and list(before.addresses) != listed:
+                log.info(
+                    "the gateways agents are given change from %s to %s: every serve process sends the new "
+                    "list to the agents it holds",
+                    ", ".join(before.addresses),
+                    ", ".join(listed),
+                )
             gateway_identity_record(fingerprint=fingerprint)
         except DatabaseError as error:
             raise CommandError(f"cannot use the database: {_first_line(error)}") from None
