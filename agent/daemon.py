@@ -72,6 +72,10 @@ def _now() -> str:
     return format_instant(datetime.now(UTC))
 
 
+def _instant_text(seconds: float) -> str:
+    return format_instant(datetime.fromtimestamp(seconds, UTC))
+
+
 def _instant(text: str | None) -> datetime | None:
     try:
         return parse_instant(text)
@@ -145,7 +149,7 @@ class Agent:
         self._killed = False
         self._apply_lock = asyncio.Lock()
         self._drift: Changes | None = None
-        self._drift_since: str | None = None
+        self._drift_since: float | None = None  # when the first edit not yet put right was seen
         self.table_modifications = 0
         self.last_modification: p.TableModified | None = None
         self._modification_unsent = False
@@ -251,7 +255,7 @@ class Agent:
             )
             return
         if self._drift is None:
-            self._drift, self._drift_since = Changes(), _now()
+            self._drift, self._drift_since = Changes(), time.time()
             self._spawn(self._restore())
         self._drift.update(changes)
 
@@ -263,11 +267,11 @@ class Agent:
             document = self.applied_document
             if changes is None or since is None or document is None or self._killed:
                 return  # the table was deleted meanwhile (kill switch), or a snapshot replaced it
-            restored_at: str | None = None
+            restored_at: float | None = None
             self._applying, self._deferred_verdict = True, None
             try:
                 await self.dataplane.apply(document)
-                restored_at = _now()
+                restored_at = time.time()
             except Exception as error:  # noqa: BLE001 - report the edit even if it could not be undone
                 text = getattr(error, "message", None) or str(error) or type(error).__name__
                 self.log("restore failed", error=text[:MAX_ERROR_CHARS])
@@ -276,11 +280,20 @@ class Agent:
                 self._end_apply()
         description = describe(changes)
         self.table_modifications += 1
-        self.last_modification = p.TableModified(
-            modified_at=since, restored_at=restored_at, description=description
+        message = p.TableModified(
+            modified_at=_instant_text(since),
+            restored_at=None if restored_at is None else _instant_text(restored_at),
+            description=description,
         )
-        self.status.table_modified(since, restored_at, description)
-        self.log("table modified", difference=description, modified_at=since, restored_at=restored_at)
+        self.last_modification = message
+        self.status.table_modified(message.modified_at, message.restored_at, description)
+        self.log(
+            "table restored" if restored_at is not None else "table modified",
+            difference=description,
+            modified_at=message.modified_at,
+        )
+        if self.flows is not None and restored_at is not None:
+            self.flows.table_modified(since, restored_at)
         self._modification_unsent = True
         if self._ws is not None and not self._renew_only:
             self._spawn(self._send_modification(self._ws))
