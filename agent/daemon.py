@@ -250,9 +250,8 @@ class Agent:
 
     def _drifted(self, changes: Changes) -> None:
         if self.applied_document is None or self._killed:
-            self.log(
-                "table modified", difference=describe(changes), restored="no: nothing applied to put back"
-            )
+            why = "the table was deleted (kill switch)" if self._killed else "nothing applied yet"
+            self.log("table modified", difference=describe(changes), restored=f"no: {why}")
             return
         if self._drift is None:
             self._drift, self._drift_since = Changes(), time.time()

@@ -273,3 +273,27 @@ def test_hand_edits_in_a_namespace_are_described_and_counters_are_not():
         finally:
             watcher.kill()
             watcher.wait(10)
+
+
+QUEUED_BEFORE_APPLY_RETURNS = """
+from agent.dataplane import NftablesDataplane
+from agent.tablewatch import TableWatcher
+from tests.support.agent_helpers import document
+watcher = TableWatcher().open()
+dataplane = NftablesDataplane()
+for version in range(20):
+    dataplane.apply(document(f"v{version}", port=1000 + version))
+    found = watcher.drain()  # at once: no wait, no poll
+    assert [t.replaced for t in found] == [True], (version, found)
+print("ok", flush=True)
+"""
+
+
+@pytest.mark.root
+def test_our_replace_is_announced_before_apply_returns():
+    """What lets the daemon tell its own replaces from another process's: their notifications are
+    queued on the watcher's socket by the time apply() returns, so a read right then finds them."""
+    require_namespace_lab()
+    with Lab.create({"wl": (None, None)}) as lab:
+        done = lab.python("wl", QUEUED_BEFORE_APPLY_RETURNS)
+        assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
