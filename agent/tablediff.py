@@ -15,7 +15,6 @@ MAX_DESCRIPTION_CHARS = 500  # a flush of a 10,000-rule table stays one readable
 # What each kind of object holds, for "chain input: 2 rules added"; a change to the object itself
 # ("chain extra added") has no member.
 _MEMBERS = {"rule": ("rule", "rules"), "element": ("element", "elements")}
-_OWNERS = {"rule": "chain", "element": "set"}
 
 
 @dataclass
@@ -62,7 +61,3 @@ def describe(changes: Changes) -> str:
     if len(line) > MAX_DESCRIPTION_CHARS:
         line = line[: MAX_DESCRIPTION_CHARS - 5].rsplit(";", 1)[0] + "; ..."
     return line
-
-
-def member_owner(member: str) -> str:
-    return _OWNERS[member]
