@@ -4,10 +4,16 @@ Fail static: whatever happens to the stream, the table in the kernel stays as it
 snapshot changes it. The agent never restores a table someone deleted (that is the local kill
 switch); it reports `absent`, and the next snapshot brings the table back.
 
+Tamper evident: a change another process makes inside the table (a rule, chain, set or element
+added, removed or replaced) is put right at once, by applying the last applied document again in one
+atomic replace, and reported (`table_modified`). The agent's own replaces are told apart by what the
+kernel announces: a transaction that deletes and re-creates the table while the agent applies.
+
 Each event is logged as one line (eventlog.py; the full list is in agent/README.md):
 
     starting / stream connecting / stream connected / stream closed / stream error / protocol error
     backoff / applied / already applied / apply failed / table absent / table present / table checked
+    table modified / table restored / restore failed
     reconnect requested / renewal requested / credential renewed / renewal failed / renewal unanswered
     state reloaded / stopping / stopped
 """
@@ -44,7 +50,8 @@ from agent.eventlog import EventLog
 from agent.gateways import CONNECT_SECONDS, Candidate, candidates, needs_resolving, rotated
 from agent.state import Identity, StateDir
 from agent.status import DaemonStatus
-from agent.tablewatch import ABSENT, PRESENT, UNKNOWN, TableWatcher
+from agent.tablediff import CHANGED, Changes, describe
+from agent.tablewatch import ABSENT, PRESENT, UNKNOWN, TableWatcher, Transaction
 from agent.tls import pinned_context
 from agent.worker import DataplaneWorker
 
@@ -59,10 +66,17 @@ HANDSHAKE_SECONDS = 10  # for hello and welcome, as the gateway allows 10 s for 
 STABLE_SECONDS = 10.0  # a stream that lasted this long resets the backoff
 RENEW_RETRY_SECONDS = 300.0
 MAX_ERROR_CHARS = 16_000
+# A hand edit is often several transactions (`nft -f` of a few lines, a script): wait this long after
+# the first before restoring, so that one replace puts them all right and one report names them all.
+RESTORE_SETTLE_SECONDS = 0.05
 
 
 def _now() -> str:
     return format_instant(datetime.now(UTC))
+
+
+def _instant_text(seconds: float) -> str:
+    return format_instant(datetime.fromtimestamp(seconds, UTC))
 
 
 def _instant(text: str | None) -> datetime | None:
@@ -134,6 +148,17 @@ class Agent:
         self._tasks: set[asyncio.Task] = set()
         self._applying = False
         self._deferred_verdict: str | None = None
+        # Hand edits of the table: what the last applied document was (to put back), whether the kill
+        # switch was used since (then nothing is put back until a snapshot), the edits not yet put
+        # right, and the last episode, reported until the gateway has it.
+        self.applied_document: str | None = None
+        self._killed = False
+        self._apply_lock = asyncio.Lock()
+        self._drift: Changes | None = None
+        self._drift_since: float | None = None  # when the first edit not yet put right was seen
+        self.table_modifications = 0
+        self.last_modification: p.TableModified | None = None
+        self._modification_unsent = False
         self.status = DaemonStatus(
             state,
             workload_id=self.identity.workload_id,
@@ -184,6 +209,8 @@ class Agent:
     # --- the owned table ---
 
     def _table_seen(self, state: str, *, initial: bool = False) -> None:
+        if state == ABSENT:
+            self._killed, self._drift = True, None  # the kill switch: nothing is put back
         if state == self.owned_table:
             return
         self.owned_table = state
@@ -203,6 +230,101 @@ class Agent:
             self._spawn(self._check_table())
         else:
             self._table_seen(verdict)
+
+    def table_transaction(self, transaction: Transaction) -> None:
+        """One committed transaction that touched the table, as the watcher read it."""
+        if transaction.state == UNKNOWN:
+            self.table_event(UNKNOWN)
+            return
+        if transaction.replaced and self._applying:
+            self.table_event(PRESENT)  # our own replace
+            return
+        if transaction.state == ABSENT:
+            self.table_event(ABSENT)
+            return
+        changes = transaction.changes
+        if transaction.replaced:  # the whole table replaced by another process
+            changes = Changes()
+            changes.add("table", "", "replaced")
+        elif transaction.created and self.owned_table == PRESENT:  # its flags changed (`dormant`)
+            changes = Changes()
+            changes.add("table", "", CHANGED)
+        if transaction.state == PRESENT and self.owned_table != PRESENT:
+            self.table_event(PRESENT)  # re-created by hand after the kill switch: reported, left alone
+            return
+        if changes:
+            self._drifted(changes)
+
+    def _drifted(self, changes: Changes) -> None:
+        if self.applied_document is None or self._killed:
+            why = "the table was deleted (kill switch)" if self._killed else "nothing applied yet"
+            self.log("table modified", difference=describe(changes), restored=f"no: {why}")
+            return
+        if self._drift is None:
+            self._drift, self._drift_since = Changes(), time.time()
+            self._spawn(self._restore())
+        self._drift.update(changes)
+
+    async def _restore(self) -> None:
+        await asyncio.sleep(RESTORE_SETTLE_SECONDS)
+        async with self._apply_lock:
+            changes, since = self._drift, self._drift_since
+            self._drift = None
+            document = self.applied_document
+            if changes is None or since is None or document is None or self._killed:
+                return  # the table was deleted meanwhile (kill switch), or a snapshot replaced it
+            restored_at: float | None = None
+            self._applying, self._deferred_verdict = True, None
+            try:
+                await self.dataplane.apply(document)
+                restored_at = time.time()
+            except Exception as error:  # noqa: BLE001 - report the edit even if it could not be undone
+                text = getattr(error, "message", None) or str(error) or type(error).__name__
+                self.log("restore failed", error=text[:MAX_ERROR_CHARS])
+                self.status.error(f"restoring the table after a hand edit failed: {text[:MAX_ERROR_CHARS]}")
+            finally:
+                self._end_apply()
+        description = describe(changes)
+        self.table_modifications += 1
+        message = p.TableModified(
+            modified_at=_instant_text(since),
+            restored_at=None if restored_at is None else _instant_text(restored_at),
+            description=description,
+        )
+        self.last_modification = message
+        self.status.table_modified(message.modified_at, message.restored_at, description)
+        self.log(
+            "table restored" if restored_at is not None else "table modified",
+            difference=description,
+            modified_at=message.modified_at,
+        )
+        if self.flows is not None and restored_at is not None:
+            self.flows.table_modified(since, restored_at)
+        self._modification_unsent = True
+        if self._ws is not None and not self._renew_only:
+            self._spawn(self._send_modification(self._ws))
+
+    async def _send_modification(self, ws: ClientConnection) -> None:
+        message = self.last_modification
+        if message is None or not self._modification_unsent:
+            return
+        try:
+            await ws.send(message.encode())
+        except ConnectionClosed:
+            return  # sent again on the next stream
+        if message is self.last_modification:
+            self._modification_unsent = False
+
+    def _end_apply(self) -> None:
+        """After one of our replaces: what the kernel announced of it is already queued; read it now,
+        while it still counts as ours."""
+        if self.watcher is not None and self.watcher.sock is not None:
+            for transaction in self.watcher.drain():
+                self.table_transaction(transaction)
+        self._applying = False
+        if self._deferred_verdict is not None:
+            verdict, self._deferred_verdict = self._deferred_verdict, None
+            self.table_event(verdict)
 
     async def _check_table(self, *, initial: bool = False) -> None:
         try:
@@ -238,7 +360,7 @@ class Agent:
             version=__version__,
         )
         if self.watcher is not None:
-            self.watcher.attach(asyncio.get_running_loop(), self.table_event)
+            self.watcher.attach(asyncio.get_running_loop(), self.table_transaction)
         await self._check_table(initial=True)
         flow_task = asyncio.ensure_future(self.flows.run(self._stop)) if self.flows is not None else None
         metrics_task = asyncio.ensure_future(self.metrics.run(self)) if self.metrics is not None else None
@@ -499,6 +621,8 @@ class Agent:
         self._renew_only = welcome.renew_only
         self._credential_times(welcome.expires_at, welcome.renewal_due_at, welcome.credential_state)
         self.connected_gateway = candidate.label
+        if not self._renew_only and self._modification_unsent:
+            self._spawn(self._send_modification(ws))  # an edit put right while the stream was down
         self.status.stream("connected", gateway=candidate.label)
         self.log(
             "stream connected",
@@ -587,13 +711,12 @@ class Agent:
             self.log("already applied", version=snapshot.version)
             await self._send(ws, p.Applied(version=snapshot.version))
             return
-        self._applying, self._deferred_verdict = True, None
-        try:
-            await self._apply(ws, snapshot)
-        finally:
-            self._applying = False
-            if self._deferred_verdict is not None:
-                self.table_event(self._deferred_verdict)
+        async with self._apply_lock:
+            self._applying, self._deferred_verdict = True, None
+            try:
+                await self._apply(ws, snapshot)
+            finally:
+                self._end_apply()
 
     async def _apply(self, ws: ClientConnection, snapshot: p.Snapshot) -> None:
         try:
@@ -606,6 +729,8 @@ class Agent:
             await self._send(ws, p.Failed(version=snapshot.version, error=text))
             return
         self.applied_version = snapshot.version
+        self.applied_document = snapshot.document
+        self._killed = False  # a snapshot ends the kill switch
         self.force_apply = False
         self.status.applied(snapshot.version, snapshot.mode)
         self.log("applied", version=snapshot.version, mode=snapshot.mode)

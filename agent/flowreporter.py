@@ -3,7 +3,8 @@ the buffer is reported to the gateway (`POST /agent/v1/flows`), independently of
 
 Sources read on their own threads (blocking netlink reads); a source that fails is a `source_restart`
 gap until it has subscribed again. While the owned table is gone, every window period carries a
-`table_removed` gap. A window the control plane refuses as malformed is dropped without retry and
+`table_removed` gap; a hand edit of the table that the agent put right is a `table_modified` gap from
+its detection to its restoring. A window the control plane refuses as malformed is dropped without retry and
 becomes a `window_rejected` gap of its range. While the gateway is unreachable or refuses a report,
 reports back off with jitter (1 s doubling to 60 s), and no sooner than a 429 or 503's Retry-After; the
 buffer keeps what waits, across restarts too. A report goes to the gateway the last one reached, and when
@@ -215,6 +216,7 @@ class FlowReporter:
         self.threads = [SourceThread(name, make(self.windows), log, clock) for name, make in sources.items()]
         self.period_start = math.floor(clock() / settings.window_seconds) * settings.window_seconds
         self.absent_since: float | None = None
+        self.modified: list[tuple[float, float]] = []  # hand edits of the table: (seen, restored)
         self.attempt = 0
         self.next_send = 0.0
         self.retry_after: float | None = None  # what the gateway's last 503 or 429 asked for
@@ -249,10 +251,17 @@ class FlowReporter:
                 self.absent_since = max(self.absent_since, end)
         return gaps
 
+    def table_modified(self, seen: float, restored: float) -> None:
+        """Another process edited the owned table at `seen`, and it was put right at `restored` (this
+        host's clock): the evidence between followed rules that were not the policy's."""
+        self.modified.append((seen, max(restored, seen + 0.001)))
+
     def tick(self, now: float | None = None) -> None:
         """Close what is due and move it, with every source's gaps, into the buffer."""
         now = self.clock() if now is None else now
-        self._keep(now, self._table_gaps(now))
+        taken, self.modified = self.modified, []
+        edits = [Gap("table_modified", None, seen, restored, {}) for seen, restored in taken]
+        self._keep(now, self._table_gaps(now) + edits)
 
     def close(self) -> None:
         """At shutdown: the open window is closed and kept, with the rest of the buffer."""

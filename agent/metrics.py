@@ -56,6 +56,7 @@ class Agent(Protocol):
     identity: Identity | None
     apply_failures: int
     owned_table: str
+    table_modifications: int
     expires_at: str | datetime | None
     renewal_due_at: str | datetime | None
     flows: FlowReporter | None
@@ -115,6 +116,12 @@ def agent_families(agent: Agent, *, running: bool) -> list[Metric]:
     )
     for state in OWNED_TABLE_STATES:
         table.add_metric([state], 1 if agent.owned_table == state else 0)
+    modifications = CounterMetricFamily(
+        "palisade_agent_owned_table_modifications",
+        "Hand edits of the owned table by another process that the agent put right, since it started.",
+    )
+    modifications.add_metric([], agent.table_modifications)
+    modified = status.get("table_modified") or {}
     connected = running and agent.status.stream_state == "connected"
     return [
         info,
@@ -127,6 +134,10 @@ def agent_families(agent: Agent, *, running: bool) -> list[Metric]:
                _timestamp(applied.get("at")) if applied else None),
         failures,
         table,
+        modifications,
+        _gauge("palisade_agent_owned_table_modified_timestamp_seconds",
+               "When the agent last saw another process edit the owned table (Unix time).",
+               _timestamp(modified.get("modified_at"))),
         _gauge("palisade_agent_stream_connected", "1 while the sync stream to the gateway is connected.",
                1 if connected else 0),
         _gauge("palisade_agent_credential_expiry_timestamp_seconds",

@@ -304,6 +304,16 @@ class TableState(Message):
     state: str  # present | absent
 
 
+@message("table_modified", "agent")
+class TableModified(Message):
+    """Another process changed the owned table (a rule, chain, set or element added, removed or
+    replaced) and the agent put its applied document back in one atomic replace."""
+
+    modified_at: str  # when the agent first saw the change, RFC 3339 (the agent's clock)
+    restored_at: str | None  # when the document was back; None when the restore failed
+    description: str  # what differed, e.g. "chain input: 1 rule added"
+
+
 @message("renew", "agent")
 class Renew(Message):
     pass

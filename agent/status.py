@@ -62,6 +62,7 @@ def collect(state: StateDir) -> dict[str, Any]:
         "applied": status.get("applied"),
         "mode": status.get("mode"),
         "owned_table": status.get("owned_table") or {"state": "unknown", "since": None},
+        "table_modified": status.get("table_modified"),
         "credential": credential,
         "flows": status.get("flows"),
         "updated_at": status.get("updated_at"),
@@ -94,12 +95,20 @@ def render(doc: dict[str, Any]) -> str:
             else "nothing yet"
         ),
         f"owned table:  {doc['owned_table'].get('state')}{_since(doc['owned_table'])}",
+        *_modified_line(doc.get("table_modified")),
         f"credential:   expires {credential.get('expires_at')}, renewal due {credential.get('renewal_due_at')}"
         + (f" ({credential['state']})" if credential.get("state") else ""),
         f"last error:   {error['message']} (at {error.get('at')})" if error else "last error:   none",
     ]
     lines.extend(_flow_lines(doc.get("flows")))
     return "\n".join(lines)
+
+
+def _modified_line(modified: dict[str, Any] | None) -> list[str]:
+    if not modified:
+        return []
+    restored = f"restored {modified['restored_at']}" if modified.get("restored_at") else "NOT restored"
+    return [f"table edited: {modified.get('description')} at {modified.get('modified_at')}, {restored}"]
 
 
 def _flow_lines(flows: dict[str, Any] | None) -> list[str]:
@@ -207,6 +216,14 @@ class DaemonStatus:
 
     def table(self, state: str) -> None:
         self.data["owned_table"] = {"state": state, "since": now_instant()}
+        self.save()
+
+    def table_modified(self, modified_at: str, restored_at: str | None, description: str) -> None:
+        self.data["table_modified"] = {
+            "modified_at": modified_at,
+            "restored_at": restored_at,
+            "description": description,
+        }
         self.save()
 
     def applied(self, version: str, mode: str) -> None:

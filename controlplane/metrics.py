@@ -56,6 +56,7 @@ GAP_KINDS = (
     "window_overflow",
     "window_rejected",
     "table_removed",
+    "table_modified",
     "agent_silent",
     "keys_aggregated",
 )
@@ -111,6 +112,14 @@ FLOW_GAPS_REFUSED = Counter(
     ["reason"],
     registry=REGISTRY,
 )
+OWNED_TABLE_MODIFICATIONS = Counter(
+    "palisade_owned_table_modifications",
+    "Hand edits of agents' owned tables that agents reported, by whether the agent put its table back.",
+    ["outcome"],
+    registry=REGISTRY,
+)
+for _outcome in ("restored", "not_restored"):
+    OWNED_TABLE_MODIFICATIONS.labels(_outcome)
 EVIDENCE_GAPS_RECORDED = Counter(
     "palisade_evidence_gaps_recorded",
     "Evidence gaps stored: reported by agents, or agent_silent derived by the control plane.",
@@ -239,6 +248,12 @@ def flow_reports_stored(counted: FlowItemsCounted, *, gaps: list) -> None:
             EVIDENCE_GAPS_RECORDED.labels(kind, source).inc()
 
     transaction.on_commit(count)
+
+
+def owned_table_modified(*, restored: bool) -> None:
+    """An agent reported a hand edit of its owned table (counted when the report is stored)."""
+    outcome = "restored" if restored else "not_restored"
+    transaction.on_commit(lambda: OWNED_TABLE_MODIFICATIONS.labels(outcome).inc())
 
 
 def policy_applied(*, version: str, before: tuple) -> None:

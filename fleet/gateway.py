@@ -182,6 +182,7 @@ class SyncStreamConsumer(LayerIndependentConsumer, AsyncWebsocketConsumer):
             protocol.Failed: self.on_failed,
             protocol.Heartbeat: self.on_heartbeat,
             protocol.TableState: self.on_table,
+            protocol.TableModified: self.on_table_modified,
             protocol.RenewalFailed: self.on_renewal_failed,
         }.get(type(message))
         if handler is None:
@@ -291,6 +292,28 @@ class SyncStreamConsumer(LayerIndependentConsumer, AsyncWebsocketConsumer):
         log.info("%s reports its owned table %s", self.grant.hostname, message.state)
         await held_streams.db(sync.workload_table_reported)(
             workload_id=self.grant.workload_id, stream_id=self.stream_id, state=message.state
+        )
+
+    async def on_table_modified(self, message: protocol.TableModified) -> None:
+        modified_at = parse_instant(message.modified_at)
+        restored_at = None if message.restored_at is None else parse_instant(message.restored_at)
+        if modified_at is None or (message.restored_at is not None and restored_at is None):
+            raise protocol.ProtocolError(
+                protocol.CLOSE_MALFORMED,
+                "table_modified: modified_at and restored_at must be RFC 3339 instants",
+            )
+        log.warning(
+            "%s reports its owned table edited by hand: %s (%s)",
+            self.grant.hostname,
+            visible(message.description[:200]),
+            "restored" if restored_at is not None else "NOT restored",
+        )
+        await held_streams.db(sync.workload_table_modified)(
+            workload_id=self.grant.workload_id,
+            stream_id=self.stream_id,
+            modified_at=modified_at,
+            restored_at=restored_at,
+            description=message.description,
         )
 
     async def renew(self) -> None:

@@ -75,6 +75,11 @@ class Workload(models.Model):
     owned_table_state = models.CharField(
         max_length=16, choices=OwnedTableState.choices, default=OwnedTableState.UNKNOWN
     )
+    # The last hand edit of the owned table the agent saw and put right (`table_modified` on the stream):
+    # when it saw it (agent clock), when its document was back (null: the restore failed), what differed.
+    table_modified_at = models.DateTimeField(null=True)
+    table_restored_at = models.DateTimeField(null=True)
+    table_modification = models.CharField(max_length=500, blank=True)
     last_flow_report_at = models.DateTimeField(null=True)
     # From flow reports (flows/services.py): the agent's clock offset when over two windows, and the
     # latest evidence gap, so a fleet read shows both without reading the flow tables.

@@ -64,7 +64,12 @@ def workload_data(workload: Workload) -> dict:
                 if workload.last_gap_end is not None
                 else None
             ),
-            "owned_table": {"state": workload.owned_table_state},
+            "owned_table": {
+                "state": workload.owned_table_state,
+                "modified_at": rfc3339(workload.table_modified_at),
+                "restored_at": rfc3339(workload.table_restored_at),
+                "modification": workload.table_modification or None,
+            },
             "credential": {
                 "state": credential_state(workload, now),
                 "expires_at": rfc3339(workload.credential_expires_at),

@@ -306,6 +306,40 @@ def workload_table_reported(*, workload_id, stream_id: str, state: str) -> None:
     workload_heard_from(workload_id=workload_id, stream_id=stream_id, owned_table_state=state)
 
 
+def workload_table_modified(
+    *, workload_id, stream_id: str, modified_at: datetime, restored_at: datetime | None, description: str
+) -> bool:
+    """The agent saw another process edit its owned table and put its applied document back: the
+    workload keeps the last such edit (`health.owned_table`), and `workload.table_modified` is sent.
+    The same report again (a resend after a reconnect) changes nothing; returns whether it was new."""
+    description = visible(description)[: Workload._meta.get_field("table_modification").max_length]
+    with transaction.atomic():
+        workload = _locked(workload_id)
+        if not _current_stream(workload, stream_id):
+            return False
+        workload.last_heard_from = clock.now()
+        repeated = workload.table_modified_at == modified_at and workload.table_restored_at == restored_at
+        if repeated:
+            _save(workload, "last_heard_from")
+            return False
+        workload.table_modified_at, workload.table_restored_at = modified_at, restored_at
+        workload.table_modification = description
+        webhook_events_record(
+            [
+                workload_event(
+                    "workload.table_modified",
+                    workload,
+                    modified_at=clock.rfc3339(modified_at),
+                    restored_at=clock.rfc3339(restored_at),
+                    description=description,
+                )
+            ]
+        )
+        metrics.owned_table_modified(restored=restored_at is not None)
+        _save(workload, "last_heard_from", "table_modified_at", "table_restored_at", "table_modification")
+    return True
+
+
 def workload_streams_reap(*, silent_for: timedelta) -> int:
     """Record as ended the streams nobody has heard from for `silent_for`: their serve process died
     without recording them (a crash, a kill). Live streams are heard from with every heartbeat."""

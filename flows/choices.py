@@ -18,6 +18,9 @@ class GapKind(models.TextChoices):
     WINDOW_OVERFLOW = "window_overflow"
     WINDOW_REJECTED = "window_rejected"
     TABLE_REMOVED = "table_removed"
+    # Beyond the spec's kinds: another process edited the owned table, from the agent's detection to its
+    # restoring the applied document; what the kernel decided meanwhile followed someone else's rules.
+    TABLE_MODIFIED = "table_modified"
     AGENT_SILENT = "agent_silent"  # the control plane's own: an agent cannot report it
     # Beyond the spec's kinds: a window held more distinct keys than are kept one by one, and those
     # over the bound were summed into its aggregate keys (below). Counts are whole; which peers,

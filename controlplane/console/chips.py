@@ -63,6 +63,7 @@ def workload_chips(workload: dict, now: datetime | None = None) -> list[Chip]:
         chips.append(Chip("Enforcement removed on host", BAD, "the owned table is gone; resend a snapshot"))
     # A removed table enforces nothing: a green "synced" beside it would read as all being well.
     chips.extend(chip for chip in _sync_chips(sync, health, now) if not (removed and chip.tone == GOOD))
+    chips.extend(_table_modified_chips(health["owned_table"], now))
     chips.extend(_credential_chips(health["credential"], now))
     skew = health.get("clock_skew")
     if skew:
@@ -95,6 +96,21 @@ def _sync_chips(sync: dict, health: dict, now: datetime) -> list[Chip]:
     if state == "pending":
         return [Chip(f"pending: {short_version(sync.get('pending_version'))} not yet applied", INFO)]
     return [Chip("synced", GOOD)]
+
+
+TABLE_EDIT_SHOWN_SECONDS = 24 * 3600  # a chip says what needs looking at now; the page keeps the last edit
+
+
+def _table_modified_chips(table: dict, now: datetime) -> list[Chip]:
+    """A hand edit of the owned table in the last day: put right by the agent (a warning: someone on the
+    host edits the firewall) or not (enforcement is not the policy's)."""
+    modified = parse_instant(table.get("modified_at"))
+    if modified is None or (now - modified).total_seconds() > TABLE_EDIT_SHOWN_SECONDS:
+        return []
+    detail = visible(table.get("modification") or "")
+    if table.get("restored_at"):
+        return [Chip(f"Table edited on host {_ago(modified, now)}, restored", WARN, detail)]
+    return [Chip(f"Table edited on host {_ago(modified, now)}, NOT restored", BAD, detail)]
 
 
 def _credential_chips(credential: dict, now: datetime) -> list[Chip]:

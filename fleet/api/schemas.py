@@ -73,7 +73,23 @@ class HealthSerializer(serializers.Serializer):
         help_text="The workload's most recent evidence gap (GET /flows/gaps lists them all).",
     )
     owned_table = inline_serializer(
-        "OwnedTable", {"state": serializers.ChoiceField(choices=OwnedTableState.values)}
+        "OwnedTable",
+        {
+            "state": serializers.ChoiceField(choices=OwnedTableState.values),
+            "modified_at": serializers.DateTimeField(
+                allow_null=True,
+                help_text="When the agent last saw another process edit its table (agent clock); null: never.",
+            ),
+            "restored_at": serializers.DateTimeField(
+                allow_null=True,
+                help_text="When the agent put its applied document back after that edit; null: never "
+                "edited, or the restore failed.",
+            ),
+            "modification": serializers.CharField(
+                allow_null=True,
+                help_text='What differed, e.g. "chain input: 1 rule added; set allow_v4_3: 1 element added".',
+            ),
+        },
     )
     credential = CredentialSerializer()
 

@@ -21,6 +21,8 @@ from agent.enrol import enrol
 from agent.eventlog import EventLog
 from agent.simulated import RecordingDataplane
 from agent.state import StateDir
+from agent.tablediff import ADDED
+from agent.tablewatch import Transaction
 from agent.worker import DataplaneWorker
 from tests.support.agent_helpers import document
 from tests.support.fake_gateway import FakeGateway
@@ -189,6 +191,65 @@ def test_outside_delete_is_reported_and_only_a_snapshot_restores(tmp_path):
         assert (
             "table absent" in w.log_lines() and "reconnect requested reason=resend-snapshot" in w.log_lines()
         )
+
+    scenario(tmp_path, body)
+
+
+def _edit(kind: str, name: str, verb: str, member: str = "") -> Transaction:
+    edit = Transaction()
+    edit.changes.add(kind, name, verb, member)
+    return edit
+
+
+def test_a_hand_edit_is_put_right_in_one_replace_and_reported(tmp_path):
+    async def body(w: World) -> None:
+        await w.gateway.push_snapshot(w.workload, "v1", document("v1"))
+        w.start()
+        await w.message("applied")
+        mark = w.mark()
+        w.dataplane.current = document("v1").replace("accept", "accept\n    tcp dport 9090 accept", 1)
+        w.agent.table_transaction(_edit("chain", "input", ADDED, "rule"))  # what the watcher reads
+        w.agent.table_transaction(_edit("set", "allow_v4_3", ADDED, "element"))  # the same moment
+        edit = await w.message("table_modified", mark)
+        assert edit["description"] == "chain input: 1 rule added; set allow_v4_3: 1 element added"
+        assert edit["modified_at"] <= edit["restored_at"]
+        assert w.dataplane.current == document("v1") and w.dataplane.applies == 2  # both put right at once
+        assert w.agent.table_modifications == 1 and w.agent.owned_table == "present"
+        assert w.agent.status.data["table_modified"]["description"] == edit["description"]
+
+        # Our own replace (the table deleted and made again while we apply) is no edit; another
+        # process's replace of the whole table is one.
+        mark = w.mark()
+        await w.gateway.push_snapshot(w.workload, "v2", document("v2"))
+        await w.message("applied", mark)
+        w.agent._applying = True
+        w.agent.table_transaction(Transaction(state="present", deleted=True))
+        w.agent._applying = False
+        await asyncio.sleep(0.2)
+        assert w.agent.table_modifications == 1 and "table_modified" not in w.types_between(mark)
+        w.agent.table_transaction(Transaction(state="present", deleted=True))
+        assert (await w.message("table_modified", mark))["description"] == "table replaced"
+        assert w.dataplane.current == document("v2")
+
+    scenario(tmp_path, body)
+
+
+def test_after_the_kill_switch_an_edit_is_not_put_right(tmp_path):
+    async def body(w: World) -> None:
+        await w.gateway.push_snapshot(w.workload, "v1", document("v1"))
+        w.start()
+        await w.message("applied")
+        mark = w.mark()
+        w.dataplane.remove()
+        w.agent.table_event("absent")
+        await w.message("table", mark)
+        w.dataplane.current = "table inet palisade { }"  # made again by hand
+        w.agent.table_transaction(Transaction(state="present"))
+        w.agent.table_transaction(_edit("chain", "input", ADDED))
+        await asyncio.sleep(0.3)
+        assert w.dataplane.current == "table inet palisade { }" and w.dataplane.applies == 1
+        assert "table_modified" not in w.types_between(mark)
+        assert any('restored="no: the table was deleted (kill switch)"' in line for line in w.log_lines())
 
     scenario(tmp_path, body)
 

@@ -79,6 +79,29 @@ def test_fleet_shows_each_workload_with_its_chips(browser):
     assert browser.get("/api/v1/no-such").status_code == 404  # the API's own problem, not a page
 
 
+def test_a_hand_edit_of_the_table_shows_in_the_fleet_list_and_on_the_workload(browser):
+    from datetime import timedelta
+
+    from controlplane import clock
+    from fleet.models import Workload
+
+    edited = connect(make_workload(hostname="edited-1"))
+    seen = clock.now() - timedelta(minutes=5)
+    Workload.objects.filter(id=edited.id).update(
+        table_modified_at=seen,
+        table_restored_at=seen + timedelta(milliseconds=80),
+        table_modification="chain input: 1 rule added",
+    )
+    assert "Table edited on host 5 min ago, restored" in text(browser.get("/"))
+    page = browser.get(f"/workloads/{edited.id}").content.decode()
+    fact = re.search(r'data-fact="table-modified">(.*?)</dd>', page, re.S)
+    assert fact and "chain input: 1 rule added" in fact[1] and "restored" in fact[1]
+    untouched = connect(make_workload(hostname="clean-1"))
+    assert re.search(
+        r'data-fact="table-modified">never<', browser.get(f"/workloads/{untouched.id}").content.decode()
+    )
+
+
 def test_a_label_edit_that_meets_a_conflict_says_so_with_the_current_version(browser):
     workload = make_workload(hostname="web-1", labels={"app": "web"})
     url = f"/workloads/{workload.id}/labels"

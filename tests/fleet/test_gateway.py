@@ -226,6 +226,41 @@ def test_failure_report_degrades_and_table_report_marks_removed():
 
 
 @pytest.mark.django_db(transaction=True)
+def test_a_hand_edit_report_is_kept_on_the_workload_once_with_its_event():
+    from controlplane.webhooks.models import WebhookEvent
+    from controlplane.webhooks.services import webhook_create
+
+    webhook_create(
+        actor=CLI_ACTOR, data={"url": "https://hooks.example.com/x", "events": ["workload.table_modified"]}
+    )
+    agent = Agent()
+    edit = protocol.TableModified(
+        modified_at="2026-11-28T22:40:01.123000Z",
+        restored_at="2026-11-28T22:40:01.181000Z",
+        description="chain input: 1 rule added\x1b[31m",
+    )
+
+    async def scenario():
+        communicator = await open_stream(agent)
+        await receive(communicator)
+        await receive(communicator)
+        for _ in range(2):  # sent again on a later stream: the same edit, kept and announced once
+            await communicator.send_to(text_data=edit.encode())
+        bad = protocol.TableModified(modified_at="yesterday", restored_at=None, description="x")
+        await communicator.send_to(text_data=bad.encode())
+        assert (await communicator.receive_output(timeout=5))["code"] == protocol.CLOSE_MALFORMED
+
+    async_to_sync(scenario)()
+    w = workload(agent)
+    assert clock.rfc3339(w.table_modified_at) == edit.modified_at
+    assert clock.rfc3339(w.table_restored_at) == edit.restored_at
+    assert w.table_modification.startswith("chain input: 1 rule added") and "\x1b" not in w.table_modification
+    assert w.owned_table_state != "absent"  # an edit is not the kill switch
+    (event,) = WebhookEvent.objects.filter(type="workload.table_modified")
+    assert event.data["modified_at"] == edit.modified_at and event.data["restored_at"] == edit.restored_at
+
+
+@pytest.mark.django_db(transaction=True)
 def test_new_version_pushes_a_snapshot_and_resend_asks_the_agent_to_reconnect():
     agent = Agent()
 
