@@ -25,6 +25,7 @@ PORT_PROTOCOLS = ("tcp", "udp")
 # Plain copies of policy.choices.SourceKind and fleet.choices.Mode: this module imports no Django.
 SOURCE_KINDS = ("selector", "address_group", "any")
 MODES = ("visibility", "simulation", "enforced")
+ACTIONS = ("allow", "deny")  # policy.choices.RuleAction
 
 
 class FrozenLabels(Mapping[str, str]):
@@ -120,9 +121,13 @@ class RuleInput:
     # The rule's lifetime number (policy.models.Rule.number), carried in the ct mark: never reused,
     # so a connection admitted under any policy version still names this rule.
     number: int = 0
+    # "deny": the rule refuses what it matches, before every allow rule of the workload's rulesets.
+    action: str = "allow"
 
     def __post_init__(self) -> None:
         _freeze(self, "sources", "entries")
+        if self.action not in ACTIONS:
+            raise ValueError(f"unknown rule action {self.action!r}")
 
 
 @dataclass(frozen=True)

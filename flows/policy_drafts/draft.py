@@ -216,6 +216,7 @@ def _hypothetical_rulesets(
                     sources=tuple(sources),
                     entries=tuple(dict.fromkeys(entries)),
                     number=numbers.number_for(rule.id, spec.name, position),
+                    action=rule.action,
                 )
             )
         if spec.enabled:
