@@ -11,6 +11,7 @@ import re
 
 from controlplane.console.pages import lines
 from controlplane.validation import is_digits
+from policy.render_inputs import PortEntry, covers_every_service
 
 INLINE = re.compile(
     r"^(?P<protocol>tcp|udp)/(?P<port>[^-]+)(?:-(?P<port_to>.+))?$|^(?P<bare>icmp|icmpv6)$", re.I
@@ -82,8 +83,22 @@ def rule_services_text(services: list[dict], service_names: dict[str, str]) -> s
 
 
 def rule_body(form) -> dict:
+    # The field is `rule_action`: the form's buttons already submit `action` (dryrun, impact, save).
     return {
         "description": form.get("description", ""),
+        "action": form.get("rule_action") or "allow",
         "sources": sources_from_text(form.get("sources", "")),
         "services": rule_services_from_text(form.get("services", "")),
     }
+
+
+def refuses_everything(rule: dict, service_entries: dict[str, list[dict]]) -> bool:
+    """A deny rule from `any` source on every service (named services resolved by id to their entries):
+    the ruleset's page warns of it, as the dry-run does (policy.render_inputs.refuses_everything)."""
+    if rule.get("action") != "deny" or not any(s.get("any") for s in rule["sources"]):
+        return False
+    entries = []
+    for item in rule["services"]:
+        for entry in service_entries.get(item["service"], []) if "service" in item else [item]:
+            entries.append(PortEntry(entry["protocol"], entry.get("port"), entry.get("port_to")))
+    return covers_every_service(entries)
