@@ -55,6 +55,7 @@ class Agent(Protocol):
     status: DaemonStatus
     identity: Identity | None
     apply_failures: int
+    denied_connections_ended: int
     owned_table: str
     expires_at: str | datetime | None
     renewal_due_at: str | datetime | None
@@ -108,6 +109,12 @@ def agent_families(agent: Agent, *, running: bool) -> list[Metric]:
         "Snapshots libnftables refused since the agent started (the previous table stayed).",
     )
     failures.add_metric([], agent.apply_failures)
+    ended = CounterMetricFamily(
+        "palisade_agent_denied_connections_ended",
+        "Open inbound connections ended (their conntrack entries removed) because an enforced table's "
+        "deny rule refuses them, since the agent started.",
+    )
+    ended.add_metric([], agent.denied_connections_ended)
     table = GaugeMetricFamily(
         "palisade_agent_owned_table",
         "The owned table's state: 1 for the current one of present, absent, unknown.",
@@ -126,6 +133,7 @@ def agent_families(agent: Agent, *, running: bool) -> list[Metric]:
         _gauge("palisade_agent_applied_timestamp_seconds", "When the applied version was applied (Unix time).",
                _timestamp(applied.get("at")) if applied else None),
         failures,
+        ended,
         table,
         _gauge("palisade_agent_stream_connected", "1 while the sync stream to the gateway is connected.",
                1 if connected else 0),
