@@ -192,6 +192,9 @@ class SuggestionKeySerializer(SuggestedSpanSerializer):
 
 class NotGeneralisedSerializer(SuggestionKeySerializer):
     reason = serializers.CharField()
+    rule_number = serializers.IntegerField(
+        required=False, help_text="A key a deny rule in force refuses: that rule's number (never learnt)."
+    )
 
 
 class IncompleteIntervalSerializer(serializers.Serializer):
