@@ -11,7 +11,6 @@ import re
 
 from controlplane.console.pages import lines
 from controlplane.validation import is_digits
-from policy.render_inputs import PortEntry, covers_every_service
 
 INLINE = re.compile(
     r"^(?P<protocol>tcp|udp)/(?P<port>[^-]+)(?:-(?P<port_to>.+))?$|^(?P<bare>icmp|icmpv6)$", re.I
@@ -94,11 +93,23 @@ def rule_body(form) -> dict:
 
 def refuses_everything(rule: dict, service_entries: dict[str, list[dict]]) -> bool:
     """A deny rule from `any` source on every service (named services resolved by id to their entries):
-    the ruleset's page warns of it, as the dry-run does (policy.render_inputs.refuses_everything)."""
+    the ruleset's page warns of it, as the dry-run does (policy.render_inputs.refuses_everything; the
+    console reads the API's JSON, not the renderer's inputs)."""
     if rule.get("action") != "deny" or not any(s.get("any") for s in rule["sources"]):
         return False
-    entries = []
+    ranges: dict[str, list[tuple[int, int]]] = {"tcp": [], "udp": [], "icmp": [], "icmpv6": []}
     for item in rule["services"]:
         for entry in service_entries.get(item["service"], []) if "service" in item else [item]:
-            entries.append(PortEntry(entry["protocol"], entry.get("port"), entry.get("port_to")))
-    return covers_every_service(entries)
+            port = entry.get("port") or 0
+            ranges.setdefault(entry["protocol"], []).append((port, entry.get("port_to") or port))
+    if not (ranges["icmp"] and ranges["icmpv6"]):
+        return False
+    for protocol in ("tcp", "udp"):
+        reached = 0  # every port up to here is covered
+        for low, high in sorted(ranges[protocol]):
+            if low > reached + 1:
+                break
+            reached = max(reached, high)
+        if reached < 65535:
+            return False
+    return True
