@@ -8,9 +8,12 @@ Layout. Only inbound connections are judged, in one base chain on the input hook
 
 * ``visibility``: chain ``observe`` accepts everything; new connections get the ct mark
   ``observed``. No policy rules are installed.
-* ``simulation``/``enforced``: chain ``input`` holds the baseline below, then one group of
-  nftables rules per policy rule (each sets the ct mark ``allowed | rule number`` and
-  accepts), then a terminal rule. In ``simulation`` it sets ``would_block``, logs to NFLOG
+* ``simulation``/``enforced``: chain ``input`` holds the baseline below, then the deny rules of
+  every applicable ruleset (each sets the ct mark ``would_block | rule number`` and accepts in
+  simulation; ``blocked | rule number``, logs with the prefix ``palisade deny <number>`` and drops in
+  enforced), then one group of nftables rules per allow rule (each sets the ct mark
+  ``allowed | rule number`` and accepts), then a terminal rule. A policy without deny rules renders
+  exactly as before deny rules existed. In ``simulation`` it sets ``would_block``, logs to NFLOG
   group ``NFLOG_GROUP_WOULD_BLOCK`` and accepts; in ``enforced`` it logs to
   ``NFLOG_GROUP_BLOCKED`` and drops, and ``ct state invalid`` is dropped first (simulation
   accepts those silently, since they are packets rather than connections).
