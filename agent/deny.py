@@ -15,6 +15,7 @@ the two against each other. Only TCP and UDP entries are removed: an ICMP echo i
 
 from __future__ import annotations
 
+import bisect
 import errno
 import ipaddress
 import re
@@ -40,21 +41,36 @@ Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 class DenyLine:
     rule: int
     family: int | None  # 4 or 6; None: any source address
-    networks: tuple[Network, ...]
+    intervals: tuple[tuple[int, int], ...]  # the source set's addresses as sorted (first, last) integers
     services: tuple[tuple[int, int, int], ...]  # (protocol number, first port, last port)
+
+    def serves(self, protocol: int, port: int) -> bool:
+        return any(p == protocol and low <= port <= high for p, low, high in self.services)
+
+    def holds(self, family: int, address: int) -> bool:
+        if self.family is None:
+            return True
+        if family != self.family:
+            return False
+        at = bisect.bisect_right(self.intervals, (address, _NO_ADDRESS)) - 1
+        return at >= 0 and self.intervals[at][0] <= address <= self.intervals[at][1]
 
     def matches(self, peer: str, protocol: int, port: int) -> bool:
         address = ipaddress.ip_address(peer)
-        if self.family is not None and (
-            address.version != self.family or not any(address in n for n in self.networks)
-        ):
-            return False
-        return any(p == protocol and low <= port <= high for p, low, high in self.services)
+        return self.serves(protocol, port) and self.holds(address.version, int(address))
+
+
+_NO_ADDRESS = 1 << 128  # above every address: bisects to the last interval starting at or below one
 
 
 def _elements(body: str) -> list[str]:
     found = _ELEMENTS.search(body)
     return [e.strip() for e in found.group(1).split(",") if e.strip()] if found else []
+
+
+def _intervals(elements: list[str]) -> tuple[tuple[int, int], ...]:
+    networks = sorted(ipaddress.ip_network(e, strict=False) for e in elements)
+    return tuple((int(n.network_address), int(n.broadcast_address)) for n in networks)
 
 
 def deny_lines(document: str) -> list[DenyLine]:
@@ -75,27 +91,35 @@ def deny_lines(document: str) -> list[DenyLine]:
             low, _, high = ports.partition("-")
             ranges.append((_PROTOCOLS[protocol], int(low), int(high or low)))
         source = _SOURCE.match(match)
-        family, networks = None, ()
+        family, intervals = None, ()
         if source is not None:
             family = 6 if source["family"] == "ip6" else 4
-            networks = tuple(
-                ipaddress.ip_network(e, strict=False) for e in sets.get(source["set"], ("", []))[1]
-            )
-        lines.append(DenyLine(int(found["rule"]), family, networks, tuple(ranges)))
+            intervals = _intervals(sets.get(source["set"], ("", []))[1])
+        lines.append(DenyLine(int(found["rule"]), family, intervals, tuple(ranges)))
     return lines
 
 
 def denied(entries: Iterable[conntrack.Entry], lines: list[DenyLine]) -> list[conntrack.Entry]:
-    """The inbound connections (marked by Palisade's table) that a deny line matches."""
+    """The inbound connections (marked by Palisade's table) that a deny line matches. A host listens
+    on few ports: the lines that serve each (protocol, port) are found once, then only their sets are
+    asked about each peer."""
     if not lines:
         return []
-    return [
-        entry
-        for entry in entries
-        if entry.protocol in conntrack.PORTED
-        and conntrack.decode_mark(entry.mark)[0] is not None
-        and any(line.matches(entry.source, entry.protocol, entry.destination_port) for line in lines)
-    ]
+    serving: dict[tuple[int, int], list[DenyLine]] = {}
+    found = []
+    for entry in entries:
+        if entry.protocol not in conntrack.PORTED or conntrack.decode_mark(entry.mark)[0] is None:
+            continue
+        service = (entry.protocol, entry.destination_port)
+        candidates = serving.get(service)
+        if candidates is None:
+            candidates = serving[service] = [line for line in lines if line.serves(*service)]
+        if not candidates:
+            continue
+        address = ipaddress.ip_address(entry.source)
+        if any(line.holds(address.version, int(address)) for line in candidates):
+            found.append(entry)
+    return found
 
 
 def _attribute(kind: int, value: bytes) -> bytes:
