@@ -36,3 +36,14 @@ def test_the_agent_reads_the_deny_rules_the_classifier_applies(seed):
 def test_a_document_without_deny_rules_has_no_deny_lines():
     workload, rulesets, groups, fleet = random_policy(random.Random(3), "enforced")
     assert deny_lines(render(workload, rulesets, groups, fleet).document) == []
+
+
+def test_the_agent_reads_the_prefix_the_renderer_logs():
+    from agent.nflog import DENY_PREFIX, deny_rule
+    from policy.renderer import DENY_LOG_PREFIX, deny_log_prefix
+
+    assert DENY_PREFIX.decode() == DENY_LOG_PREFIX
+    assert deny_rule(deny_log_prefix(4242).encode() + b"\0") == 4242
+    assert (
+        deny_rule(None) is None and deny_rule(b"palisade deny x\0") is None and deny_rule(b"other\0") is None
+    )
