@@ -241,7 +241,7 @@ def test_the_flows_command_rolls_up_and_reviews(db):
     )
     assert (code, out.strip()) == (
         0,
-        "peer,rule_number,rule_id," + "connection_count,bytes_in,bytes_out,first_seen,last_seen",
+        "peer,rule_number,rule_id,rule_action," + "connection_count,bytes_in,bytes_out,first_seen,last_seen",
     )
     assert "incomplete: 0 gaps, 1 workload sent no window in the range" in err
     assert "evidence before " in err and " removed" in err  # January lies before the retention
