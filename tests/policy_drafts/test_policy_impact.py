@@ -276,3 +276,18 @@ def test_a_deny_rule_refusing_everything_is_a_dryrun_warning(api, db):
     flagged = [w for w in answer.json()["warnings"] if w["rule"] == "deny-refuses-everything"]
     assert [w["path"] for w in flagged] == ["/rulesets/0/rules/2"]
     assert "'app=db'" in flagged[0]["message"]
+
+
+def test_the_dryrun_lists_a_rule_turned_deny_as_changed(api, db):
+    web, db_host, ruleset, _ = _scenario(api)
+    api.post("/api/v1/mode-changes", {"selection": {"workload_ids": [str(db_host.id)]}, "mode": "enforced"},
+             format="json")  # fmt: skip
+    rules = [{k: r[k] for k in ("id", "sources", "services")} for r in ruleset["rules"]]
+    rules[1]["action"] = "deny"
+    answer = api.post(
+        "/api/v1/policies/render-dryrun", {"rulesets": [{"name": "db", "scope": "app=db", "rules": rules}]},
+        format="json",
+    ).json()  # fmt: skip
+    [changed] = answer["changed"]
+    assert changed["workload_id"] == str(db_host.id)
+    assert changed["rules_changed"] == [{"ruleset_name": "db", "rule_id": ruleset["rules"][1]["id"]}]
