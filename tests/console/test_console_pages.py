@@ -517,3 +517,28 @@ def test_a_deny_rule_is_chosen_in_the_form_and_shown_as_deny_wherever_rules_are_
     edit_url = re.search(r'href="(/policy/rulesets/[0-9a-f-]+/rules/[0-9a-f-]+)"', page).group(1)
     assert '<option value="deny" selected>' in browser.get(edit_url).content.decode()
     assert browser.get(f"/workloads/{workload.id}").content.decode().count('data-action="deny"') == 2
+
+
+def test_flows_and_rule_hits_mark_what_a_deny_rule_refused(browser):
+    from flows.services import flow_report_ingest
+    from tests.support.flow_evidence import enrolled, flow_report
+
+    created = browser.post("/policy/rulesets/new", {"name": "blocklist", "scope": "", "enabled": "on"})
+    saved = browser.post(f"{created['Location']}/rules/new",
+                         {"rule_action": "deny", "sources": "any", "services": "tcp/23", "action": "save"})  # fmt: skip
+    assert saved.status_code == 302
+    page = browser.get(created["Location"]).content.decode()
+    number = int(re.search(r"<tr class=\"deny-rule\"><td>(\d+)</td>", page).group(1))
+    web, _, _ = enrolled("web", "10.50.0.1")
+    windows = _minute_windows(1)
+    windows[0]["groups"][0].update(peer="10.66.0.1", port=23, decision="blocked", rule=number)
+    answer = flow_report_ingest(workload_id=str(web.id), data=flow_report("p1", 100, windows))
+    assert all(r["result"] == "accepted" for r in answer["windows"])
+    workload_page = browser.get(f"/workloads/{web.id}?range=1h").content.decode()
+    assert re.search(
+        rf"<td>{number} <span class=\"chip chip-bad\" data-action=\"deny\">deny</span></td>", workload_page
+    )
+    flows_page = browser.get("/flows?range=1h&group_by=rule").content.decode()
+    assert flows_page.count(f'{number} <span class="chip chip-bad" data-action="deny">deny</span>') == 1
+    hits = flows_page[flows_page.index('id="rules-h"') :]
+    assert 'data-action="deny">deny</span>' in hits
