@@ -4,7 +4,10 @@ The table's first rule accepts established traffic, so a deny rule alone judges 
 a peer cut off by one would keep the sessions it has open. After an enforced table with deny rules is
 applied, the agent removes the conntrack entries of the inbound connections (those Palisade's table
 marked) that a deny rule matches: the peer's next packet finds no entry, is judged as new, meets the
-deny rule and is dropped (and logged, naming the rule).
+deny rule and is dropped (and logged, naming the rule). Then it aborts the host's own sockets of those
+connections (SOCK_DESTROY), so that the session ends at once for both ends instead of stalling, and so
+that the host cannot carry it on by sending first (conntrack would pick that up as the host's own
+outbound connection, whose replies the baseline accepts).
 
 The deny rules are read from the document itself, the control plane's rendering (policy/renderer.py):
 each deny line is ``[ip|ip6 saddr @SET] (meta l4proto . th dport @SERVICES | meta l4proto icmp |
@@ -170,11 +173,84 @@ def delete(entries: list[conntrack.Entry]) -> int:
     return removed
 
 
+# sock_diag (linux/sock_diag.h, linux/inet_diag.h): SOCK_DESTROY aborts a local socket as `ss -K` does.
+NETLINK_SOCK_DIAG, SOCK_DIAG_BY_FAMILY, SOCK_DESTROY = 4, 20, 21
+_NO_COOKIE = (0xFFFFFFFF, 0xFFFFFFFF)
+_MAPPED = bytes(10) + b"\xff\xff"  # ::ffff:a.b.c.d, how a dual-stack listener's socket holds an IPv4 peer
+TCP_LISTEN = 10
+_DIAG_MSG = struct.Struct(">BBBBHH16s16s")  # family, state, timer, retrans; sport, dport, src, dst
+_COOKIE = struct.Struct("=II")
+
+
+def _diag_message(kind: int, family: int, protocol: int, tuple_: tuple, cookie: tuple[int, int]) -> bytes:
+    local, port, peer, peer_port = tuple_
+    sockid = struct.pack(">HH", port, peer_port) + local.ljust(16, b"\0") + peer.ljust(16, b"\0")
+    sockid += struct.pack("=I", 0) + _COOKIE.pack(*cookie)
+    body = struct.pack("=BBBxI", family, protocol, 0, 0xFFFFFFFF) + sockid
+    return (
+        struct.pack("=IHHII", 16 + len(body), kind, 0x1 | (0x4 if kind == SOCK_DESTROY else 0), 1, 0) + body
+    )
+
+
+def _connected_cookie(
+    sock: socket.socket, family: int, protocol: int, tuple_: tuple
+) -> tuple[int, int] | None:
+    """The cookie of the local socket of exactly this connection. The kernel's lookup falls back to a
+    listening (or unconnected UDP) socket of the port when the connection's own is gone: that one is
+    never the connection's, and is left alone."""
+    sock.send(_diag_message(SOCK_DIAG_BY_FAMILY, family, protocol, tuple_, _NO_COOKIE))
+    answer = sock.recv(65536)
+    if (
+        len(answer) < 16 + _DIAG_MSG.size + 12
+        or struct.unpack_from("=H", answer, 4)[0] != SOCK_DIAG_BY_FAMILY
+    ):
+        return None
+    _, state, _, _, port, peer_port, src, dst = _DIAG_MSG.unpack_from(answer, 16)
+    local, want_port, peer, want_peer_port = tuple_
+    if state == TCP_LISTEN or (port, peer_port) != (want_port, want_peer_port):
+        return None
+    if src[: len(local)] != local or dst[: len(peer)] != peer:
+        return None
+    return _COOKIE.unpack_from(answer, 16 + _DIAG_MSG.size + 4)
+
+
+def abort_sockets(entries: list[conntrack.Entry]) -> None:
+    """Abort this host's sockets of the connections: the application sees the connection reset and the
+    peer gets a reset, so the session ends at once rather than stalling. Best effort: a kernel without
+    SOCK_DESTROY (CONFIG_INET_DIAG_DESTROY), or a socket gone meanwhile, leaves the removed entries to
+    do the work. Only the socket found by its exact tuple is aborted, by its cookie."""
+    try:
+        sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_SOCK_DIAG)
+    except OSError:
+        return
+    with sock:
+        sock.settimeout(2)
+        for entry in entries:
+            peer, local = ipaddress.ip_address(entry.source), ipaddress.ip_address(entry.destination)
+            tries = [(socket.AF_INET6 if peer.version == 6 else socket.AF_INET, local.packed, peer.packed)]
+            if peer.version == 4:
+                tries.append((socket.AF_INET6, _MAPPED + local.packed, _MAPPED + peer.packed))
+            for family, local_bytes, peer_bytes in tries:
+                tuple_ = (local_bytes, entry.destination_port, peer_bytes, entry.source_port)
+                try:
+                    cookie = _connected_cookie(sock, family, entry.protocol, tuple_)
+                    if cookie is None:
+                        continue
+                    sock.send(_diag_message(SOCK_DESTROY, family, entry.protocol, tuple_, cookie))
+                    sock.recv(65536)
+                except OSError:
+                    return
+                break
+
+
 def end_denied_connections(document: str) -> int:
     """After `document` (an enforced table) is applied: end the open connections its deny rules refuse;
-    how many were ended."""
+    how many were ended (their conntrack entries removed)."""
     lines = deny_lines(document)
     if not lines:
         return 0
     entries, _ = conntrack.dump()
-    return delete(denied(entries, lines))
+    refused = denied(entries, lines)
+    removed = delete(refused)
+    abort_sockets(refused)
+    return removed

@@ -37,7 +37,8 @@ print("ready", flush=True)
 import sys; sys.stdin.read()
 """
 
-# Connects, checks the echo, then echoes one line per line of stdin: "echoed" or "ended".
+# Connects, checks the echo, then per line of stdin (a timeout) sends and says what came back:
+# "echoed", "reset" (the server's end reset it, or closed it) or "silent" (nothing within the timeout).
 HELD = """
 import socket, sys
 c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=5)
@@ -47,9 +48,12 @@ for line in sys.stdin:
     c.settimeout(float(line))
     try:
         c.sendall(b"again")
-        print("echoed" if c.recv(64) == b"again" else "ended", flush=True)
+        data = c.recv(64)
+        print("echoed" if data == b"again" else "reset" if not data else "other", flush=True)
+    except socket.timeout:
+        print("silent", flush=True)
     except OSError:
-        print("ended", flush=True)
+        print("reset", flush=True)
 """
 
 # One connection with an echo: "open" or "refused"/"timeout".
@@ -157,12 +161,12 @@ def test_a_deny_rule_refuses_above_allows_names_itself_and_ends_open_connections
         api.wait_for("the deny rule applied", lambda: api.workload(web_id)["applied_version"] != before)
         api.wait_converged(web_id)
 
-        # The held connection ends within seconds of the apply: its entry is gone and the next
-        # segment meets the deny rule.
+        # The held connection ends within seconds of the apply: its entry is gone (the next segment
+        # would meet the deny rule) and the workload's socket of it aborted, so the client is reset.
         api.wait_for("the held connection's entry removed", lambda: not _held_entries(lab), timeout=10)
         held.stdin.write("2\n")
         held.stdin.flush()
-        assert held.stdout.readline().strip() == "ended"
+        assert held.stdout.readline().strip() == "reset"
         assert "ended denied connections" in web.log(), web.log()
         metric = tmp_path / "agent.prom"
         api.wait_for(
