@@ -127,6 +127,7 @@ class Agent:
         self.started = time.monotonic()
         self.applied_version: str | None = None
         self.apply_failures = 0
+        self.denied_connections_ended = 0  # open connections a deny rule ended (agent/deny.py)
         self.force_apply = True  # the first snapshot of a process, and the one after a resend, always apply
         self.owned_table = UNKNOWN
         self.renewal_due_at: datetime | None = None
@@ -736,6 +737,20 @@ class Agent:
         self.log("applied", version=snapshot.version, mode=snapshot.mode)
         await self._send(ws, p.Applied(version=snapshot.version))
         self._table_seen(PRESENT)
+        if snapshot.mode == "enforced":
+            await self._end_denied(snapshot)
+
+    async def _end_denied(self, snapshot: p.Snapshot) -> None:
+        """A deny rule also ends the connections it refuses that are open now (agent/deny.py): only once
+        the table is in place, so that the peer's next packet meets the rule."""
+        try:
+            ended = await self.dataplane.end_denied(snapshot.document)
+        except Exception as error:  # noqa: BLE001 - the table stands; say what could not be ended
+            self.log("ending denied connections failed", version=snapshot.version, error=str(error))
+            return
+        if ended:
+            self.denied_connections_ended += ended
+            self.log("ended denied connections", version=snapshot.version, connections=ended)
 
     async def _present_now(self) -> bool:
         try:

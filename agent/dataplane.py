@@ -119,6 +119,12 @@ class NftablesDataplane:
             raise ApplyError(_explain(error, rc))
         return True
 
+    def end_denied(self, document: str) -> int:
+        """End the open connections that the applied `document`'s deny rules refuse (agent/deny.py)."""
+        from agent.deny import end_denied_connections
+
+        return end_denied_connections(document)
+
     def table_present(self) -> bool:
         try:
             return table_exists(NFPROTO_INET, TABLE_NAME)

@@ -55,6 +55,7 @@ class Agent(Protocol):
     status: DaemonStatus
     identity: Identity | None
     apply_failures: int
+    denied_connections_ended: int
     owned_table: str
     table_modifications: int
     expires_at: str | datetime | None
@@ -109,6 +110,12 @@ def agent_families(agent: Agent, *, running: bool) -> list[Metric]:
         "Snapshots libnftables refused since the agent started (the previous table stayed).",
     )
     failures.add_metric([], agent.apply_failures)
+    ended = CounterMetricFamily(
+        "palisade_agent_denied_connections_ended",
+        "Open inbound connections ended (their conntrack entries removed) because an enforced table's "
+        "deny rule refuses them, since the agent started.",
+    )
+    ended.add_metric([], agent.denied_connections_ended)
     table = GaugeMetricFamily(
         "palisade_agent_owned_table",
         "The owned table's state: 1 for the current one of present, absent, unknown.",
@@ -133,6 +140,7 @@ def agent_families(agent: Agent, *, running: bool) -> list[Metric]:
         _gauge("palisade_agent_applied_timestamp_seconds", "When the applied version was applied (Unix time).",
                _timestamp(applied.get("at")) if applied else None),
         failures,
+        ended,
         table,
         modifications,
         _gauge("palisade_agent_owned_table_modified_timestamp_seconds",

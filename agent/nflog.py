@@ -31,6 +31,9 @@ NFULA_CFG_CMD, NFULA_CFG_MODE = 1, 2
 NFULNL_CFG_CMD_BIND = 1
 NFULNL_COPY_PACKET = 2
 NFULA_PAYLOAD = 9
+NFULA_PREFIX = 10
+# A deny rule's log prefix names it: "palisade deny <rule number>" (policy/renderer.py, DENY_LOG_PREFIX).
+DENY_PREFIX = b"palisade deny "
 NLM_F_REQUEST, NLM_F_ACK = 0x1, 0x4
 NLMSG_ERROR = 2
 COPY_BYTES = 128  # the IP and transport headers are all this source reads
@@ -99,16 +102,26 @@ def packet_tuple(payload: bytes) -> tuple[str, str, int, str, int] | None:
     return f"{source}|{sport}", destination, protocol, name, dport
 
 
-def parse_packets(data: bytes) -> Iterator[bytes]:
+def deny_rule(prefix: bytes | None) -> int | None:
+    """The deny rule a logged packet's prefix names; None for the terminal rule (no prefix)."""
+    if not prefix or not prefix.startswith(DENY_PREFIX):
+        return None
+    digits = prefix[len(DENY_PREFIX) :].split(b"\0", 1)[0]
+    return int(digits) if digits.isdigit() and 0 < int(digits) < 1 << 24 else None
+
+
+def parse_packets(data: bytes) -> Iterator[tuple[bytes, int | None]]:
+    """Each logged packet's payload and the deny rule that dropped it (None: no rule admitted it)."""
     offset = 0
     while offset + 16 <= len(data):
         length, message_type = struct.unpack_from("=IH", data, offset)
         if length < 16:
             break
         if message_type == (NFNL_SUBSYS_ULOG << 8) | NFULNL_MSG_PACKET:
-            payload = attributes_of(data[offset + 16 : offset + length], 4).get(NFULA_PAYLOAD)
+            attributes = attributes_of(data[offset + 16 : offset + length], 4)
+            payload = attributes.get(NFULA_PAYLOAD)
             if payload:
-                yield payload
+                yield payload, deny_rule(attributes.get(NFULA_PREFIX))
         offset += (length + 3) & ~3
 
 
@@ -122,7 +135,7 @@ class BlockedCounter:
         self.overruns = 0
         self.events_read = 0  # logged packets
 
-    def packet(self, payload: bytes, at: float) -> None:
+    def packet(self, payload: bytes, at: float, rule: int | None = None) -> None:
         self.last_packet_at = at
         self.events_read += 1
         found = packet_tuple(payload)
@@ -137,7 +150,7 @@ class BlockedCounter:
         if seen is not None and at - seen <= ATTEMPT_SECONDS:
             return  # a retransmit, or another datagram of the same attempt
         peer = source_and_port.split("|")[0]
-        self.windows.connection_opened(FlowKey(peer, name, dport, "blocked", None), at)
+        self.windows.connection_opened(FlowKey(peer, name, dport, "blocked", rule), at)
 
     def overrun(self, *, since: float | None, at: float) -> Gap:
         """Packets were lost between `since` (the last one read before the failure) and `at`."""
@@ -180,8 +193,8 @@ class NflogSource:
         now = self.clock()
         packets = list(parse_packets(data))
         with self.counter.windows.lock:
-            for payload in packets:
-                self.counter.packet(payload, now)
+            for payload, rule in packets:
+                self.counter.packet(payload, now, rule)
         return len(packets)
 
     def close(self) -> None:

@@ -59,6 +59,9 @@ class RecordingDataplane:
         present, self.current = self.current is not None, None
         return present
 
+    def end_denied(self, document: str) -> int:
+        return 0  # no kernel, no open connections
+
 
 def sim_hostname(index: int) -> str:
     return f"sim-{index:05d}"

@@ -18,6 +18,7 @@ class Dataplane(Protocol):
     def apply(self, document: str) -> None: ...
     def table_present(self) -> bool: ...
     def remove(self) -> bool: ...
+    def end_denied(self, document: str) -> int: ...
 
 
 class DataplaneWorker:
@@ -55,6 +56,9 @@ class DataplaneWorker:
 
     async def remove(self) -> bool:
         return bool(await self._run("remove"))
+
+    async def end_denied(self, document: str) -> int:
+        return int(await self._run("end_denied", document))
 
     def close(self) -> None:
         if self._executor is not None:

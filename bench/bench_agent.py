@@ -81,7 +81,9 @@ def source_state() -> dict:
 # --- the policy, as plain data (the API's shapes), and as renderer inputs -------------------------
 
 
-def build_policy(rule_count: int) -> dict:
+def build_policy(rule_count: int, deny_share: float = 0.0) -> dict:
+    """`deny_share` of the rules (every n-th by number: the policy is otherwise the same) are deny rules."""
+    deny_every = round(1 / deny_share) if deny_share else 0
     rng = random.Random(SEED)
     groups = []
     for g in range(GROUPS):
@@ -119,7 +121,10 @@ def build_policy(rule_count: int) -> dict:
             service = {"protocol": protocol, "port": port}
             if port_to is not None:
                 service["port_to"] = port_to
-            rules.append({"description": f"bench rule {number}", "sources": [source], "services": [service]})
+            rule = {"description": f"bench rule {number}", "sources": [source], "services": [service]}
+            if deny_every and number % deny_every == deny_every - 1:
+                rule["action"] = "deny"
+            rules.append(rule)
         rulesets.append({"name": f"bench-rs-{r:02d}", "scope": "", "rules": rules})
     return {"groups": groups, "rulesets": rulesets}
 
@@ -163,6 +168,7 @@ def render_document(policy: dict) -> tuple[str, int]:
                     sources,
                     entries,
                     number=len(numbered) + 1,
+                    action=rule.get("action", "allow"),
                 )
             )
             numbered.append(rules[-1])
@@ -537,6 +543,7 @@ def main() -> None:
     parser.add_argument("--no-rss", action="store_true")
     parser.add_argument("--timeout", type=float, default=900, help="bound for the memory part, seconds")
     parser.add_argument("--apply-child", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--deny-share", type=float, default=0.1, help="the share of deny rules (issue 33)")
     args = parser.parse_args()
     exit_on_sigterm()
     if args.apply_child:
@@ -546,12 +553,13 @@ def main() -> None:
         print("bench_agent: needs root, ip and nft (network namespaces); skipped")
         return
 
-    policy = build_policy(args.rules)
+    policy = build_policy(args.rules, args.deny_share)
     t0 = time.perf_counter()
     document, rules = render_document(policy)
     results: dict = {
         "policy": {
             "rules": rules,
+            "deny_rules": sum(r.get("action") == "deny" for rs in policy["rulesets"] for r in rs["rules"]),
             "rulesets": len(policy["rulesets"]),
             "address_groups": len(policy["groups"]),
             "service_entries_pool": SERVICE_POOL,

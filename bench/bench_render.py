@@ -132,7 +132,9 @@ def random_source(rng: random.Random) -> SourceInput:
     return SourceInput("any")
 
 
-def build_rulesets(rng: random.Random, services) -> list[RulesetInput]:
+def build_rulesets(rng: random.Random, services, deny_share: float = 0.0) -> list[RulesetInput]:
+    """`deny_share` of the rules (every n-th, by number: the policy is otherwise the same) are deny rules."""
+    deny_every = round(1 / deny_share) if deny_share else 0
     scopes = [f"app={app}" for app in APPS]  # 200: one per application
     scopes += [f"app={rng.choice(APPS[:40])},env=prod,tier={weighted(rng, TIERS)}" for _ in range(40)]
     scopes += [f"tier={t},env={e}" for t, _ in TIERS for e, _ in ENVS]  # 12
@@ -158,6 +160,7 @@ def build_rulesets(rng: random.Random, services) -> list[RulesetInput]:
                     sources,
                     entries,
                     number=r * 100 + position + 1,  # lifetime numbers, as policy.services gives them
+                    action="deny" if deny_every and (r * 10 + position) % deny_every == 0 else "allow",
                 )
             )
         rulesets.append(RulesetInput(f"rs-{r:03d}", f"ruleset-{r:03d}", parse_selector(scope), tuple(rules)))
@@ -169,19 +172,19 @@ def percentile(values: list[float], fraction: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(fraction * (len(ordered) - 1))))]
 
 
-def build_synthetic(count: int):
+def build_synthetic(count: int, deny_share: float = 0.0):
     """The seeded synthetic fleet and policy: (workloads, services, groups, rulesets).
     Also used by bench_fleet.py, which writes the same policy into the database."""
     rng = random.Random(SEED)
     workloads = build_fleet(rng, count)
     services = build_services(rng)
     groups = build_groups(rng)
-    rulesets = build_rulesets(rng, services)
+    rulesets = build_rulesets(rng, services, deny_share)
     return workloads, services, groups, rulesets
 
 
-def bench_render(count: int) -> tuple[dict, str]:
-    workloads, services, groups, rulesets = build_synthetic(count)
+def bench_render(count: int, deny_share: float = 0.0) -> tuple[dict, str]:
+    workloads, services, groups, rulesets = build_synthetic(count, deny_share)
 
     started = time.perf_counter()
     fleet = FleetIndex.build(workloads)
@@ -259,9 +262,11 @@ def main() -> None:
     parser.add_argument("--workloads", type=int, default=10_000)
     parser.add_argument("--apply-reps", type=int, default=9)
     parser.add_argument("--no-apply", action="store_true")
+    parser.add_argument("--deny-share", type=float, default=0.1, help="the share of deny rules (issue 33)")
     args = parser.parse_args()
 
-    results, largest = bench_render(args.workloads)
+    results, largest = bench_render(args.workloads, args.deny_share)
+    results["deny_share"] = args.deny_share
     results["apply"] = bench_apply_largest(largest, args.apply_reps, skip=args.no_apply)
     results["machine"] = {
         "cpus": os.cpu_count(),

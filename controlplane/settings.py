@@ -311,6 +311,7 @@ SPECTACULAR_SETTINGS = {
     "ENUM_NAME_OVERRIDES": {
         "ProblemType": "controlplane.api.schema.PROBLEM_TYPE_CHOICES",
         "ModeEnum": "fleet.choices.Mode.values",
+        "RuleActionEnum": "policy.choices.RuleAction.values",
     },
     "POSTPROCESSING_HOOKS": [
         "drf_spectacular.hooks.postprocess_schema_enums",

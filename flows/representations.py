@@ -64,6 +64,7 @@ def rollup_row_data(row: dict[str, Any], rule_ids: dict[int, str]) -> dict[str, 
     if "rule_number" in row:
         data["rule_number"] = row["rule_number"]
         data["rule_id"] = rule_ids.get(row["rule_number"]) if row["rule_number"] else None
+        data["rule_action"] = row.get("rule_action")
     if "start" in row:
         data["window_start"] = rfc3339(row["start"])
     if "ruleset_id" in row:
@@ -103,6 +104,7 @@ def rule_data_brief(rule) -> dict[str, Any]:
         "rule_number": rule.number,
         "ruleset_id": str(rule.ruleset_id),
         "ruleset_name": rule.ruleset.name,
+        "action": rule.action,
     }
 
 
@@ -118,6 +120,10 @@ def review_data(review: dict[str, Any]) -> dict[str, Any]:
                 "peer": row["peer"],
                 "service": {"protocol": row["protocol"], "port": row["port"]},
                 "connection_count": row["connection_count"],
+                # The deny rule that refused them; null: no rule admits them.
+                "rule_number": row["rule_number"],
+                "rule_id": review["rule_ids"].get(row["rule_number"]) if row["rule_number"] else None,
+                "rule_action": row.get("rule_action"),
             }
             for row in review["would_block"]
         ],

@@ -94,13 +94,32 @@ def evidence_gaps_list(
 
 def rule_ids_by_number(numbers: set[int]) -> dict[int, str]:
     """The rules that hold these lifetime numbers now (a deleted rule's number names nothing)."""
+    return {number: rule_id for number, (rule_id, _) in rules_by_number(numbers).items()}
+
+
+def rules_by_number(numbers: set[int]) -> dict[int, tuple[str, str]]:
+    """The (id, action) of the rules that hold these lifetime numbers now."""
     numbers.discard(None)  # type: ignore[arg-type]
     if not numbers:
         return {}
     return {
-        number: str(rule_id)
-        for number, rule_id in Rule.objects.filter(Q(number__in=numbers)).values_list("number", "id")
+        number: (str(rule_id), action)
+        for number, rule_id, action in Rule.objects.filter(Q(number__in=numbers)).values_list(
+            "number", "id", "action"
+        )
     }
+
+
+def with_rule_actions(rows: list[dict]) -> list[dict]:
+    """Rows keyed by `rule_number` get the `rule_action` of the rule it names now (allow or deny; None:
+    no rule, or a deleted one), so that a deny rule's rows read as refusals."""
+    if not rows or "rule_number" not in rows[0]:
+        return rows
+    rules = rules_by_number({row["rule_number"] for row in rows})
+    for row in rows:
+        found = rules.get(row["rule_number"])
+        row["rule_action"] = found[1] if found else None
+    return rows
 
 
 # --- rollups and the simulation review ---
@@ -350,7 +369,7 @@ def flow_rollup_read(
         left_out = read.key_count - len(read.rows) if limit is None else 0
     rows, next_cursor = _page_end(rows, columns, fingerprint, limit)
     return Rollup(
-        rows=rows,
+        rows=with_rule_actions(rows),
         next_cursor=next_cursor,
         rule_ids=rule_ids_by_number({row.get("rule_number") for row in rows}),
         coverage=covered,
@@ -484,21 +503,22 @@ def _review_decisions(planned: FlowRange, elsewhere_ids: set) -> tuple[list, lis
     enforced). Its agent had not applied the change yet (it applies it seconds later, or not at all
     while away or degraded), so what simulation would have said of them is unknown."""
     rows = _summed(
-        planned, ["workload_id", "peer", "protocol", "port", "decision"],
+        planned, ["workload_id", "peer", "protocol", "port", "decision", "rule_number"],
         decision__in=[Decision.WOULD_BLOCK, Decision.OBSERVED, Decision.BLOCKED],
     ).rows  # fmt: skip
-    would_block = [
+    # A would-block row names the deny rule that refused its connections (rule_number), or none.
+    would_block = with_rule_actions([
         {key: value for key, value in row.items() if key != "decision"}
         for row in rows
         if row["decision"] == Decision.WOULD_BLOCK
-    ]
+    ])  # fmt: skip
     decided: dict[tuple, int] = {}
     for row in rows:
         if row["decision"] != Decision.WOULD_BLOCK and row["workload_id"] not in elsewhere_ids:
             key = (row["workload_id"], row["decision"])
             decided[key] = decided.get(key, 0) + row["connection_count"]
     return (
-        sorted(would_block, key=lambda r: (-r["connection_count"], str(r["workload_id"]), r["peer"], r["protocol"], r["port"])),
+        sorted(would_block, key=lambda r: (-r["connection_count"], str(r["workload_id"]), r["peer"], r["protocol"], r["port"], r["rule_number"] or 0)),
         [{"workload_id": w, "decision": d, "connection_count": n} for (w, d), n in sorted(decided.items(), key=lambda i: (str(i[0][0]), i[0][1]))],
     )  # fmt: skip
 
@@ -546,6 +566,7 @@ def simulation_review(*, selected, start: datetime, end: datetime) -> dict:
         "workload_count": selected_count,
         "would_block_count": would_block_count,
         "would_block": would_block[:WOULD_BLOCK_LIST],
+        "rule_ids": rule_ids_by_number({row["rule_number"] for row in would_block[:WOULD_BLOCK_LIST]}),
         "coverage": covered,
         "offline_count": offline_count,
         "offline": list(offline[:COVERAGE_LIST]),

@@ -9,3 +9,10 @@ class SourceKind(models.TextChoices):
     SELECTOR = "selector"
     ADDRESS_GROUP = "address_group"
     ANY = "any"
+
+
+class RuleAction(models.TextChoices):
+    """What a rule does to the connections it matches: admit them, or refuse them above every allow."""
+
+    ALLOW = "allow"
+    DENY = "deny"

@@ -9,10 +9,13 @@ same inputs would do with its first packet, and with which ct mark:
   ``icmpv6-discovery`` (neighbour/router discovery, multicast listeners), ``dhcp``. These set
   no mark: the outcome carries the allowance's name and neither decision nor rule;
 * in ``visibility`` every other connection is ``observed``;
-* otherwise the first rule with a line that matches (rulesets by name then id, rules by
+* otherwise the first deny rule with a line that matches, as the chain lists every deny rule
+  of every applicable ruleset before the first allow: ``would_block`` (simulation) or ``blocked``
+  (enforced) with the deny rule's lifetime number;
+* otherwise the first allow rule with a line that matches (rulesets by name then id, rules by
   position then id, as the chain lists them): ``allowed`` with the rule's lifetime number,
   which is what ``decode_mark`` reads from the conntrack entry; no rule: ``would_block`` in
-  simulation, ``blocked`` in enforced.
+  simulation, ``blocked`` in enforced, with no rule.
 
 It walks the renderer's own compiled policy (``compile_policy``: the rulesets that apply, their
 rules' lines, their sources' sets, compiled once per fleet as for a render), so the two cannot
@@ -81,7 +84,7 @@ class Outcome:
     baseline allowance that accepted the packet without a mark."""
 
     decision: str | None  # observed, allowed, would_block, blocked; None under a baseline allowance
-    rule: int | None = None  # the admitting rule's lifetime number, for "allowed"
+    rule: int | None = None  # the admitting rule's lifetime number ("allowed"), or the refusing deny rule's
     baseline: str | None = None  # established, invalid, loopback, icmpv6-discovery, dhcp
     admitted: bool = True  # the packet gets through (False: enforced drops it)
 
@@ -131,12 +134,14 @@ def classify(
         )
     if workload.mode == "visibility":
         return Outcome(DECISION_NAMES[DECISION_OBSERVED])
-    rule = _first_rule(workload, compile_policy(rulesets, groups, fleet), connection, family, address)
+    policy = compile_policy(rulesets, groups, fleet)
+    denied = _first_rule(workload, policy, connection, family, address, action="deny")
+    rule = None if denied is not None else _first_rule(workload, policy, connection, family, address)
     if rule is not None:
         return Outcome(DECISION_NAMES[DECISION_ALLOWED], rule)
     if workload.mode == "enforced":
-        return Outcome(DECISION_NAMES[DECISION_BLOCKED], admitted=False)
-    return Outcome(DECISION_NAMES[DECISION_WOULD_BLOCK])
+        return Outcome(DECISION_NAMES[DECISION_BLOCKED], denied, admitted=False)
+    return Outcome(DECISION_NAMES[DECISION_WOULD_BLOCK], denied)
 
 
 def admitting_rule(
@@ -146,21 +151,33 @@ def admitting_rule(
     fleet: FleetIndex,
     connection: Connection,
 ) -> int | None:
-    """The lifetime number of the first rule that admits a new ``connection``, or None.
+    """The lifetime number of the first rule that admits a new ``connection``, or None (also when a
+    deny rule refuses it).
 
     Rules only: the baseline and the workload's mode are ``classify``'s business.
     """
     peer = parse_host_address(connection.peer)
-    return _first_rule(workload, compile_policy(rulesets, groups, fleet), connection, peer.version, int(peer))
+    policy = compile_policy(rulesets, groups, fleet)
+    if _first_rule(workload, policy, connection, peer.version, int(peer), action="deny") is not None:
+        return None
+    return _first_rule(workload, policy, connection, peer.version, int(peer))
 
 
 def _first_rule(
-    workload: WorkloadInput, policy: CompiledPolicy, connection: Connection, family: int, address: int
+    workload: WorkloadInput,
+    policy: CompiledPolicy,
+    connection: Connection,
+    family: int,
+    address: int,
+    action: str = "allow",
 ) -> int | None:
+    """The first rule of `action` (in chain order) with a line matching the connection."""
     protocol, port = connection.protocol, connection.port
     ported = protocol in PORT_PROTOCOLS
     for ruleset in policy.applicable(workload):
         for rule, compiled in ruleset.rules:
+            if rule.action != action:
+                continue
             # "meta l4proto . th dport @svc_...": the same set on each of the rule's lines.
             in_service_set = ported and any(
                 p == protocol and low <= port <= high  # type: ignore[operator]  # tcp/udp have one

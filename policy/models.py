@@ -8,7 +8,7 @@ import uuid
 
 from django.db import models
 
-from policy.choices import SourceKind
+from policy.choices import RuleAction, SourceKind
 
 
 class PolicyState(models.Model):
@@ -73,6 +73,8 @@ class Rule(models.Model):
     number = models.PositiveIntegerField(unique=True)
     position = models.PositiveIntegerField()
     description = models.CharField(max_length=1000, blank=True)
+    # deny: refuses what it matches, above every allow rule of every ruleset (docs/policy.md).
+    action = models.CharField(max_length=8, choices=RuleAction.choices, default=RuleAction.ALLOW)
     version = models.PositiveBigIntegerField(default=1)
     created_at = models.DateTimeField()
     updated_at = models.DateTimeField()

@@ -25,6 +25,7 @@ PORT_PROTOCOLS = ("tcp", "udp")
 # Plain copies of policy.choices.SourceKind and fleet.choices.Mode: this module imports no Django.
 SOURCE_KINDS = ("selector", "address_group", "any")
 MODES = ("visibility", "simulation", "enforced")
+ACTIONS = ("allow", "deny")  # policy.choices.RuleAction
 
 
 class FrozenLabels(Mapping[str, str]):
@@ -120,9 +121,45 @@ class RuleInput:
     # The rule's lifetime number (policy.models.Rule.number), carried in the ct mark: never reused,
     # so a connection admitted under any policy version still names this rule.
     number: int = 0
+    # "deny": the rule refuses what it matches, before every allow rule of the workload's rulesets.
+    action: str = "allow"
 
     def __post_init__(self) -> None:
         _freeze(self, "sources", "entries")
+        if self.action not in ACTIONS:
+            raise ValueError(f"unknown rule action {self.action!r}")
+
+
+def covers_every_service(entries: Iterable[PortEntry]) -> bool:
+    """Whether the entries admit every connection there is to admit: every tcp and udp port, icmp and
+    icmpv6."""
+    covered: dict[str, list[tuple[int, int]]] = {"tcp": [], "udp": []}
+    protocols = set()
+    for entry in entries:
+        protocols.add(entry.protocol)
+        if entry.protocol in covered:
+            covered[entry.protocol].append((entry.port_from or 0, entry.port_to or 0))
+    if not {"icmp", "icmpv6"} <= protocols:
+        return False
+    for ranges in covered.values():
+        reached = 0  # every port up to here is covered
+        for low, high in sorted(ranges):
+            if low > reached + 1:
+                break
+            reached = max(reached, high)
+        if reached < 65535:
+            return False
+    return True
+
+
+def refuses_everything(rule: RuleInput) -> bool:
+    """A deny rule from `any` source on every service: it refuses every new connection that the
+    workloads of its scope receive (legal, but worth a warning wherever it is shown)."""
+    return (
+        rule.action == "deny"
+        and any(s.kind == "any" for s in rule.sources)
+        and covers_every_service(rule.entries)
+    )
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,12 @@ Layout. Only inbound connections are judged, in one base chain on the input hook
 
 * ``visibility``: chain ``observe`` accepts everything; new connections get the ct mark
   ``observed``. No policy rules are installed.
-* ``simulation``/``enforced``: chain ``input`` holds the baseline below, then one group of
-  nftables rules per policy rule (each sets the ct mark ``allowed | rule number`` and
-  accepts), then a terminal rule. In ``simulation`` it sets ``would_block``, logs to NFLOG
+* ``simulation``/``enforced``: chain ``input`` holds the baseline below, then the deny rules of
+  every applicable ruleset (each sets the ct mark ``would_block | rule number`` and accepts in
+  simulation; ``blocked | rule number``, logs with the prefix ``palisade deny <number>`` and drops in
+  enforced), then one group of nftables rules per allow rule (each sets the ct mark
+  ``allowed | rule number`` and accepts), then a terminal rule. A policy without deny rules renders
+  exactly as before deny rules existed. In ``simulation`` it sets ``would_block``, logs to NFLOG
   group ``NFLOG_GROUP_WOULD_BLOCK`` and accepts; in ``enforced`` it logs to
   ``NFLOG_GROUP_BLOCKED`` and drops, and ``ct state invalid`` is dropped first (simulation
   accepts those silently, since they are packets rather than connections).
@@ -85,6 +88,15 @@ NFLOG_GROUP_BLOCKED = 7302
 # nftables refuses comments longer than 128 bytes.
 _COMMENT_BYTES = 120
 _ELEMENTS_PER_LINE = 8
+
+
+# The NFLOG prefix of a packet a deny rule drops: "palisade deny <rule number>". The agent reads the
+# number from it (agent/nflog.py), as it reads a conntrack entry's mark for the connections it admits.
+DENY_LOG_PREFIX = "palisade deny "
+
+
+def deny_log_prefix(rule_number: int) -> str:
+    return f"{DENY_LOG_PREFIX}{rule_number}"
 
 
 def encode_mark(decision: int, rule_number: int = 0) -> int:
@@ -220,8 +232,16 @@ class CompiledRule:
     service_ranges: tuple[tuple[str, int, int], ...] = ()
 
 
-# A ruleset's chain lines, the sets they read, and its rules' (number, rule-index entry).
-_Block = tuple[str, tuple[tuple[str, str], ...], tuple[tuple[int, dict], ...]]
+@dataclass(frozen=True)
+class _Block:
+    """A ruleset's chain lines (its allow rules'; its deny rules' as simulation and as enforced
+    judge them), the sets they read, and its rules' (number, rule-index entry)."""
+
+    allow: str
+    deny_simulation: str
+    deny_enforced: str
+    sets: tuple[tuple[str, str], ...]
+    entries: tuple[tuple[int, dict], ...]
 
 
 class CompiledRuleset:
@@ -292,25 +312,29 @@ class CompiledPolicy:
         if workload.mode == "visibility":
             document = _observe_document()
             return RenderedDocument(document, {}, _version(document))
+        enforced = workload.mode == "enforced"
         blocks: list[str] = []
+        denies: list[str] = []
         rule_index: dict[int, dict] = {}
         sets: dict[str, str] = {}
         for compiled in self.applicable(workload):
-            text, block_sets, entries = self._block(compiled)
-            blocks.append(text)
-            sets.update(block_sets)
-            for number, entry in entries:
+            block = self._block(compiled)
+            blocks.append(block.allow)
+            denies.append(block.deny_enforced if enforced else block.deny_simulation)
+            sets.update(block.sets)
+            for number, entry in block.entries:
                 if number in rule_index:
                     raise ValueError(f"rule number {number} is given to two rules")
                 rule_index[number] = dict(entry)
 
-        enforced = workload.mode == "enforced"
         parts = [f"table {TABLE_FAMILY} {TABLE_NAME} {{\n", _table_comment(workload.mode)]
         parts.extend(sets[name] for name in sorted(sets))
         parts.append(_CHAIN_HEAD.format(name="input"))
         parts.append(_ESTABLISHED)
         parts.append(_INVALID_ENFORCED if enforced else _INVALID_SIMULATION)
         parts.append(_BASELINE)
+        # Every deny rule of every applicable ruleset before the first allow: no allow can undo a deny.
+        parts.extend(denies)
         parts.extend(blocks)
         parts.append(_TERMINAL_ENFORCED if enforced else _TERMINAL_SIMULATION)
         parts.append("\t}\n}\n")
@@ -325,27 +349,43 @@ class CompiledPolicy:
             return found
         ruleset = compiled.ruleset
         lines: list[str] = []
+        simulation: list[str] = []
+        enforced: list[str] = []
         sets: dict[str, str] = {}
         entries = []
         for rule, rule_compiled in compiled.rules:
             if not 0 < rule.number <= MAX_RULES:
                 raise ValueError(f"rule {rule.id} has no lifetime number (1-{MAX_RULES}): {rule.number!r}")
             heads, rule_sets = self._resolved(rule_compiled)
-            tail = f"{encode_mark(DECISION_ALLOWED, rule.number):#010x} accept{rule_compiled.comment}\n"
-            lines.extend(head + tail for head in heads)
-            sets.update(rule_sets)
-            entries.append(
-                (
-                    rule.number,
-                    {
-                        "ruleset_id": ruleset.id,
-                        "ruleset_name": ruleset.name,
-                        "rule_id": rule.id,
-                        "position": rule.position,
-                    },
+            entry = {
+                "ruleset_id": ruleset.id,
+                "ruleset_name": ruleset.name,
+                "rule_id": rule.id,
+                "position": rule.position,
+            }
+            if rule.action == "deny":
+                # Logged like the terminal rule (the NFLOG prefix names the rule of a dropped packet,
+                # which never becomes a conntrack entry), but marked with the deny rule's number.
+                entry["action"] = "deny"
+                would_block = (
+                    f"{encode_mark(DECISION_WOULD_BLOCK, rule.number):#010x} "
+                    f"log group {NFLOG_GROUP_WOULD_BLOCK} queue-threshold 1 accept{rule_compiled.comment}\n"
                 )
-            )
-        found = self._blocks[compiled] = ("".join(lines), tuple(sets.items()), tuple(entries))
+                blocked = (
+                    f"{encode_mark(DECISION_BLOCKED, rule.number):#010x} "
+                    f'log prefix "{deny_log_prefix(rule.number)}" group {NFLOG_GROUP_BLOCKED} '
+                    f"queue-threshold 1 drop{rule_compiled.comment}\n"
+                )
+                simulation.extend(head + would_block for head in heads)
+                enforced.extend(head + blocked for head in heads)
+            else:
+                tail = f"{encode_mark(DECISION_ALLOWED, rule.number):#010x} accept{rule_compiled.comment}\n"
+                lines.extend(head + tail for head in heads)
+            sets.update(rule_sets)
+            entries.append((rule.number, entry))
+        found = self._blocks[compiled] = _Block(
+            "".join(lines), "".join(simulation), "".join(enforced), tuple(sets.items()), tuple(entries)
+        )
         return found
 
     def _resolved(self, rule: CompiledRule) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:

@@ -64,6 +64,7 @@ def rule_data(rule: Rule) -> dict:
         "id": str(rule.id),
         "number": rule.number,
         "description": rule.description,
+        "action": rule.action,
         "sources": [_source_data(s) for s in rule.sources.all()],
         "services": [_service_ref_data(s) for s in rule.services.all()],
         **_stamps(rule),

@@ -91,7 +91,7 @@ def policy_inputs_load() -> PolicyInputs:
     ruleset_ids = [r[0] for r in rulesets]
     rules = list(
         Rule.objects.filter(ruleset_id__in=ruleset_ids).values_list(
-            "id", "ruleset_id", "position", "description", "number"
+            "id", "ruleset_id", "position", "description", "number", "action"
         )
     )
     rule_ids = [r[0] for r in rules]
@@ -130,7 +130,7 @@ def policy_inputs_load() -> PolicyInputs:
         else:
             entries[rule_id].append(PortEntry(protocol, port, port_to))
     rules_of = defaultdict(list)
-    for rule_id, ruleset_id, position, description, number in sorted(rules, key=lambda r: r[2]):
+    for rule_id, ruleset_id, position, description, number, action in sorted(rules, key=lambda r: r[2]):
         rules_of[ruleset_id].append(
             RuleInput(
                 id=str(rule_id),
@@ -139,6 +139,7 @@ def policy_inputs_load() -> PolicyInputs:
                 sources=tuple(sources[rule_id]),
                 entries=tuple(dict.fromkeys(entries[rule_id])),
                 number=number,
+                action=action,
             )
         )
     groups = {name: AddressGroupInput(name, name, tuple(members)) for _, name, members in group_rows}

@@ -496,6 +496,7 @@ def ruleset_create(
                 number=_number_for(state, rule_numbers, spec.name, position),
                 position=position,
                 description=rule.description,
+                action=rule.action,
                 created_at=now,
                 updated_at=now,
             )
@@ -543,10 +544,11 @@ def ruleset_replace(
                 changed = (
                     row.position != position
                     or row.description != rule.description
+                    or row.action != rule.action
                     or _current_rule_content(row) != _rule_content(sources, services)
                 )
                 if changed:
-                    row.position, row.description = position, rule.description
+                    row.position, row.description, row.action = position, rule.description, rule.action
                     row.version += 1
                     row.updated_at = now
                     row.save()
@@ -557,6 +559,7 @@ def ruleset_replace(
                     number=_number_for(state, rule_numbers, spec.name, position),
                     position=position,
                     description=rule.description,
+                    action=rule.action,
                     created_at=now,
                     updated_at=now,
                 )
@@ -609,6 +612,7 @@ def rule_add(*, actor: Actor, ruleset_id: str, data: Mapping[str, Any]) -> Rule:
             number=_take_rule_number(state),
             position=0 if last is None else last + 1,
             description=spec.description,
+            action=spec.action,
             created_at=now,
             updated_at=now,
         )
@@ -646,7 +650,7 @@ def rule_replace(
         sources, services = _resolve_rule(spec, findings)
         findings.raise_if_any()
         now = clock.now()
-        rule.description = spec.description
+        rule.description, rule.action = spec.description, spec.action
         _audit("replace", rule, actor=actor, detail={"ruleset_id": str(ruleset_id)})
         rule.version += 1
         rule.updated_at = now

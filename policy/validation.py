@@ -27,6 +27,7 @@ from policy.grammar import GrammarError, parse_selector
 
 PROTOCOLS = ("tcp", "udp", "icmp", "icmpv6")
 PORTED = ("tcp", "udp")
+ACTIONS = ("allow", "deny")  # policy.choices.RuleAction; the first is the default
 
 MAX_NAME = 100
 MAX_DESCRIPTION = 1000
@@ -87,6 +88,7 @@ class RuleSpec:
     sources: tuple[SourceSpec, ...]
     services: tuple[ServiceRefSpec, ...]
     path: str = ""
+    action: str = "allow"
 
 
 @dataclass(frozen=True)
@@ -327,8 +329,9 @@ def rule_input(data: Any, *, base: str = "", allow_id: bool = False) -> tuple[Ru
     if not isinstance(data, dict):
         findings.add(base, "type", "A rule must be an object.")
         return None, findings
-    allowed = READ_ONLY | {"number", "description", "sources", "services"}  # number: read-only, ignored
+    allowed = READ_ONLY | {"number", "description", "action", "sources", "services"}  # number: read-only
     reject_unknown(data, allowed, findings, base)
+    action = _take_action(data, findings, base)
     rule_id = None
     if allow_id and "id" in data:
         rule_id = data["id"]
@@ -358,8 +361,24 @@ def rule_input(data: Any, *, base: str = "", allow_id: bool = False) -> tuple[Ru
         sources=tuple(sources),
         services=tuple(services),
         path=base,
+        action=action,
     )
     return spec, findings
+
+
+def _take_action(data: dict, findings: Findings, base: str) -> str:
+    # Absent means allow: every rule, file and request written before deny existed keeps its meaning.
+    if "action" not in data:
+        return ACTIONS[0]
+    value = data["action"]
+    if not isinstance(value, str) or value not in ACTIONS:
+        findings.add(
+            base + "/action",
+            "action",
+            f"action must be one of {', '.join(ACTIONS)}, not {quoted(value)}.",
+        )
+        return ACTIONS[0]
+    return value
 
 
 def single_rule_input(data: Any) -> RuleSpec:

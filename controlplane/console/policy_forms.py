@@ -82,8 +82,34 @@ def rule_services_text(services: list[dict], service_names: dict[str, str]) -> s
 
 
 def rule_body(form) -> dict:
+    # The field is `rule_action`: the form's buttons already submit `action` (dryrun, impact, save).
     return {
         "description": form.get("description", ""),
+        "action": form.get("rule_action") or "allow",
         "sources": sources_from_text(form.get("sources", "")),
         "services": rule_services_from_text(form.get("services", "")),
     }
+
+
+def refuses_everything(rule: dict, service_entries: dict[str, list[dict]]) -> bool:
+    """A deny rule from `any` source on every service (named services resolved by id to their entries):
+    the ruleset's page warns of it, as the dry-run does (policy.render_inputs.refuses_everything; the
+    console reads the API's JSON, not the renderer's inputs)."""
+    if rule.get("action") != "deny" or not any(s.get("any") for s in rule["sources"]):
+        return False
+    ranges: dict[str, list[tuple[int, int]]] = {"tcp": [], "udp": [], "icmp": [], "icmpv6": []}
+    for item in rule["services"]:
+        for entry in service_entries.get(item["service"], []) if "service" in item else [item]:
+            port = entry.get("port") or 0
+            ranges.setdefault(entry["protocol"], []).append((port, entry.get("port_to") or port))
+    if not (ranges["icmp"] and ranges["icmpv6"]):
+        return False
+    for protocol in ("tcp", "udp"):
+        reached = 0  # every port up to here is covered
+        for low, high in sorted(ranges[protocol]):
+            if low > reached + 1:
+                break
+            reached = max(reached, high)
+        if reached < 65535:
+            return False
+    return True

@@ -142,7 +142,9 @@ class RenderedPolicySerializer(serializers.Serializer):
     rendered_at = serializers.DateTimeField(allow_null=True)
     document = serializers.CharField(allow_null=True, help_text="The nftables text of `table inet palisade`.")
     rule_index = serializers.DictField(
-        child=serializers.DictField(), help_text="Rule number in the conntrack mark -> ruleset and rule."
+        child=serializers.DictField(),
+        help_text="Rule number in the conntrack mark -> ruleset and rule (`action`: `deny` for a deny rule, "
+        "absent for an allow rule).",
     )
 
 

@@ -3,6 +3,7 @@
 from rest_framework import serializers
 
 from flows.choices import Decision, GapKind, GapSource
+from policy.choices import RuleAction
 
 
 class FlowGroupSerializer(serializers.Serializer):
@@ -88,6 +89,13 @@ class RollupRowSerializer(serializers.Serializer):
     decision = serializers.ChoiceField(choices=Decision.values, required=False)
     rule_number = serializers.IntegerField(required=False, allow_null=True)
     rule_id = serializers.UUIDField(required=False, allow_null=True)
+    rule_action = serializers.ChoiceField(
+        choices=RuleAction.values,
+        required=False,
+        allow_null=True,
+        help_text="Grouped by rule: the action of the rule the number names now (`deny`: its rows are "
+        "the connections it refused); null when no rule holds the number.",
+    )
     ruleset_id = serializers.UUIDField(required=False, allow_null=True)
     window_start = serializers.DateTimeField(required=False, help_text="Grouped by `window`.")
     connection_count = serializers.IntegerField()
@@ -149,6 +157,7 @@ class UnusedRuleSerializer(serializers.Serializer):
     rule_number = serializers.IntegerField()
     ruleset_id = serializers.UUIDField()
     ruleset_name = serializers.CharField()
+    action = serializers.ChoiceField(choices=RuleAction.values)
 
 
 class RollupSerializer(serializers.Serializer):
@@ -167,6 +176,11 @@ class WouldBlockSerializer(serializers.Serializer):
     peer = serializers.CharField()
     service = ServiceKeySerializer()
     connection_count = serializers.IntegerField()
+    rule_number = serializers.IntegerField(
+        allow_null=True, help_text="The deny rule that refused these connections; null: no rule admits them."
+    )
+    rule_id = serializers.UUIDField(allow_null=True)
+    rule_action = serializers.ChoiceField(choices=RuleAction.values, allow_null=True)
 
 
 class ReviewWorkloadSerializer(serializers.Serializer):

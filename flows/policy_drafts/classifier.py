@@ -38,9 +38,18 @@ def _judged(workload: WorkloadInput) -> WorkloadInput:
     return workload if workload.mode != "visibility" else dataclasses.replace(workload, mode="simulation")
 
 
+@dataclasses.dataclass(frozen=True)
+class Judged:
+    """How one policy judges a key: `admitted` (by `rule`), or refused (by the deny rule `rule`, or by
+    no rule: `rule` None)."""
+
+    admitted: bool
+    rule: int | None
+
+
 class FlowKeyClassifier:
-    """The fleet and the policy in force now (`in_force`) and `drafts` beside it: for a key, the rule of
-    each policy that admits it (`rules`)."""
+    """The fleet and the policy in force now (`in_force`) and `drafts` beside it: for a key, how each
+    policy judges it (`judged`) and the rule of each that admits it (`rules`)."""
 
     def __init__(self, in_force: InForce, *, drafts: Sequence[PolicyInputs] = ()) -> None:
         self.fleet, self.workloads = in_force.fleet, in_force.workloads
@@ -48,7 +57,7 @@ class FlowKeyClassifier:
         # A workload's labels decide which rulesets apply to it: workloads with the same labels judge
         # a connection alike, and a fleet has far fewer label sets than keys. A range's keys repeat
         # their workloads and services too: each is looked up or parsed once.
-        self._outcomes: dict[tuple, tuple[int | None, ...]] = {}
+        self._outcomes: dict[tuple, tuple[Judged, ...]] = {}
         self._connections: dict[tuple, Connection | None] = {}
         self._by_id: dict = {}
 
@@ -62,8 +71,14 @@ class FlowKeyClassifier:
 
     def rules(self, row: dict) -> tuple[int | None, ...] | None:
         """The lifetime number of the rule of each policy (now first, then the drafts) that admits the
-        key (`workload_id`, `peer`, `protocol`, `port`), None where none does; None for a key that no
-        table can judge (its workload gone, a connection no rule can admit)."""
+        key (`workload_id`, `peer`, `protocol`, `port`), None where none does (a deny rule refusing it
+        included); None for a key that no table can judge (its workload gone, a connection no rule can
+        admit)."""
+        found = self.judged(row)
+        return None if found is None else tuple(j.rule if j.admitted else None for j in found)
+
+    def judged(self, row: dict) -> tuple[Judged, ...] | None:
+        """How each policy (now first, then the drafts) judges the key; None as for `rules`."""
         workload = self.workload(row)
         if workload is None:
             return None
@@ -78,11 +93,17 @@ class FlowKeyClassifier:
         found = self._outcomes.get(key)
         if found is None:
             judged = _judged(workload)
-            found = self._outcomes[key] = tuple(
-                classify(judged, policy.rulesets, policy.groups, self.fleet, connection).rule
+            outcomes = (
+                classify(judged, policy.rulesets, policy.groups, self.fleet, connection)
                 for policy in self.policies
             )
+            found = self._outcomes[key] = tuple(Judged(o.decision == "allowed", o.rule) for o in outcomes)
         return found
+
+    def refused_by_now(self, row: dict) -> int | None:
+        """The deny rule in force now that refuses the key, if one does."""
+        found = self.judged(row)
+        return found[0].rule if found is not None and not found[0].admitted else None
 
     def admitted_now(self, row: dict) -> bool:
         """Whether a rule in force now admits the key, as the workload's table would."""

@@ -24,6 +24,7 @@ from policy.render_inputs import (
     RulesetInput,
     SourceInput,
     WorkloadInput,
+    refuses_everything,
 )
 from policy.selectors import PolicyInputs, policy_inputs_load
 from policy.validation import RulesetSpec, address_group_input, ruleset_input, service_input
@@ -56,8 +57,9 @@ class Draft:
     in_force: InForce
 
     def warnings(self) -> list[dict]:
-        """The draft's scopes and source selectors that match no workload now."""
-        return unmatched_selectors(self.specs, self.in_force.fleet)
+        """The draft's scopes and source selectors that match no workload now, and its deny rules that
+        refuse everything."""
+        return unmatched_selectors(self.specs, self.in_force.fleet) + deny_everything(self.specs, self.policy)
 
 
 def draft_parse(
@@ -216,6 +218,7 @@ def _hypothetical_rulesets(
                     sources=tuple(sources),
                     entries=tuple(dict.fromkeys(entries)),
                     number=numbers.number_for(rule.id, spec.name, position),
+                    action=rule.action,
                 )
             )
         if spec.enabled:
@@ -228,6 +231,26 @@ def _hypothetical_rulesets(
                 )
             )
     return rulesets
+
+
+def deny_everything(specs, policy: PolicyInputs) -> list[dict]:
+    """A deny rule from `any` source on every service is allowed, but it refuses every new connection
+    the workloads of its scope receive: the one rule an operator most likely did not mean."""
+    index = {spec.name: r_index for r_index, spec in enumerate(specs)}
+    flagged = []
+    for ruleset in policy.rulesets:
+        for rule in ruleset.rules:
+            if refuses_everything(rule):
+                scope = str(ruleset.scope) or "every workload"
+                flagged.append(
+                    {
+                        "path": pointer("rulesets", index[ruleset.name], "rules", rule.position),
+                        "rule": "deny-refuses-everything",
+                        "message": f"This deny rule refuses every connection the workloads of "
+                        f"{quoted(scope)} receive, from any source on every service.",
+                    }
+                )
+    return flagged
 
 
 def unmatched_selectors(specs, fleet) -> list[dict]:

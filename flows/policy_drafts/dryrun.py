@@ -27,7 +27,7 @@ def _rule_definitions(policy: PolicyInputs) -> dict[str, tuple]:
                 policy.groups[s.address_group_id].members if s.address_group_id in policy.groups else None
                 for s in rule.sources
             )
-            out[rule.id] = (ruleset.name, rule.sources, rule.entries, groups)
+            out[rule.id] = (ruleset.name, rule.action, rule.sources, rule.entries, groups)
     return out
 
 

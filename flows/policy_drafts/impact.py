@@ -4,7 +4,8 @@ Each stored flow key (workload, peer, service) of a range of the selected worklo
 twice, by the policy in force now and by the draft, as the workload's table would judge a new
 inbound connection (policy/classify.py, the renderer's own semantics: selectors resolve to the
 fleet's addresses now). The answer lists the keys whose outcome changes: newly refused (admitted by
-a rule now, by none in the draft: `enforced` would block them) and newly admitted, with the range's
+a rule now; in the draft by none, or refused by a deny rule, which `rule_draft` names: `enforced`
+would block them) and newly admitted, with the range's
 coverage as the rollup states it, so that "nothing would change" never reads as complete when the
 evidence is not.
 
@@ -40,6 +41,7 @@ def _rules_by_number(policy: PolicyInputs) -> dict[int, dict]:
             "ruleset_name": ruleset.name,
             "rule_id": rule.id,
             "position": rule.position,
+            "action": rule.action,
         }
         for ruleset in policy.rulesets
         for rule in ruleset.rules
@@ -94,12 +96,15 @@ def draft_impact(*, draft: Draft, selection: FlowSelection) -> dict:
     refused: list[dict] = []
     admitted: list[dict] = []
     for row in rows:
-        workload, found = judge.workload(row), judge.rules(row)
+        workload, found = judge.workload(row), judge.judged(row)
         if workload is None or found is None:
             continue
-        before, after = found
-        if (before is None) == (after is None):
+        now, draft_judged = found
+        if now.admitted == draft_judged.admitted:
             continue
+        # A rule names each side: the allow rule that admits the key, or the deny rule that refuses it
+        # (None: no rule admits it).
+        before, after = now.rule, draft_judged.rule
         entry = {
             "workload_id": str(row["workload_id"]),
             "mode": workload.mode,
@@ -113,7 +118,7 @@ def draft_impact(*, draft: Draft, selection: FlowSelection) -> dict:
             "rule_now": rules_now.get(before) if before is not None else None,
             "rule_draft": rules_draft.get(after) if after is not None else None,
         }
-        (refused if after is None else admitted).append(entry)
+        (admitted if draft_judged.admitted else refused).append(entry)
 
     def order(entry: dict) -> tuple:
         return (

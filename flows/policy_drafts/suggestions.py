@@ -174,6 +174,12 @@ def _sorted_out(rows: list[dict], workloads: dict, label_keys: list[str]) -> _So
         if judge.admitted_now(row):
             out.admitted_now.append(_row_data(row))
             continue
+        refused_by = judge.refused_by_now(row)
+        if refused_by is not None:
+            # An operator's no: listed as refused by that deny rule, never learnt as a missing allow.
+            reason = f"refused by deny rule {refused_by}"
+            out.not_generalised.append({**_row_data(row), "reason": reason, "rule_number": refused_by})
+            continue
         scope, missing = selector_of(workload)
         reason, source = None, ("address", row["peer"])
         if scope is None:

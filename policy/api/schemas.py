@@ -3,6 +3,7 @@
 from drf_spectacular.utils import PolymorphicProxySerializer
 from rest_framework import serializers
 
+from policy.choices import RuleAction
 from policy.validation import (
     MAX_DESCRIPTION,
     MAX_GROUP_MEMBERS,
@@ -91,11 +92,18 @@ class RuleSerializer(_Stamped):
         "of connections it admitted, and the key of `rule_index` in rendered policies.",
     )
     description = serializers.CharField(max_length=MAX_DESCRIPTION, required=False, allow_blank=True)
+    action = serializers.ChoiceField(
+        choices=RuleAction.values,
+        default=RuleAction.ALLOW,
+        help_text="`allow` (the default) admits what the rule matches; `deny` refuses it, above every allow "
+        "rule of every ruleset that applies: dropped in `enforced`, recorded `would_block` in `simulation`, "
+        "with this rule's number either way.",
+    )
     sources = serializers.ListField(
         child=SOURCE,
         min_length=1,
         max_length=MAX_SOURCES_PER_RULE,
-        help_text="Admit new inbound connections from any of these.",
+        help_text="Admit (or, for a deny rule, refuse) new inbound connections from any of these.",
     )
     services = serializers.ListField(
         child=SERVICE_ITEM,

@@ -405,6 +405,7 @@ def test_the_agent_runs_on_when_the_file_cannot_be_written(tmp_path):
     class Stub:
         flows = None
         apply_failures = 0
+        denied_connections_ended = 0
         owned_table = "unknown"
         table_modifications = 0
         expires_at = "2026-12-01T00:00:00Z"

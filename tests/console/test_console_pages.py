@@ -512,3 +512,56 @@ def test_an_agents_control_characters_and_bidi_overrides_are_shown_escaped(brows
         assert response.status_code == 200, path
         assert_shown_harmlessly(response.content.decode(), layout="\n\t")
     assert "\\u202eevil" in text(browser.get(f"/workloads/{workload.id}"))
+
+
+def test_a_deny_rule_is_chosen_in_the_form_and_shown_as_deny_wherever_rules_are_listed(browser):
+    workload = make_workload(hostname="db-1", labels={"app": "db"}, mode="enforced")
+    created = browser.post("/policy/rulesets/new", {"name": "blocklist", "scope": "app=db", "enabled": "on"})
+    ruleset_url = created["Location"]
+    everything = "tcp/1-65535\nudp/1-65535\nicmp\nicmpv6"
+    dryrun = text(browser.post(f"{ruleset_url}/rules/new", {"rule_action": "deny", "sources": "any",
+                                                             "services": everything, "action": "dryrun"}))  # fmt: skip
+    assert "refuses every connection the workloads of &#x27;app=db&#x27; receive" in dryrun
+    bad = browser.post(f"{ruleset_url}/rules/new", {"rule_action": "drop", "sources": "any", "services": "tcp/23", "action": "save"})  # fmt: skip
+    assert bad.status_code == 422 and 'id="action-errors"' in bad.content.decode()
+    for services in ("tcp/23", everything):
+        saved = browser.post(f"{ruleset_url}/rules/new", {"rule_action": "deny", "sources": "any", "services": services, "action": "save"})  # fmt: skip
+        assert saved.status_code == 302
+    browser.post(
+        f"{ruleset_url}/rules/new", {"sources": "role=client", "services": "tcp/5432", "action": "save"}
+    )
+    page = browser.get(ruleset_url).content.decode()
+    assert page.count('data-action="deny"') == 2 and page.count('data-action="allow"') == 1
+    assert page.count('data-warning="deny-refuses-everything"') == 1
+    assert (
+        '<span class="chip chip-bad" data-action="deny">2 deny</span>'
+        in browser.get("/policy").content.decode()
+    )
+    edit_url = re.search(r'href="(/policy/rulesets/[0-9a-f-]+/rules/[0-9a-f-]+)"', page).group(1)
+    assert '<option value="deny" selected>' in browser.get(edit_url).content.decode()
+    assert browser.get(f"/workloads/{workload.id}").content.decode().count('data-action="deny"') == 2
+
+
+def test_flows_and_rule_hits_mark_what_a_deny_rule_refused(browser):
+    from flows.services import flow_report_ingest
+    from tests.support.flow_evidence import enrolled, flow_report
+
+    created = browser.post("/policy/rulesets/new", {"name": "blocklist", "scope": "", "enabled": "on"})
+    saved = browser.post(f"{created['Location']}/rules/new",
+                         {"rule_action": "deny", "sources": "any", "services": "tcp/23", "action": "save"})  # fmt: skip
+    assert saved.status_code == 302
+    page = browser.get(created["Location"]).content.decode()
+    number = int(re.search(r"<tr class=\"deny-rule\"><td>(\d+)</td>", page).group(1))
+    web, _, _ = enrolled("web", "10.50.0.1")
+    windows = _minute_windows(1)
+    windows[0]["groups"][0].update(peer="10.66.0.1", port=23, decision="blocked", rule=number)
+    answer = flow_report_ingest(workload_id=str(web.id), data=flow_report("p1", 100, windows))
+    assert all(r["result"] == "accepted" for r in answer["windows"])
+    workload_page = browser.get(f"/workloads/{web.id}?range=1h").content.decode()
+    assert re.search(
+        rf"<td>{number} <span class=\"chip chip-bad\" data-action=\"deny\">deny</span></td>", workload_page
+    )
+    flows_page = browser.get("/flows?range=1h&group_by=rule").content.decode()
+    assert flows_page.count(f'{number} <span class="chip chip-bad" data-action="deny">deny</span>') == 1
+    hits = flows_page[flows_page.index('id="rules-h"') :]
+    assert 'data-action="deny">deny</span>' in hits

@@ -7,7 +7,10 @@ each with several IPv4 and IPv6 addresses, make random connections (tcp, udp, ic
 icmpv6 echo) to a pool of ports; the workload also connects to itself (loopback). Every
 connection's conntrack entry is read back and its mark decoded: it must equal the
 classifier's (decision, rule) every time. In ``enforced`` a dropped connection has no entry
-and must be what the classifier calls ``blocked``.
+and must be what the classifier calls ``blocked``; its logged packets (NFLOG, read in the
+workload's namespace as the agent reads them) must name the classifier's deny rule, or none.
+Some seeds make a share of the rules deny rules, in every ruleset, over every source and
+service kind.
 """
 
 from __future__ import annotations
@@ -148,7 +151,7 @@ SELECTORS = (
 )
 
 
-def random_policy(rng: random.Random, mode: str):
+def random_policy(rng: random.Random, mode: str, deny_share: float = 0.0):
     peers = {name: peer_addresses(i + 1) for i, name in enumerate(PEERS)}
     every_address = [a for four, six in peers.values() for a in four + six]
     workloads = [WorkloadInput("wl", WORKLOAD_LABELS, WORKLOAD, "visibility")]
@@ -201,6 +204,8 @@ def random_policy(rng: random.Random, mode: str):
         return SourceInput("any")
 
     numbers = iter(rng.sample(range(1, MAX_RULES + 1), k=40))
+    # Their own generator: the seeds without deny rules keep the policies they always had.
+    actions = random.Random(rng.random() if deny_share else 0)
     rulesets = []
     for r in range(rng.randint(2, 4)):
         rules = tuple(
@@ -211,6 +216,7 @@ def random_policy(rng: random.Random, mode: str):
                 tuple(source() for _ in range(rng.randint(1, 2))),
                 tuple(entry() for _ in range(rng.randint(1, 3))),
                 number=next(numbers),
+                action="deny" if actions.random() < deny_share else "allow",
             )
             for k in range(rng.randint(1, 5))
         )
@@ -239,6 +245,48 @@ def random_connections(rng: random.Random, count: int) -> dict[str, list[tuple[s
     for protocol in ("tcp", "udp"):
         jobs.setdefault("wl", []).append((protocol, WORKLOAD[0], WORKLOAD[0], rng.choice(PORTS)))
     return jobs
+
+
+# In the workload's namespace: binds the blocked NFLOG group as the agent does (agent/nflog.py) and,
+# once told to stop on stdin, prints each logged packet's key and the deny rule its prefix names.
+_NFLOG_READER = """
+import json, select, socket, struct, sys, ipaddress
+from agent.nflog import nflog_socket, parse_packets
+
+def key(payload):
+    if payload[0] >> 4 == 4:
+        l4, protocol, source = payload[(payload[0] & 15) * 4:], payload[9], ipaddress.IPv4Address(payload[12:16])
+    else:
+        l4, protocol, source = payload[40:], payload[6], ipaddress.IPv6Address(payload[8:24])
+    if protocol in (1, 58):
+        return ["icmp" if protocol == 1 else "icmpv6", str(source), struct.unpack("!H", l4[4:6])[0], 0]
+    sport, dport = struct.unpack("!HH", l4[:4])
+    return ["tcp" if protocol == 6 else "udp", str(source), sport, dport]
+
+sock = nflog_socket(1 << 22)
+print("ready", flush=True)
+logged, stopping = [], False
+while True:
+    ready, _, _ = select.select([sock] + ([] if stopping else [sys.stdin]), [], [], 0.3 if stopping else None)
+    if not ready:
+        break
+    if sys.stdin in ready:
+        sys.stdin.readline()
+        stopping = True
+        continue
+    for payload, rule in parse_packets(sock.recv(1 << 20)):
+        logged.append([key(payload), rule])
+print(json.dumps(logged), flush=True)
+"""
+
+
+def logged_rules(reader) -> dict[tuple[str, str, int, int], set[int | None]]:
+    """(protocol, source, source port or echo id, destination port or 0) -> deny rules of its drops."""
+    out, _ = reader.communicate("stop\n", timeout=30)
+    found: dict[tuple[str, str, int, int], set[int | None]] = {}
+    for key, rule in json.loads(out.splitlines()[-1]):
+        found.setdefault(tuple(key), set()).add(rule)
+    return found
 
 
 _ENTRY = re.compile(r"^(?P<proto>tcp|udp|icmp|icmpv6)\s.*?src=(?P<src>\S+) dst=\S+ (?P<rest>.*)$")
@@ -288,19 +336,24 @@ def lab():
 
 
 @pytest.mark.parametrize(
-    ("seed", "mode"),
+    ("seed", "mode", "deny_share"),
     [
-        (1, "simulation"),
-        (2, "simulation"),
-        (3, "simulation"),
-        (4, "simulation"),
-        (5, "enforced"),
-        (6, "enforced"),
+        (1, "simulation", 0.0),
+        (2, "simulation", 0.0),
+        (3, "simulation", 0.0),
+        (4, "simulation", 0.0),
+        (5, "enforced", 0.0),
+        (6, "enforced", 0.0),
+        # Seeds whose connections meet deny rules (and allows, and no rule).
+        (9, "simulation", 0.35),
+        (19, "simulation", 0.35),
+        (12, "enforced", 0.35),
+        (27, "enforced", 0.35),
     ],
 )
-def test_the_classifier_names_the_rule_the_kernel_marks(lab, seed, mode):
+def test_the_classifier_names_the_rule_the_kernel_marks(lab, seed, mode, deny_share):
     rng = random.Random(seed)
-    workload, rulesets, groups, fleet = random_policy(rng, mode)
+    workload, rulesets, groups, fleet = random_policy(rng, mode, deny_share)
     assert (
         dataplane_call(lab, "wl", "apply", render(workload, rulesets, groups, fleet).document)["error"]
         is None
@@ -308,14 +361,21 @@ def test_the_classifier_names_the_rule_the_kernel_marks(lab, seed, mode):
     lab.run("wl", ["conntrack", "-F"])
     jobs = random_connections(rng, 48)
 
-    answers = {}
-    for name, batch in jobs.items():
-        done = lab.python(name, _CLIENTS, input=json.dumps(batch))
-        assert done.returncode == 0, done.stderr
-        answers[name] = json.loads(done.stdout)
+    reader = lab.popen_python("wl", _NFLOG_READER)
+    try:
+        assert reader.stdout.readline().strip() == "ready", reader.stderr.read()
+        answers = {}
+        for name, batch in jobs.items():
+            done = lab.python(name, _CLIENTS, input=json.dumps(batch))
+            assert done.returncode == 0, done.stderr
+            answers[name] = json.loads(done.stdout)
+        logged = logged_rules(reader)
+    finally:
+        reader.kill()
+        reader.wait(timeout=10)
     marks = conntrack_marks(lab)
 
-    rows, wrong, decisions = [], 0, set()
+    rows, wrong, decisions, denied = [], 0, set(), 0
     for name, batch in jobs.items():
         for (protocol, source, _, port), answer in zip(batch, answers[name], strict=True):
             outcome = classify(
@@ -331,12 +391,16 @@ def test_the_classifier_names_the_rule_the_kernel_marks(lab, seed, mode):
                 ),
             )
             icmp = protocol in ("icmp", "icmpv6")
-            entry = marks.get((protocol, source, answer["key"], 0 if icmp else port), [])
-            kernel = [decode_mark(m) for m in entry]
-            want = [] if outcome.decision == "blocked" else [(outcome.decision, outcome.rule)]
+            key = (protocol, source, answer["key"], 0 if icmp else port)
+            kernel: list = [decode_mark(m) for m in marks.get(key, [])]
+            want: list = [(outcome.decision, outcome.rule)]
+            if outcome.decision == "blocked":
+                # Dropped: no entry; every logged packet of it names the rule that dropped it.
+                kernel += [("blocked", rule) for rule in sorted(logged.get(key, ()), key=str)]
             ok = kernel == want and answer["answered"] == outcome.admitted
             wrong += not ok
             decisions.add(outcome.decision)
+            denied += outcome.rule is not None and outcome.decision != "allowed"
             rows.append(
                 f"{'  ' if ok else '!!'} {name} {protocol:6} {source:>12} -> {port}: kernel {kernel} "
                 f"answered={answer['answered']}; classifier {want} admitted={outcome.admitted}"
@@ -345,3 +409,4 @@ def test_the_classifier_names_the_rule_the_kernel_marks(lab, seed, mode):
     # The seed exercised the policy: some connections admitted by a rule, some by none, loopback.
     refused = "blocked" if mode == "enforced" else "would_block"
     assert decisions == {"allowed", refused, None}, "\n".join(rows)
+    assert bool(denied) == bool(deny_share), "\n".join(rows)  # deny seeds see deny rules refuse

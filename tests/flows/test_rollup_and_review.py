@@ -201,6 +201,9 @@ def test_the_review_passes_only_with_nothing_to_fear(api, db, clock_at):
             "peer": "10.7.7.7",
             "service": {"protocol": "tcp", "port": 5432},
             "connection_count": 9,
+            "rule_number": None,
+            "rule_id": None,
+            "rule_action": None,
         }
     ]
 
@@ -238,7 +241,7 @@ def test_the_flows_command_rolls_up_and_reviews(db):
     )
     assert (code, out.strip()) == (
         0,
-        "peer,rule_number,rule_id," + "connection_count,bytes_in,bytes_out,first_seen,last_seen",
+        "peer,rule_number,rule_id,rule_action," + "connection_count,bytes_in,bytes_out,first_seen,last_seen",
     )
     assert "incomplete: 0 gaps, 1 workload sent no window in the range" in err
     assert "evidence before " in err and " removed" in err  # January lies before the retention
@@ -505,3 +508,39 @@ def test_the_flows_command_states_the_retention_serve_prunes_by_not_its_own_envi
     assert abs(
         datetime.fromisoformat(covered["retained_from"]) - (now - timedelta(days=2, hours=1))
     ) < timedelta(seconds=5)
+
+
+def test_deny_rules_are_hit_unused_grouped_and_named_by_the_review(api, db):
+    web, _, _ = enrolled("web", "10.50.0.1")
+    ruleset = api.post(
+        "/api/v1/rulesets",
+        {"name": "web", "scope": "", "rules": [
+            {"sources": [{"any": True}], "services": [{"protocol": "tcp", "port": 443}]},
+            {"action": "deny", "sources": [{"any": True}], "services": [{"protocol": "tcp", "port": 23}]},
+            {"action": "deny", "sources": [{"any": True}], "services": [{"protocol": "tcp", "port": 25}]},
+        ]},
+        format="json",
+    ).json()  # fmt: skip
+    allow, deny, idle = ruleset["rules"]
+    _ingest(web, _windows(web, [
+        {"port": 443, "decision": "allowed", "rule": allow["number"], "connection_count": 4},
+        {"peer": "10.7.7.7", "port": 23, "decision": "blocked", "rule": deny["number"], "connection_count": 3},
+        {"peer": "10.7.7.8", "port": 23, "decision": "would_block", "rule": deny["number"], "connection_count": 2},
+        {"peer": "10.7.7.9", "port": 22, "decision": "would_block", "connection_count": 1},
+    ]))  # fmt: skip
+    page = api.get("/api/v1/flows/rollup", {**_range(), "group_by": "rule", "workload": str(web.id)}).json()
+    hits = {(r["rule_id"], r["rule_action"], r["connection_count"]) for r in page["items"]}
+    assert hits == {(allow["id"], "allow", 4), (deny["id"], "deny", 5), (None, None, 1)}
+    # A deny rule that refused nothing in a covered range is unused; the one that refused is not.
+    assert [(r["rule_id"], r["action"]) for r in page["unused_rules"]] == [(idle["id"], "deny")]
+    by_decision = api.get(
+        "/api/v1/flows/rollup", {**_range(), "group_by": ["decision", "rule"], "workload": str(web.id)}
+    ).json()
+    assert {(r["decision"], r["rule_action"], r["connection_count"]) for r in by_decision["items"]} == {
+        ("allowed", "allow", 4), ("blocked", "deny", 3), ("would_block", "deny", 2), ("would_block", None, 1),
+    }  # fmt: skip
+    review = api.get("/api/v1/flows/review", {**_range(), "workload": str(web.id)}).json()
+    assert [(r["peer"], r["rule_number"], r["rule_id"], r["rule_action"]) for r in review["would_block"]] == [
+        ("10.7.7.8", deny["number"], deny["id"], "deny"),
+        ("10.7.7.9", None, None, None),
+    ]

@@ -182,3 +182,46 @@ def test_bad_connections_and_missing_groups_are_value_errors():
             FleetIndex.build(WORKLOADS),
             Connection("10.9.9.9", "tcp", 8080),
         )
+
+
+DENY_RULESETS = [
+    *RULESETS,
+    RulesetInput(
+        "rs-deny",
+        "zz-deny",
+        S("role=server"),
+        (
+            RuleInput(
+                "d41", 1, "", (sel("env=prod"),), (PortEntry("tcp", 8000, 8100),), number=41, action="deny"
+            ),
+            RuleInput("d42", 2, "", (ANY,), (PortEntry("tcp", 8050),), number=42, action="deny"),
+        ),
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("peer", "port", "mode", "outcome"),
+    [
+        # c2 (env=prod) is admitted by rule 3 today; deny 41 refuses it whatever the allow says
+        ("10.0.1.2", 8080, "enforced", Outcome("blocked", 41, admitted=False)),
+        ("10.0.1.2", 8080, "simulation", Outcome("would_block", 41)),
+        ("10.0.1.2", 8080, "visibility", Outcome("observed")),
+        # among deny rules, the first in ruleset and rule order names it
+        ("10.0.1.2", 8050, "enforced", Outcome("blocked", 41, admitted=False)),
+        ("10.0.1.1", 8050, "simulation", Outcome("would_block", 42)),
+        # a deny rule that does not match leaves the allow in force
+        ("10.0.1.1", 8080, "enforced", Outcome("allowed", 3)),
+        # no rule at all: still no rule
+        ("10.9.9.9", 22, "enforced", Outcome("blocked", admitted=False)),
+    ],
+)
+def test_deny_rules_refuse_above_every_allow(peer, port, mode, outcome):
+    assert judge(peer, "tcp", port, mode=mode, rulesets=DENY_RULESETS) == outcome
+
+
+def test_denied_connections_have_no_admitting_rule():
+    workload = WorkloadInput("srv", {"role": "server"}, ("10.0.0.1", "2001:db8::1"), "enforced")
+    fleet = FleetIndex.build(WORKLOADS)
+    assert admitting_rule(workload, DENY_RULESETS, GROUPS, fleet, Connection("10.0.1.2", "tcp", 8080)) is None
+    assert admitting_rule(workload, DENY_RULESETS, GROUPS, fleet, Connection("10.0.1.1", "tcp", 8080)) == 3

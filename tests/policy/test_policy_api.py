@@ -369,7 +369,15 @@ def test_ruleset_delete_removes_its_rules_and_frees_references(api, ruleset, web
         ),
         (
             {"sources": [{"any": True}], "services": [HTTPS], "action": "drop"},
-            [("/rules/0/action", "unknown-field")],
+            [("/rules/0/action", "action")],
+        ),
+        (
+            {"sources": [{"any": True}], "services": [HTTPS], "action": ["deny"]},
+            [("/rules/0/action", "action")],
+        ),
+        (
+            {"sources": [{"any": True}], "services": [HTTPS], "action": None},
+            [("/rules/0/action", "action")],
         ),
     ],
 )
@@ -438,3 +446,42 @@ def test_rule_numbers_are_given_once_and_never_reused(api):
         second + 2,
         first,
     ]  # a kept rule keeps its number
+
+
+def test_a_rule_is_an_allow_rule_unless_it_says_deny(api, ruleset):
+    assert [r["action"] for r in ruleset["rules"]] == ["allow", "allow"]
+    added = api.post(
+        f"/api/v1/rulesets/{ruleset['id']}/rules",
+        {"action": "deny", "sources": [{"selector": "role=scanner"}], "services": [HTTPS]},
+        format="json",
+    )
+    assert added.status_code == 201 and added.json()["action"] == "deny"
+    rule = added.json()
+    back = put(
+        api,
+        f"/api/v1/rulesets/{ruleset['id']}/rules/{rule['id']}",
+        {**rule, "action": "allow"},
+        rule["version"],
+    )
+    assert back.status_code == 200 and back.json()["action"] == "allow"
+    assert back.json()["version"] != rule["version"]
+    current = api.get(f"/api/v1/rulesets/{ruleset['id']}").json()
+    current["rules"][0]["action"] = "deny"
+    replaced = put(api, f"/api/v1/rulesets/{ruleset['id']}", current, current["version"])
+    assert [r["action"] for r in replaced.json()["rules"]] == ["deny", "allow", "allow"]
+    # the rule whose action changed gets a new version; the others keep theirs
+    versions = [r["version"] for r in replaced.json()["rules"]]
+    assert versions[0] != current["rules"][0]["version"] and versions[1:] == [
+        r["version"] for r in current["rules"][1:]
+    ]
+    problem = assert_problem(
+        put(
+            api,
+            f"/api/v1/rulesets/{ruleset['id']}/rules/{rule['id']}",
+            {**rule, "action": "Deny"},
+            back.json()["version"],
+        ),
+        422,
+        "validation",
+    )
+    assert [(e["path"], e["rule"]) for e in problem["errors"]] == [("/action", "action")]

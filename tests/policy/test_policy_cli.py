@@ -89,3 +89,23 @@ def test_cli_unreadable_file_and_bad_json_are_one_line_errors(db, tmp_path):
 def test_cli_unknown_id_is_not_found(db):
     code, _, err = run("ruleset", "show", "nope")
     assert code == 1 and "not-found" in err
+
+
+def test_cli_rule_add_takes_a_deny_rule_and_refuses_an_unknown_action(api, monkeypatch):
+    rs = api.post("/api/v1/rulesets", {"name": "block", "scope": ""}, format="json").json()
+    body = {"action": "deny", "sources": [{"any": True}], "services": [{"protocol": "tcp", "port": 23}]}
+    code, out, _ = run(
+        "rule", "add", rs["id"], "-", "--json", stdin_text=json.dumps(body), monkeypatch=monkeypatch
+    )
+    assert code == 0 and json.loads(out)["action"] == "deny"
+    code, _, err = run(
+        "rule",
+        "add",
+        rs["id"],
+        "-",
+        stdin_text=json.dumps({**body, "action": "reject"}),
+        monkeypatch=monkeypatch,
+    )
+    assert code == 2 and err.strip().splitlines() == [
+        "error: /action: action must be one of allow, deny, not 'reject'. [action]"
+    ]

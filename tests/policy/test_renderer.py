@@ -538,3 +538,66 @@ def test_fleet_index_agrees_with_selector_matches():
         four, six = fleet.addresses_matching(selector)
         assert four == {a for i in expected for a in workloads[i].addresses if ":" not in a}
         assert six == {a for i in expected for a in workloads[i].addresses if ":" in a}
+
+
+# --- deny rules ----------------------------------------------------------------------------
+
+
+def deny_policy():
+    """The standard policy plus a ruleset (named after the others) whose deny rule refuses client c1."""
+    workloads, rulesets, groups = standard_policy()
+    deny = RuleInput(
+        "r-deny", 1, "no c1 on web", (SourceInput("selector", S("env notin (prod),role=client")),), (WEB,)
+    )
+    deny = RuleInput(deny.id, deny.position, deny.description, deny.sources, deny.entries, 40, "deny")
+    rulesets = [*rulesets, RulesetInput("rs-zz", "zz-deny", S("role=server"), (deny,))]
+    return workloads, rulesets, groups
+
+
+def test_deny_rules_come_after_the_baseline_and_before_every_allow():
+    workloads, rulesets, groups = deny_policy()
+    lines = chain_lines(render(server("enforced"), rulesets, groups, FleetIndex.build(workloads)).document)
+    deny_at = [i for i, line in enumerate(lines) if "0x04000028" in line]
+    allow_at = [i for i, line in enumerate(lines) if "ct mark set 0x02" in line]
+    baseline_at = [i for i, line in enumerate(lines) if "baseline" in line]
+    # the ruleset sorts last by name, yet its deny lines precede every ruleset's allow lines
+    assert deny_at and allow_at and max(baseline_at) < min(deny_at) and max(deny_at) < min(allow_at)
+    for i in deny_at:
+        assert drops(lines[i]) and 'log prefix "palisade deny 40" group 7302' in lines[i]
+
+
+def test_simulation_accepts_and_marks_what_a_deny_rule_matches_as_would_block():
+    workloads, rulesets, groups = deny_policy()
+    result = render(server("simulation"), rulesets, groups, FleetIndex.build(workloads))
+    lines = [line for line in chain_lines(result.document) if "0x03000028" in line]
+    assert lines and not any(drops(line) for line in lines)
+    assert all(line.split(" comment ")[0].endswith("accept") for line in lines)
+    assert result.rule_index[40]["action"] == "deny" and "action" not in result.rule_index[3]
+
+
+def test_a_policy_without_deny_rules_renders_as_before():
+    # An allow rule stated as such is the rule without an action: the same bytes.
+    workloads, rulesets, groups = standard_policy()
+    explicit = [
+        RulesetInput(
+            rs.id,
+            rs.name,
+            rs.scope,
+            tuple(
+                RuleInput(r.id, r.position, r.description, r.sources, r.entries, r.number, "allow")
+                for r in rs.rules
+            ),
+        )
+        for rs in rulesets
+    ]
+    for mode in ("simulation", "enforced"):
+        fleet = FleetIndex.build(workloads)
+        before = render(server(mode), rulesets, groups, fleet)
+        after = render(server(mode), explicit, groups, FleetIndex.build(workloads))
+        assert before.document == after.document and before.rule_index == after.rule_index
+        assert "log prefix" not in before.document
+
+
+def test_an_unknown_action_is_refused():
+    with pytest.raises(ValueError, match="action"):
+        RuleInput("r", 1, "", (ANY,), (WEB,), 1, "reject")

@@ -818,3 +818,40 @@ def test_names_and_texts_yaml_would_misread_round_trip(db):
         data = policy_file_load(text=text, source=f"policy.{format}")
         assert policy_plan(data=data, prune=True)["changes"] == []
         assert [s["name"] for s in data["services"]] == sorted(t.strip() for t in odd)
+
+
+def test_a_deny_rule_round_trips_and_an_allow_rule_is_written_as_before(fleet):
+    _messy_policy()
+    before = policy_export(format="yaml")
+    assert "action" not in before  # allow rules say nothing: old files keep their meaning and bytes
+    data = policy_file_load(text=before, source="p.yaml")
+    frontend = data["rulesets"][1]
+    frontend["rules"][0]["action"] = "deny"
+    frontend["rules"].append(
+        {"action": "allow", "sources": [{"any": True}], "services": [{"protocol": "tcp", "port": 9}]}
+    )
+    plan = policy_plan(data=data)
+    fields = {f["field"]: f for f in plan["changes"][0]["fields"]}
+    assert fields["rules[0].action"] == {
+        "field": "rules[0].action",
+        "action": "change",
+        "old": "allow",
+        "new": "deny",
+    }
+    policy_apply(actor=CLI_ACTOR, data=data, expected_version=plan["policy_version"], source="p.yaml")
+    stored = Rule.objects.filter(ruleset__name="frontend").order_by("position")
+    assert [r.action for r in stored] == ["deny", "allow", "allow", "allow"]
+    exported = policy_file_load(text=policy_export(format="yaml"), source="p.yaml")
+    assert [r.get("action") for r in exported["rulesets"][1]["rules"]] == ["deny", None, None, None]
+    assert policy_plan(data=exported)["changes"] == []
+    # a deny rule's documents carry its drop
+    frontend_rule = stored[0]
+    assert any(
+        f'log prefix "palisade deny {frontend_rule.number}"' in d
+        for d in RenderedPolicy.objects.values_list("document", flat=True)
+    )
+
+    exported["rulesets"][1]["rules"][0]["action"] = "block"
+    with pytest.raises(PolicyFileInvalid) as failed:
+        policy_plan(data=exported)
+    assert [(f.path, f.rule) for f in failed.value.findings] == [("/rulesets/1/rules/0/action", "action")]

@@ -217,3 +217,77 @@ def test_an_evidence_gap_makes_the_impact_incomplete_and_is_named(api, db):
     assert impact["coverage"]["complete"] is False and impact["coverage"]["gap_count"] == 1
     assert [(g["id"], g["kind"]) for g in impact["coverage"]["gaps"]] == [(gap["id"], "source_restart")]
     assert impact["newly_refused_summary"]["connection_count"] == 7  # the evidence there is still counts
+
+
+def test_a_draft_adding_a_deny_rule_newly_refuses_exactly_what_it_matches_by_that_rule(api, db):
+    web, db_host, ruleset, _ = _scenario(api)
+    kept = [{k: r[k] for k in ("id", "sources", "services")} for r in ruleset["rules"]]
+    blocklist = {
+        "name": "blocklist",
+        "scope": "app=db",
+        "rules": [
+            # refuses the office's ssh (admitted now) and 6379 (refused now already: not newly refused)
+            {"action": "deny", "sources": [{"any": True}],
+             "services": [{"protocol": "tcp", "port": 22}, {"protocol": "tcp", "port": 6379}]},
+            {"action": "deny", "sources": [{"selector": "app=web"}], "services": [{"protocol": "udp", "port": 53}]},
+        ],
+    }  # fmt: skip
+    draft = {"rulesets": [{"name": "db", "scope": "app=db", "rules": kept}, blocklist]}
+    impact = policy_impact(data={**draft, **_range()})
+    [refused] = impact["newly_refused"]
+    assert (refused["peer"], refused["protocol"], refused["port"], refused["connection_count"]) == (
+        "10.9.9.9", "tcp", 22, 3,
+    )  # fmt: skip
+    assert refused["rule_now"]["rule_id"] == ruleset["rules"][1]["id"]
+    assert refused["rule_draft"]["rule_id"] == "new:blocklist:0"
+    assert refused["rule_draft"]["action"] == "deny" and refused["rule_draft"]["ruleset_name"] == "blocklist"
+    assert impact["newly_admitted"] == []
+
+    # Saved, the deny rule is in force: a draft without it admits the key again, and names the deny
+    # rule as what refuses it now.
+    saved = api.post("/api/v1/rulesets", blocklist, format="json").json()
+    deny_number = saved["rules"][0]["number"]
+    lifted = policy_impact(data={"rulesets": [{"name": "db", "scope": "app=db", "rules": kept}], **_range()})
+    [admitted] = lifted["newly_admitted"]
+    assert (admitted["peer"], admitted["port"]) == ("10.9.9.9", 22)
+    assert admitted["rule_now"]["number"] == deny_number and admitted["rule_now"]["action"] == "deny"
+    assert admitted["rule_draft"]["rule_id"] == ruleset["rules"][1]["id"]
+    assert lifted["newly_refused"] == []
+
+
+def test_a_deny_rule_refusing_everything_is_a_dryrun_warning(api, db):
+    _labelled("db", "10.50.0.2", {"app": "db"})
+    everything = [
+        {"protocol": "tcp", "port": 1, "port_to": 65535},
+        {"protocol": "udp", "port": 1, "port_to": 40000},
+        {"protocol": "udp", "port": 39000, "port_to": 65535},
+        {"protocol": "icmp"},
+        {"protocol": "icmpv6"},
+    ]
+    rulesets = [
+        {"name": "a", "scope": "app=db", "rules": [
+            {"sources": [{"any": True}], "services": everything},  # an allow: no warning
+            {"action": "deny", "sources": [{"any": True}], "services": everything[:4]},  # icmpv6 left
+            {"action": "deny", "sources": [{"selector": "app=x"}, {"any": True}], "services": everything},
+        ]},
+    ]  # fmt: skip
+    answer = api.post("/api/v1/policies/render-dryrun", {"rulesets": rulesets}, format="json")
+    assert answer.status_code == 200, answer.content
+    flagged = [w for w in answer.json()["warnings"] if w["rule"] == "deny-refuses-everything"]
+    assert [w["path"] for w in flagged] == ["/rulesets/0/rules/2"]
+    assert "'app=db'" in flagged[0]["message"]
+
+
+def test_the_dryrun_lists_a_rule_turned_deny_as_changed(api, db):
+    web, db_host, ruleset, _ = _scenario(api)
+    api.post("/api/v1/mode-changes", {"selection": {"workload_ids": [str(db_host.id)]}, "mode": "enforced"},
+             format="json")  # fmt: skip
+    rules = [{k: r[k] for k in ("id", "sources", "services")} for r in ruleset["rules"]]
+    rules[1]["action"] = "deny"
+    answer = api.post(
+        "/api/v1/policies/render-dryrun", {"rulesets": [{"name": "db", "scope": "app=db", "rules": rules}]},
+        format="json",
+    ).json()  # fmt: skip
+    [changed] = answer["changed"]
+    assert changed["workload_id"] == str(db_host.id)
+    assert changed["rules_changed"] == [{"ruleset_name": "db", "rule_id": ruleset["rules"][1]["id"]}]

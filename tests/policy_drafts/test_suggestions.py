@@ -499,3 +499,23 @@ def test_admitted_now_is_what_the_classifier_admits_for_every_key(fleet, seed):
     listed = {(k["peer"], k["service"]["protocol"], k["service"]["port"]) for k in answer["admitted_now"]}
     assert answer["admitted_now_count"] == len(listed)
     assert listed == {key for key in keys if admits(*key)}
+
+
+def test_what_a_deny_rule_refuses_is_listed_as_refused_by_it_never_learnt(fleet):
+    server, clients = fleet
+    counts = _scenario(server, clients, minutes=2)
+    blocklist = services.ruleset_create(
+        actor=CLI_ACTOR,
+        data={"name": "blocklist", "scope": "app=db", "rules": [
+            {"action": "deny", "sources": [{"any": True}], "services": [{"protocol": "tcp", "port": 22}]}
+        ]},
+    )  # fmt: skip
+    number = blocklist.rules.get().number
+    answer = _suggest(server, label_keys=["app"])
+    # Only the allow the evidence asks for; the refused ssh is neither proposed nor admitted now.
+    assert [r["services"] for r in answer["draft"]["rules"]] == [[{"protocol": "tcp", "port": 5432}]]
+    assert all(r.get("action", "allow") == "allow" for rs in answer["rulesets"] for r in rs["rules"])
+    refused = [k for k in answer["not_generalised"] if k.get("rule_number") == number]
+    assert sum(k["connection_count"] for k in refused) == counts["ssh"]
+    assert {k["reason"] for k in refused} == {f"refused by deny rule {number}"}
+    assert answer["admitted_now"] == []

@@ -41,3 +41,9 @@ def peer_text(peer: str | None) -> str:
 @register.filter
 def decision_text(decision: str) -> str:
     return (decision or "").replace("_", "-")
+
+
+@register.filter
+def deny_count(rules: list[dict] | None) -> int:
+    """How many of a ruleset's rules are deny rules: the policy page's list shows them apart."""
+    return sum(1 for rule in rules or () if rule.get("action") == "deny")

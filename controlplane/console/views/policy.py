@@ -55,15 +55,21 @@ def ruleset_new(request, api):
     return page(request, "console/ruleset.html", context, status=422 if "problem" in context else 200)
 
 
-def _rule_rows(ruleset: dict, services: dict, groups: dict) -> list[dict]:
+def _rule_rows(ruleset: dict, services: dict, groups: dict, service_entries: dict) -> list[dict]:
     return [
         {
             **rule,
             "sources_text": forms.sources_text(rule["sources"], groups),
             "services_text": forms.rule_services_text(rule["services"], services),
+            "refuses_everything": forms.refuses_everything(rule, service_entries),
         }
         for rule in ruleset["rules"]
     ]
+
+
+def _service_entries(api) -> dict[str, list[dict]]:
+    result = api.get("/services")
+    return {item["id"]: item["entries"] for item in result.data["services"]} if result.ok else {}
 
 
 @require_http_methods(["GET", "POST"])
@@ -102,7 +108,7 @@ def ruleset_detail(request, api, ruleset_id: str):
                 form=body, version=version, problem=result.problem, errors=result.findings_by_field()
             )
     services, groups = _names(api, "/services", "services"), _names(api, "/address-groups", "address_groups")
-    context["rules"] = _rule_rows(context["ruleset"], services, groups)
+    context["rules"] = _rule_rows(context["ruleset"], services, groups, _service_entries(api))
     context["rule_form"] = {}
     return page(request, "console/ruleset.html", context, status=status)
 
@@ -207,6 +213,7 @@ def rule_edit(request, api, ruleset_id: str, rule_id: str | None = None):
                 return not_found(request, f"rule {rule_id}")
             context["rule_form"] = {
                 "description": rule.data["description"],
+                "rule_action": rule.data["action"],
                 "sources": forms.sources_text(rule.data["sources"], groups),
                 "services": forms.rule_services_text(rule.data["services"], services),
                 "version": rule.data["version"],
@@ -215,7 +222,8 @@ def rule_edit(request, api, ruleset_id: str, rule_id: str | None = None):
 
     body = forms.rule_body(request.POST)
     context["rule_form"] = {
-        key: request.POST.get(key, "") for key in ("description", "sources", "services", "version")
+        key: request.POST.get(key, "")
+        for key in ("description", "rule_action", "sources", "services", "version")
     }
     if request.POST.get("action") == "dryrun":
         result = api.post(
@@ -288,13 +296,14 @@ def rule_delete(request, api, ruleset_id: str, rule_id: str):
         sources = "; ".join(forms.sources_text(rule.data["sources"], groups).splitlines())
         ports = "; ".join(forms.rule_services_text(rule.data["services"], services).splitlines())
         described = f" ({rule.data['description']})" if rule.data.get("description") else ""
+        verb = "refuses" if rule.data.get("action") == "deny" else "admits"
         reach, consequences = scope_reach(api, found.data)
         return ask(
             request,
             Confirmation(
                 title=f"Delete rule {rule.data['number']} of {found.data['name']}",
                 summary=f"Delete rule {rule.data['number']}{described} of ruleset “{found.data['name']}”, which "
-                f"admits {sources or 'nothing'} to {ports or 'nothing'}; the ruleset {reach}.",
+                f"{verb} {sources or 'nothing'} to {ports or 'nothing'}; the ruleset {reach}.",
                 consequences=consequences,
                 action=f"/policy/rulesets/{ruleset_id}/rules/{rule_id}/delete",
                 cancel=f"/policy/rulesets/{ruleset_id}",

@@ -190,7 +190,10 @@ class Command(PalisadeCommand):
         if unused:
             lines.append(
                 "unused in the range: "
-                + ", ".join(f"rule {rule.number} ({rule.ruleset.name})" for rule in unused)
+                + ", ".join(
+                    f"{'deny ' if rule.action == 'deny' else ''}rule {rule.number} ({rule.ruleset.name})"
+                    for rule in unused
+                )
             )
         self.emit(document, "\n".join(lines))
 

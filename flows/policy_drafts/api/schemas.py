@@ -6,6 +6,7 @@ from rest_framework import serializers
 
 from fleet.choices import Mode
 from flows.api.schemas import CoverageSerializer, ServiceKeySerializer
+from policy.choices import RuleAction
 
 DryrunRequest = inline_serializer(
     "RenderDryrunRequest",
@@ -51,6 +52,7 @@ class PolicyImpactRuleSerializer(serializers.Serializer):
     ruleset_name = serializers.CharField()
     rule_id = serializers.CharField(help_text="A draft's new rule: `new:<ruleset name>:<position>`.")
     position = serializers.IntegerField()
+    action = serializers.ChoiceField(choices=RuleAction.values, help_text="`deny`: the rule refuses the key.")
 
 
 class PolicyImpactKeySerializer(serializers.Serializer):
@@ -63,8 +65,14 @@ class PolicyImpactKeySerializer(serializers.Serializer):
     connection_count = serializers.IntegerField()
     first_seen = serializers.DateTimeField()
     last_seen = serializers.DateTimeField()
-    rule_now = PolicyImpactRuleSerializer(allow_null=True, help_text="The rule in force now that admits it.")
-    rule_draft = PolicyImpactRuleSerializer(allow_null=True, help_text="The draft's rule that admits it.")
+    rule_now = PolicyImpactRuleSerializer(
+        allow_null=True,
+        help_text="The rule in force now that admits it, or the deny rule that refuses it (null: no rule admits it).",
+    )
+    rule_draft = PolicyImpactRuleSerializer(
+        allow_null=True,
+        help_text="The draft's rule that admits it, or the deny rule that refuses it (null: no rule admits it).",
+    )
 
 
 class PolicyImpactSummarySerializer(serializers.Serializer):
@@ -184,6 +192,9 @@ class SuggestionKeySerializer(SuggestedSpanSerializer):
 
 class NotGeneralisedSerializer(SuggestionKeySerializer):
     reason = serializers.CharField()
+    rule_number = serializers.IntegerField(
+        required=False, help_text="A key a deny rule in force refuses: that rule's number (never learnt)."
+    )
 
 
 class IncompleteIntervalSerializer(serializers.Serializer):

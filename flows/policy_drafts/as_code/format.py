@@ -40,7 +40,7 @@ TOP_KEYS = ("version", "services", "address_groups", "rulesets")
 SERVICE_KEYS = ("name", "description", "entries")
 GROUP_KEYS = ("name", "description", "members")
 RULESET_KEYS = ("name", "description", "enabled", "scope", "rules")
-RULE_KEYS = ("number", "description", "sources", "services")
+RULE_KEYS = ("number", "description", "action", "sources", "services")
 RULE_FIELDS = RULE_KEYS[1:]  # what a plan compares: a numbered rule *is* the stored rule of its number
 
 KINDS = ("service", "address_group", "ruleset")
@@ -75,12 +75,17 @@ def group_canonical(name: str, description: str, members) -> dict:
     return data
 
 
-def rule_canonical(number: int | None, description: str, sources: list[dict], services: list[dict]) -> dict:
+def rule_canonical(
+    number: int | None, description: str, sources: list[dict], services: list[dict], action: str = "allow"
+) -> dict:
     data: dict = {}
     if number is not None:
         data["number"] = number
     if description:
         data["description"] = description
+    # Only a deny rule says so: an allow rule's file reads as it did before rules had an action.
+    if action != "allow":
+        data["action"] = action
     data["sources"] = sources
     data["services"] = services
     return data
@@ -153,7 +158,7 @@ def stored_policy_load() -> StoredPolicy:
                 else port_entry_data(ref.protocol, ref.port, ref.port_to)
                 for ref in rule.services.all()
             ]
-            rules.append(rule_canonical(rule.number, rule.description, sources, refs))
+            rules.append(rule_canonical(rule.number, rule.description, sources, refs, rule.action))
             rule_ids.append(str(rule.id))
             rule_owners[rule.number] = ruleset.name
         rulesets[ruleset.name] = StoredObject(

@@ -247,7 +247,7 @@ def file_rulesets_resolve(
                 else {"service": ref.reference}
                 for ref in rule.services
             ]
-            rules.append(rule_canonical(number, rule.description, sources, refs))
+            rules.append(rule_canonical(number, rule.description, sources, refs, rule.action))
         desired.objects["ruleset"][spec.name] = ruleset_canonical(
             spec.name, spec.description, spec.enabled, spec.scope, rules
         )

@@ -114,7 +114,8 @@ def _rule_changes(old: list[dict], new: list[dict], matched: list[int | None]) -
             changes.append({"field": f"rules[{i}]", "action": "add", "new": new[i]})
             continue
         for key in RULE_FIELDS:
-            before, after = old[j].get(key, ""), new[i].get(key, "")
+            absent = "allow" if key == "action" else ""
+            before, after = old[j].get(key, absent), new[i].get(key, absent)
             if before != after:
                 changes.append(
                     {"field": f"rules[{i}].{key}", "action": "change", "old": before, "new": after}

@@ -1,0 +1,49 @@
+"""agent/deny.py reads the deny rules of the documents policy/renderer.py writes: for every ported
+connection its first matching deny line names the rule the classifier says refuses it, or none."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from agent.deny import deny_lines
+from policy.classify import Connection, classify
+from policy.renderer import render
+from tests.dataplane.test_classifier_against_kernel import PORTS, peer_addresses, random_policy
+
+PROTOCOL_NUMBERS = {"tcp": 6, "udp": 17}
+
+
+@pytest.mark.parametrize("seed", range(1, 31))
+def test_the_agent_reads_the_deny_rules_the_classifier_applies(seed):
+    rng = random.Random(seed)
+    workload, rulesets, groups, fleet = random_policy(rng, "enforced", 0.4)
+    lines = deny_lines(render(workload, rulesets, groups, fleet).document)
+    peers = [a for i in (1, 2, 3) for a in sum(peer_addresses(i), [])] + ["10.78.200.1", "fd78::99"]
+    for peer in peers:
+        for protocol in ("tcp", "udp"):
+            for port in PORTS:
+                outcome = classify(workload, rulesets, groups, fleet, Connection(peer, protocol, port))
+                want = outcome.rule if outcome.decision == "blocked" else None
+                found = next(
+                    (line.rule for line in lines if line.matches(peer, PROTOCOL_NUMBERS[protocol], port)),
+                    None,
+                )
+                assert found == want, (seed, peer, protocol, port)
+
+
+def test_a_document_without_deny_rules_has_no_deny_lines():
+    workload, rulesets, groups, fleet = random_policy(random.Random(3), "enforced")
+    assert deny_lines(render(workload, rulesets, groups, fleet).document) == []
+
+
+def test_the_agent_reads_the_prefix_the_renderer_logs():
+    from agent.nflog import DENY_PREFIX, deny_rule
+    from policy.renderer import DENY_LOG_PREFIX, deny_log_prefix
+
+    assert DENY_PREFIX.decode() == DENY_LOG_PREFIX
+    assert deny_rule(deny_log_prefix(4242).encode() + b"\0") == 4242
+    assert (
+        deny_rule(None) is None and deny_rule(b"palisade deny x\0") is None and deny_rule(b"other\0") is None
+    )
