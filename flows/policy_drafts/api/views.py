@@ -1,12 +1,13 @@
-"""Draft policy endpoints: POST /policies/render-dryrun, /policies/impact and /policies/suggestions.
-Each handler calls one domain function with the body and renders its answer."""
+"""Draft policy endpoints: POST /policies/render-dryrun, /policies/impact, /policies/suggestions and
+/policies/drafts (a draft saved, all or nothing). Each handler calls one domain function with the body
+and renders its answer."""
 
 from drf_spectacular.utils import extend_schema
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from controlplane.api.schema import COMMON_ERRORS, WRITE_ERRORS, problem
-from flows.policy_drafts import dryrun, impact, suggestions
+from flows.policy_drafts import draft_save, dryrun, impact, suggestions
 from flows.policy_drafts.api import schemas
 
 NOT_FOUND = {404: problem("`not-found`: no such workload.")}
@@ -47,3 +48,18 @@ class PolicySuggestionsView(APIView):
         """Rules suggested from the stored flows no rule admitted (docs/policy.md, "Suggested rules").
         Saves nothing."""
         return Response(suggestions.policy_suggest_request(data=request.data))
+
+
+class PolicyDraftSaveView(APIView):
+    @extend_schema(
+        operation_id="policies_drafts_save",
+        request=schemas.DraftSaveRequest,
+        responses={
+            201: schemas.DraftSavedSerializer,
+            **WRITE_ERRORS,
+        },
+    )
+    def post(self, request):
+        """Create a draft's services, address groups and rulesets (a suggestion's, edited or not) in one
+        transaction: a refusal anywhere saves nothing, and its findings point into the draft."""
+        return Response(draft_save.policy_draft_save(actor=request.user, data=request.data), status=201)

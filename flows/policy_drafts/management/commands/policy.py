@@ -19,6 +19,7 @@ from flows.policy_drafts.management.as_code import (
     run_plan,
 )
 from flows.policy_drafts.management.impact import add_impact_action, run_impact
+from flows.policy_drafts.management.save import add_save_action, run_save
 from flows.policy_drafts.suggestions import policy_suggest_request
 
 
@@ -33,6 +34,7 @@ class Command(PalisadeCommand):
         actions = self.add_actions(parser)
         add_impact_action(actions)
         add_as_code_actions(actions)
+        add_save_action(actions)
         suggest = actions.add_parser(
             "suggest",
             help="propose rules from the range's unadmitted flows; --json prints the draft ruleset alone "
@@ -83,11 +85,14 @@ class Command(PalisadeCommand):
             self.stdout.write(json.dumps(answer["draft"], indent=2))
             for group in answer["address_groups"]:
                 self.stderr.write(
-                    f"note: the draft names the address group {group['name']!r}: create it first "
-                    "(--answer prints its body)"
+                    f"note: the draft names the address group {group['name']!r}: save the whole "
+                    "draft with `policy suggest --answer ... | policy save -`"
                 )
             return
         self.stdout.write(_text(answer))
+
+    def do_save(self, o):
+        run_save(self, o)
 
     def do_impact(self, o):
         run_impact(self, o)
