@@ -206,8 +206,10 @@ def _sorted_out(rows: list[dict], workloads: dict, asked: _Asked, in_force: InFo
             learnt.append(row)
         else:
             out.admitted_now.append(_row_data(row))
+    # Noise is judged on every key of the range, admitted or not: what a peer did is the same
+    # whatever rules were saved since, so a scanner stays a scanner once some of its ports are admitted.
     noisy = noise.NoiseJudge(
-        learnt,
+        rows,
         lookalikes=noise.lookalike_values((w.labels for w in in_force.workloads.values()), label_keys),
         excluded=noise.excluded_networks(asked.exclude_peers),
         label_keys=label_keys,
@@ -223,7 +225,9 @@ def _sorted_out(rows: list[dict], workloads: dict, asked: _Asked, in_force: InFo
             continue
         scope, missing = selector_of(workload)
         reason, source = None, ("address", row["peer"])
-        if scope is None:
+        if _family_mismatch(row):
+            reason = f"{row['protocol']} from {row['peer']}: no rule admits it (the other family's ICMP)"
+        elif scope is None:
             reason = f"the workload {workload.hostname} has no label {', '.join(missing)}"
         elif row["peer_workload_id"] is not None:
             selector, missing = selector_of(peer) if peer else _values_selector({}, label_keys)
@@ -259,7 +263,7 @@ class _Scopes:
         return sorted(ids[p] for p in self.fleet.positions_matching(selector) if ids[p] not in selected)
 
     def _hosts(self, ids: list[str]) -> str:
-        names = sorted(self.workloads[i].hostname if i in self.workloads else i for i in ids)
+        names = sorted(Workload.objects.filter(id__in=ids).values_list("hostname", flat=True))
         more = f" and {len(names) - HOSTS_NAMED} more" if len(names) > HOSTS_NAMED else ""
         return ", ".join(names[:HOSTS_NAMED]) + more
 
@@ -426,6 +430,17 @@ class _Proposal:
             self.group_evidence[name] = entry
             out.append({**entry, "admitted": admitted})
         return out
+
+
+def _family_mismatch(row: dict) -> bool:
+    """icmp from an IPv6 peer or icmpv6 from an IPv4 one: a table's icmp lines are of one family."""
+    wanted = {"icmp": 4, "icmpv6": 6}.get(row["protocol"])
+    if wanted is None:
+        return False
+    try:
+        return ipaddress.ip_address(row["peer"]).version != wanted
+    except ValueError:
+        return True
 
 
 def _combination(row: dict) -> tuple:
