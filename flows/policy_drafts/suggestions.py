@@ -539,6 +539,10 @@ def policy_suggest(
         proposal.add_scope(scope, narrowed[scope]["seen"], sorted(narrowed[scope]["ids"]))
     intervals = _incomplete_intervals(covered, start, end)
     named_ids = {str(i): w.hostname for i, w in workloads.items()}
+    unnamed = {i["workload_id"] for i in intervals if i["workload_id"] and i["workload_id"] not in named_ids}
+    named_ids.update(
+        (str(i), name) for i, name in Workload.objects.filter(id__in=unnamed).values_list("id", "hostname")
+    )
     return {
         "from": rfc3339(start),
         "to": rfc3339(end),

@@ -41,3 +41,9 @@ def peer_text(peer: str | None) -> str:
 @register.filter
 def decision_text(decision: str) -> str:
     return (decision or "").replace("_", "-")
+
+
+@register.filter
+def get_item(mapping: dict | None, key: str | None):
+    """`mapping[key]`, or None: a host name by workload id from an answer's `hostnames`."""
+    return (mapping or {}).get(key or "")
