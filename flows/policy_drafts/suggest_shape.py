@@ -107,7 +107,8 @@ def source_chunks(sources: list[dict]) -> list[list[dict]]:
 
 
 def addresses_admitted(members: Iterable[str]) -> int:
-    return sum(ipaddress.ip_network(m).num_addresses for m in members)
+    # A member without a prefix is one address: most are, and parsing each is the cost.
+    return sum(ipaddress.ip_network(m).num_addresses if "/" in m else 1 for m in members)
 
 
 def breadth(*, workloads: int, peers: int, services: int, seen: int) -> dict:

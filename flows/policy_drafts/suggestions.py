@@ -23,6 +23,7 @@ How the evidence becomes rules, never wider than what was asked and saying how w
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import uuid
 from collections import defaultdict
@@ -90,18 +91,25 @@ def _values_selector(labels, label_keys: list[str]) -> tuple[str | None, list[st
     return str(Selector(tuple(Requirement(key, "=", (labels[key],)) for key in label_keys))), []
 
 
-def _aggregated(addresses: list[str], prefix: int | None, prefix_v6: int | None) -> list[str]:
-    """The members for `addresses`: themselves, or the networks of the prefix lengths asked for that
-    hold them."""
-    members: set[str] = set()
+def _aggregated(addresses: list[str], prefix: int | None, prefix_v6: int | None) -> dict[str, int]:
+    """The members for `addresses`, each with how many of them it holds: the addresses themselves, or
+    the networks of the prefix lengths asked for that hold them; in address order."""
+    members: dict[str, int] = defaultdict(int)
+    if prefix is None and prefix_v6 is None:
+        # The addresses themselves, in the order they came (address order): nothing to parse again.
+        for text in addresses:
+            members[text] += 1
+        return dict(members)
     for text in addresses:
-        address = ipaddress.ip_address(text)
+        address = _parsed(text)
         length = prefix if address.version == 4 else prefix_v6
         if length is None or length >= address.max_prefixlen:
-            members.add(str(address))
+            members[str(address)] += 1
         else:
-            members.add(str(ipaddress.ip_network(f"{address}/{length}", strict=False)))
-    return sorted(members, key=lambda m: (ipaddress.ip_network(m).version, ipaddress.ip_network(m)))
+            members[str(ipaddress.ip_network(f"{address}/{length}", strict=False))] += 1
+    networks = {m: ipaddress.ip_network(m) for m in members}
+    order = sorted(members, key=lambda m: (networks[m].version, networks[m]))
+    return {m: members[m] for m in order}
 
 
 def _span(rows: list[dict]) -> dict:
@@ -408,12 +416,11 @@ class _Proposal:
         exactly the members is reused), with the addresses they admit beyond the ones seen."""
         if not addresses:
             return []
-        members = _aggregated(addresses, self.asked.prefix, self.asked.prefix_v6)
-        chunks = member_chunks(members)
+        held = _aggregated(addresses, self.asked.prefix, self.asked.prefix_v6)
+        chunks = member_chunks(list(held))
         out = []
         for index, part in enumerate(chunks, start=1):
-            networks = [ipaddress.ip_network(m) for m in part]
-            seen = sum(1 for a in addresses if any(ipaddress.ip_address(a) in n for n in networks))
+            seen = sum(held[m] for m in part)
             admitted = addresses_admitted(part)
             name = self.stored_groups.get(tuple(part))
             if name is None:
@@ -438,7 +445,7 @@ def _family_mismatch(row: dict) -> bool:
     if wanted is None:
         return False
     try:
-        return ipaddress.ip_address(row["peer"]).version != wanted
+        return _parsed(row["peer"]).version != wanted
     except ValueError:
         return True
 
@@ -452,8 +459,13 @@ def _most(rows: list[dict]) -> list[dict]:
     return sorted(rows, key=lambda r: -r["connection_count"])[:KEYS_LISTED]
 
 
+@functools.lru_cache(maxsize=65536)
+def _parsed(text: str):
+    return ipaddress.ip_address(text)
+
+
 def _address_order(text: str) -> tuple:
-    address = ipaddress.ip_address(text)
+    address = _parsed(text)
     return (address.version, address)
 
 
