@@ -546,6 +546,9 @@ def simulation_review(*, selected, start: datetime, end: datetime) -> dict:
         "workload_count": selected_count,
         "would_block_count": would_block_count,
         "would_block": would_block[:WOULD_BLOCK_LIST],
+        # Every one, for the second verdict against the policy in force now
+        # (flows/policy_drafts/review_now.py); not rendered.
+        "would_block_rows": would_block,
         "coverage": covered,
         "offline_count": offline_count,
         "offline": list(offline[:COVERAGE_LIST]),

@@ -236,3 +236,28 @@ def test_each_group_is_named_for_its_rule_with_its_own_unseen_count(db):
     assert names == ["suggested app=db rule 1 peers", "suggested app=db rule 2 peers"]
     unseen = {g["name"]: g["unseen_addresses_admitted"] for g in answer["address_group_evidence"]}
     assert unseen == {names[0]: 254, names[1]: 255}
+
+
+def test_the_review_gives_a_second_verdict_against_the_policy_in_force_now(api, server):
+    _ingest(server, [
+        {"peer": "198.51.100.20", "port": 22, "decision": "would_block", "connection_count": 4},
+        {"peer": "198.51.100.20", "port": 9100, "decision": "would_block", "connection_count": 4},
+    ])  # fmt: skip
+    services.ruleset_create(
+        actor=CLI_ACTOR,
+        data={"name": "ssh", "scope": "app=job", "rules": [
+            {"sources": [{"any": True}], "services": [{"protocol": "tcp", "port": 22}]}]},
+    )  # fmt: skip
+    start, end = _range()
+    stamp = lambda t: t.strftime("%Y-%m-%dT%H:%M:%SZ")  # noqa: E731
+    review = api.get(
+        "/api/v1/flows/review", {"from": stamp(start), "to": stamp(end), "workload": str(server.id)}
+    ).json()
+    assert (
+        review["would_block_count"] == 2 and review["judged_against"] == "the decisions recorded in the range"
+    )
+    now = review["now"]
+    assert now["judged_against"] == "the policy in force now"
+    assert (now["would_block_count"], now["admitted_since_count"]) == (1, 1)
+    assert now["reasons"][0].startswith("1 would-block group that the policy in force now would still refuse")
+    assert not any(r.startswith("2 would-block") for r in now["reasons"])

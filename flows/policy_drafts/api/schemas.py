@@ -5,7 +5,7 @@ from drf_spectacular.utils import inline_serializer
 from rest_framework import serializers
 
 from fleet.choices import Mode
-from flows.api.schemas import CoverageSerializer, ServiceKeySerializer
+from flows.api.schemas import CoverageSerializer, ReviewSerializer, ServiceKeySerializer
 
 DryrunRequest = inline_serializer(
     "RenderDryrunRequest",
@@ -338,3 +338,23 @@ class DraftSavedSerializer(serializers.Serializer):
     services = SavedObjectSerializer(many=True)
     address_groups = SavedObjectSerializer(many=True)
     rulesets = SavedObjectSerializer(many=True)
+
+
+class ReviewNowVerdictSerializer(serializers.Serializer):
+    judged_against = serializers.CharField(help_text="`the policy in force now`.")
+    verdict = serializers.ChoiceField(choices=["pass", "fail"])
+    reasons = serializers.ListField(child=serializers.CharField())
+    would_block_count = serializers.IntegerField(
+        help_text="Recorded would-block groups that the policy in force now would still refuse."
+    )
+    admitted_since_count = serializers.IntegerField(
+        help_text="Recorded would-block groups that a rule in force now admits (saved since)."
+    )
+
+
+class ReviewNowSerializer(ReviewSerializer):
+    judged_against = serializers.CharField(help_text="`the decisions recorded in the range`.")
+    now = ReviewNowVerdictSerializer(
+        help_text="The same review with the recorded would-block groups judged against the policy in "
+        "force now, as the console's enforce panel judges them."
+    )
