@@ -205,6 +205,10 @@ def test_a_rule_edit_shows_its_impact_over_past_traffic_in_words_before_saving(b
         "to 1 service." in page
     )
     assert "data-newly-refused" in page and "data-newly-admitted" not in page and "web0" in page
+    # grouped by workload, then service, with totals; peers by host name behind a count
+    assert page.count("data-impact-workload") == 1
+    assert f"db1</a> (visibility): {3 * MINUTES} connections from 2 peers to 1 service" in page
+    assert "<summary>2 peers</summary>" in page and f"{3 * MINUTES} connections, 2 keys, 1 workloads" in page
     assert "Nothing was saved" in page and "data-impact-incomplete" not in page
     assert "tcp/5432" in text(browser.get(f"/policy/rulesets/{ruleset.id}"))  # and nothing was
 
