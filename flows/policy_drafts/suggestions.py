@@ -38,6 +38,7 @@ from fleet.models import Workload
 from flows.policy_drafts import suggest_noise as noise
 from flows.policy_drafts.classifier import FlowKeyClassifier
 from flows.policy_drafts.draft import InForce, in_force_load
+from flows.policy_drafts.suggest_scope import ScopeNarrowing
 from flows.policy_drafts.suggest_shape import (
     PortRun,
     addresses_admitted,
@@ -64,7 +65,6 @@ DESCRIPTION = "Suggested from observed traffic."
 KEYS_LISTED = 1000
 KEY_COLUMNS = ["workload_id", "peer", "peer_workload_id", "protocol", "port"]
 MAX_EXCLUDED_PEERS = 1000
-HOSTS_NAMED = 5
 
 
 class _Names:
@@ -250,68 +250,6 @@ def _sorted_out(rows: list[dict], workloads: dict, asked: _Asked, in_force: InFo
         out.seen[scope][source][(row["protocol"], row["port"])].append(row)
         out.scope_workloads[scope].add(str(workload.id))
     return out
-
-
-class _Scopes:
-    """Each base scope (the values of `label_keys`) narrowed to stay inside the selection: first with
-    the selection's own label requirements, then with labels every workload of the scope's evidence
-    shares, one key at a time while that leaves fewer workloads outside; refused (None and why) when
-    workloads outside the selection remain."""
-
-    def __init__(self, in_force: InForce, asked: _Asked, workloads: dict) -> None:
-        self.fleet, self.asked = in_force.fleet, asked
-        self.workloads = {str(i): w for i, w in workloads.items()}
-        self.notes: list[dict] = []
-
-    def _outside(self, selector: Selector) -> list[str]:
-        selected = self.asked.selected_ids
-        if selected is None:
-            return []
-        ids = self.fleet.workload_ids
-        return sorted(ids[p] for p in self.fleet.positions_matching(selector) if ids[p] not in selected)
-
-    def _hosts(self, ids: list[str]) -> str:
-        names = sorted(Workload.objects.filter(id__in=ids).values_list("hostname", flat=True))
-        more = f" and {len(names) - HOSTS_NAMED} more" if len(names) > HOSTS_NAMED else ""
-        return ", ".join(names[:HOSTS_NAMED]) + more
-
-    def narrowed(self, base: str, workload_ids: set[str]) -> tuple[str | None, str | None]:
-        requirements = list(parse_selector(base).requirements)
-        outside = self._outside(Selector(tuple(requirements)))
-        if not outside:
-            return base, None
-        wide = outside
-        for selector in self.asked.selection_labels:
-            requirements.extend(selector.requirements)
-        candidate = Selector(tuple(requirements))
-        outside = self._outside(candidate)
-        labels = [dict(self.workloads[i].labels) for i in workload_ids]
-        shared = sorted(set.intersection(*(set(held.items()) for held in labels))) if labels else []
-        for key, value in shared:
-            if not outside:
-                break
-            tried = Selector((*candidate.requirements, Requirement(key, "=", (value,))))
-            left = self._outside(tried)
-            if len(left) < len(outside):
-                candidate, outside = tried, left
-        if outside:
-            why = (
-                f"the scope {base} would also protect {len(outside)} workload(s) outside the selection "
-                f"({self._hosts(outside)}), and no label the selected workloads share tells them apart: "
-                "not widened"
-            )
-            self.notes.append({"scope": base, "narrowed_to": None, "reason": why})
-            return None, why
-        text = str(candidate)
-        self.notes.append(
-            {
-                "scope": base,
-                "narrowed_to": text,
-                "reason": f"{base} alone would also protect {len(wide)} workload(s) outside the selection "
-                f"({self._hosts(wide)})",
-            }
-        )
-        return text, None
 
 
 @dataclass
@@ -527,7 +465,7 @@ def policy_suggest(
     }
     in_force = in_force_load()
     sorted_out = _sorted_out(rows, workloads, asked, in_force)
-    scopes = _Scopes(in_force, asked, workloads)
+    scopes = ScopeNarrowing(in_force.fleet, asked.selected_ids, asked.selection_labels, workloads)
     narrowed: dict[str, dict] = defaultdict(
         lambda: {"seen": defaultdict(lambda: defaultdict(list)), "ids": set()}
     )
