@@ -201,12 +201,16 @@ def _sorted_out(rows: list[dict], workloads: dict, asked: _Asked, in_force: InFo
     # The selector of label_keys (or the keys lacking) of each set of their values, worked out once: a
     # fleet has far fewer of those than workloads.
     named: dict[tuple, tuple[str | None, list[str]]] = {}
+    of_workload: dict = {}  # and each workload's looked up once: a range repeats them
 
     def selector_of(workload: _Workload) -> tuple[str | None, list[str]]:
-        values = tuple((key, workload.labels[key]) for key in label_keys if key in workload.labels)
-        if values not in named:
-            named[values] = _values_selector(workload.labels, label_keys)
-        return named[values]
+        found = of_workload.get(workload.id)
+        if found is None:
+            values = tuple((key, workload.labels[key]) for key in label_keys if key in workload.labels)
+            if values not in named:
+                named[values] = _values_selector(workload.labels, label_keys)
+            found = of_workload[workload.id] = named[values]
+        return found
 
     learnt = []
     for row in rows:
