@@ -5,7 +5,7 @@ selected `app=db,env=prod`: the staging databases too). Reads the fleet index an
 from __future__ import annotations
 
 from fleet.models import Workload
-from policy.grammar import Requirement, Selector, parse_selector
+from policy.grammar import MAX_REQUIREMENTS, Requirement, Selector, parse_selector
 from policy.render_inputs import FleetIndex
 
 HOSTS_NAMED = 5
@@ -42,12 +42,14 @@ class ScopeNarrowing:
         wide = outside
         for selector in self.selection_labels:
             requirements.extend(selector.requirements)
-        candidate = Selector(tuple(requirements))
+        # A selector holds at most MAX_REQUIREMENTS requirements: past them, the selection's own are
+        # not all kept, and the scope is refused below if it still reaches outside.
+        candidate = Selector(tuple(dict.fromkeys(requirements))[:MAX_REQUIREMENTS])
         outside = self._outside(candidate)
         labels = [dict(self.workloads[i].labels) for i in workload_ids]
         shared = sorted(set.intersection(*(set(held.items()) for held in labels))) if labels else []
         for key, value in shared:
-            if not outside:
+            if not outside or len(candidate.requirements) >= MAX_REQUIREMENTS:
                 break
             tried = Selector((*candidate.requirements, Requirement(key, "=", (value,))))
             left = self._outside(tried)
