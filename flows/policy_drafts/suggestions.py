@@ -59,7 +59,7 @@ from flows.validation import (
 )
 from policy.grammar import Requirement, Selector, parse_selector
 from policy.models import AddressGroup, Ruleset, Service
-from policy.validation import MAX_NAME, MAX_RULES_PER_RULESET
+from policy.validation import MAX_DESCRIPTION, MAX_NAME, MAX_RULES_PER_RULESET
 
 DESCRIPTION = "Suggested from observed traffic."
 KEYS_LISTED = 1000
@@ -371,7 +371,10 @@ class _Proposal:
                 self.groups.append(
                     {
                         "name": name,
-                        "description": f"Peers seen by {scope} in the suggested range ({rule_name}).",
+                        # A narrowed scope can be long: the description stays within a write's limit.
+                        "description": f"Peers seen by {scope} in the suggested range ({rule_name})."[
+                            :MAX_DESCRIPTION
+                        ],
                         "members": part,
                     }
                 )
