@@ -104,8 +104,10 @@ class NoiseJudge:
         return any(address.version == n.version and address in n for n in self.excluded)
 
     def _lookalike(self, labels: Mapping[str, str] | None) -> str | None:
+        if not self.lookalikes or labels is None:
+            return None
         for key in self.label_keys:
-            if labels is not None and key in labels:
+            if key in labels:
                 why = self.lookalikes.get((key, labels[key]))
                 if why:
                     return why
