@@ -567,6 +567,9 @@ def simulation_review(*, selected, start: datetime, end: datetime) -> dict:
         "would_block_count": would_block_count,
         "would_block": would_block[:WOULD_BLOCK_LIST],
         "rule_ids": rule_ids_by_number({row["rule_number"] for row in would_block[:WOULD_BLOCK_LIST]}),
+        # Every one, for the second verdict against the policy in force now
+        # (flows/policy_drafts/review_now.py); not rendered.
+        "would_block_rows": would_block,
         "coverage": covered,
         "offline_count": offline_count,
         "offline": list(offline[:COVERAGE_LIST]),

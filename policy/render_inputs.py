@@ -13,6 +13,7 @@ workloads cost milliseconds each at most instead of a scan per selector.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -198,6 +199,9 @@ class WorkloadInput:
             raise ValueError(f"unknown mode {self.mode!r}")
 
 
+# Kept: judging a range's flow keys parses each peer many times (the key, then each rule's check), and
+# addresses are immutable values.
+@functools.lru_cache(maxsize=1 << 16)
 def parse_host_address(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
     """A plain IP that nftables will read as an address (never as a host name)."""
     address = ipaddress.ip_address(text)  # raises ValueError

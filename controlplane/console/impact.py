@@ -58,7 +58,44 @@ def with_hostnames(api, impact: dict) -> dict:
     for entry in entries:
         entry["hostname"] = names.get(entry["workload_id"], entry["workload_id"])
         entry["peer_hostname"] = names.get(entry["peer_workload_id"] or "", "")
+    impact["newly_refused_groups"] = grouped(impact["newly_refused"])
+    impact["newly_admitted_groups"] = grouped(impact["newly_admitted"])
     return impact
+
+
+def _service(entry: dict) -> str:
+    return (
+        f"{entry['protocol']}/{entry['port']}" if entry["protocol"] in ("tcp", "udp") else entry["protocol"]
+    )
+
+
+def grouped(entries: list[dict]) -> list[dict]:
+    """Impact keys by workload, then service, with totals; each service's peers by host name, most
+    connections first: thousands of keys read as a few dozen lines, each expandable."""
+    workloads: dict[str, dict] = {}
+    for e in entries:
+        w = workloads.setdefault(
+            e["workload_id"],
+            {"workload_id": e["workload_id"], "hostname": e["hostname"], "mode": e.get("mode", ""),
+             "connection_count": 0, "peers": set(), "services": {}},
+        )  # fmt: skip
+        w["connection_count"] += e["connection_count"]
+        w["peers"].add(e["peer"])
+        service = w["services"].setdefault(
+            _service(e), {"service": _service(e), "connection_count": 0, "peers": []}
+        )
+        service["connection_count"] += e["connection_count"]
+        service["peers"].append(
+            {"peer": e["peer"], "name": e.get("peer_hostname") or "", "connection_count": e["connection_count"],
+             "rule_now": e.get("rule_now"), "rule_draft": e.get("rule_draft")}
+        )  # fmt: skip
+    out = []
+    for w in sorted(workloads.values(), key=lambda w: -w["connection_count"]):
+        services = sorted(w["services"].values(), key=lambda s: -s["connection_count"])
+        for service in services:
+            service["peers"].sort(key=lambda p: -p["connection_count"])
+        out.append({**w, "peer_count": len(w["peers"]), "service_count": len(services), "services": services})
+    return out
 
 
 # What enforcing would refuse, asked of POST /policies/impact: the policy in force plus a ruleset that

@@ -4,12 +4,10 @@ from flows.api.views import (
     EvidenceGapListView,
     FlowRollupView,
     FlowWindowListView,
-    SimulationReviewView,
 )
 
 urlpatterns = [
     path("flows", FlowWindowListView.as_view(), name="flows"),
     path("flows/gaps", EvidenceGapListView.as_view(), name="flows-gaps"),
     path("flows/rollup", FlowRollupView.as_view(), name="flows-rollup"),
-    path("flows/review", SimulationReviewView.as_view(), name="flows-review"),
 ]

@@ -12,7 +12,6 @@ from flows import selectors, validation
 from flows.api.schemas import (
     EvidenceGapSerializer,
     FlowWindowSerializer,
-    ReviewSerializer,
     RollupSerializer,
 )
 from flows.choices import Decision
@@ -20,7 +19,6 @@ from flows.representations import (
     coverage_data,
     evidence_gap_data,
     flow_window_data,
-    review_data,
     rollup_data,
 )
 
@@ -196,17 +194,3 @@ class FlowRollupView(APIView):
                 unused_rules=rollup.unused_rules,
             )
         )
-
-
-class SimulationReviewView(APIView):
-    @extend_schema(
-        operation_id="flows_review",
-        parameters=[*SELECTION, *RANGE],
-        responses={200: ReviewSerializer, **INVALID, **NOT_FOUND, **COMMON_ERRORS},
-    )
-    def get(self, request):
-        selection = _selection(request)
-        review = selectors.simulation_review(
-            selected=_selected(selection), start=selection.start, end=selection.end
-        )
-        return Response(review_data(review))

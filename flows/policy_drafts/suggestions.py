@@ -1,19 +1,24 @@
-"""Suggested rules: a draft ruleset proposed from the stored flows that no rule admitted. A read: it
-saves nothing; the operator saves the draft with the ordinary writes.
+"""Suggested rules: a draft policy proposed from the stored flows that the policy in force now would
+not admit. A read: it saves nothing; the operator saves the draft with `POST /policies/drafts`
+(draft_save.py), all or nothing.
 
-The evidence is the selected workloads' keys (workload, peer, peer workload, protocol, port) decided
-`observed`, `would_block` or `blocked` in the range, summed in SQL as the rollup sums them
-(flows/selectors.py). The stored port is the workload's own (local) port of an inbound connection
-(agent/flowwindow.py), so a service is never a client's ephemeral port.
+The evidence is the selected workloads' keys (workload, peer, peer workload, protocol, port) of the
+range, summed in SQL as the rollup sums them (flows/selectors.py), whatever decision was recorded:
+a key is learnt from when no rule in force now admits it (classifier.py), so a key `allowed` by a
+rule disabled since is learnt from, and one `observed` that a rule saved since admits is not. The
+stored port is the workload's own (local) port of an inbound connection (agent/flowwindow.py).
 
-How the evidence becomes rules, never wider than what was seen:
-- the scope of a ruleset is the protected workload's values for `label_keys` (one ruleset per scope);
+How the evidence becomes rules, never wider than what was asked and saying how wide:
+- keys that look like noise (suggest_noise.py) are set apart with the reason, unless asked for;
+- the scope of a ruleset is the protected workload's values for `label_keys`, narrowed to stay inside
+  the selection (its own label requirements, then labels the scope's workloads share); a scope that
+  cannot be narrowed enough is refused, its keys listed as not generalised with the reason;
 - a peer that is a workload of the fleet becomes a selector of its values for `label_keys`; a peer
-  outside the fleet becomes a member of an address group of exactly the addresses seen (or, when
-  asked, of the CIDRs of a given prefix length that hold them, with the count of unseen addresses
-  that admits);
-- within a scope, the sources that were seen on exactly the same set of services share one rule: a
-  rule admits every source on every service, so sources seen on different services get their own.
+  outside the fleet becomes a member of the rule's own address group of exactly the addresses seen
+  (or, when asked, of the CIDRs of a given prefix length that hold them);
+- within a scope, the sources seen on exactly the same set of services share one rule, its services
+  as port entries (runs of ports as ranges: suggest_shape.py), cut at every limit of a ruleset write;
+- each rule states its breadth: the combinations it admits against those seen.
 """
 
 from __future__ import annotations
@@ -29,9 +34,11 @@ from controlplane.clock import rfc3339
 from controlplane.problems import ValidationFailed, pointer
 from controlplane.validation import Findings, parsed_together, reject_unknown, require_object
 from fleet.models import Workload
-from flows.choices import Decision
+from flows.policy_drafts import suggest_noise as noise
 from flows.policy_drafts.classifier import FlowKeyClassifier
-from flows.policy_drafts.draft import in_force_load
+from flows.policy_drafts.draft import InForce, in_force_load
+from flows.policy_drafts.suggest_proposal import Proposal, parsed_address
+from flows.policy_drafts.suggest_scope import ScopeNarrowing
 from flows.representations import coverage_data, keys_read_data
 from flows.selectors import coverage, flow_keys_summed, flow_range_plan, workloads_selected
 from flows.validation import (
@@ -42,65 +49,18 @@ from flows.validation import (
     label_keys_parse,
 )
 from policy.grammar import Requirement, Selector
-from policy.models import AddressGroup, Ruleset, Service
-from policy.validation import MAX_NAME, MAX_RULES_PER_RULESET, MAX_SOURCES_PER_RULE
 
-DESCRIPTION = "Suggested from observed traffic."
 KEYS_LISTED = 1000
-UNADMITTED = (Decision.OBSERVED, Decision.WOULD_BLOCK, Decision.BLOCKED)
 KEY_COLUMNS = ["workload_id", "peer", "peer_workload_id", "protocol", "port"]
+MAX_EXCLUDED_PEERS = 1000
 
 
-def _values_selector(labels: dict, label_keys: list[str]) -> tuple[str | None, list[str]]:
+def _values_selector(labels, label_keys: list[str]) -> tuple[str | None, list[str]]:
     """The selector of `labels`' values for `label_keys`, or None and the keys it lacks."""
     missing = [key for key in label_keys if key not in labels]
     if missing:
         return None, missing
     return str(Selector(tuple(Requirement(key, "=", (labels[key],)) for key in label_keys))), []
-
-
-def _service_entry(protocol: str, port: int) -> dict:
-    return {"protocol": protocol, "port": port} if protocol in ("tcp", "udp") else {"protocol": protocol}
-
-
-def _aggregated(addresses: list[str], prefix: int | None, prefix_v6: int | None) -> tuple[list[str], int]:
-    """The members for `addresses`: themselves, or the networks of the prefix lengths asked for that
-    hold them; and how many addresses those networks admit beyond the ones seen."""
-    members: set[str] = set()
-    for text in addresses:
-        address = ipaddress.ip_address(text)
-        length = prefix if address.version == 4 else prefix_v6
-        if length is None or length >= address.max_prefixlen:
-            members.add(str(address))
-        else:
-            members.add(str(ipaddress.ip_network(f"{address}/{length}", strict=False)))
-    admitted = sum(ipaddress.ip_network(m).num_addresses for m in members)
-    ordered = sorted(members, key=lambda m: (ipaddress.ip_network(m).version, ipaddress.ip_network(m)))
-    return ordered, admitted - len(set(addresses))
-
-
-class _Names:
-    """Names for the draft's objects that no stored object (nor an earlier one of the draft) has."""
-
-    def __init__(self, model) -> None:
-        self.taken = set(model.objects.values_list("name", flat=True))
-
-    def take(self, wanted: str) -> str:
-        base, n = wanted[: MAX_NAME - 4], 1
-        name = base
-        while name in self.taken:
-            n += 1
-            name = f"{base} {n}"
-        self.taken.add(name)
-        return name
-
-
-def _span(rows: list[dict]) -> dict:
-    return {
-        "connection_count": sum(r["connection_count"] for r in rows),
-        "first_seen": rfc3339(min(r["first_seen"] for r in rows)),
-        "last_seen": rfc3339(max(r["last_seen"] for r in rows)),
-    }
 
 
 def _incomplete_intervals(covered: dict, start: datetime, end: datetime) -> list[dict]:
@@ -132,16 +92,6 @@ def _incomplete_intervals(covered: dict, start: datetime, end: datetime) -> list
     return intervals
 
 
-@dataclass
-class _SortedOut:
-    """The range's unadmitted keys sorted out: by scope, source and service those that generalise."""
-
-    seen: dict = field(default_factory=lambda: defaultdict(lambda: defaultdict(lambda: defaultdict(list))))
-    scope_workloads: dict = field(default_factory=lambda: defaultdict(set))
-    not_generalised: list = field(default_factory=list)
-    admitted_now: list = field(default_factory=list)
-
-
 class _Workload(NamedTuple):
     """What the suggestion reads of a workload of the evidence."""
 
@@ -150,29 +100,79 @@ class _Workload(NamedTuple):
     labels: dict
 
 
-def _sorted_out(rows: list[dict], workloads: dict, label_keys: list[str]) -> _SortedOut:
-    """Each key: admitted now by a rule in force, not generalised (and why), or seen[scope][source]
-    [(protocol, port)], a source being ("selector", text) or ("address", peer).
+@dataclass
+class _SortedOut:
+    """The range's keys sorted out: admitted now, set apart as noise, not generalised (and why), and
+    by base scope, source and service those that generalise."""
 
-    Admitted now is the impact's classifier on the policy in force now (classifier.py): a
-    workload in `visibility` records as `observed` what its rules would admit, and a rule added since
-    may admit what was refused; the key is judged as its workload's table in `simulation` or
-    `enforced` would judge a new inbound connection, selectors resolved to the fleet's addresses now."""
-    judge, out = FlowKeyClassifier(in_force_load()), _SortedOut()
+    seen: dict = field(default_factory=lambda: defaultdict(lambda: defaultdict(lambda: defaultdict(list))))
+    scope_workloads: dict = field(default_factory=lambda: defaultdict(set))
+    not_generalised: list = field(default_factory=list)
+    admitted_now: list = field(default_factory=list)
+    set_apart: list = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _Asked:
+    """What the request asks beyond the range: the label keys, the selection (to stay inside it), the
+    noise to include anyway and the peers to exclude, the prefixes to aggregate outside peers to."""
+
+    label_keys: list[str]
+    selected_ids: frozenset[str] | None  # None: the whole fleet
+    selection_labels: tuple[Selector, ...] = ()
+    include_noise: frozenset[str] = frozenset()
+    exclude_peers: tuple[str, ...] = ()
+    prefix: int | None = None
+    prefix_v6: int | None = None
+
+
+def _learnt_from(judge: FlowKeyClassifier, row: dict) -> bool:
+    """Whether the suggestion learns from the key: no rule in force now admits it, whatever decision
+    was recorded (a rule disabled since admitted it; a rule saved since admits what was refused)."""
+    return not judge.admitted_now(row)
+
+
+def _sorted_out(rows: list[dict], workloads: dict, asked: _Asked, in_force: InForce) -> _SortedOut:
+    """Each key: admitted now, set apart as noise, not generalised (and why), or
+    seen[scope][source][(protocol, port)], a source being ("selector", text) or ("address", peer).
+
+    Admitted now is the impact's classifier on the policy in force now (classifier.py): the key is
+    judged as its workload's table in `simulation` or `enforced` would judge a new inbound connection,
+    selectors resolved to the fleet's addresses now."""
+    judge, out = FlowKeyClassifier(in_force), _SortedOut()
+    label_keys = asked.label_keys
     # The selector of label_keys (or the keys lacking) of each set of their values, worked out once: a
     # fleet has far fewer of those than workloads.
     named: dict[tuple, tuple[str | None, list[str]]] = {}
+    of_workload: dict = {}  # and each workload's looked up once: a range repeats them
 
     def selector_of(workload: _Workload) -> tuple[str | None, list[str]]:
-        values = tuple((key, workload.labels[key]) for key in label_keys if key in workload.labels)
-        if values not in named:
-            named[values] = _values_selector(workload.labels, label_keys)
-        return named[values]
+        found = of_workload.get(workload.id)
+        if found is None:
+            values = tuple((key, workload.labels[key]) for key in label_keys if key in workload.labels)
+            if values not in named:
+                named[values] = _values_selector(workload.labels, label_keys)
+            found = of_workload[workload.id] = named[values]
+        return found
 
+    learnt = []
     for row in rows:
-        workload, peer = workloads[row["workload_id"]], workloads.get(row["peer_workload_id"])
-        if judge.admitted_now(row):
+        if _learnt_from(judge, row):
+            learnt.append(row)
+        else:
             out.admitted_now.append(_row_data(row))
+    # Noise is judged on every key of the range, admitted or not: what a peer did is the same
+    # whatever rules were saved since, so a scanner stays a scanner once some of its ports are admitted.
+    noisy = noise.NoiseJudge(
+        rows,
+        lookalikes=noise.lookalike_values((w.labels for w in in_force.workloads.values()), label_keys),
+        excluded=noise.excluded_networks(asked.exclude_peers),
+        label_keys=label_keys,
+    )
+    for row in learnt:
+        workload, peer = workloads.get(row["workload_id"]), workloads.get(row["peer_workload_id"])
+        if workload is None:
+            out.not_generalised.append({**_row_data(row), "reason": "the workload no longer exists"})
             continue
         refused_by = judge.refused_by_now(row)
         if refused_by is not None:
@@ -180,9 +180,15 @@ def _sorted_out(rows: list[dict], workloads: dict, label_keys: list[str]) -> _So
             reason = f"refused by deny rule {refused_by}"
             out.not_generalised.append({**_row_data(row), "reason": reason, "rule_number": refused_by})
             continue
+        found = noisy.judge(row, workload.labels, peer.labels if peer else None)
+        if found is not None and (found[0] == noise.EXCLUDED_PEER or found[0] not in asked.include_noise):
+            out.set_apart.append({**_row_data(row), "kind": found[0], "reason": found[1]})
+            continue
         scope, missing = selector_of(workload)
         reason, source = None, ("address", row["peer"])
-        if scope is None:
+        if _family_mismatch(row):
+            reason = f"{row['protocol']} from {row['peer']}: no rule admits it (the other family's ICMP)"
+        elif scope is None:
             reason = f"the workload {workload.hostname} has no label {', '.join(missing)}"
         elif row["peer_workload_id"] is not None:
             selector, missing = selector_of(peer) if peer else _values_selector({}, label_keys)
@@ -199,85 +205,30 @@ def _sorted_out(rows: list[dict], workloads: dict, label_keys: list[str]) -> _So
     return out
 
 
-class _Proposal:
-    """The draft's rulesets (one per scope, more past 500 rules), the address groups to create, and
-    the evidence of each rule, built scope by scope."""
-
-    def __init__(self, prefix: int | None, prefix_v6: int | None) -> None:
-        self.prefix, self.prefix_v6 = prefix, prefix_v6
-        self.rulesets: list[dict] = []
-        self.groups: list[dict] = []
-        self.group_evidence: dict[str, dict] = {}
-        self.evidence: list[dict] = []
-        self.ruleset_names, self.group_names = _Names(Ruleset), _Names(AddressGroup)
-        self.named_groups = {tuple(g.members): g.name for g in AddressGroup.objects.all()}
-        self.named_services = _single_entry_services()
-
-    def add_scope(self, scope: str, seen: dict, workload_ids: list[str]) -> None:
-        # Sources by the exact set of services they were seen on: a rule admits every source on every
-        # service, so one rule per set is as small as the evidence allows and never wider.
-        by_services: dict[tuple, list] = defaultdict(list)
-        for source, services in seen.items():
-            by_services[tuple(sorted(services))].append(source)
-        rules, rules_evidence = [], []
-        for services_key, sources in sorted(by_services.items(), key=lambda i: (i[0], sorted(i[1]))):
-            rule_sources = [{"selector": value} for kind, value in sorted(sources) if kind == "selector"]
-            addresses = sorted((value for kind, value in sources if kind == "address"), key=_address_order)
-            group_name = self._group(scope, addresses) if addresses else ""
-            if group_name:
-                rule_sources.append({"address_group": group_name})
-            rule_services = [self.named_services.get(k) or _service_entry(*k) for k in services_key]
-            # A rule holds at most so many sources: more sources of the same services, more rules.
-            for first in range(0, len(rule_sources), MAX_SOURCES_PER_RULE):
-                part = rule_sources[first : first + MAX_SOURCES_PER_RULE]
-                rules.append({"description": DESCRIPTION, "sources": part, "services": rule_services})
-                held = [s for s in sources if _draft_source(s, group_name) in part]
-                every = [row for s in held for k in services_key for row in seen[s][k]]
-                rules_evidence.append(_rule_evidence(every, services_key))
-        for first in range(0, len(rules), MAX_RULES_PER_RULESET):
-            name = self.ruleset_names.take(f"suggested {scope}")
-            last = first + MAX_RULES_PER_RULESET
-            self.rulesets.append(
-                {
-                    "name": name,
-                    "description": DESCRIPTION,
-                    "enabled": True,
-                    "scope": scope,
-                    "rules": rules[first:last],
-                }
-            )
-            self.evidence.append(
-                {"ruleset": name, "workloads": workload_ids, "rules": rules_evidence[first:last]}
-            )
-
-    def _group(self, scope: str, addresses: list[str]) -> str:
-        """The name of the address group for these outside peers: a stored or proposed group of exactly
-        the members, else a new one proposed."""
-        members, unseen = _aggregated(addresses, self.prefix, self.prefix_v6)
-        name = self.named_groups.get(tuple(members))
-        if name is None:
-            name = self.group_names.take(f"suggested {scope} peers")
-            self.named_groups[tuple(members)] = name
-            self.groups.append(
-                {
-                    "name": name,
-                    "description": f"Peers seen by {scope} in the suggested range.",
-                    "members": members,
-                }
-            )
-        self.group_evidence.setdefault(
-            name, {"name": name, "addresses_seen": 0, "unseen_addresses_admitted": unseen}
-        )["addresses_seen"] += len(addresses)
-        return name
+def _family_mismatch(row: dict) -> bool:
+    """icmp from an IPv6 peer or icmpv6 from an IPv4 one: a table's icmp lines are of one family."""
+    wanted = {"icmp": 4, "icmpv6": 6}.get(row["protocol"])
+    if wanted is None:
+        return False
+    try:
+        return parsed_address(row["peer"]).version != wanted
+    except ValueError:
+        return True
 
 
 def _most(rows: list[dict]) -> list[dict]:
     return sorted(rows, key=lambda r: -r["connection_count"])[:KEYS_LISTED]
 
 
-def _address_order(text: str) -> tuple:
-    address = ipaddress.ip_address(text)
-    return (address.version, address)
+def default_label_keys(selection_labels) -> list[str]:
+    """`app`, and the keys the selection requires a value of: selecting `app=db,env=prod` learns
+    sources by app and env, so that `app=api` of staging is not admitted into prod."""
+    keys = list(DEFAULT_LABEL_KEYS)
+    for selector in selection_labels:
+        for requirement in selector.requirements:
+            if requirement.op in ("=", "==", "in") and requirement.key not in keys:
+                keys.append(requirement.key)
+    return keys
 
 
 def policy_suggest(
@@ -288,28 +239,73 @@ def policy_suggest(
     label_keys: list[str] | None = None,
     aggregate_prefix: int | None = None,
     aggregate_prefix_v6: int | None = None,
+    selection_labels=(),
+    include_noise=(),
+    exclude_peers=(),
 ) -> dict:
     """Rules proposed from the selected workloads' (`selected` as flows.selectors.workloads_selected
-    gives it; None: the whole fleet) unadmitted connections in [start, end), with their evidence, the
-    connections that could not be generalised, and the range's coverage. Saves nothing."""
-    label_keys = label_keys_parse(list(label_keys) if label_keys is not None else list(DEFAULT_LABEL_KEYS))
+    gives it; None: the whole fleet) connections in [start, end) that no rule in force now admits,
+    with their evidence, the keys set apart as noise, those that could not be generalised, and the
+    range's coverage. Saves nothing. `selection_labels` are the selectors that chose `selected`."""
+    label_keys = label_keys_parse(
+        list(label_keys) if label_keys is not None else default_label_keys(selection_labels)
+    )
+    selected_ids = (
+        None
+        if selected is None
+        else frozenset(str(i) for i in Workload.objects.filter(id__in=selected).values_list("id", flat=True))
+    )
+    asked = _Asked(
+        label_keys=label_keys,
+        selected_ids=selected_ids,
+        selection_labels=tuple(selection_labels),
+        include_noise=frozenset(include_noise),
+        exclude_peers=tuple(exclude_peers),
+        prefix=aggregate_prefix,
+        prefix_v6=aggregate_prefix_v6,
+    )
     planned = flow_range_plan(selected=selected, start=start, end=end)
     covered = coverage(selected, start, end, lookback=planned.lookback)
-    # The keys of most connections, up to a bound (the aggregate key left out in the query): past it
-    # the answer says how many keys and connections it did not learn from.
-    read = flow_keys_summed(planned, KEY_COLUMNS, decision__in=list(UNADMITTED))
+    # Every decision: what is learnt from is what the policy in force now would refuse. The keys of
+    # most connections, up to a bound (the aggregate key left out in the query): past it the answer
+    # says how many keys and connections it did not learn from.
+    read = flow_keys_summed(planned, KEY_COLUMNS)
     rows = read.rows
     ids = {r["workload_id"] for r in rows} | {r["peer_workload_id"] for r in rows if r["peer_workload_id"]}
     workloads = {
         row[0]: _Workload(*row)
         for row in Workload.objects.filter(id__in=ids).values_list("id", "hostname", "labels")
     }
-
-    sorted_out = _sorted_out(rows, workloads, label_keys)
-    proposal = _Proposal(aggregate_prefix, aggregate_prefix_v6)
-    for scope in sorted(sorted_out.seen):
-        proposal.add_scope(scope, sorted_out.seen[scope], sorted(sorted_out.scope_workloads[scope]))
+    in_force = in_force_load()
+    sorted_out = _sorted_out(rows, workloads, asked, in_force)
+    scopes = ScopeNarrowing(in_force.fleet, asked.selected_ids, asked.selection_labels, workloads)
+    narrowed: dict[str, dict] = defaultdict(
+        lambda: {"seen": defaultdict(lambda: defaultdict(list)), "ids": set()}
+    )
+    for base in sorted(sorted_out.seen):
+        ids_of_scope = sorted_out.scope_workloads[base]
+        scope, refused = scopes.narrowed(base, ids_of_scope)
+        if scope is None:
+            sorted_out.not_generalised += [
+                {**_row_data(row), "reason": refused}
+                for by_service in sorted_out.seen[base].values()
+                for rows_of in by_service.values()
+                for row in rows_of
+            ]
+            continue
+        for source, by_service in sorted_out.seen[base].items():
+            for service, rows_of in by_service.items():
+                narrowed[scope]["seen"][source][service].extend(rows_of)
+        narrowed[scope]["ids"] |= ids_of_scope
+    proposal = Proposal(in_force.fleet, asked.prefix, asked.prefix_v6)
+    for scope in sorted(narrowed):
+        proposal.add_scope(scope, narrowed[scope]["seen"], sorted(narrowed[scope]["ids"]))
     intervals = _incomplete_intervals(covered, start, end)
+    named_ids = {str(i): w.hostname for i, w in workloads.items()}
+    unnamed = {i["workload_id"] for i in intervals if i["workload_id"] and i["workload_id"] not in named_ids}
+    named_ids.update(
+        (str(i), name) for i, name in Workload.objects.filter(id__in=unnamed).values_list("id", "hostname")
+    )
     return {
         "from": rfc3339(start),
         "to": rfc3339(end),
@@ -329,12 +325,18 @@ def policy_suggest(
         "services": [],
         "address_group_evidence": list(proposal.group_evidence.values()),
         "evidence": proposal.evidence,
+        "breadth_warnings": proposal.warnings,
+        "scope_notes": scopes.notes,
         # Listed up to a bound, most connections first, and counted exactly: a fleet's day may hold
         # many thousands of keys that rules admit already.
         "not_generalised_count": len(sorted_out.not_generalised),
         "not_generalised": _most(sorted_out.not_generalised),
+        "set_apart_count": len(sorted_out.set_apart),
+        "set_apart_summary": _set_apart_summary(sorted_out.set_apart),
+        "set_apart": _most(sorted_out.set_apart),
         "admitted_now_count": len(sorted_out.admitted_now),
         "admitted_now": _most(sorted_out.admitted_now),
+        "hostnames": named_ids,
         "coverage": coverage_data(covered),
         "incomplete_intervals": intervals,
         # The keys read stopped at their bound: the proposal lacks the keys of fewest connections.
@@ -343,7 +345,33 @@ def policy_suggest(
     }
 
 
-REQUEST_FIELDS = ("label", "workload", "from", "to", "label_keys", "aggregate_prefix", "aggregate_prefix_v6")
+def _set_apart_summary(entries: list[dict]) -> list[dict]:
+    by_kind: dict[str, list[dict]] = defaultdict(list)
+    for entry in entries:
+        by_kind[entry["kind"]].append(entry)
+    return [
+        {
+            "kind": kind,
+            "count": len(items),
+            "connection_count": sum(e["connection_count"] for e in items),
+            "peer_count": len({e["peer"] for e in items}),
+            "reasons": sorted({e["reason"] for e in items})[:20],
+        }
+        for kind, items in sorted(by_kind.items())
+    ]
+
+
+REQUEST_FIELDS = (
+    "label",
+    "workload",
+    "from",
+    "to",
+    "label_keys",
+    "aggregate_prefix",
+    "aggregate_prefix_v6",
+    "include_noise",
+    "exclude_peers",
+)
 
 
 def _prefix(data, name: str, longest: int, findings: Findings) -> int | None:
@@ -356,16 +384,51 @@ def _prefix(data, name: str, longest: int, findings: Findings) -> int | None:
     return value
 
 
+def _include_noise(data, findings: Findings) -> list[str]:
+    value = data.get("include_noise", [])
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        findings.add(pointer("include_noise"), "type", "include_noise must be a list of kinds of noise.")
+        return []
+    for index, kind in enumerate(value):
+        if kind not in noise.KINDS:
+            findings.add(
+                pointer("include_noise", index), "unknown-kind",
+                f"include_noise names one of {', '.join(noise.KINDS)}.",
+            )  # fmt: skip
+    return value
+
+
+def _exclude_peers(data, findings: Findings) -> list[str]:
+    value = data.get("exclude_peers", [])
+    if not isinstance(value, list) or len(value) > MAX_EXCLUDED_PEERS:
+        findings.add(
+            pointer("exclude_peers"), "type",
+            f"exclude_peers must be a list of at most {MAX_EXCLUDED_PEERS} addresses or CIDRs.",
+        )  # fmt: skip
+        return []
+    peers = []
+    for index, text in enumerate(value):
+        try:
+            peers.append(str(ipaddress.ip_network(text, strict=False)))
+        except (TypeError, ValueError):
+            findings.add(pointer("exclude_peers", index), "address", "An address or a CIDR is expected.")
+    return peers
+
+
 def policy_suggest_request(*, data: Any) -> dict:
     """POST /policies/suggestions (and `manage.py policy suggest`): the body parsed, every finding at
     once, then `policy_suggest`. The body: `label` (selectors, ANDed) and `workload` (ids) select the
     workloads to protect (neither: the whole fleet), `from` and `to` the range (as the rollup's),
-    `label_keys`, and optionally `aggregate_prefix` (IPv4) and `aggregate_prefix_v6`."""
+    `label_keys` (default: `app` and the keys the selection requires), optionally `aggregate_prefix`
+    (IPv4) and `aggregate_prefix_v6`, `include_noise` (kinds of noise to propose rules for anyway) and
+    `exclude_peers` (addresses or CIDRs never learnt from)."""
     data = require_object(data)
     findings = Findings()
     reject_unknown(data, REQUEST_FIELDS, findings)
     prefix = _prefix(data, "aggregate_prefix", 32, findings)
     prefix_v6 = _prefix(data, "aggregate_prefix_v6", 128, findings)
+    include = _include_noise(data, findings)
+    exclude = _exclude_peers(data, findings)
     parsed = [None, None]
     try:
         parsed = parsed_together(
@@ -376,7 +439,7 @@ def policy_suggest_request(*, data: Any) -> dict:
                 workloads=data.get("workload", []),
                 at=BODY,
             ),
-            lambda: label_keys_parse(data.get("label_keys", list(DEFAULT_LABEL_KEYS))),
+            lambda: label_keys_parse(data["label_keys"]) if "label_keys" in data else None,
         )
     except ValidationFailed as failed:
         findings.extend(failed.findings)
@@ -390,19 +453,10 @@ def policy_suggest_request(*, data: Any) -> dict:
         label_keys=label_keys,
         aggregate_prefix=prefix,
         aggregate_prefix_v6=prefix_v6,
+        selection_labels=selection.labels,
+        include_noise=include,
+        exclude_peers=exclude,
     )
-
-
-def _single_entry_services() -> dict[tuple, dict]:
-    """Stored services of exactly one single-port entry, by (protocol, port): what a suggested service
-    reuses by name (the first by name when several match)."""
-    found: dict[tuple, dict] = {}
-    for service in Service.objects.prefetch_related("entries").order_by("name"):
-        entries = list(service.entries.all())
-        if len(entries) == 1 and entries[0].port_to is None:
-            key = (entries[0].protocol, entries[0].port or 0)
-            found.setdefault(key, {"service": service.name})
-    return found
 
 
 def _row_data(row: dict) -> dict:
@@ -414,27 +468,4 @@ def _row_data(row: dict) -> dict:
         "connection_count": row["connection_count"],
         "first_seen": rfc3339(row["first_seen"]),
         "last_seen": rfc3339(row["last_seen"]),
-    }
-
-
-def _draft_source(source: tuple, group_name: str) -> dict:
-    """The draft's source that holds this source of the evidence (an address: the rule's group)."""
-    kind, value = source
-    return {"selector": value} if kind == "selector" else {"address_group": group_name}
-
-
-def _rule_evidence(rows: list[dict], services_key: tuple) -> dict:
-    by_peer: dict[tuple, list] = defaultdict(list)
-    by_service: dict[tuple, list] = defaultdict(list)
-    for row in rows:
-        by_peer[(row["peer"], row["peer_workload_id"])].append(row)
-        by_service[(row["protocol"], row["port"])].append(row)
-    return {
-        **_span(rows),
-        "peers": [
-            {"peer": peer, "peer_workload_id": str(pw) if pw else None, **_span(by_peer[(peer, pw)])}
-            for peer, pw in sorted(by_peer, key=lambda k: k[0])
-        ],
-        "services": [{"protocol": p, "port": n, **_span(by_service[(p, n)])} for p, n in services_key],
-        "workload_ids": sorted({str(r["workload_id"]) for r in rows}),
     }

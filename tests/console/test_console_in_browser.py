@@ -737,10 +737,18 @@ def test_suggesting_rules_from_the_flows_then_saving_them_and_going_to_simulatio
     assert "evidence gap (buffer_overflow)" in page.locator("[data-incomplete]").inner_text()
     proposed = page.locator("[data-proposed-rule]")
     assert proposed.count() == 1
-    assert "group:suggested app=web peers" in proposed.inner_text() and "tcp/22" in proposed.inner_text()
+    assert (
+        "group:suggested app=web rule 1 peers" in proposed.inner_text() and "tcp/22" in proposed.inner_text()
+    )
+    # peers collapsed into a count, expanded on request; the rule kept by a ticked box; the table fits
+    assert "192.0.2.9" not in proposed.inner_text()
+    proposed.locator("[data-peers] summary").click()
     assert "192.0.2.9" in proposed.inner_text()
+    assert proposed.get_by_role("checkbox").is_checked()
+    assert re.search(r"\d+ admitted / 1 seen", proposed.locator("[data-breadth]").inner_text())
+    assert page.evaluate("document.documentElement.scrollWidth <= window.innerWidth + 1")
     logged_in.shot("suggest-proposal")
-    page.get_by_role("button", name="Save as ruleset").click()
+    page.get_by_role("button", name="Save the ticked rules").click()
     page.locator("[data-created]").wait_for()
     assert "suggested app=web" in page.locator("[data-created]").inner_text()
     logged_in.shot("suggest-saved")
@@ -749,7 +757,7 @@ def test_suggesting_rules_from_the_flows_then_saving_them_and_going_to_simulatio
     assert page.get_by_label("simulation").is_checked()
     assert "1 workload selected" in page.locator("#mode-change").inner_text()
     groups = lab.http.get("/api/v1/address-groups").json()["address_groups"]
-    assert {"suggested app=web peers": ["192.0.2.9"]}.items() <= {
+    assert {"suggested app=web rule 1 peers": ["192.0.2.9"]}.items() <= {
         g["name"]: g["members"] for g in groups
     }.items()
     # The saved rule's edit form: its impact over past traffic, before saving a change to it.

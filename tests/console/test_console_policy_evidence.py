@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import html
 import itertools
-import json
 import re
 import uuid
 from datetime import timedelta
@@ -19,7 +18,7 @@ from controlplane.auth.actor import CLI_ACTOR
 from fleet.services import workload_labels_replace
 from flows.services import flow_report_ingest
 from policy import services as policy_services
-from policy.models import AddressGroup
+from policy.models import AddressGroup, Ruleset, Service
 from tests.support.flow_evidence import enrolled, flow_report, windows_between
 
 pytestmark = pytest.mark.django_db
@@ -87,6 +86,18 @@ def _draft(response) -> str:
     return html.unescape(found[1])
 
 
+def _save_fields(response, drop=()) -> dict:
+    """What the browser sends back on "Save the ticked rules": the proposal, the ticked rules (but
+    `drop`), the ruleset names and the untouched draft."""
+    page = response.content.decode()
+    proposal = re.search(r'<input type="hidden" name="proposal" value="([^"]*)"', page)
+    assert proposal is not None, text(response)[:2000]
+    keep = [k for k in re.findall(r'name="keep" value="([^"]+)" checked', page) if k not in drop]
+    names = dict(re.findall(r'name="(name-\d+)" value="([^"]*)"', page))
+    return {"action": "save", "proposal": html.unescape(proposal[1]), "keep": keep,
+            "draft": _draft(response), **{k: html.unescape(v) for k, v in names.items()}}  # fmt: skip
+
+
 def test_suggest_shows_the_proposal_with_its_evidence_then_saves_it_and_links_to_simulation(browser, server):
     _ingest(server)
     assert "Suggest rules" in text(browser.get("/policy"))
@@ -95,19 +106,20 @@ def test_suggest_shows_the_proposal_with_its_evidence_then_saves_it_and_links_to
     response = _suggested(browser, server)
     page = text(response)
     assert response.status_code == 200, page[:2000]
-    assert page.count("data-proposed-rule>") == 2
-    assert "app=web" in page and "group:suggested app=db peers" in page and "tcp/5432" in page
+    assert page.count("data-proposed-rule>") + page.count("data-proposed-rule ") == 2
+    assert "app=web" in page and "group:suggested app=db rule 1 peers" in page and "tcp/5432" in page
     counts = sorted(int(n) for n in re.findall(r"data-connections>(\d+)<", page))
     assert counts == [2 * MINUTES, 3 * MINUTES]  # the outside address's; the two web clients'
     assert "Complete: no evidence gap" in page and "data-incomplete" not in page
+    # peers by host name, collapsed into a count
+    assert "<summary>2 peers</summary>" in page and ">web0</a>" in page and ">web1</a>" in page
 
     saved = browser.post(
-        "/policy/suggest",
-        {"workloads": str(server.id), "range": "1h", "action": "save", "draft": _draft(response)},
+        "/policy/suggest", {"workloads": str(server.id), "range": "1h", **_save_fields(response)}
     )
     page = text(saved)
     assert saved.status_code == 200, page[:2000]
-    assert "Saved" in page and "ruleset" in page and "suggested app=db peers" in page
+    assert "Saved" in page and "ruleset" in page and "suggested app=db rule 1 peers" in page
     link = re.search(r'href="(/mode-changes\?[^"]*)" data-simulation', page)
     assert link is not None and "mode=simulation" in link[1] and str(server.id) in link[1]
     prefilled = text(browser.get(html.unescape(link[1])))
@@ -117,19 +129,35 @@ def test_suggest_shows_the_proposal_with_its_evidence_then_saves_it_and_links_to
     assert "data-no-proposal" in again and "a rule in force admits" in again
 
 
-def test_a_refused_part_of_the_draft_is_named_and_a_second_save_reuses_the_groups(browser, server):
+def test_rules_dropped_are_not_saved_and_a_refusal_keeps_the_proposal_with_the_finding_at_its_rule(
+    browser, server
+):
     _ingest(server)
+    policy_services.service_create(
+        actor=CLI_ACTOR, data={"name": "pg", "entries": [{"protocol": "tcp", "port": 5432}]}
+    )
     response = _suggested(browser, server)
-    draft = json.loads(_draft(response))
-    draft["rulesets"][0]["scope"] = "app in ("
-    refused = browser.post("/policy/suggest", {"action": "save", "draft": json.dumps(draft)})
+    fields = _save_fields(response)
+    assert fields["keep"] == ["0.0", "0.1"]
+    # the draft names the stored service `pg`; deleted before the save, the API refuses the rule
+    service = Service.objects.get(name="pg")
+    policy_services.service_delete(
+        actor=CLI_ACTOR, service_id=str(service.id), expected_version=str(service.version)
+    )
+    refused = browser.post("/policy/suggest", fields)
     page = text(refused)
     assert refused.status_code == 422
-    assert "The API refused ruleset “suggested app=db”" in page and "/scope" in page
-    assert "Created before the refusal" in page and "address group" in page
-    draft["rulesets"][0]["scope"] = "app=db"
-    saved = text(browser.post("/policy/suggest", {"action": "save", "draft": json.dumps(draft)}))
-    assert "data-simulation" in saved and "The API refused" not in saved
+    assert "nothing was saved" in page and AddressGroup.objects.count() == 0
+    # the proposal and its evidence are still there, the finding at the second rule
+    assert page.count("data-proposed-rule") >= 2 and "data-connections" in page
+    row = re.search(r"<tr data-rule-findings>(.*?)</tr>", refused.content.decode(), re.S)
+    assert row is not None and "/rulesets/0/rules/1/services/0/service" in row[1]
+    # the second rule dropped: the rest saves, and only what it names
+    saved = browser.post("/policy/suggest", _save_fields(refused, drop=("0.1",)))
+    assert saved.status_code == 200, text(saved)[:2000]
+    assert AddressGroup.objects.count() == 1
+    ruleset = Ruleset.objects.get(name="suggested app=db")
+    assert ruleset.rules.count() == 1
     not_json = browser.post("/policy/suggest", {"action": "save", "draft": "{rulesets"})
     assert not_json.status_code == 422 and "The draft is not JSON" in text(not_json)
 
@@ -177,6 +205,10 @@ def test_a_rule_edit_shows_its_impact_over_past_traffic_in_words_before_saving(b
         "to 1 service." in page
     )
     assert "data-newly-refused" in page and "data-newly-admitted" not in page and "web0" in page
+    # grouped by workload, then service, with totals; peers by host name behind a count
+    assert page.count("data-impact-workload") == 1
+    assert f"db1</a> (visibility): {3 * MINUTES} connections from 2 peers to 1 service" in page
+    assert "<summary>2 peers</summary>" in page and f"{3 * MINUTES} connections, 2 keys, 1 workloads" in page
     assert "Nothing was saved" in page and "data-impact-incomplete" not in page
     assert "tcp/5432" in text(browser.get(f"/policy/rulesets/{ruleset.id}"))  # and nothing was
 

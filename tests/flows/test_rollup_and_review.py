@@ -250,7 +250,8 @@ def test_the_flows_command_rolls_up_and_reviews(db):
     code, out, _ = run_command("flows", "review", *window, "--json")
     assert code == 3 and json.loads(out)["verdict"] == "fail"  # a pipeline gates on the status
     code, out, _ = run_command("flows", "review", *window)
-    assert code == 3 and out.startswith("FAIL") and "would-block" in out
+    assert code == 3 and out.startswith("FAIL (judged on the decisions recorded in the range)")
+    assert "would-block" in out and "against the policy in force now" in out
     code, _, err = run_command("flows", "rollup", "--group-by", "peer", *window, "--csv", "--json")
     assert code == 1 and err.strip() == "error: --csv and --json each choose the output: give one"
 

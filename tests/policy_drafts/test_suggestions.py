@@ -60,8 +60,7 @@ def fleet(db):
 
 def _scenario(server, clients, minutes=20):
     """Every client connects to tcp/5432 of the server (client i: i+1 connections a minute), the
-    outside address to tcp/22 (2 a minute), all decided `observed`; and one `allowed` key, which
-    a rule admitted and the suggestion must leave out."""
+    outside address to tcp/22 (2 a minute), all decided `observed`."""
 
     def groups(_minute):
         return [
@@ -70,7 +69,6 @@ def _scenario(server, clients, minutes=20):
                 for i in range(len(clients))
             ),
             {"peer": OUTSIDE, "port": 22, "connection_count": 2},
-            {"peer": "10.50.0.20", "port": 443, "decision": "allowed", "rule": 1, "connection_count": 5},
         ]
 
     _ingest(server, _traffic(minutes, groups))
@@ -111,7 +109,7 @@ def test_the_issues_scenario_gives_two_rules_of_the_listening_ports_with_the_cou
     assert database["services"][0]["port"] == 5432 and database["first_seen"] < database["last_seen"]
     assert answer["address_group_evidence"][0]["unseen_addresses_admitted"] == 0
     ports = {s["port"] for ruleset in answer["rulesets"] for r in ruleset["rules"] for s in r["services"]}
-    assert ports == {22, 5432}  # only the listening ports: no client's port, nothing allowed
+    assert ports == {22, 5432}  # only the listening ports: no client's port
     assert (
         answer["not_generalised"] == [] and answer["admitted_now"] == [] and answer["admitted_now_count"] == 0
     )

@@ -47,3 +47,9 @@ def decision_text(decision: str) -> str:
 def deny_count(rules: list[dict] | None) -> int:
     """How many of a ruleset's rules are deny rules: the policy page's list shows them apart."""
     return sum(1 for rule in rules or () if rule.get("action") == "deny")
+
+
+@register.filter
+def get_item(mapping: dict | None, key: str | None):
+    """`mapping[key]`, or None: a host name by workload id from an answer's `hostnames`."""
+    return (mapping or {}).get(key or "")

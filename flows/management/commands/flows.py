@@ -13,6 +13,7 @@ from controlplane.validation import parsed_together
 from flows import selectors, validation
 from flows.choices import Decision
 from flows.csv_rows import GAP_COLUMNS, csv_text, rollup_columns, rollup_row
+from flows.policy_drafts.review_now import simulation_review_now
 from flows.representations import (
     coverage_data,
     evidence_gap_data,
@@ -199,12 +200,18 @@ class Command(PalisadeCommand):
 
     def do_review(self, o):
         selection = _selection(o)
-        data = review_data(
-            selectors.simulation_review(
-                selected=_selected(selection), start=selection.start, end=selection.end
-            )
+        review = simulation_review_now(
+            selected=_selected(selection), start=selection.start, end=selection.end
         )
-        text = data["verdict"].upper() + "".join(f"\n  - {reason}" for reason in data["reasons"])
+        data = {**review_data(review), "judged_against": review["judged_against"], "now": review["now"]}
+        now = data["now"]
+        text = (
+            data["verdict"].upper()
+            + f" (judged on {data['judged_against']})"
+            + "".join(f"\n  - {reason}" for reason in data["reasons"])
+            + f"\n{now['verdict'].upper()} against {now['judged_against']}"
+            + "".join(f"\n  - {reason}" for reason in now["reasons"])
+        )
         self.emit(data, text)
         if data["verdict"] == "fail":  # a pipeline gates on the exit status alone
             sys.exit(EXIT_REVIEW_FAILED)

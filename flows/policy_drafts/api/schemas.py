@@ -5,7 +5,7 @@ from drf_spectacular.utils import inline_serializer
 from rest_framework import serializers
 
 from fleet.choices import Mode
-from flows.api.schemas import CoverageSerializer, ServiceKeySerializer
+from flows.api.schemas import CoverageSerializer, ReviewSerializer, ServiceKeySerializer
 from policy.choices import RuleAction
 
 DryrunRequest = inline_serializer(
@@ -142,6 +142,17 @@ class SuggestionRequestSerializer(serializers.Serializer):
         help_text="Aggregate outside IPv4 peers into CIDRs of this length.",
     )
     aggregate_prefix_v6 = serializers.IntegerField(required=False, min_value=0, max_value=128)
+    include_noise = serializers.ListField(
+        child=serializers.ChoiceField(choices=["scanner", "ephemeral-port", "lookalike-label"]),
+        required=False,
+        help_text="Kinds of noise to propose rules for anyway (set apart by default).",
+    )
+    exclude_peers = serializers.ListField(
+        child=serializers.CharField(),
+        required=False,
+        max_length=1000,
+        help_text="Addresses or CIDRs never learnt from: their keys are set apart (`excluded-peer`).",
+    )
 
 
 SuggestionRequestSerializer._declared_fields["from"] = serializers.DateTimeField(help_text="RFC 3339.")
@@ -163,10 +174,41 @@ class SuggestedServiceSerializer(SuggestedSpanSerializer):
     port = serializers.IntegerField()
 
 
+class PortRangeEvidenceSerializer(serializers.Serializer):
+    protocol = serializers.CharField()
+    port = serializers.IntegerField()
+    port_to = serializers.IntegerField()
+    ports_seen = serializers.IntegerField()
+    ports_unseen = serializers.IntegerField(help_text="Ports of the range admitted though never seen.")
+
+
+class BreadthSerializer(serializers.Serializer):
+    admitted = serializers.IntegerField(
+        help_text="(workload, peer, service) combinations the rule admits: workloads its scope matches "
+        "now x peers its sources admit x ports of its services."
+    )
+    seen = serializers.IntegerField(help_text="Distinct combinations of the rule's evidence.")
+    ratio = serializers.FloatField(allow_null=True)
+    wider_than_seen = serializers.BooleanField(help_text="Admits more than twice what was seen.")
+
+
+class RuleGroupEvidenceSerializer(serializers.Serializer):
+    name = serializers.CharField()
+    addresses_seen = serializers.IntegerField()
+    unseen_addresses_admitted = serializers.IntegerField()
+
+
 class SuggestedRuleEvidenceSerializer(SuggestedSpanSerializer):
     peers = SuggestedPeerSerializer(many=True)
     services = SuggestedServiceSerializer(many=True)
+    port_ranges = PortRangeEvidenceSerializer(
+        many=True, help_text="Runs of ports proposed as one range, with the ports they admit unseen."
+    )
     workload_ids = serializers.ListField(child=serializers.UUIDField())
+    breadth = BreadthSerializer()
+    address_groups = RuleGroupEvidenceSerializer(
+        many=True, help_text="The address groups of the rule's sources, with the addresses they admit unseen."
+    )
 
 
 class SuggestedRulesetEvidenceSerializer(serializers.Serializer):
@@ -197,6 +239,27 @@ class NotGeneralisedSerializer(SuggestionKeySerializer):
     )
 
 
+class SetApartSerializer(SuggestionKeySerializer):
+    kind = serializers.ChoiceField(choices=["scanner", "ephemeral-port", "lookalike-label", "excluded-peer"])
+    reason = serializers.CharField()
+
+
+class SetApartSummarySerializer(serializers.Serializer):
+    kind = serializers.CharField()
+    count = serializers.IntegerField()
+    connection_count = serializers.IntegerField()
+    peer_count = serializers.IntegerField()
+    reasons = serializers.ListField(child=serializers.CharField(), help_text="The first 20, sorted.")
+
+
+class ScopeNoteSerializer(serializers.Serializer):
+    scope = serializers.CharField(help_text="The scope of the label keys' values alone.")
+    narrowed_to = serializers.CharField(
+        allow_null=True, help_text="The scope proposed instead; null: refused (its keys not generalised)."
+    )
+    reason = serializers.CharField()
+
+
 class IncompleteIntervalSerializer(serializers.Serializer):
     workload_id = serializers.UUIDField(allow_null=True)
     start = serializers.DateTimeField()
@@ -225,6 +288,22 @@ class SuggestionSerializer(serializers.Serializer):
     not_generalised = NotGeneralisedSerializer(
         many=True, help_text="The first 1,000, most connections first."
     )
+    breadth_warnings = serializers.ListField(
+        child=serializers.CharField(), help_text="Rules that admit more than twice the combinations seen."
+    )
+    scope_notes = ScopeNoteSerializer(
+        many=True, help_text="Scopes narrowed (or refused) to stay inside the selection."
+    )
+    set_apart_count = serializers.IntegerField()
+    set_apart_summary = SetApartSummarySerializer(many=True)
+    set_apart = SetApartSerializer(
+        many=True,
+        help_text="Keys that look like noise, not proposed (see include_noise): the first 1,000, most "
+        "connections first.",
+    )
+    hostnames = serializers.DictField(
+        child=serializers.CharField(), help_text="The host name of each workload the answer names, by id."
+    )
     admitted_now_count = serializers.IntegerField()
     admitted_now = SuggestionKeySerializer(
         many=True,
@@ -246,3 +325,47 @@ class SuggestionSerializer(serializers.Serializer):
 
 
 SuggestionSerializer._declared_fields["from"] = serializers.DateTimeField()
+
+
+class DraftSaveRequest(serializers.Serializer):
+    services = serializers.ListField(
+        child=serializers.DictField(), required=False, help_text="Service bodies."
+    )
+    address_groups = serializers.ListField(
+        child=serializers.DictField(), required=False, help_text="Address group bodies."
+    )
+    rulesets = serializers.ListField(
+        child=serializers.DictField(),
+        help_text="Ruleset bodies; they may name the draft's groups and services.",
+    )
+
+
+class SavedObjectSerializer(serializers.Serializer):
+    id = serializers.UUIDField()
+    name = serializers.CharField()
+
+
+class DraftSavedSerializer(serializers.Serializer):
+    services = SavedObjectSerializer(many=True)
+    address_groups = SavedObjectSerializer(many=True)
+    rulesets = SavedObjectSerializer(many=True)
+
+
+class ReviewNowVerdictSerializer(serializers.Serializer):
+    judged_against = serializers.CharField(help_text="`the policy in force now`.")
+    verdict = serializers.ChoiceField(choices=["pass", "fail"])
+    reasons = serializers.ListField(child=serializers.CharField())
+    would_block_count = serializers.IntegerField(
+        help_text="Recorded would-block groups that the policy in force now would still refuse."
+    )
+    admitted_since_count = serializers.IntegerField(
+        help_text="Recorded would-block groups that a rule in force now admits (saved since)."
+    )
+
+
+class ReviewNowSerializer(ReviewSerializer):
+    judged_against = serializers.CharField(help_text="`the decisions recorded in the range`.")
+    now = ReviewNowVerdictSerializer(
+        help_text="The same review with the recorded would-block groups judged against the policy in "
+        "force now, as the console's enforce panel judges them."
+    )

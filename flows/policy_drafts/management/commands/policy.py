@@ -19,6 +19,7 @@ from flows.policy_drafts.management.as_code import (
     run_plan,
 )
 from flows.policy_drafts.management.impact import add_impact_action, run_impact
+from flows.policy_drafts.management.save import add_save_action, run_save
 from flows.policy_drafts.suggestions import policy_suggest_request
 
 
@@ -33,6 +34,7 @@ class Command(PalisadeCommand):
         actions = self.add_actions(parser)
         add_impact_action(actions)
         add_as_code_actions(actions)
+        add_save_action(actions)
         suggest = actions.add_parser(
             "suggest",
             help="propose rules from the range's unadmitted flows; --json prints the draft ruleset alone "
@@ -48,13 +50,20 @@ class Command(PalisadeCommand):
             "--label-key",
             action="append",
             dest="label_keys",
-            help="a label key naming a group (default: app)",
+            help="a label key naming a group (default: app and the keys --label requires)",
         )
         suggest.add_argument(
             "--aggregate-prefix", type=int, help="aggregate outside IPv4 peers to this prefix"
         )
         suggest.add_argument(
             "--aggregate-prefix-v6", type=int, help="aggregate outside IPv6 peers to this prefix"
+        )
+        suggest.add_argument(
+            "--include-noise", action="append", default=[],
+            help="propose rules for this kind of noise too: scanner, ephemeral-port, lookalike-label",
+        )  # fmt: skip
+        suggest.add_argument(
+            "--exclude-peer", action="append", default=[], help="an address or CIDR never learnt from"
         )
         suggest.add_argument("--answer", action="store_true", help="print the whole answer as JSON")
 
@@ -65,6 +74,10 @@ class Command(PalisadeCommand):
         for name in ("aggregate_prefix", "aggregate_prefix_v6"):
             if o[name] is not None:
                 body[name] = o[name]
+        if o["include_noise"]:
+            body["include_noise"] = o["include_noise"]
+        if o["exclude_peer"]:
+            body["exclude_peers"] = o["exclude_peer"]
         answer = policy_suggest_request(data=body)
         if o["answer"]:
             self.stdout.write(json.dumps(answer, indent=2))
@@ -83,11 +96,14 @@ class Command(PalisadeCommand):
             self.stdout.write(json.dumps(answer["draft"], indent=2))
             for group in answer["address_groups"]:
                 self.stderr.write(
-                    f"note: the draft names the address group {group['name']!r}: create it first "
-                    "(--answer prints its body)"
+                    f"note: the draft names the address group {group['name']!r}: save the whole "
+                    "draft with `policy suggest --answer ... | policy save -`"
                 )
             return
         self.stdout.write(_text(answer))
+
+    def do_save(self, o):
+        run_save(self, o)
 
     def do_impact(self, o):
         run_impact(self, o)
@@ -140,6 +156,13 @@ def _text(answer: dict) -> str:
                 f"  {visible(unseen['name'])} admits "
                 f"{counted(unseen['unseen_addresses_admitted'], 'address', 'addresses')} never seen"
             )
+    for note in answer["scope_notes"]:
+        narrowed = note["narrowed_to"]
+        lines.append(
+            f"scope {visible(note['scope'])} narrowed to {visible(narrowed)}: {visible(note['reason'])}"
+            if narrowed
+            else f"scope {visible(note['scope'])} not proposed: {visible(note['reason'])}"
+        )
     for ruleset, evidence in zip(answer["rulesets"], answer["evidence"], strict=True):
         lines.append(f"ruleset {visible(ruleset['name'])}  scope {visible(ruleset['scope'])}")
         for rule, seen in zip(ruleset["rules"], evidence["rules"], strict=True):
@@ -149,6 +172,21 @@ def _text(answer: dict) -> str:
                 f"  from {sources} to {services}: {counted(seen['connection_count'], 'connection')} from "
                 f"{counted(len(seen['peers']), 'peer')}, {seen['first_seen']} .. {seen['last_seen']}"
             )
+            breadth = seen["breadth"]
+            lines.append(
+                f"    admits {breadth['admitted']} (workload, peer, service) combinations, {breadth['seen']} seen"
+                + (" -- WIDER THAN SEEN" if breadth["wider_than_seen"] else "")
+            )
+            for ranged in seen["port_ranges"]:
+                lines.append(
+                    f"    {ranged['protocol']}/{ranged['port']}-{ranged['port_to']} is a range: "
+                    f"{ranged['ports_seen']} of its ports seen, {ranged['ports_unseen']} not"
+                )
+    for kind in answer["set_apart_summary"]:
+        lines.append(
+            f"set apart as {kind['kind']}: {counted(kind['count'], 'flow key')} "
+            f"({counted(kind['connection_count'], 'connection')}); e.g. {visible(kind['reasons'][0])}"
+        )
     for row in answer["not_generalised"]:
         lines.append(
             f"not generalised: {row['peer']} -> {row['service']['protocol']}/{row['service']['port']} "

@@ -1,0 +1,111 @@
+"""Fleet-wide suggestions and impact over 14,000 keys, timed in process (issue 32, point 7).
+
+    env -u DATABASE_URL .venv/bin/python -m pytest -p no:cacheprovider -q -s bench/suggest_fleet_timing.py
+    DATABASE_URL=postgresql://... .venv/bin/python -m pytest -p no:cacheprovider -q -s bench/suggest_fleet_timing.py
+
+200 workloads (six tiers by `app`, `env`), each with one stored minute of 70 keys: peers of the
+fleet and outside it on a handful of services, decided `observed`; a ruleset in force admits a
+part. Prints the median and worst of five runs of `policy_suggest` (whole fleet) and of the impact
+of the proposal it makes (`draft_impact`), with the keys read. Not part of the suite (not under
+tests/): run it by name.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import itertools
+import os
+import pstats
+import statistics
+import time
+from datetime import timedelta
+
+from controlplane import clock
+from controlplane.auth.actor import CLI_ACTOR
+from fleet.services import workload_labels_replace
+from flows.policy_drafts.draft import draft_parse
+from flows.policy_drafts.impact import draft_impact
+from flows.policy_drafts.suggestions import policy_suggest
+from flows.services import flow_report_ingest
+from flows.validation import FlowSelection
+from policy import services
+from tests.support.flow_evidence import enrolled, flow_report, windows_between
+
+WORKLOADS, KEYS = 200, 70
+TIERS = ("web", "api", "db", "cache", "queue", "batch")
+RUNS = 5
+_uptimes = itertools.count(1)
+
+
+def _fleet():
+    workloads = []
+    for i in range(WORKLOADS):
+        workload, _, _ = enrolled(f"h{i:03d}", f"10.80.{i // 250}.{i % 250 + 1}")
+        labels = {"app": TIERS[i % len(TIERS)], "env": "prod" if i % 3 else "stage"}
+        workloads.append(
+            workload_labels_replace(
+                actor=CLI_ACTOR, workload_id=str(workload.id), expected_version=str(workload.labels_version),
+                data={"labels": labels},
+            )
+        )  # fmt: skip
+    return workloads
+
+
+def _evidence(workloads):
+    addresses = [w.addresses[0] for w in workloads]
+    for n, workload in enumerate(workloads):
+        [window] = windows_between(clock.now() - timedelta(minutes=30), 1)
+        template = window["groups"][0]
+        groups = []
+        for k in range(KEYS):
+            peer = addresses[(n * 7 + k) % len(addresses)] if k % 2 else f"198.51.{k % 50}.{n % 250 + 1}"
+            groups.append({**template, "peer": peer, "port": (22, 443, 5432, 6379, 9100, 8080)[k % 6],
+                           "connection_count": k % 5 + 1})  # fmt: skip
+        window["groups"] = groups
+        answer = flow_report_ingest(
+            workload_id=str(workload.id), data=flow_report("p", next(_uptimes), [window])
+        )
+        assert all(r["result"] == "accepted" for r in answer["windows"]), answer
+
+
+def _timed(call):
+    """Wall and CPU milliseconds of each run: on a shared machine the process's own CPU time (SQLite
+    runs in it) says more than the wall clock, which counts the other work's turns too."""
+    times, cpu = [], []
+    for _ in range(RUNS):
+        began, began_cpu = time.perf_counter(), time.process_time()
+        answer = call()
+        times.append((time.perf_counter() - began) * 1000)
+        cpu.append((time.process_time() - began_cpu) * 1000)
+    return answer, (times, cpu)
+
+
+def test_fleet_wide_suggestions_and_impact(db):
+    workloads = _fleet()
+    _evidence(workloads)
+    services.ruleset_create(
+        actor=CLI_ACTOR,
+        data={"name": "ssh", "scope": "env=prod", "rules": [
+            {"sources": [{"any": True}], "services": [{"protocol": "tcp", "port": 22}]}]},
+    )  # fmt: skip
+    start, end = clock.now() - timedelta(hours=1), clock.now() + timedelta(minutes=1)
+    if os.environ.get("PROFILE"):  # PROFILE=1: one run under cProfile first
+        prof = cProfile.Profile()
+        prof.enable()
+        policy_suggest(selected=None, start=start, end=end)
+        prof.disable()
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(35)
+    answer, suggest_ms = _timed(lambda: policy_suggest(selected=None, start=start, end=end))
+    body = {"address_groups": answer["address_groups"], "rulesets": answer["rulesets"]}
+    selection = FlowSelection(start=start, end=end, labels=[], workload_ids=[])
+    impact, impact_ms = _timed(lambda: draft_impact(draft=draft_parse(data=body), selection=selection))
+    print(
+        f"\nkeys {answer['keys_total']}; proposal {len(answer['rulesets'])} rulesets, "
+        f"{sum(len(r['rules']) for r in answer['rulesets'])} rules; impact judged {impact['keys_classified']}"
+    )
+    for what, (wall, cpu) in (("suggestions", suggest_ms), ("impact (parse included)", impact_ms)):
+        print(
+            f"{what} ms: wall median {statistics.median(wall):.0f}, worst {max(wall):.0f}; "
+            f"this process's CPU median {statistics.median(cpu):.0f}, worst {max(cpu):.0f}"
+        )
+    assert answer["keys_total"] == WORKLOADS * KEYS
