@@ -211,3 +211,16 @@ def test_a_report_key_is_checked_for_direction_and_failsafe(db):
     answer = flow_report_ingest(workload_id=str(workload.id), data=flow_report("p", 1.0, windows))
     assert [item["result"] for item in answer["windows"]] == ["refused"] * len(bad)
     assert FlowGroup.objects.count() == 0
+
+
+def test_the_flows_list_of_any_holds_both_directions_groups(api, two_fleets):
+    both, _, start = two_fleets
+    read = {**_range(start), "workload": str(both.id), "limit": 500}
+    sizes = {
+        direction: sum(
+            len(w["groups"])
+            for w in api.get("/api/v1/flows", {**read, "direction": direction}).json()["items"]
+        )
+        for direction in ("inbound", "outbound", "any")
+    }
+    assert sizes == {"inbound": 2 * MINUTES, "outbound": 3 * MINUTES, "any": 5 * MINUTES}
