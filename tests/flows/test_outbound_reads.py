@@ -12,11 +12,14 @@ from datetime import timedelta
 
 import pytest
 
+from agent.flowbuffer import window_record
+from agent.flowreport import report_body
+from agent.flowwindow import FlowKey, Windows
 from controlplane import clock
 from flows.models import FlowGroup, FlowHour
 from flows.services import flow_report_ingest
 from flows.sums.writes import flow_windows_sum
-from tests.support.flow_evidence import enrolled, flow_report
+from tests.support.flow_evidence import GOLDEN, at_agent_clock, enrolled, flow_report
 from tests.support.helpers import run_command
 
 MINUTES = 40
@@ -224,3 +227,40 @@ def test_the_flows_list_of_any_holds_both_directions_groups(api, two_fleets):
         for direction in ("inbound", "outbound", "any")
     }
     assert sizes == {"inbound": 2 * MINUTES, "outbound": 3 * MINUTES, "any": 5 * MINUTES}
+
+
+GOLDEN_OUTBOUND = GOLDEN.with_name("flow_report_outbound.json")
+T0 = 1_800_000_000.0
+
+
+def _outbound_report_body() -> bytes:
+    """What the agent writes for a window of an inbound key, an outbound one and a fail-safe one."""
+    windows = Windows(length=60, max_keys=100, accounting=True)
+    windows.connection_opened(FlowKey("10.50.0.2", "tcp", 443, "allowed", 7), T0 + 1)
+    windows.connection_opened(FlowKey("192.0.2.9", "tcp", 5432, "allowed", 12, "outbound"), T0 + 2)
+    windows.connection_opened(FlowKey("192.0.2.9", "tcp", 9090, "blocked", None, "outbound"), T0 + 3)
+    windows.connection_opened(FlowKey("192.0.2.53", "udp", 53, "allowed", None, "outbound", True), T0 + 4)
+    (closed,), _ = windows.close_due(T0 + 60, "sha256:aa")
+    record = {**window_record(closed), "id": "6f8a3c1e-2b4d-4e5f-8a9b-0c1d2e3f4a5c"}
+    return report_body(
+        [record], [], now=T0 + 61, process_start_id="9b2f6c1e", uptime_seconds=3600.25, window_seconds=60
+    )
+
+
+def test_the_outbound_golden_report_is_what_the_agent_writes_and_what_the_gateway_stores(db):
+    body = _outbound_report_body()
+    assert body + b"\n" == GOLDEN_OUTBOUND.read_bytes()
+    workload, _, _ = enrolled()
+    answer = flow_report_ingest(
+        workload_id=str(workload.id), data=at_agent_clock(json.loads(body), clock.now())
+    )
+    assert [r["result"] for r in answer["windows"]] == ["accepted"]
+    stored = set(
+        FlowGroup.objects.values_list("peer", "port", "decision", "rule_number", "direction", "failsafe")
+    )
+    assert stored == {
+        ("10.50.0.2", 443, "allowed", 7, "inbound", False),
+        ("192.0.2.9", 5432, "allowed", 12, "outbound", False),
+        ("192.0.2.9", 9090, "blocked", None, "outbound", False),
+        ("192.0.2.53", 53, "allowed", None, "outbound", True),
+    }
