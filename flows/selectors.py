@@ -540,7 +540,8 @@ def simulation_review(
     """The review before enforcing: would-block groups, gaps, offline workloads and workloads not in
     simulation; any one fails it (a gap alone does: rule 5). The would-block groups and the connections
     decided outside simulation are `direction`'s; gaps fail it whatever the direction (a gap loses
-    both)."""
+    both). Which workloads were in simulation throughout is read from their (inbound) mode: outbound
+    modes are another change's, and the outbound review must read theirs once they exist."""
     workloads = _workloads_of(selected)
     planned = flow_range_plan(selected=selected, start=start, end=end, direction=direction)
     covered = coverage(selected, start, end, lookback=planned.lookback)
