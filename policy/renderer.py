@@ -10,7 +10,7 @@ Layout. Only inbound connections are judged, in one base chain on the input hook
   ``observed``. No policy rules are installed.
 * ``simulation``/``enforced``: chain ``input`` holds the baseline below, then the deny rules of
   every applicable ruleset (each sets the ct mark ``would_block | rule number`` and accepts in
-  simulation; ``blocked | rule number``, logs with the prefix ``palisade deny <number>`` and drops in
+  simulation; ``blocked | rule number``, logs with the prefix ``palisade:in:<number>`` and drops in
   enforced), then one group of nftables rules per allow rule (each sets the ct mark
   ``allowed | rule number`` and accepts), then a terminal rule. A policy without deny rules renders
   exactly as before deny rules existed. In ``simulation`` it sets ``would_block``, logs to NFLOG
@@ -90,13 +90,22 @@ _COMMENT_BYTES = 120
 _ELEMENTS_PER_LINE = 8
 
 
-# The NFLOG prefix of a packet a deny rule drops: "palisade deny <rule number>". The agent reads the
-# number from it (agent/nflog.py), as it reads a conntrack entry's mark for the connections it admits.
-DENY_LOG_PREFIX = "palisade deny "
+# The NFLOG prefixes of the blocked group, one scheme: `palisade:<in|out>[:<rule number>]`. A dropped
+# packet never becomes a conntrack entry, so the prefix carries what a mark would: the direction and
+# the deny rule that refused it. The inbound terminal drop keeps no prefix (as it always has). The
+# agent parses them (agent/nflog.py parse_prefix); tests/agent keeps the two equal.
+LOG_PREFIX_INBOUND = "palisade:in"
+LOG_PREFIX_OUTBOUND = "palisade:out"
 
 
-def deny_log_prefix(rule_number: int) -> str:
-    return f"{DENY_LOG_PREFIX}{rule_number}"
+def blocked_log_prefix(*, outbound: bool, rule_number: int | None = None) -> str:
+    """`palisade:in:N` (inbound deny N), `palisade:out` (outbound terminal), `palisade:out:N`."""
+    head = LOG_PREFIX_OUTBOUND if outbound else LOG_PREFIX_INBOUND
+    return head if rule_number is None else f"{head}:{rule_number}"
+
+
+def deny_log_prefix(rule_number: int, *, outbound: bool = False) -> str:
+    return blocked_log_prefix(outbound=outbound, rule_number=rule_number)
 
 
 def encode_mark(decision: int, rule_number: int = 0) -> int:
