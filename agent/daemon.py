@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus, WebSocketException
 
-from agent import __version__
+from agent import __version__, gateways
 from agent import protocol as p
 from agent.backoff import retry_delay
 from agent.credential import (
@@ -121,6 +121,7 @@ class Agent:
         self._context = context  # simulated agents share one
         self._identity_stamp: int | None = None
         self.identity: Identity | None = None
+        self._gateway_endpoints_seen: list[gateways.Endpoint] = []
         self._load()
         self._ws: ClientConnection | None = None
         self._renew_only = False
@@ -507,9 +508,25 @@ class Agent:
             if self._deferred_verdict is not None:
                 self.table_event(self._deferred_verdict)
 
+    async def _gateway_endpoints(self, ws: ClientConnection) -> list[gateways.Endpoint]:
+        """Where this agent reaches the control plane: its gateway's addresses now, and the stream's
+        peer; the last resolved ones when a lookup fails (agent/gateways.py)."""
+        names = [self.identity.gateway] if self.identity is not None else []
+        resolved = await asyncio.get_running_loop().run_in_executor(None, gateways.resolve, names)
+        if resolved:
+            self._gateway_endpoints_seen = resolved
+        found = list(resolved or self._gateway_endpoints_seen)
+        remote = getattr(ws, "remote_address", None)
+        if remote:
+            found.append((str(remote[0]), int(remote[1])))
+        return found
+
     async def _apply(self, ws: ClientConnection, snapshot: p.Snapshot) -> None:
         try:
-            await self.dataplane.apply(snapshot.document)
+            document = snapshot.document
+            if gateways.GATEWAY_SETS[4] in document:
+                document = gateways.with_gateways(document, await self._gateway_endpoints(ws))
+            await self.dataplane.apply(document)
         except Exception as error:  # noqa: BLE001 - whatever refused the document, report it
             text = (getattr(error, "message", None) or str(error) or type(error).__name__)[:MAX_ERROR_CHARS]
             self.apply_failures += 1
