@@ -31,6 +31,11 @@ MeResponse = inline_serializer(
         "site_label": serializers.CharField(),
         "gateway_address": serializers.CharField(help_text="host:port agents enrol and stream to."),
         "version": serializers.CharField(help_text="The control plane's version."),
+        "outbound_failsafe": serializers.ListField(
+            child=serializers.CharField(),
+            help_text="The fail-safe list (PALISADE_OUTBOUND_FAILSAFE): what every output chain admits to any "
+            "destination before any rule, as `protocol/port` or `protocol/first-last`.",
+        ),
     },
 )
 
@@ -96,5 +101,9 @@ class MeView(APIView):
                 "site_label": runtime.facts.label,
                 "gateway_address": gateway_address(),
                 "version": __version__,
+                "outbound_failsafe": [
+                    f"{protocol}/{first}" if first == last else f"{protocol}/{first}-{last}"
+                    for protocol, first, last in settings.PALISADE_OUTBOUND_FAILSAFE
+                ],
             }
         )
