@@ -119,3 +119,27 @@ def test_an_unconfirmed_outbound_change_puts_back_the_outbound_mode_only(api, cl
     revert = api.get(f"/api/v1/mode-changes/{reverted_by}").json()
     assert revert["direction"] == "outbound" and revert["mode"] == "visibility"
     assert document(web) != original and "chain output" not in document(web)
+
+
+def test_the_host_commands_take_the_direction_and_the_outbound_mode(tmp_path):
+    import json
+
+    from tests.support.helpers import run_command as run
+
+    web = make_workload(hostname="web", labels={"app": "web"})
+    make_workload(hostname="db", labels={"app": "db"})
+    code, out, _ = run("mode-change", "simulation", "--label", "app=web", "--direction", "outbound")
+    assert code == 0 and out.startswith("outbound simulation: 1 selected, 1 changed"), out
+    assert Workload.objects.get(id=web.id).outbound_mode == "simulation"
+    code, out, _ = run("workload", "list", "--outbound-mode", "simulation", "--json")
+    assert code == 0 and [w["hostname"] for w in json.loads(out)] == ["web"]
+    body = tmp_path / "egress.json"
+    body.write_text(json.dumps({"name": "egress", "scope": "app=web", "direction": "outbound",
+                                "rules": [{"destinations": [{"any": True}], "services": [TCP_9090]}]}))  # fmt: skip
+    code, out, err = run("ruleset", "create", str(body), "--json")
+    assert code == 0, err
+    assert json.loads(out)["direction"] == "outbound"
+    body.write_text(json.dumps({"name": "bad", "scope": "", "direction": "outbound",
+                                "rules": [{"sources": [{"any": True}], "services": [TCP_9090]}]}))  # fmt: skip
+    code, _, err = run("ruleset", "create", str(body))
+    assert code != 0 and "/rules/0/sources" in err
