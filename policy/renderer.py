@@ -331,6 +331,15 @@ class PeerLine:
     line: Line
 
 
+# (every inbound rule in chain order with its scope and distinct service lines; per distinct source, a
+# compiled rule naming it and the (rule order, family) pairs it appears in; the orders of `any` rules)
+_PeerIndex = tuple[
+    list[tuple[RuleInput, CompiledRule, Selector, tuple[Line, ...]]],
+    list[tuple["SourceSets", list[tuple[int, int]]]],
+    list[int],
+]
+
+
 class CompiledRuleset:
     """A ruleset's rules in chain order, each compiled once (on first use)."""
 
@@ -377,6 +386,9 @@ class CompiledPolicy:
         self._per_position: dict[int, list[CompiledRuleset]] | None = None
         self._group_sets: dict[str, SourceSets] = {}
         self._blocks: dict[CompiledRuleset, _Block] = {}
+        self._peers: _PeerIndex | None = None
+        self._entries: dict[int, dict] = {}  # id(inbound rule) -> its rule-index entry
+        self._peer_texts: dict[tuple, tuple[str, tuple[tuple[str, str], ...]]] = {}
 
     def applicable(self, workload: WorkloadInput) -> Sequence[CompiledRuleset]:
         """The inbound rulesets whose scope matches the workload's labels, in rule-numbering order."""
@@ -420,34 +432,58 @@ class CompiledPolicy:
         """(deny, allow) lines of the fleet's inbound rules whose sources hold `workload`'s address:
         its outgoing connections to their scopes' workloads on their services are what those
         workloads' own inbound policy refuses or admits. Rulesets by name, rules by position."""
+        rules, by_source, any_source = self._peer_index()
         own: dict[int, list[int]] = {4: [], 6: []}
         for text in workload.addresses:
             address = parse_host_address(text)
             own[address.version].append(int(address))
+        families: dict[int, set[int]] = {}
+        mine = {f for f in (4, 6) if own[f]}
+        for order in any_source:
+            families.setdefault(order, set()).update(mine)
+        # Each distinct source is asked once, not once per rule that names it.
+        for sets, pairs in by_source:
+            hit = [f for f in mine if any(sets.contains(f, a) for a in own[f])]
+            if hit:
+                for order, family in pairs:
+                    if family in hit:
+                        families.setdefault(order, set()).add(family)
         denies: list[PeerLine] = []
         allows: list[PeerLine] = []
-        for compiled in self._ordered:
-            for rule, rule_compiled in compiled.rules:
-                families: set[int] = set()
-                for line in rule_compiled.lines:
-                    if line.source is None:
-                        families.update(f for f in (4, 6) if own[f])
-                    elif own[line.family] and any(
-                        self.source_sets(line.source, rule_compiled).contains(line.family, a)
-                        for a in own[line.family]
-                    ):
-                        families.add(line.family)
-                if not families:
-                    continue
-                tails: dict[str, Line] = {}
-                for line in rule_compiled.lines:
-                    tails.setdefault(line.tail, line)
-                found = denies if rule.action == "deny" else allows
-                for family in sorted(families):
-                    for line in tails.values():
-                        if line.l4proto is None or line.family == family:
-                            found.append(PeerLine(rule, rule_compiled, compiled.ruleset.scope, family, line))
+        for order in sorted(families):
+            rule, rule_compiled, scope, tails = rules[order]
+            found = denies if rule.action == "deny" else allows
+            for family in sorted(families[order]):
+                for line in tails:
+                    if line.l4proto is None or line.family == family:
+                        found.append(PeerLine(rule, rule_compiled, scope, family, line))
         return denies, allows
+
+    def _peer_index(self) -> _PeerIndex:
+        """Every inbound rule in chain order with its distinct service matches, and which rules each
+        distinct source (or `any`) appears in, by family: worked out once per compiled policy."""
+        if self._peers is None:
+            rules: list[tuple[RuleInput, CompiledRule, Selector, tuple[Line, ...]]] = []
+            by_source: dict[tuple[str, str], tuple[CompiledRule, list[tuple[int, int]]]] = {}
+            any_source: list[int] = []
+            for compiled in self._ordered:
+                for rule, rule_compiled in compiled.rules:
+                    order = len(rules)
+                    tails: dict[str, Line] = {}
+                    for line in rule_compiled.lines:
+                        tails.setdefault(line.tail, line)
+                        if line.source is None:
+                            if not any_source or any_source[-1] != order:
+                                any_source.append(order)
+                        else:
+                            by_source.setdefault(line.source, (rule_compiled, []))[1].append(
+                                (order, line.family)
+                            )
+                    rules.append((rule, rule_compiled, compiled.ruleset.scope, tuple(tails.values())))
+                    self._entries[id(rule)] = _rule_entry(compiled.ruleset, rule)
+            resolved = [(self.source_sets(source, rep), pairs) for source, (rep, pairs) in by_source.items()]
+            self._peers = (rules, resolved, any_source)
+        return self._peers
 
     def render(self, workload: WorkloadInput) -> RenderedDocument:
         outbound = workload.outbound_mode != "visibility"
@@ -529,47 +565,41 @@ class CompiledPolicy:
     def _peer_line_text(
         self, peer: PeerLine, enforced: bool, rule_index: dict[int, dict], sets: dict[str, str]
     ) -> str:
+        rule = peer.rule
+        key = (id(rule), peer.family, peer.line.tail, enforced)
+        found = self._peer_texts.get(key)
+        if found is None:
+            found = self._peer_texts[key] = self._peer_line(peer, enforced)
+        text, line_sets = found
+        if text:
+            sets.update(line_sets)
+            _index(rule_index, ((rule.number, self._entries[id(rule)]),))
+        return text
+
+    def _peer_line(self, peer: PeerLine, enforced: bool) -> tuple[str, tuple[tuple[str, str], ...]]:
         destination = self.selector_sets(peer.scope)
         if not destination.has[peer.family]:
-            return ""
-        name, definition = destination.sets[peer.family]
-        sets[name] = definition
+            return "", ()
+        line_sets = [destination.sets[peer.family]]
         if peer.line.uses_service_set and peer.compiled.service_set is not None:
             service_name, service_definition = peer.compiled.service_set
-            sets[service_name] = _claimed(self.fleet, service_name, service_definition, service_definition)
-        rule = peer.rule
-        entry = self._ruleset_entries(rule)
-        _index(rule_index, ((rule.number, entry),))
-        daddr = "ip daddr" if peer.family == 4 else "ip6 daddr"
-        head = f"\t\t{daddr} @{name} {peer.line.tail} ct mark set "
-        comment = peer.compiled.comment
-        if rule.action == "deny":
-            if enforced:
-                return (
-                    f"{head}{encode_mark(DECISION_BLOCKED, rule.number, DIRECTION_OUTBOUND_FLAG):#010x} "
-                    f'log prefix "{deny_log_prefix(rule.number)}" group {NFLOG_GROUP_BLOCKED} '
-                    f"queue-threshold 1 drop{comment}\n"
-                )
-            return (
-                f"{head}{encode_mark(DECISION_WOULD_BLOCK, rule.number, DIRECTION_OUTBOUND_FLAG):#010x} "
-                f"log group {NFLOG_GROUP_WOULD_BLOCK} queue-threshold 1 accept{comment}\n"
+            line_sets.append(
+                (service_name, _claimed(self.fleet, service_name, service_definition, service_definition))
             )
-        return f"{head}{encode_mark(DECISION_ALLOWED, rule.number, DIRECTION_OUTBOUND_FLAG):#010x} accept{comment}\n"
-
-    def _ruleset_entries(self, rule: RuleInput) -> dict:
-        for compiled in self._ordered:
-            for candidate, _ in compiled.rules:
-                if candidate is rule:
-                    entry = {
-                        "ruleset_id": compiled.ruleset.id,
-                        "ruleset_name": compiled.ruleset.name,
-                        "rule_id": rule.id,
-                        "position": rule.position,
-                    }
-                    if rule.action == "deny":
-                        entry["action"] = "deny"
-                    return entry
-        raise ValueError(f"rule {rule.id} is in no ruleset of the policy")
+        rule = peer.rule
+        daddr = "ip daddr" if peer.family == 4 else "ip6 daddr"
+        head = f"\t\t{daddr} @{line_sets[0][0]} {peer.line.tail} ct mark set "
+        comment = peer.compiled.comment
+        if rule.action != "deny":
+            mark = encode_mark(DECISION_ALLOWED, rule.number, DIRECTION_OUTBOUND_FLAG)
+            return f"{head}{mark:#010x} accept{comment}\n", tuple(line_sets)
+        if enforced:
+            mark = encode_mark(DECISION_BLOCKED, rule.number, DIRECTION_OUTBOUND_FLAG)
+            verdict = f'log prefix "{deny_log_prefix(rule.number)}" group {NFLOG_GROUP_BLOCKED} queue-threshold 1 drop'
+        else:
+            mark = encode_mark(DECISION_WOULD_BLOCK, rule.number, DIRECTION_OUTBOUND_FLAG)
+            verdict = f"log group {NFLOG_GROUP_WOULD_BLOCK} queue-threshold 1 accept"
+        return f"{head}{mark:#010x} {verdict}{comment}\n", tuple(line_sets)
 
     def _block(self, compiled: CompiledRuleset) -> _Block:
         """A ruleset's chain lines, their sets, and its rules' (number, rule-index entry): the same for
@@ -588,18 +618,10 @@ class CompiledPolicy:
             if not 0 < rule.number <= MAX_RULES:
                 raise ValueError(f"rule {rule.id} has no lifetime number (1-{MAX_RULES}): {rule.number!r}")
             heads, rule_sets = self._resolved(rule_compiled)
-            entry = {
-                "ruleset_id": ruleset.id,
-                "ruleset_name": ruleset.name,
-                "rule_id": rule.id,
-                "position": rule.position,
-            }
-            if flags:
-                entry["direction"] = "outbound"
+            entry = _rule_entry(ruleset, rule)
             if rule.action == "deny":
                 # Logged like the terminal rule (the NFLOG prefix names the rule of a dropped packet,
                 # which never becomes a conntrack entry), but marked with the deny rule's number.
-                entry["action"] = "deny"
                 would_block = (
                     f"{encode_mark(DECISION_WOULD_BLOCK, rule.number, flags):#010x} "
                     f"log group {NFLOG_GROUP_WOULD_BLOCK} queue-threshold 1 accept{rule_compiled.comment}\n"
@@ -640,6 +662,20 @@ class CompiledPolicy:
 
 
 FAILSAFE_SET = "failsafe"
+
+
+def _rule_entry(ruleset: RulesetInput, rule: RuleInput) -> dict:
+    entry = {
+        "ruleset_id": ruleset.id,
+        "ruleset_name": ruleset.name,
+        "rule_id": rule.id,
+        "position": rule.position,
+    }
+    if ruleset.direction == "outbound":
+        entry["direction"] = "outbound"
+    if rule.action == "deny":
+        entry["action"] = "deny"
+    return entry
 
 
 def _index(rule_index: dict[int, dict], entries: Iterable[tuple[int, dict]]) -> None:
