@@ -205,7 +205,9 @@ def with_outbound(workloads, services, groups, rulesets):
             for position in range(1, 6)
         )
         scope = f"app={rng.choice(APPS)}" if r else ""
-        outbound.append(RulesetInput(f"out-{r:02d}", f"egress-{r:02d}", parse_selector(scope), rules, "outbound"))
+        outbound.append(
+            RulesetInput(f"out-{r:02d}", f"egress-{r:02d}", parse_selector(scope), rules, "outbound")
+        )
     return judged, list(rulesets) + outbound
 
 
@@ -291,7 +293,9 @@ def main() -> None:
     parser.add_argument("--apply-reps", type=int, default=9)
     parser.add_argument("--no-apply", action="store_true")
     parser.add_argument(
-        "--outbound", action="store_true", help="half the fleet in outbound simulation/enforced, 50 outbound rulesets"
+        "--outbound",
+        action="store_true",
+        help="half the fleet in outbound simulation/enforced, 50 outbound rulesets",
     )
     args = parser.parse_args()
 
