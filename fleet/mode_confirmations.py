@@ -235,6 +235,7 @@ def _revert(change: ModeChange, *, now: datetime) -> ModeChange:
             "mode_change": {
                 "id": str(revert.id),
                 "mode": revert.mode,
+                "direction": revert.direction,
                 "selection": revert.selection,
                 "resolved_count": revert.resolved_count,
                 "changed_workload_ids": [entry["workload_id"] for entry in restored],
