@@ -331,11 +331,14 @@ class PeerLine:
     line: Line
 
 
-# (every inbound rule in chain order with its scope and distinct service lines; per distinct source, a
-# compiled rule naming it and the (rule order, family) pairs it appears in; the orders of `any` rules)
+# (every inbound rule in chain order with its scope and distinct service lines; per distinct source, its
+# sets and the (rule order, family) pairs it appears in; (family, address) -> the selector sources
+# holding it; the sources of intervals (address groups); the orders of `any` rules)
 _PeerIndex = tuple[
     list[tuple[RuleInput, CompiledRule, Selector, tuple[Line, ...]]],
     list[tuple["SourceSets", list[tuple[int, int]]]],
+    dict[tuple[int, int], list[int]],
+    list[int],
     list[int],
 ]
 
@@ -432,7 +435,7 @@ class CompiledPolicy:
         """(deny, allow) lines of the fleet's inbound rules whose sources hold `workload`'s address:
         its outgoing connections to their scopes' workloads on their services are what those
         workloads' own inbound policy refuses or admits. Rulesets by name, rules by position."""
-        rules, by_source, any_source = self._peer_index()
+        rules, sources, by_address, interval_sources, any_source = self._peer_index()
         own: dict[int, list[int]] = {4: [], 6: []}
         for text in workload.addresses:
             address = parse_host_address(text)
@@ -441,13 +444,22 @@ class CompiledPolicy:
         mine = {f for f in (4, 6) if own[f]}
         for order in any_source:
             families.setdefault(order, set()).update(mine)
-        # Each distinct source is asked once, not once per rule that names it.
-        for sets, pairs in by_source:
-            hit = [f for f in mine if any(sets.contains(f, a) for a in own[f])]
+        # Each distinct source is asked once, not once per rule that names it: a selector's by the
+        # workload's addresses (an index of every selector set's members), a group's by its intervals.
+        hits: dict[int, set[int]] = {}
+        for family in mine:
+            for value in own[family]:
+                for index in by_address.get((family, value), ()):
+                    hits.setdefault(index, set()).add(family)
+        for index in interval_sources:
+            sets = sources[index][0]
+            hit = {f for f in mine if any(sets.contains(f, a) for a in own[f])}
             if hit:
-                for order, family in pairs:
-                    if family in hit:
-                        families.setdefault(order, set()).add(family)
+                hits[index] = hit
+        for index, hit in hits.items():
+            for order, family in sources[index][1]:
+                if family in hit:
+                    families.setdefault(order, set()).add(family)
         denies: list[PeerLine] = []
         allows: list[PeerLine] = []
         for order in sorted(families):
@@ -482,7 +494,16 @@ class CompiledPolicy:
                     rules.append((rule, rule_compiled, compiled.ruleset.scope, tuple(tails.values())))
                     self._entries[id(rule)] = _rule_entry(compiled.ruleset, rule)
             resolved = [(self.source_sets(source, rep), pairs) for source, (rep, pairs) in by_source.items()]
-            self._peers = (rules, resolved, any_source)
+            by_address: dict[tuple[int, int], list[int]] = {}
+            interval_sources = []
+            for index, (sets, _) in enumerate(resolved):
+                if sets.addresses:
+                    for family, members in sets.addresses.items():
+                        for member in members:
+                            by_address.setdefault((family, member), []).append(index)
+                else:
+                    interval_sources.append(index)
+            self._peers = (rules, resolved, by_address, interval_sources, any_source)
         return self._peers
 
     def render(self, workload: WorkloadInput) -> RenderedDocument:
