@@ -391,7 +391,7 @@ class CompiledPolicy:
         self._blocks: dict[CompiledRuleset, _Block] = {}
         self._peers: _PeerIndex | None = None
         self._entries: dict[int, dict] = {}  # id(inbound rule) -> its rule-index entry
-        self._peer_texts: dict[tuple, tuple[str, tuple[tuple[str, str], ...]]] = {}
+        self._peer_texts: dict[tuple, tuple] = {}
 
     def applicable(self, workload: WorkloadInput) -> Sequence[CompiledRuleset]:
         """The inbound rulesets whose scope matches the workload's labels, in rule-numbering order."""
@@ -435,7 +435,26 @@ class CompiledPolicy:
         """(deny, allow) lines of the fleet's inbound rules whose sources hold `workload`'s address:
         its outgoing connections to their scopes' workloads on their services are what those
         workloads' own inbound policy refuses or admits. Rulesets by name, rules by position."""
-        rules, sources, by_address, interval_sources, any_source = self._peer_index()
+        rules = self._peer_index()[0]
+        denies: list[PeerLine] = []
+        allows: list[PeerLine] = []
+        for order, families in self._peer_families(workload):
+            found = denies if rules[order][0].action == "deny" else allows
+            found.extend(self._rule_peer_lines(order, families))
+        return denies, allows
+
+    def _rule_peer_lines(self, order: int, families: tuple[int, ...]) -> list[PeerLine]:
+        rule, rule_compiled, scope, tails = self._peer_index()[0][order]
+        return [
+            PeerLine(rule, rule_compiled, scope, family, line)
+            for family in families
+            for line in tails
+            if line.l4proto is None or line.family == family
+        ]
+
+    def _peer_families(self, workload: WorkloadInput) -> list[tuple[int, tuple[int, ...]]]:
+        """(rule order, families) of the inbound rules with a source holding the workload's address."""
+        _, sources, by_address, interval_sources, any_source = self._peer_index()
         own: dict[int, list[int]] = {4: [], 6: []}
         for text in workload.addresses:
             address = parse_host_address(text)
@@ -460,16 +479,7 @@ class CompiledPolicy:
             for order, family in sources[index][1]:
                 if family in hit:
                     families.setdefault(order, set()).add(family)
-        denies: list[PeerLine] = []
-        allows: list[PeerLine] = []
-        for order in sorted(families):
-            rule, rule_compiled, scope, tails = rules[order]
-            found = denies if rule.action == "deny" else allows
-            for family in sorted(families[order]):
-                for line in tails:
-                    if line.l4proto is None or line.family == family:
-                        found.append(PeerLine(rule, rule_compiled, scope, family, line))
-        return denies, allows
+        return [(order, tuple(sorted(families[order]))) for order in sorted(families)]
 
     def _peer_index(self) -> _PeerIndex:
         """Every inbound rule in chain order with its distinct service matches, and which rules each
@@ -576,26 +586,38 @@ class CompiledPolicy:
             sets.update(block.sets)
             _index(rule_index, block.entries)
         parts.extend(blocks)
-        peer_denies, peer_allows = self.peer_lines(workload)
-        for peer in (*peer_denies, *peer_allows):
-            parts.append(self._peer_line_text(peer, enforced, rule_index, sets))
+        # A rule's lines, their sets and its index entry, kept per (rule, families, mode): most workloads
+        # meet the same inbound rules.
+        denies: list[str] = []
+        allows: list[str] = []
+        for order, families in self._peer_families(workload):
+            key = (order, families, enforced)
+            found = self._peer_texts.get(key)
+            if found is None:
+                texts: list[str] = []
+                line_sets: dict[str, str] = {}
+                for peer in self._rule_peer_lines(order, families):
+                    text, more = self._peer_line(peer, enforced)
+                    texts.append(text)
+                    line_sets.update(more)
+                rule = self._peer_index()[0][order][0]
+                found = self._peer_texts[key] = (
+                    rule.action == "deny",
+                    "".join(texts),
+                    tuple(line_sets.items()),
+                    (rule.number, self._entries[id(rule)]) if texts and any(texts) else None,
+                )
+            deny, text, line_sets_found, entry = found
+            if text:
+                (denies if deny else allows).append(text)
+                sets.update(line_sets_found)
+                if entry is not None:
+                    _index(rule_index, (entry,))
+        parts.extend(denies)
+        parts.extend(allows)
         parts.append(_OUT_TERMINAL_ENFORCED if enforced else _OUT_TERMINAL_SIMULATION)
         parts.append("\t}\n")
         return "".join(parts)
-
-    def _peer_line_text(
-        self, peer: PeerLine, enforced: bool, rule_index: dict[int, dict], sets: dict[str, str]
-    ) -> str:
-        rule = peer.rule
-        key = (id(rule), peer.family, peer.line.tail, enforced)
-        found = self._peer_texts.get(key)
-        if found is None:
-            found = self._peer_texts[key] = self._peer_line(peer, enforced)
-        text, line_sets = found
-        if text:
-            sets.update(line_sets)
-            _index(rule_index, ((rule.number, self._entries[id(rule)]),))
-        return text
 
     def _peer_line(self, peer: PeerLine, enforced: bool) -> tuple[str, tuple[tuple[str, str], ...]]:
         destination = self.selector_sets(peer.scope)
