@@ -36,6 +36,7 @@ _DENY = re.compile(r'^\t\t(?P<match>.*?) ct mark set \S+ log prefix "palisade:in
 _SOURCE = re.compile(r"^(?P<family>ip6?) saddr @(?P<set>\S+) ")
 _SERVICES = re.compile(r"meta l4proto \. th dport @(?P<set>\S+)$")
 _PROTOCOLS = {"tcp": 6, "udp": 17}
+OUTPUT_CHAIN = "\tchain output {"
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
@@ -80,7 +81,9 @@ def deny_lines(document: str) -> list[DenyLine]:
     """The document's deny lines that judge ported connections, in chain order."""
     sets = {name: (kind, _elements(body)) for name, kind, body in _SET.findall(document)}
     lines = []
-    for text in document.splitlines():
+    # The output chain's deny lines judge the connections the workload opens: they end nothing here.
+    inbound, _, _ = document.partition(OUTPUT_CHAIN)
+    for text in inbound.splitlines():
         found = _DENY.match(text)
         if found is None:
             continue

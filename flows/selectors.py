@@ -379,7 +379,7 @@ def flow_rollup_read(
     if group_by == ["rule"] and covered["complete"]:
         every = _rollup_rows(planned, columns, last=None, most=ROLLUP_ROWS)
         if not every.truncated:
-            unused = _rules_without_hits({row["rule_number"] for row in every.rows})
+            unused = _rules_without_hits({row["rule_number"] for row in every.rows}, planned.direction)
         rows = _after(every.rows, columns, last)
         rows = rows if limit is None else rows[: limit + 1]
         left_out = every.key_count - len(every.rows)
@@ -480,12 +480,15 @@ def _page_end(
     return rows, cursor_encode(fingerprint, [rows[-1][column] for column in columns])
 
 
-def _rules_without_hits(hit: set) -> list[Rule]:
-    """Rules whose numbers are not among those `hit` (the caller says so only when coverage is complete)."""
+def _rules_without_hits(hit: set, direction: str = Direction.INBOUND) -> list[Rule]:
+    """Rules of rulesets of `direction` (every one with `any`) whose numbers are not among those `hit`
+    (the caller says so only when coverage is complete). An outbound connection admitted by its
+    destination's inbound rule ("one rule, both ends") is no hit of that rule in an inbound read."""
     hit.discard(None)
-    return list(
-        Rule.objects.exclude(number__in=hit).select_related("ruleset").order_by("ruleset__name", "position")
-    )
+    rules = Rule.objects.exclude(number__in=hit)
+    if direction != ANY_DIRECTION:
+        rules = rules.filter(ruleset__direction=direction)
+    return list(rules.select_related("ruleset").order_by("ruleset__name", "position"))
 
 
 def _summed(
@@ -554,22 +557,37 @@ def _review_decisions(planned: FlowRange, elsewhere_ids: set) -> tuple[list, lis
     )  # fmt: skip
 
 
+# The workload's mode of each direction, and since when it holds it.
+_MODE_FIELDS = {
+    Direction.INBOUND: ("mode", "mode_since"),
+    Direction.OUTBOUND: ("outbound_mode", "outbound_mode_since"),
+}
+
+
+def _simulating_throughout(direction: str, start: datetime) -> Q:
+    """In simulation for the whole range, in the direction's mode (both with `any`): in it now, and
+    since before the range began."""
+    condition = Q()
+    for mode, since in [_MODE_FIELDS[direction]] if direction in _MODE_FIELDS else _MODE_FIELDS.values():
+        condition &= Q(**{mode: Mode.SIMULATION}) & (
+            Q(**{f"{since}__lte": start}) | Q(**{since: None}, enrolled_at__lte=start)
+        )
+    return condition
+
+
 def simulation_review(
     *, selected, start: datetime, end: datetime, direction: str = Direction.INBOUND
 ) -> dict:
     """The review before enforcing: would-block groups, gaps, offline workloads and workloads not in
     simulation; any one fails it (a gap alone does: rule 5). The would-block groups and the connections
     decided outside simulation are `direction`'s; gaps fail it whatever the direction (a gap loses
-    both). Which workloads were in simulation throughout is read from their (inbound) mode: outbound
-    modes are another change's, and the outbound review must read theirs once they exist."""
+    both). Which workloads were in simulation throughout is read from the mode of that direction:
+    `mode` inbound, `outbound_mode` outbound, both with `any`."""
     workloads = _workloads_of(selected)
     planned = flow_range_plan(selected=selected, start=start, end=end, direction=direction)
     covered = coverage(selected, start, end, lookback=planned.lookback)
     offline = workloads.filter(sync_state=SyncState.OFFLINE).order_by("hostname", "id")
-    # In simulation for the whole range: in it now, and since before the range began.
-    simulating_throughout = Q(mode=Mode.SIMULATION) & (
-        Q(mode_since__lte=start) | Q(mode_since=None, enrolled_at__lte=start)
-    )
+    simulating_throughout = _simulating_throughout(direction, start)
     elsewhere = workloads.exclude(simulating_throughout).order_by("hostname", "id")
     would_block, elsewhere_decided = _review_decisions(planned, set(elsewhere.values_list("id", flat=True)))
     # The lists are capped; the counts, and so the reasons, are exact: a script gating enforcement

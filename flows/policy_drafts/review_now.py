@@ -34,16 +34,13 @@ def simulation_review_now(
     *, selected, start: datetime, end: datetime, direction: str = Direction.INBOUND
 ) -> dict:
     """`simulation_review`, and `now`: its verdict with the would-block groups judged against the
-    policy in force now (those a rule saved since admits no longer count). The classifier judges
-    inbound keys only: an outbound group still counts as refused now."""
+    policy in force now (those a rule saved since admits no longer count), each by its own direction's
+    chain."""
     review = simulation_review(selected=selected, start=start, end=end, direction=direction)
     judge = FlowKeyClassifier(in_force_load())
     rows = review["would_block_rows"]
-    refused = [
-        row
-        for row in rows
-        if row.get("direction", direction) != Direction.INBOUND or not judge.admitted_now(row)
-    ]
+    # A row carries its direction only when read with `any`.
+    refused = [row for row in rows if not judge.admitted_now({"direction": direction, **row})]
     reasons = _reasons_now(review["reasons"], len(refused))
     review["judged_against"] = RECORDED
     review["now"] = {

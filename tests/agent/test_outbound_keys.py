@@ -166,3 +166,26 @@ def test_an_outbound_drop_counts_its_destination_and_port_inbound_its_source():
         FlowKey("192.0.2.9", "tcp", 9090, "blocked", None, "outbound"): 2,
         FlowKey("192.0.2.7", "tcp", 22, "blocked", None): 1,
     }
+
+
+def test_the_agent_reads_the_marks_the_renderer_sets():
+    """The agent imports nothing of the control plane: the flags, the shift and every mark the output
+    chain can set must still mean the same on both sides."""
+    from policy import renderer
+
+    assert (conntrack.FLAG_OUTBOUND, conntrack.FLAG_FAILSAFE) == (
+        renderer.DIRECTION_OUTBOUND_FLAG,
+        renderer.FAILSAFE_FLAG,
+    )
+    assert conntrack.DECISION_SHIFT == renderer.DECISION_SHIFT
+    for decision, name in renderer.DECISION_NAMES.items():
+        for flags in (0, renderer.DIRECTION_OUTBOUND_FLAG):
+            value = renderer.encode_mark(decision, 7, flags)
+            got = conntrack.decode_mark_flags(value)
+            want = renderer.decode_any_mark(value)
+            assert want is not None
+            assert got == (name, want.rule, want.direction, want.failsafe)
+    safe = renderer.encode_mark(
+        renderer.DECISION_ALLOWED, 0, renderer.DIRECTION_OUTBOUND_FLAG | renderer.FAILSAFE_FLAG
+    )
+    assert conntrack.decode_mark_flags(safe) == ("allowed", None, "outbound", True)

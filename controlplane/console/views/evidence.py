@@ -56,15 +56,24 @@ def mode_changes(request, api):
     form = {
         **selection_form(params),
         "mode": params.get("mode", "simulation"),
+        "direction": "outbound" if params.get("direction") == "outbound" else "inbound",
         "with_confirmation": params.get("with_confirmation") == "yes",
         "confirm_within": params.get("confirm_within", CONFIRM_WITHIN_DEFAULT).strip(),
     }
     span = chosen_range(params)
-    context: dict = {"form": form, "modes": MODES, "span": span, "ranges": list(RANGES)}
+    context: dict = {
+        "form": form,
+        "modes": MODES,
+        "directions": ("inbound", "outbound"),
+        "span": span,
+        "ranges": list(RANGES),
+    }
+    # The simulation review judges inbound evidence: an outbound change is not gated by it.
+    inbound = form["direction"] == "inbound"
     if form["labels"] or form["workloads"]:
         selected = selected_workloads(api, form)
         context.update(selected, workloads=selected["workloads"][:LISTED])
-    if form["mode"] == "enforced" and (form["labels"] or form["workloads"]):
+    if inbound and form["mode"] == "enforced" and (form["labels"] or form["workloads"]):
         review = review_of(api, form, span)
         context["review"] = review.data if review.ok else None
         context["review_problem"] = review.problem
@@ -73,12 +82,16 @@ def mode_changes(request, api):
         if refused is not None:
             context["enforced_words"] = refused_words(refused, span)
     if request.method == "POST" and not context.get("problem"):
-        failing = form["mode"] == "enforced" and (context.get("review") or {}).get("verdict") != "pass"
+        failing = (
+            inbound and form["mode"] == "enforced" and (context.get("review") or {}).get("verdict") != "pass"
+        )
         if failing and params.get("confirm") != "enforce-despite-review":
             context["needs_confirmation"] = True
         else:
             selection = selection_query(form)
             body = {"mode": form["mode"], "selection": {}}
+            if not inbound:
+                body["direction"] = form["direction"]
             if selection["label"]:
                 body["selection"]["labels"] = selection["label"]
             if selection["workload"]:
