@@ -90,7 +90,7 @@ _DECISION_BITS = 0x3F
 
 # The fail-safe list's default: DNS and NTP to any destination (settings.PALISADE_OUTBOUND_FAILSAFE).
 DEFAULT_OUTBOUND_FAILSAFE = (PortEntry("udp", 53), PortEntry("tcp", 53), PortEntry("udp", 123))
-# The sets the agent fills at apply time with the control-plane addresses it uses (agent/dataplane.py):
+# The sets the agent fills at apply time with the control-plane addresses it uses (agent/gateway_sets.py):
 # the rendered document holds them empty, so a stale document can never leave the agent's own
 # gateway out.
 GATEWAY_SETS = {4: "agent_gateways_v4", 6: "agent_gateways_v6"}
