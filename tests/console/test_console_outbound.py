@@ -43,6 +43,25 @@ def test_the_outbound_mode_is_changed_shown_and_filtered(browser):
     assert "outbound simulation" in text(browser.get(f"/workloads/{web.id}"))
 
 
+def test_an_outbound_change_to_enforced_is_gated_by_the_outbound_review(browser):
+    """The workload simulates inbound throughout but its outbound mode is visibility: the outbound
+    review fails (not in simulation), and the change needs the operator's confirmation."""
+    from datetime import timedelta
+
+    from controlplane import clock
+
+    web = make_workload(hostname="web-1", labels={"app": "web"})
+    long_ago = clock.now() - timedelta(days=2)
+    Workload.objects.filter(id=web.id).update(mode="simulation", mode_since=long_ago, enrolled_at=long_ago)
+    form = {"labels": "app=web", "mode": "enforced", "direction": "outbound"}
+    asked = text(browser.post("/mode-changes", form))
+    assert "the connections they open" in asked and "not in simulation" in asked
+    assert Workload.objects.get(id=web.id).outbound_mode == "visibility"
+    done = browser.post("/mode-changes", {**form, "confirm": "enforce-despite-review"})
+    assert done.status_code == 200, text(done)
+    assert Workload.objects.get(id=web.id).outbound_mode == "enforced"
+
+
 def test_an_outbound_ruleset_is_created_and_its_rules_have_destinations(browser):
     created = browser.post("/policy/rulesets/new", {"name": "egress", "scope": "app=web", "direction": "outbound",
                                                     "enabled": "on"})  # fmt: skip

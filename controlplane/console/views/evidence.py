@@ -46,7 +46,13 @@ def selected_workloads(api, form: dict) -> dict:
 
 
 def review_of(api, form: dict, span: dict):
-    return api.get("/flows/review", params={**selection_query(form), "from": span["from"], "to": span["to"]})
+    """The review of the form's direction (inbound when it has none): an outbound change to enforced is
+    judged on outbound evidence and the outbound mode."""
+    direction = {"direction": form["direction"]} if form.get("direction", "inbound") != "inbound" else {}
+    return api.get(
+        "/flows/review",
+        params={**selection_query(form), "from": span["from"], "to": span["to"], **direction},
+    )
 
 
 @require_http_methods(["GET", "POST"])
@@ -68,23 +74,23 @@ def mode_changes(request, api):
         "span": span,
         "ranges": list(RANGES),
     }
-    # The simulation review judges inbound evidence: an outbound change is not gated by it.
+    # Each direction's change to enforced is gated by that direction's review; the impact panel (what
+    # enforcing would refuse, by the classifier) is drawn for inbound changes only.
     inbound = form["direction"] == "inbound"
     if form["labels"] or form["workloads"]:
         selected = selected_workloads(api, form)
         context.update(selected, workloads=selected["workloads"][:LISTED])
-    if inbound and form["mode"] == "enforced" and (form["labels"] or form["workloads"]):
+    if form["mode"] == "enforced" and (form["labels"] or form["workloads"]):
         review = review_of(api, form, span)
         context["review"] = review.data if review.ok else None
         context["review_problem"] = review.problem
+    if inbound and form["mode"] == "enforced" and (form["labels"] or form["workloads"]):
         refused, problem = refused_when_enforced(api, selection_query(form), span)
         context.update(enforced_impact=refused, enforced_impact_problem=problem)
         if refused is not None:
             context["enforced_words"] = refused_words(refused, span)
     if request.method == "POST" and not context.get("problem"):
-        failing = (
-            inbound and form["mode"] == "enforced" and (context.get("review") or {}).get("verdict") != "pass"
-        )
+        failing = form["mode"] == "enforced" and (context.get("review") or {}).get("verdict") != "pass"
         if failing and params.get("confirm") != "enforce-despite-review":
             context["needs_confirmation"] = True
         else:
