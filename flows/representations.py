@@ -156,6 +156,15 @@ def review_data(review: dict[str, Any]) -> dict[str, Any]:
                 "hostname": w.hostname,
                 "mode": w.mode,
                 "mode_since": rfc3339(w.mode_since or w.enrolled_at),
+                # An outbound review's workloads say their outbound mode too; an inbound one's as before.
+                **(
+                    {
+                        "outbound_mode": w.outbound_mode,
+                        "outbound_mode_since": rfc3339(w.outbound_mode_since or w.enrolled_at),
+                    }
+                    if review.get("direction", "inbound") != "inbound"
+                    else {}
+                ),
             }
             for w in review["not_in_simulation"]
         ],

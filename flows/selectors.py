@@ -627,6 +627,7 @@ def simulation_review(
         "coverage": covered,
         "offline_count": offline_count,
         "offline": list(offline[:COVERAGE_LIST]),
+        "direction": direction,
         "not_in_simulation_count": elsewhere_count,
         "not_in_simulation": list(elsewhere[:COVERAGE_LIST]),
         "decided_outside_simulation": elsewhere_decided[:COVERAGE_LIST],

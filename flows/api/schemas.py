@@ -210,6 +210,10 @@ class ReviewWorkloadSerializer(serializers.Serializer):
     last_heard_from = serializers.DateTimeField(required=False, allow_null=True)
     mode = serializers.CharField(required=False)
     mode_since = serializers.DateTimeField(required=False)
+    outbound_mode = serializers.CharField(
+        required=False, help_text="Reviewed with `direction=outbound` or `any`: the outbound mode."
+    )
+    outbound_mode_since = serializers.DateTimeField(required=False)
 
 
 class DecidedOutsideSimulationSerializer(serializers.Serializer):

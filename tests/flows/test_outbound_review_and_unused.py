@@ -46,11 +46,15 @@ def test_the_review_of_each_direction_reads_that_directions_mode(api, db):
     assert _not_in_simulation(api, web, "inbound") == []
     assert _not_in_simulation(api, web, "outbound") == [str(web.id)]
     assert _not_in_simulation(api, web, "any") == [str(web.id)]
+    shown = api.get("/api/v1/flows/review", {**_range(), "workload": str(web.id), "direction": "outbound"})
+    assert shown.json()["not_in_simulation"][0]["outbound_mode"] == "visibility"
     Workload.objects.filter(id=web.id).update(
         mode="visibility", mode_since=long_ago, outbound_mode="simulation", outbound_mode_since=long_ago
     )
     assert _not_in_simulation(api, web, "inbound") == [str(web.id)]
     assert _not_in_simulation(api, web, "outbound") == []
+    shown = api.get("/api/v1/flows/review", {**_range(), "workload": str(web.id)})
+    assert "outbound_mode" not in shown.json()["not_in_simulation"][0]
     # Put in simulation during the range: not throughout.
     Workload.objects.filter(id=web.id).update(outbound_mode_since=clock.now() - timedelta(minutes=5))
     assert _not_in_simulation(api, web, "outbound") == [str(web.id)]
