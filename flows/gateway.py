@@ -5,7 +5,9 @@ serve checks a report's headers before it receives the body (`headers_check`, ru
 controlplane/body_gate.py, which passes the same `headers_check_key` again for a few minutes without
 asking, until the workload's credential changes): a sender that is not an enrolled workload with its
 current credential is refused without its body being read, and a workload has one report body in flight
-at a time (`body_owner`). The view always checks the headers again, with the body's signature."""
+at a time (`body_owner`). The view takes the sender as the gate found it while that pass holds (else it
+checks the headers in the database), then checks the body's signature; the write checks the sender's
+credential once more, under its workload's lock (a revocation made meanwhile refuses the report)."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from rest_framework.views import APIView
 from agent import protocol
 from controlplane import metrics
 from controlplane.api.errors import exception_handler
+from controlplane.body_gate import PassedHeaders, passed_headers
 from controlplane.console.security import CONTENT_SECURITY_POLICY
 from controlplane.listeners import GATEWAY, body_limit
 from controlplane.problems import Problem
@@ -78,11 +81,20 @@ class FlowReportView(APIView):
 def flow_report_take(headers: Mapping[str, str], read: Callable[[], bytes]) -> dict:
     """A report's answer: its sender checked from the headers, then the body read (`read`) and its
     signature checked, then parsed and ingested. Raises the Problem that refuses it whole."""
-    sender = report_sender_of(headers)
+    sender = report_sender_passed(headers)
     body = read()  # the signature covers these exact bytes
     report_signature_verify(sender=sender, signature=headers[protocol.HEADER_SIGNATURE], body=body)
     data = json_loads_strict(body, what="the flow report")
-    return flow_report_ingest(workload_id=str(sender.workload_id), data=data)
+    return flow_report_ingest(workload_id=str(sender.workload_id), data=data, sender=sender)
+
+
+def report_sender_passed(headers: Mapping[str, str]) -> ReportSender:
+    """The sender as the body gate found it, while its pass holds (this process hears of every
+    credential change: controlplane/body_gate.py), else checked now in the database. Either way the
+    write checks the sender's credential again, under its workload's lock, in the transaction that
+    stores the report (`flows.services`): a change made since refuses the report."""
+    sender = passed_headers.passed_value(PassedHeaders.key(protocol.FLOWS_PATH, FlowReportView, headers))
+    return sender if isinstance(sender, ReportSender) else report_sender_of(headers)
 
 
 # serve's answer to a flow report without Django's handler, middleware and DRF: that machinery cost a

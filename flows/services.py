@@ -27,6 +27,7 @@ from controlplane.sqlite import database_wait
 from controlplane.webhooks.outbox import Event, webhook_events_record, workload_event
 from fleet import health
 from fleet.models import Workload
+from fleet.report_auth import ReportSender, report_sender_still_current
 from fleet.selectors import workload_get
 from flows.choices import AGGREGATE, GapKind
 from flows.group_commit import GroupCommit
@@ -298,16 +299,19 @@ def _workloads_update_statement() -> tuple[str, list[str]]:
 class SubmittedReport:
     workload_id: uuid.UUID
     report: ParsedReport
+    sender: ReportSender | None = None  # checked again when the report is written
 
 
-def flow_report_ingest(*, workload_id: str, data: Any) -> dict:
+def flow_report_ingest(*, workload_id: str, data: Any, sender: ReportSender | None = None) -> dict:
     """Store a report's windows and gaps; answer each with `accepted` or `refused` and the reason.
 
     Reports that arrive together on serve's threads are written together, in one transaction
-    (group commit); a caller already inside a transaction writes its report alone, in it."""
+    (group commit); a caller already inside a transaction writes its report alone, in it. With
+    `sender` (the gateway's), the report is refused whole if its credential is no longer the
+    workload's current one when its workload's row is locked for the write."""
     report = report_parse(data, now=clock.now())
     try:
-        submitted = SubmittedReport(uuid.UUID(str(workload_id)), report)
+        submitted = SubmittedReport(uuid.UUID(str(workload_id)), report, sender)
     except ValueError:
         workload_get(workload_id=workload_id)  # raises the not-found problem
         raise
@@ -378,6 +382,21 @@ def _reports_write(items: list[SubmittedReport], *, skip_locked: bool) -> list[d
                 outcomes.append(
                     None if skip_locked else Problem("not-found", f"No workload {item.workload_id}.")
                 )
+                continue
+            refusal = (
+                None
+                if item.sender is None
+                else report_sender_still_current(
+                    item.sender,
+                    public_key=workload.public_key,
+                    credential_serial=workload.credential_serial,
+                    credential_expires_at=workload.credential_expires_at,
+                    credential_revoked_at=workload.credential_revoked_at,
+                    now=now,
+                )
+            )
+            if refusal is not None:
+                outcomes.append(refusal)
                 continue
             window_answers, new_windows = [], []
             for raw, window in item.report.windows:
@@ -471,8 +490,18 @@ def _workloads_lock(ids: list[uuid.UUID], *, skip_locked: bool) -> dict[uuid.UUI
     return locked
 
 
-# hostname and labels name the workload in webhook events (no deferred load per workload)
-_LOCKED_FIELDS = ("id", "hostname", "labels", *WORKLOAD_FLOW_FIELDS)
+# hostname and labels name the workload in webhook events (no deferred load per workload); the
+# credential's fields judge the report's sender again
+_LOCKED_FIELDS = (
+    "id",
+    "hostname",
+    "labels",
+    "public_key",
+    "credential_serial",
+    "credential_expires_at",
+    "credential_revoked_at",
+    *WORKLOAD_FLOW_FIELDS,
+)
 
 
 @functools.lru_cache(maxsize=256)
