@@ -99,9 +99,9 @@ def report_sender_passed(headers: Mapping[str, str]) -> ReportSender:
 
 # serve's answer to a flow report without Django's handler, middleware and DRF: that machinery cost a
 # fifth of serve's CPU per report, for a request whose every step is known. Only the plain case is
-# taken (a POST on the gateway listener, without the headers a browser adds, within the body limit):
-# anything else goes the whole way, through `FlowReportView`, and is answered as before. The answer
-# carries what the middleware and DRF add to the view's (tests/e2e compare the two).
+# taken (a POST on the gateway listener, without the headers a browser adds or a query, within the
+# body limit): anything else goes the whole way, through `FlowReportView`, and is answered as before.
+# The answer carries what the middleware and DRF add to the view's (tests/e2e compare the two).
 ANSWER_HEADERS = (
     ("Allow", "POST, OPTIONS"),
     ("X-Frame-Options", "DENY"),
@@ -145,6 +145,7 @@ def flow_report_answer(environ: dict) -> tuple[int, list[tuple[str, str]], bytes
         or environ.get("REQUEST_METHOD") != "POST"
         or "HTTP_ORIGIN" in environ
         or "HTTP_SEC_FETCH_SITE" in environ
+        or environ.get("QUERY_STRING")  # the access log's line shows it as Django writes it
     ):
         return None
     length = environ.get("CONTENT_LENGTH") or "0"
