@@ -12,9 +12,10 @@ should refuse a body without reading it must therefore run here, on the HTTP cha
   the check passed (by the view's `headers_check_key`) pass again for PASSED_SECONDS without it, but only
   while this process hears of every credential change (controlplane/credential_watch.py, on PostgreSQL;
   on SQLite every report's headers are checked): a revocation, renewal or re-enrolment made anywhere
-  forgets the workload's passes before its next report. The view takes what the check returned from a
-  pass that holds (`PassedHeaders.passed_value`: the sender, without a second read), and the report's
-  write judges the sender's credential again under its workload's lock (flows/gateway.py);
+  forgets the workload's passes before its next report. serve's answer to the report takes what the
+  check returned from a pass that holds (`PassedHeaders.passed_value`: the sender, without a second
+  read; controlplane/gateway_reports.py), and the report's write judges the sender's credential again
+  under its workload's lock;
 - on the operator listener, every body but a login's needs a credential first (an operator token or a
   live session cookie; controlplane/auth/authentication.py's `operator_credential_check`, run the same
   way): whoever holds none is refused 401 unread, so cannot hold the budget that operators' writes need.

@@ -77,7 +77,7 @@ class ThreadPoolHttp:
         return django_answer(self.handler, environ)
 
     def _respond_to_report(self, environ: dict) -> tuple[int, list, bytes]:
-        from flows.gateway import flow_report_answer
+        from controlplane.gateway_reports import flow_report_answer
 
         answer = flow_report_answer(environ)
         return django_answer(self.handler, environ) if answer is None else answer

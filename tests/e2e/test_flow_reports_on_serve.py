@@ -209,9 +209,9 @@ def test_a_signed_report_replayed_verbatim_moves_neither_liveness_nor_the_clock_
 
 
 def test_serves_own_answer_to_a_report_is_the_one_django_gives(lab):
-    """serve answers a plain flow report without Django's handler stack (flows/gateway.py); a request
-    with a browser's headers goes through Django, the view and every middleware. The two answers are
-    the same: status, document and headers, for a report stored and for one refused whole."""
+    """serve answers a plain flow report without Django's handler stack (controlplane/gateway_reports.py);
+    a request with a browser's headers goes through Django, the view and every middleware. The two
+    answers are the same: status, document and headers, for a report stored and for one refused whole."""
     serve, _, agent, _, _ = lab
     window = {
         "id": str(uuid.uuid4()), "start": T0 + 1200, "end": T0 + 1260, "policy_version": "v", "accounting": False,
