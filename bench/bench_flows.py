@@ -19,13 +19,17 @@ dropped, unless --keep-database). Measured in one run:
    again with that time added.
 2. The same through the real serve: --agents workloads with real keys and signed credentials (rows
    as enrolment leaves them), the reports signed as the agent signs them and POSTed over TLS to the
-   gateway listener by --clients client processes (4 keep-alive connections each). The target:
-   serve's CPU per report (its process's utime + stime over the measured reports) turned into the
-   reports/s one core of serve's ingests, against twice what 10,000 workloads send (a report of 50
-   keys a minute each: 167 reports/s; target >= 334, a ratio >= 1). One serve process is bounded by
-   its GIL on any machine, so this is the figure that says whether one process holds the fleet. Rows/s
-   against the same COPY are printed as information, and whether serve kept up end to end on this
-   machine; then with the windows summed, as in 1.
+   gateway listener by --clients client processes (4 keep-alive connections each). The target: the
+   rows one core of serve's CPU ingests per second (rows stored over serve's utime + stime across
+   the measured reports) against the rows per second psycopg's COPY writes, both measured in this
+   run, >= 0.34 (issue 36: the machines here differ threefold from day to day, a ratio does not).
+   COPY is timed twice, in 1 and again right after serve's run, and the faster of the two is the
+   baseline (a slow moment of a shared machine does not flatter the ratio). One serve process is
+   bounded by its GIL on any machine, so this is the figure that says whether one process holds the
+   fleet. Printed as information: the same as reports/s one core ingests against twice what 10,000
+   workloads send (a report of 50 keys a minute each: 167 reports/s; 334, the target before the
+   ratio), rows/s end to end against COPY, and whether serve kept up end to end on this machine;
+   then with the windows summed, as in 1.
 3. Rollup: --rollup-workloads workloads (one label selects them) with a window a minute for
    --rollup-hours hours of --rollup-keys keys each, loaded with COPY and summed a block at a time by
    the real `flow_windows_sum`; what GET /flows/rollup computes (`flows.selectors.flow_rollup` grouped
@@ -65,8 +69,12 @@ DB_URL = ADMIN_URL.rsplit("/", 1)[0] + "/" + DB_NAME
 RATIO_TARGET = 0.5  # the previous target, ingestion against COPY; printed as information now
 FLEET_ROWS_PER_SECOND = 10_000 * 50 / 60
 FLEET_REPORTS_PER_SECOND = 10_000 / 60  # each workload one report of one window a minute
-# One core of serve's CPU ingests at least twice what the fleet sends: 334 reports/s of 50 keys.
+# One core of serve's CPU ingests at least twice what the fleet sends: 334 reports/s of 50 keys
+# (information now: the target is the ratio below, which holds from one day's machine to another's).
 SERVE_CORE_REPORTS_TARGET = math.ceil(2 * FLEET_REPORTS_PER_SECOND)
+# The rows one core of serve's CPU ingests through the gateway per second over the rows COPY writes
+# per second: 0.17 before issue 36, which asked for it doubled.
+SERVE_CORE_OVER_COPY_TARGET = 0.34
 ROLLUP_P95_TARGET_MS = 300.0
 _t0 = time.perf_counter()
 
@@ -357,6 +365,7 @@ def bench_gateway(
         "clients_cpu_ms_per_report": round(clients_cpu / reports * 1e3, 2),
         "postgres_cpu_ms_per_report": round(postgres_cpu / reports * 1e3, 2),
         "one_serve_core_reports_per_second": round(reports / serve_cpu),
+        "one_serve_core_rows_per_second": round(stored / serve_cpu),
         "one_serve_core_target_reports_per_second": SERVE_CORE_REPORTS_TARGET,
         "one_serve_core_ratio_over_target": round(reports / serve_cpu / SERVE_CORE_REPORTS_TARGET, 3),
         "one_serve_core_target_met": reports / serve_cpu >= SERVE_CORE_REPORTS_TARGET,
@@ -584,7 +593,17 @@ def main() -> int:
             f"rows/s, ratio {ingestion['ratio_ingest_over_copy']} (information; was the target, >= {RATIO_TARGET}); with summing "
             f"({ingestion['hours_sum_seconds']} s) {ingestion['ratio_with_hourly_sums_over_copy']}")  # fmt: skip
         gateway = bench_gateway(args.reports, args.keys, args.agents, args.clients, args.connections, rng)
-        copy_rate = ingestion["copy_rows_per_second"]
+        log(f"COPY of {gateway['rows']} rows again")
+        copy_again = gateway["rows"] / copy_rows(
+            ids, windows=args.reports, keys=args.keys, start=datetime.now(UTC) - timedelta(hours=2)
+        )
+        copy_rate = max(ingestion["copy_rows_per_second"], round(copy_again))
+        gateway["copy_rows_per_second_again"] = round(copy_again)
+        gateway["copy_rows_per_second_baseline"] = copy_rate
+        core_rows = gateway["one_serve_core_rows_per_second"]
+        gateway["one_serve_core_rows_over_copy"] = round(core_rows / copy_rate, 3)
+        gateway["one_serve_core_rows_over_copy_target"] = SERVE_CORE_OVER_COPY_TARGET
+        gateway["one_serve_core_rows_over_copy_met"] = core_rows / copy_rate >= SERVE_CORE_OVER_COPY_TARGET
         gateway["ratio_over_copy"] = round(gateway["rows_per_second"] / copy_rate, 3)
         gateway["ratio_with_hourly_sums_over_copy"] = round(
             gateway["rows_per_second_with_hourly_sums"] / copy_rate, 3
@@ -596,10 +615,13 @@ def main() -> int:
         log(f"CPU per report: serve {gateway['serve_cpu_ms_per_report']} ms, clients {gateway['clients_cpu_ms_per_report']} ms, "
             f"PostgreSQL {gateway['postgres_cpu_ms_per_report']} ms on {os.cpu_count()} cores; one core of serve's: "
             f"{gateway['one_serve_core_reports_per_second']} reports/s (the fleet sends {FLEET_ROWS_PER_SECOND / args.keys:.0f})")  # fmt: skip
-        log(f"TARGET one core of serve's ingests {gateway['one_serve_core_reports_per_second']} reports/s of {args.keys} keys "
+        log(f"one core of serve's ingests {gateway['one_serve_core_reports_per_second']} reports/s of {args.keys} keys "
             f"against {SERVE_CORE_REPORTS_TARGET} (twice 10,000 workloads' {FLEET_REPORTS_PER_SECOND:.0f}): ratio "
-            f"{gateway['one_serve_core_ratio_over_target']} (target >= 1, {'met' if gateway['one_serve_core_target_met'] else 'MISSED'}); "
-            f"ratio over COPY {gateway['ratio_over_copy']} as information (COPY {copy_rate} rows/s measured in this run)")  # fmt: skip
+            f"{gateway['one_serve_core_ratio_over_target']} (information: the target before the ratio over COPY)")  # fmt: skip
+        log(f"TARGET one core of serve's CPU ingests {core_rows} rows/s through the gateway, COPY writes {copy_rate} "
+            f"(the faster of {ingestion['copy_rows_per_second']} and {gateway['copy_rows_per_second_again']}, this run): "
+            f"ratio {gateway['one_serve_core_rows_over_copy']} (target >= {SERVE_CORE_OVER_COPY_TARGET}, "
+            f"{'met' if gateway['one_serve_core_rows_over_copy_met'] else 'MISSED'})")  # fmt: skip
         rollup_ids = workloads_insert(args.rollup_workloads, {"group": "rollup"}, rng)
         load_rollup_data(rollup_ids, args.rollup_hours, args.rollup_keys)
         rollup = bench_rollup(args.rollup_hours, args.samples)

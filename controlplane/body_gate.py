@@ -12,7 +12,10 @@ should refuse a body without reading it must therefore run here, on the HTTP cha
   the check passed (by the view's `headers_check_key`) pass again for PASSED_SECONDS without it, but only
   while this process hears of every credential change (controlplane/credential_watch.py, on PostgreSQL;
   on SQLite every report's headers are checked): a revocation, renewal or re-enrolment made anywhere
-  forgets the workload's passes before its next report. The view still checks every report in full;
+  forgets the workload's passes before its next report. serve's answer to the report takes what the
+  check returned from a pass that holds (`PassedHeaders.passed_value`: the sender, without a second
+  read; controlplane/gateway_reports.py), and the report's write judges the sender's credential again
+  under its workload's lock;
 - on the operator listener, every body but a login's needs a credential first (an operator token or a
   live session cookie; controlplane/auth/authentication.py's `operator_credential_check`, run the same
   way): whoever holds none is refused 401 unread, so cannot hold the budget that operators' writes need.
@@ -193,7 +196,7 @@ class PassedHeaders:
         trusted: Callable[[], bool] = lambda: True,
     ):
         self.seconds, self.most, self.trusted = seconds, most, trusted
-        self.until: dict[bytes, tuple[float, str | None]] = {}
+        self.until: dict[bytes, tuple[float, str | None, object]] = {}
         self.keys_of: dict[str, set[bytes]] = {}  # by owner: a renewal forgets a few keys, not a scan
         self.generation = 0
 
@@ -208,7 +211,20 @@ class PassedHeaders:
         entry = self.until.get(key) if key is not None else None
         return entry is not None and entry[0] > time.monotonic() and self.trusted()
 
-    def remember(self, key: bytes | None, owner: str | None = None, *, generation: int | None = None) -> None:
+    def passed_value(self, key: bytes | None) -> object:
+        """What the check returned when it passed these headers, while they pass again (None otherwise).
+        Read by the view's thread too: one dict read, and the trust read as `passed` reads it."""
+        entry = self.until.get(key) if key is not None else None
+        return entry[2] if entry is not None and entry[0] > time.monotonic() and self.trusted() else None
+
+    def remember(
+        self,
+        key: bytes | None,
+        owner: str | None = None,
+        *,
+        generation: int | None = None,
+        value: object = None,
+    ) -> None:
         if key is None or generation not in (None, self.generation) or not self.trusted():
             return
         if len(self.until) >= self.most:
@@ -217,10 +233,10 @@ class PassedHeaders:
             if len(self.until) >= self.most:
                 self.until.clear()
             self.keys_of = {}
-            for k, (_, held_by) in self.until.items():
+            for k, (_, held_by, _) in self.until.items():
                 if held_by is not None:
                     self.keys_of.setdefault(held_by, set()).add(k)
-        self.until[key] = (time.monotonic() + self.seconds, owner)
+        self.until[key] = (time.monotonic() + self.seconds, owner, value)
         if owner is not None:
             self.keys_of.setdefault(owner, set()).add(key)
 
@@ -241,9 +257,10 @@ credential_watch = CredentialWatch(changed=passed_headers.forget, reset=passed_h
 passed_headers.trusted = credential_watch.live
 
 
-def headers_refusal(check: HeadersCheck, headers: Mapping[str, str]) -> Problem | None:
-    """Run on a check thread: the Problem `check` raises, None when it passes. The database away is the
-    503 with Retry-After that the view would answer, logged as the outage is (controlplane/outage.py).
+def headers_refusal(check: HeadersCheck, headers: Mapping[str, str]) -> tuple[Problem | None, object]:
+    """Run on a check thread: the Problem `check` raises, or None and what it returned when it passes.
+    The database away is the 503 with Retry-After that the view would answer, logged as the outage is
+    (controlplane/outage.py).
 
     The thread keeps its database connection as Django keeps one between requests, but tidies it (its
     age, its health: a `SELECT 1` with CONN_HEALTH_CHECKS) once every TIDY_SECONDS and after a failure,
@@ -253,16 +270,15 @@ def headers_refusal(check: HeadersCheck, headers: Mapping[str, str]) -> Problem 
         close_old_connections()
         _check_thread.tidied_at = now
     try:
-        check(headers)
+        return None, check(headers)
     except Problem as problem:
-        return problem
+        return problem, None
     except Exception as error:  # noqa: BLE001 - refused, never let through unchecked
         _check_thread.tidied_at = -TIDY_SECONDS  # look at the connection before the next check
         if database_failed("check requests' headers", error, log):
-            return service_unavailable(error)  # the database away or busy: one throttled line
+            return service_unavailable(error), None  # the database away or busy: one throttled line
         log.exception("checking a request's headers failed")
-        return Problem("internal")
-    return None
+        return Problem("internal"), None
 
 
 def _run_check(check: HeadersCheck, headers: Mapping[str, str]) -> Future:
@@ -372,15 +388,17 @@ class BodyGate:
         generation = passed_headers.generation
         _run_check(check, headers).add_done_callback(
             lambda done: reactor.callFromThread(
-                self._gate_checked, request, budget, limit, (key, owner, generation), done.result()
+                self._gate_checked, request, budget, limit, (key, owner, generation), *done.result()
             )
         )
 
-    def _gate_checked(self, request, budget: str, limit: int, passed, refusal: Problem | None) -> None:
+    def _gate_checked(
+        self, request, budget: str, limit: int, passed, refusal: Problem | None, value: object = None
+    ) -> None:
         key, owner, generation = passed
         self._gate_checking = False
         if refusal is None:
-            passed_headers.remember(key, owner, generation=generation)
+            passed_headers.remember(key, owner, generation=generation, value=value)
         if self._gate_lost:
             return
         self._handlingRequest = False

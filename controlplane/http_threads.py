@@ -65,7 +65,7 @@ class ThreadPoolHttp:
         loop = asyncio.get_running_loop()
         path = environ.get("PATH_INFO", "")
         if path == FLOWS_PATH:
-            return await loop.run_in_executor(self.flow_report_pool, self._respond, environ)
+            return await loop.run_in_executor(self.flow_report_pool, self._respond_to_report, environ)
         if self.heavy is None or not is_heavy(path, environ.get("QUERY_STRING", "")):
             return await loop.run_in_executor(self.pool, self._respond, environ)
         answer = self.heavy.submit(environ, environ["wsgi.input"].read())
@@ -75,6 +75,12 @@ class ThreadPoolHttp:
 
     def _respond(self, environ: dict) -> tuple[int, list, bytes]:
         return django_answer(self.handler, environ)
+
+    def _respond_to_report(self, environ: dict) -> tuple[int, list, bytes]:
+        from controlplane.gateway_reports import flow_report_answer
+
+        answer = flow_report_answer(environ)
+        return django_answer(self.handler, environ) if answer is None else answer
 
     async def __call__(self, scope, receive, send):
         limit = body_limit(scope.get("path", ""))

@@ -23,10 +23,12 @@ from fleet.models import Workload
 
 @dataclass(frozen=True)
 class ReportSender:
-    """Whom a flow report's headers name, once they are found to be the workload's current credential."""
+    """Whom a flow report's headers name, once they are found to be the workload's current credential:
+    its key, and the serial of that credential (the write checks them again under the row's lock)."""
 
     workload_id: uuid.UUID
     public_key: str
+    credential_serial: int
 
 
 _NOT_SIGNED = "Not a report signed by an enrolled workload with its current credential."
@@ -47,24 +49,55 @@ def report_sender_authenticate(*, workload_id: str, credential: str) -> ReportSe
         serial=sender.credential_serial,
     ):
         raise Problem("unauthenticated", _NOT_SIGNED)
+    refusal = _credential_refusal(sender)
+    if refusal is not None:
+        raise refusal
+    return ReportSender(
+        workload_id=key, public_key=sender.public_key, credential_serial=sender.credential_serial
+    )
+
+
+def report_sender_still_current(
+    sender: ReportSender,
+    *,
+    public_key: str,
+    credential_serial: int,
+    credential_expires_at: datetime | None,
+    credential_revoked_at: datetime | None,
+    now: datetime,
+) -> Problem | None:
+    """A sender found current before its report was read, judged again against its workload's row as
+    the report's write reads it (locked): the refusal `report_sender_authenticate` would give now, or
+    None. Whatever changed meanwhile (a revocation, a renewal, a re-enrolment, the expiry) refuses the
+    report whole, as if its headers had been checked at that moment."""
+    if (public_key, credential_serial) != (sender.public_key, sender.credential_serial):
+        return Problem("unauthenticated", _NOT_SIGNED)
+    expired = credential_expires_at is not None and credential_expires_at <= now
+    beyond = credential_expires_at is not None and credential_expires_at <= now - credential_grace()
+    return _credential_refusal(
+        _ReportSender(public_key, credential_serial, expired, beyond, credential_revoked_at is not None)
+    )
+
+
+def _credential_refusal(sender: _ReportSender) -> Problem | None:
     if sender.revoked:
-        raise Problem(
+        return Problem(
             "credential-revoked",
             "The operator revoked this workload's credential: it reports nothing until re-enrolled with a "
             "provisioning token minted for it.",
         )
     if sender.beyond_grace:
-        raise Problem(
+        return Problem(
             "unauthenticated",
             "The credential expired beyond its renewal grace and cannot be renewed: re-enrol this host "
             "(palisade-agent enrol --reenrol with a provisioning token minted for this workload), then report.",
         )
     if sender.expired:
-        raise Problem(
+        return Problem(
             "unauthenticated",
             "The credential has expired (within its renewal grace): renew it on the sync stream, then report.",
         )
-    return ReportSender(workload_id=key, public_key=sender.public_key)
+    return None
 
 
 def report_signature_verify(*, sender: ReportSender, signature: str, body: bytes) -> None:

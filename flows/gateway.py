@@ -5,11 +5,14 @@ serve checks a report's headers before it receives the body (`headers_check`, ru
 controlplane/body_gate.py, which passes the same `headers_check_key` again for a few minutes without
 asking, until the workload's credential changes): a sender that is not an enrolled workload with its
 current credential is refused without its body being read, and a workload has one report body in flight
-at a time (`body_owner`). The view always checks the headers again, with the body's signature."""
+at a time (`body_owner`). The report's answer (`flow_report_take`) takes the sender as the gate found it
+while that pass holds (serve's own answer, controlplane/gateway_reports.py), else checks the headers in
+the database (this view), then checks the body's signature; the write checks the sender's credential
+once more, under its workload's lock (a revocation made meanwhile refuses the report)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from rest_framework.permissions import AllowAny
 from rest_framework.response import Response
@@ -56,16 +59,24 @@ class FlowReportView(APIView):
     body_owner = staticmethod(report_owner)
 
     def post(self, request):
-        sender = report_sender_of(request.headers)
-        # The signature covers these exact bytes. Read from the stream: `request.body` holds bodies to
-        # the API's limit, and a report may be larger (the middleware has checked its own limit).
-        body = request._request.read()
-        report_signature_verify(
-            sender=sender, signature=request.headers[protocol.HEADER_SIGNATURE], body=body
-        )
-        data = json_loads_strict(body, what="the flow report")
-        return Response(flow_report_ingest(workload_id=str(sender.workload_id), data=data))
+        # Read from the stream: `request.body` holds bodies to the API's limit, and a report may be
+        # larger (the middleware has checked its own limit).
+        return Response(flow_report_take(request.headers, request._request.read))
 
     def finalize_response(self, request, response, *args, **kwargs):
         metrics.flow_report_answered(response)  # a refusal, by its problem type; stored ones count at commit
         return super().finalize_response(request, response, *args, **kwargs)
+
+
+def flow_report_take(
+    headers: Mapping[str, str], read: Callable[[], bytes], *, sender: ReportSender | None = None
+) -> dict:
+    """A report's answer: its sender (`sender`, as the body gate found it, else checked now from the
+    headers), then the body read (`read`) and its signature checked, then parsed and ingested. Raises
+    the Problem that refuses it whole."""
+    if sender is None:
+        sender = report_sender_of(headers)
+    body = read()  # the signature covers these exact bytes
+    report_signature_verify(sender=sender, signature=headers[protocol.HEADER_SIGNATURE], body=body)
+    data = json_loads_strict(body, what="the flow report")
+    return flow_report_ingest(workload_id=str(sender.workload_id), data=data, sender=sender)

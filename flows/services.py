@@ -27,6 +27,7 @@ from controlplane.sqlite import database_wait
 from controlplane.webhooks.outbox import Event, webhook_events_record, workload_event
 from fleet import health
 from fleet.models import Workload
+from fleet.report_auth import ReportSender, report_sender_still_current
 from fleet.selectors import workload_get
 from flows.choices import AGGREGATE, GapKind
 from flows.group_commit import GroupCommit
@@ -160,14 +161,24 @@ def _rows_insert(model, rows: list[dict]) -> None:
     if connection.vendor != "postgresql":
         _rows_insert_in_sqlite(model, rows)
         return
-    columns = list(rows[0])
+    columns = tuple(rows[0])
+    sql, types = _copy_statement(model, columns)
+    with connection.cursor() as cursor, cursor.cursor.copy(sql) as copy:
+        copy.set_types(types)
+        write = copy.write_row
+        for row in rows:
+            write([row[c] for c in columns])
+
+
+@functools.lru_cache(maxsize=32)
+def _copy_statement(model, columns: tuple[str, ...]) -> tuple[str, list[int]]:
+    """A table's binary COPY and its columns' type OIDs (named, each lookup cost more than the row)."""
+    from psycopg import adapters
+
     fields = [model._meta.get_field(column) for column in columns]
     names = ", ".join(f'"{field.column}"' for field in fields)
     sql = f'COPY "{model._meta.db_table}" ({names}) FROM STDIN (FORMAT BINARY)'  # noqa: S608
-    with connection.cursor() as cursor, cursor.cursor.copy(sql) as copy:
-        copy.set_types([_binary_copy_type(field) for field in fields])
-        for row in rows:
-            copy.write_row([row[c] for c in columns])
+    return sql, [adapters.types[_binary_copy_type(field)].oid for field in fields]
 
 
 def _rows_insert_in_sqlite(model, rows: list[dict]) -> None:
@@ -263,33 +274,44 @@ def _workloads_update(workloads: list[Workload]) -> None:
                 **{name: getattr(workload, name) for name in WORKLOAD_FLOW_FIELDS}
             )
         return
+    sql, attnames = _workloads_update_statement()
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [[getattr(workload, name) for workload in workloads] for name in attnames])
+
+
+@functools.cache
+def _workloads_update_statement() -> tuple[str, list[str]]:
+    """PostgreSQL's statement of `_workloads_update` (the columns' types took longer to name than the
+    statement to run), and the attributes it reads, in order."""
     fields = [Workload._meta.get_field(name) for name in ("id", *WORKLOAD_FLOW_FIELDS)]
     arrays = ", ".join(f"%s::{field.db_type(connection)}[]" for field in fields)
     names = ", ".join(f'"{field.column}"' for field in fields)
     assignments = ", ".join(f'"{field.column}" = u."{field.column}"' for field in fields[1:])
     table = Workload._meta.db_table
-    with connection.cursor() as cursor:
-        cursor.execute(
-            f'UPDATE "{table}" SET {assignments} FROM unnest({arrays}) AS u({names}) '  # noqa: S608 - our names
-            f'WHERE "{table}"."id" = u."id"',
-            [[getattr(workload, field.attname) for workload in workloads] for field in fields],
-        )
+    sql = (
+        f'UPDATE "{table}" SET {assignments} FROM unnest({arrays}) AS u({names}) '  # noqa: S608 - our names
+        f'WHERE "{table}"."id" = u."id"'
+    )
+    return sql, [field.attname for field in fields]
 
 
 @dataclass(frozen=True)
 class SubmittedReport:
     workload_id: uuid.UUID
     report: ParsedReport
+    sender: ReportSender | None = None  # checked again when the report is written
 
 
-def flow_report_ingest(*, workload_id: str, data: Any) -> dict:
+def flow_report_ingest(*, workload_id: str, data: Any, sender: ReportSender | None = None) -> dict:
     """Store a report's windows and gaps; answer each with `accepted` or `refused` and the reason.
 
     Reports that arrive together on serve's threads are written together, in one transaction
-    (group commit); a caller already inside a transaction writes its report alone, in it."""
+    (group commit); a caller already inside a transaction writes its report alone, in it. With
+    `sender` (the gateway's), the report is refused whole if its credential is no longer the
+    workload's current one when its workload's row is locked for the write."""
     report = report_parse(data, now=clock.now())
     try:
-        submitted = SubmittedReport(uuid.UUID(str(workload_id)), report)
+        submitted = SubmittedReport(uuid.UUID(str(workload_id)), report, sender)
     except ValueError:
         workload_get(workload_id=workload_id)  # raises the not-found problem
         raise
@@ -360,6 +382,21 @@ def _reports_write(items: list[SubmittedReport], *, skip_locked: bool) -> list[d
                 outcomes.append(
                     None if skip_locked else Problem("not-found", f"No workload {item.workload_id}.")
                 )
+                continue
+            refusal = (
+                None
+                if item.sender is None
+                else report_sender_still_current(
+                    item.sender,
+                    public_key=workload.public_key,
+                    credential_serial=workload.credential_serial,
+                    credential_expires_at=workload.credential_expires_at,
+                    credential_revoked_at=workload.credential_revoked_at,
+                    now=now,
+                )
+            )
+            if refusal is not None:
+                outcomes.append(refusal)
                 continue
             window_answers, new_windows = [], []
             for raw, window in item.report.windows:
@@ -436,24 +473,67 @@ def _workloads_lock(ids: list[uuid.UUID], *, skip_locked: bool) -> dict[uuid.UUI
     fields a write reads and updates only."""
     if not ids:
         return {}
-    table, pk = Workload._meta.db_table, Workload._meta.pk
-    columns = ", ".join(
-        # hostname and labels name the workload in webhook events (no deferred load per workload)
-        f'"{Workload._meta.get_field(name).column}"'
-        for name in ("id", "hostname", "labels", *WORKLOAD_FLOW_FIELDS)
-    )
+    sql, names, converters = _workloads_lock_statement(connection.vendor, len(ids), skip_locked)
+    pk, alias = Workload._meta.pk, connection.alias
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [pk.get_db_prep_value(i, connection) for i in ids])
+        rows = cursor.fetchall()
+    # Model instances made as the ORM makes them, without building a query for them: that cost more
+    # than the statement (a RawQuerySet's column mapping and converters, found again every time).
+    locked = {}
+    for row in rows:
+        values = list(row)
+        for index, convert in converters:
+            values[index] = convert(values[index])
+        workload = Workload.from_db(alias, names, values)
+        locked[workload.id] = workload
+    return locked
+
+
+# hostname and labels name the workload in webhook events (no deferred load per workload); the
+# credential's fields judge the report's sender again
+_LOCKED_FIELDS = (
+    "id",
+    "hostname",
+    "labels",
+    "public_key",
+    "credential_serial",
+    "credential_expires_at",
+    "credential_revoked_at",
+    *WORKLOAD_FLOW_FIELDS,
+)
+
+
+@functools.lru_cache(maxsize=256)
+def _workloads_lock_statement(vendor: str, count: int, skip_locked: bool) -> tuple[str, list[str], list]:
+    """`_workloads_lock`'s statement for `count` rows, the fields it reads, and the conversions of
+    their values from the database (by position), as the ORM would convert them."""
+    # In the model's order of fields, which `from_db` expects of a row that has only some.
+    fields = [field for field in Workload._meta.concrete_fields if field.name in _LOCKED_FIELDS]
+    columns = ", ".join(f'"{field.column}"' for field in fields)
     lock = (
         connection.ops.for_update_sql(skip_locked=skip_locked)
         if connection.features.has_select_for_update
         else ""
     )
     sql = (
-        f'SELECT {columns} FROM "{table}" WHERE "id" IN ({", ".join(["%s"] * len(ids))}) ORDER BY "id" {lock}'  # noqa: S608
+        f'SELECT {columns} FROM "{Workload._meta.db_table}" WHERE "id" IN ({", ".join(["%s"] * count)}) '  # noqa: S608
+        f'ORDER BY "id" {lock}'
     )
-    return {
-        workload.id: workload
-        for workload in Workload.objects.raw(sql, [pk.get_db_prep_value(i, connection) for i in ids])
-    }
+    converters = []
+    for index, field in enumerate(fields):
+        column = field.get_col(Workload._meta.db_table)
+        found = connection.ops.get_db_converters(column) + column.get_db_converters(connection)
+        if found:
+            converters.append((index, functools.partial(_converted, found, column)))
+    return sql, [field.attname for field in fields], converters
+
+
+def _converted(converters: list, column, value):
+    # Each thread has a connection of its own: the converters run with the one at hand.
+    for convert in converters:
+        value = convert(value, column, connection)
+    return value
 
 
 def _owners_of(model, ids: list[uuid.UUID]) -> dict[uuid.UUID, uuid.UUID]:

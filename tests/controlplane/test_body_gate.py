@@ -58,6 +58,19 @@ def test_headers_a_check_passed_pass_again_for_a_while_by_the_views_key_only():
     stale.remember(key)
     assert not stale.passed(key)
 
+    # What the check returned (a report's sender) is the view's while the pass holds, and only then.
+    trusted = [True]
+    passed = PassedHeaders(seconds=60, trusted=lambda: trusted[0])
+    passed.remember(key, "w1", value="sender")
+    assert passed.passed_value(key) == "sender" and passed.passed_value(b"other") is None
+    trusted[0] = False
+    assert passed.passed_value(key) is None
+    trusted[0] = True
+    passed.forget("w1")
+    assert passed.passed_value(key) is None
+    stale.remember(key, value="sender")
+    assert stale.passed_value(key) is None
+
 
 def test_bodies_over_the_small_size_leave_a_reserve_to_the_small_ones():
     budget = BodyBudget(64, reserve=16, small=1)

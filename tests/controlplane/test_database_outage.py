@@ -150,7 +150,7 @@ def test_headers_checked_before_a_body_without_the_database_are_a_503_not_a_trac
             (report_sender_of, report),
             (operator_credential_check, {"Authorization": f"Bearer {OPERATOR_TOKEN_PREFIX}x"}),
         ):
-            refusal = headers_refusal(check, CaseInsensitiveMapping(headers))
+            refusal, _ = headers_refusal(check, CaseInsensitiveMapping(headers))
             assert refusal is not None and refusal.name == "service-unavailable", refusal
             assert 5 <= int(refusal.headers["Retry-After"]) <= 15 and refusal.status == 503
     assert not any(r.exc_info for r in caplog.records)

@@ -108,12 +108,19 @@ def test_windows_from_a_real_agent_reach_the_operator_api_with_exact_counts(lab,
             (CLIENT, 9090, "blocked", None): OTHER,
         }
 
+        seen: list[dict] = []
+
         def counted():
             end = (datetime.now(UTC) + timedelta(seconds=5)).strftime("%Y-%m-%dT%H:%M:%SZ")
-            totals = _totals(api, web_id, began.strftime("%Y-%m-%dT%H:%M:%SZ"), end)
-            return totals == expected and totals
+            seen[:] = [_totals(api, web_id, began.strftime("%Y-%m-%dT%H:%M:%SZ"), end)]
+            return seen[0] == expected and seen[0]
 
-        api.wait_for(f"the windows to add up to {expected}", counted, timeout=60)
+        try:
+            api.wait_for(f"the windows to add up to {expected}", counted, timeout=60)
+        except AssertionError as timed_out:
+            raise AssertionError(
+                f"{timed_out}; the windows added up to {seen}; agent log: {web.log()[-3000:]}"
+            ) from None
         gaps = api.get("/flows/gaps", params={"workload": web_id, "from": began.strftime("%Y-%m-%dT%H:%M:%SZ"),
                                                "to": (datetime.now(UTC) + timedelta(seconds=5)).strftime("%Y-%m-%dT%H:%M:%SZ")})  # fmt: skip
         assert gaps["items"] == []

@@ -206,3 +206,28 @@ def test_a_signed_report_replayed_verbatim_moves_neither_liveness_nor_the_clock_
     assert _post(serve, client, body).status_code == 200  # stored once, answered as before
     health = operator.get(f"/api/v1/workloads/{client_id}").json()["health"]
     assert health["telemetry_live"] is False and health["clock_skew"] is None
+
+
+def test_serves_own_answer_to_a_report_is_the_one_django_gives(lab):
+    """serve answers a plain flow report without Django's handler stack (controlplane/gateway_reports.py);
+    a request with a browser's headers goes through Django, the view and every middleware. The two
+    answers are the same: status, document and headers, for a report stored and for one refused whole."""
+    serve, _, agent, _, _ = lab
+    window = {
+        "id": str(uuid.uuid4()), "start": T0 + 1200, "end": T0 + 1260, "policy_version": "v", "accounting": False,
+        "groups": [{"peer": "10.50.0.9", "protocol": "tcp", "port": 22, "decision": "allowed", "rule": 3,
+                    "connection_count": 1, "first_seen": T0 + 1201, "last_seen": T0 + 1201, "bytes_in": 0,
+                    "bytes_out": 0}],
+    }  # fmt: skip
+    body = _body([window], [])
+    through_django = {"Sec-Fetch-Site": "same-origin"}  # passes the cross-origin guard, not the fast way
+    for extra in ({}, {"Palisade-Signature": "A" * 86 + "=="}):
+        ours = _post(serve, agent, body, **extra)
+        django = _post(serve, agent, body, **extra, **through_django)
+        assert ours.status_code == django.status_code == (200 if not extra else 401), ours.text
+        assert ours.json() == django.json()
+        assert _headers(ours) == _headers(django)
+
+
+def _headers(answer) -> dict:
+    return {k: v for k, v in answer.headers.items() if k not in ("date", "server", "content-length")}

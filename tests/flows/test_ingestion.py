@@ -626,3 +626,40 @@ def test_a_batch_skips_a_workload_another_transaction_holds_and_writes_its_repor
         thread.join(10)
     assert [a["windows"][0]["result"] for a in answers] == ["accepted", "accepted"]
     assert stored(held) == 1 and stored(free) == 1
+
+
+def test_a_credential_changed_after_the_headers_passed_refuses_the_report_when_it_is_written(db, clock_at):
+    """The gateway checks a report's sender before its body (or takes the body gate's pass of its
+    headers); the write judges that sender again under its workload's lock, so a revocation, renewal or
+    expiry that came in between refuses the report whole, and nothing of it is stored."""
+    from controlplane.auth.actor import CLI_ACTOR
+    from fleet.credentials import credential_revoke
+    from fleet.models import Workload
+
+    workload, _, credential = enrolled()
+    sender = report_sender_authenticate(workload_id=str(workload.id), credential=credential)
+    report = at_agent_clock(golden(), clock.now())
+    renewed = Workload.objects.get(id=workload.id)
+    Workload.objects.filter(id=workload.id).update(credential_serial=renewed.credential_serial + 1)
+    with pytest.raises(Problem, match="enrolled workload") as refused:
+        flow_report_ingest(workload_id=str(workload.id), data=report, sender=sender)
+    assert refused.value.name == "unauthenticated"
+    Workload.objects.filter(id=workload.id).update(credential_serial=renewed.credential_serial)
+    credential_revoke(actor=CLI_ACTOR, workload_id=str(workload.id))
+    with pytest.raises(Problem) as refused:
+        flow_report_ingest(workload_id=str(workload.id), data=report, sender=sender)
+    assert refused.value.name == "credential-revoked"
+    assert FlowWindow.objects.count() == 0 and EvidenceGap.objects.count() == 0
+
+    other, _, other_credential = enrolled(hostname="db", address="10.50.0.2")
+    sender = report_sender_authenticate(workload_id=str(other.id), credential=other_credential)
+    clock_at(other.credential_expires_at - clock.now() + timedelta(seconds=1))
+    with pytest.raises(Problem, match="renew it on the sync stream"):
+        flow_report_ingest(
+            workload_id=str(other.id), data=at_agent_clock(golden(), clock.now()), sender=sender
+        )
+    clock_at(-timedelta(seconds=2))  # before the expiry again: the same sender's report is stored
+    answer = flow_report_ingest(
+        workload_id=str(other.id), data=at_agent_clock(golden(), clock.now()), sender=sender
+    )
+    assert [r["result"] for r in answer["windows"]] == ["accepted"]

@@ -76,6 +76,7 @@ class Lab:
                 if v6:
                     _ip("-n", ns, "addr", "add", f"{v6}/{prefix_len[1]}", "dev", "eth0", "nodad")
                 _ip("-n", ns, "link", "set", "eth0", "up")
+                _track_connections(ns)
         except BaseException:
             lab.close()
             raise
@@ -155,3 +156,23 @@ def dataplane_call(lab: Lab, name: str, operation: str, document: str = "") -> d
     if done.returncode != 0:
         pytest.fail(f"dataplane {operation} in {name} crashed:\n{done.stderr}")
     return json.loads(done.stdout)
+
+
+# A fresh namespace tracks no connection until something there uses conntrack (the kernel registers
+# its hooks on demand), so an agent's stream opened before its first table would be picked up mid-stream
+# when that table loads, as a new connection in the direction of its first packet then (a gateway's push:
+# an inbound connection from the control plane to an ephemeral port). A host in service tracks its
+# connections from boot (any firewall does), and so do the lab's: a table of the lab's own whose one rule
+# only counts. docs/flows.md says what a host that tracks nothing before the agent records.
+LAB_CONNTRACK_TABLE = (
+    "table inet palisade_lab {\n"
+    "\tchain track {\n\t\ttype filter hook prerouting priority 0; policy accept;\n"
+    "\t\tct state established counter\n\t}\n}\n"
+)
+
+
+def _track_connections(ns: str) -> None:
+    subprocess.run(
+        ["ip", "netns", "exec", ns, "nft", "-f", "-"], input=LAB_CONNTRACK_TABLE, text=True, check=True,
+        capture_output=True,
+    )  # fmt: skip
