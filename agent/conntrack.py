@@ -1,5 +1,5 @@
-"""The conntrack flow source: inbound connections the owned table marked, from the kernel's
-connection-tracking events, into flow windows (agent/flowwindow.py).
+"""The conntrack flow source: connections the owned table marked, inbound and outbound, from the
+kernel's connection-tracking events, into flow windows (agent/flowwindow.py).
 
 It joins the NEW and DESTROY event groups first and then dumps the live table, deduplicating by
 conntrack id and original tuple (the other order misses connections: measured, joining first missed
@@ -8,7 +8,10 @@ connections share now and then). A connection counts once: when its NEW event ar
 finds it live (first seen at the subscription), or, if both were lost (a buffer overrun), when its
 DESTROY event arrives. Bytes arrive with DESTROY and count in
 the window in which the connection ended. Only connections whose ct mark Palisade set count: the mark's
-high byte is the decision, its low 24 bits the deciding rule's lifetime number (policy/renderer.py).
+high byte is the decision with two flags, its low 24 bits the deciding rule's lifetime number
+(policy/renderer.py). Flag OUTBOUND says this workload originated the connection: its peer is then the
+original destination and its port the destination's (never the local ephemeral one); flag FAILSAFE says
+the fail-safe list (DNS, NTP) admitted it, with no rule.
 
 A full socket buffer makes `recv` fail with ENOBUFS: events were lost. After that the kernel drops
 further events without saying so until the socket's queue is empty (netlink's congested state), so the
@@ -28,7 +31,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from agent.flowwindow import FlowKey, Gap, Windows
+from agent.flowwindow import INBOUND, OUTBOUND, FlowKey, Gap, Windows
 from agent.netlink import (
     NLA_F_NESTED,
     NLA_HEADER,
@@ -62,13 +65,29 @@ PORTED = (6, 17)
 DECISION_SHIFT = 24
 RULE_NUMBER_MASK = (1 << DECISION_SHIFT) - 1
 DECISION_NAMES = {1: "observed", 2: "allowed", 3: "would_block", 4: "blocked"}
+# Flags beside the decision in the mark's high byte; an inbound mark has neither, as it always had.
+FLAG_OUTBOUND = 0x80  # this workload originated the connection
+FLAG_FAILSAFE = 0x40  # admitted by the fail-safe list (rule number 0): recorded allowed, with the marker
+FLAGS = FLAG_OUTBOUND | FLAG_FAILSAFE
+DECISION_MASK = 0xFF & ~FLAGS
 
 
 def decode_mark(mark: int) -> tuple[str | None, int | None]:
-    decision = DECISION_NAMES.get(mark >> DECISION_SHIFT) if 0 <= mark < 1 << 32 else None
+    """(decision, rule number) of a ct mark, its flags aside; (None, None) for a mark Palisade did not set."""
+    decision = DECISION_NAMES.get((mark >> DECISION_SHIFT) & DECISION_MASK) if 0 <= mark < 1 << 32 else None
     if decision is None:
         return None, None
     return decision, (mark & RULE_NUMBER_MASK) or None
+
+
+def decode_mark_flags(mark: int) -> tuple[str | None, int | None, str, bool]:
+    """(decision, rule number, direction, fail-safe) of a ct mark. The fail-safe flag counts only on an
+    allowed mark, and such a connection has no rule whatever the low bits say (the contract gives 0)."""
+    decision, rule = decode_mark(mark)
+    flags = (mark >> DECISION_SHIFT) & FLAGS if decision is not None else 0
+    direction = OUTBOUND if flags & FLAG_OUTBOUND else INBOUND
+    failsafe = bool(flags & FLAG_FAILSAFE) and decision == "allowed"
+    return decision, None if failsafe else rule, direction, failsafe
 
 
 @dataclass(slots=True)
@@ -83,7 +102,7 @@ class Entry:
     destination_port: int
     source_port: int
     mark: int
-    bytes_in: int | None  # the original direction: from the peer; None when not accounted
+    bytes_in: int | None  # the original direction (from the originator); None when not accounted
     bytes_out: int | None
     stopped_ns: int | None  # with nf_conntrack_timestamp=1, when the connection ended
 
@@ -264,11 +283,19 @@ def parse_messages(data: bytes, *, marked_only: bool = False) -> list[Entry]:
 
 
 def key_of(entry: Entry) -> FlowKey | None:
-    """The window key of a connection Palisade's table marked; None for every other connection."""
-    decision, rule = decode_mark(entry.mark)
+    """The window key of a connection Palisade's table marked; None for every other connection. The
+    peer is the remote end of the original tuple: its source inbound, its destination outbound; the
+    port is the destination's either way (the service connected to)."""
+    decision, rule, direction, failsafe = decode_mark_flags(entry.mark)
     if decision is None:
         return None
     protocol = PROTOCOL_NAMES.get(entry.protocol) or str(entry.protocol)
+    if direction == OUTBOUND:
+        return FlowKey(
+            entry.destination, protocol, entry.destination_port, decision, rule, OUTBOUND, failsafe
+        )
+    if failsafe:
+        return FlowKey(entry.source, protocol, entry.destination_port, decision, rule, INBOUND, True)
     return FlowKey(entry.source, protocol, entry.destination_port, decision, rule)
 
 
@@ -344,7 +371,11 @@ class ConntrackCounter:
             return
         ended = entry.stopped_ns / 1e9 if entry.stopped_ns else at
         if entry.bytes_in is not None and entry.bytes_out is not None:
-            self.windows.bytes_counted(key, ended, entry.bytes_in, entry.bytes_out)
+            # bytes_in is what this workload received: the reply direction of a connection it originated.
+            if key.direction == OUTBOUND:
+                self.windows.bytes_counted(key, ended, entry.bytes_out, entry.bytes_in)
+            else:
+                self.windows.bytes_counted(key, ended, entry.bytes_in, entry.bytes_out)
         else:
             self.windows.bytes_not_counted(ended)
 

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus, WebSocketException
 
-from agent import __version__
+from agent import __version__, gateway_sets
 from agent import protocol as p
 from agent.backoff import retry_delay
 from agent.bundle import BundleError, gateways_check
@@ -141,6 +141,7 @@ class Agent:
         self._lost: Candidate | None = None  # the gateway whose stream ended last: tried last
         self._identity_stamp: int | None = None
         self.identity: Identity | None = None
+        self._gateway_endpoints_seen: list[gateway_sets.Endpoint] = []
         self._load()
         self._ws: ClientConnection | None = None
         self._renew_only = False
@@ -719,9 +720,26 @@ class Agent:
             finally:
                 self._end_apply()
 
+    async def _gateway_endpoints(self, ws: ClientConnection) -> list[gateway_sets.Endpoint]:
+        """Where this agent reaches the control plane: every listed gateway's addresses now (any of them
+        may be the next it connects to), and the stream's peer; the last resolved ones when no lookup
+        succeeds (agent/gateway_sets.py)."""
+        listed = list(self.gateways)
+        resolved = await asyncio.get_running_loop().run_in_executor(None, gateway_sets.resolve, listed)
+        if resolved:
+            self._gateway_endpoints_seen = resolved
+        found = list(resolved or self._gateway_endpoints_seen)
+        remote = getattr(ws, "remote_address", None)
+        if remote:
+            found.append((str(remote[0]), int(remote[1])))
+        return found
+
     async def _apply(self, ws: ClientConnection, snapshot: p.Snapshot) -> None:
         try:
-            await self.dataplane.apply(snapshot.document)
+            document = snapshot.document
+            if gateway_sets.GATEWAY_SETS[4] in document:
+                document = gateway_sets.with_gateways(document, await self._gateway_endpoints(ws))
+            await self.dataplane.apply(document)
         except Exception as error:  # noqa: BLE001 - whatever refused the document, report it
             text = (getattr(error, "message", None) or str(error) or type(error).__name__)[:MAX_ERROR_CHARS]
             self.apply_failures += 1

@@ -11,7 +11,7 @@ outbound connection, whose replies the baseline accepts).
 
 The deny rules are read from the document itself, the control plane's rendering (policy/renderer.py):
 each deny line is ``[ip|ip6 saddr @SET] (meta l4proto . th dport @SERVICES | meta l4proto icmp |
-meta l4proto ipv6-icmp) ct mark set ... log prefix "palisade deny N" ... drop``, its sets defined in the
+meta l4proto ipv6-icmp) ct mark set ... log prefix "palisade:in:N" ... drop``, its sets defined in the
 same document with their elements. The agent imports nothing of the control plane; tests/agent checks
 the two against each other. Only TCP and UDP entries are removed: an ICMP echo is over in a moment.
 """
@@ -32,10 +32,11 @@ from agent.netlink import NLA_F_NESTED, netlink_socket
 
 _SET = re.compile(r"^\tset (\S+) \{\n\t\ttype ([^\n]+)\n(.*?)^\t\}$", re.MULTILINE | re.DOTALL)
 _ELEMENTS = re.compile(r"elements = \{(.*?)\}", re.DOTALL)
-_DENY = re.compile(r'^\t\t(?P<match>.*?) ct mark set \S+ log prefix "palisade deny (?P<rule>\d+)" .*\bdrop\b')
+_DENY = re.compile(r'^\t\t(?P<match>.*?) ct mark set \S+ log prefix "palisade:in:(?P<rule>\d+)" .*\bdrop\b')
 _SOURCE = re.compile(r"^(?P<family>ip6?) saddr @(?P<set>\S+) ")
 _SERVICES = re.compile(r"meta l4proto \. th dport @(?P<set>\S+)$")
 _PROTOCOLS = {"tcp": 6, "udp": 17}
+OUTPUT_CHAIN = "\tchain output {"
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
@@ -80,7 +81,9 @@ def deny_lines(document: str) -> list[DenyLine]:
     """The document's deny lines that judge ported connections, in chain order."""
     sets = {name: (kind, _elements(body)) for name, kind, body in _SET.findall(document)}
     lines = []
-    for text in document.splitlines():
+    # The output chain's deny lines judge the connections the workload opens: they end nothing here.
+    inbound, _, _ = document.partition(OUTPUT_CHAIN)
+    for text in inbound.splitlines():
         found = _DENY.match(text)
         if found is None:
             continue

@@ -18,7 +18,7 @@ import uuid
 from dataclasses import asdict
 from pathlib import Path
 
-from agent.flowwindow import ClosedWindow, Counters, FlowKey, Gap
+from agent.flowwindow import INBOUND, ClosedWindow, Counters, FlowKey, Gap
 
 BUFFER_FILE = "flows.json"
 
@@ -30,8 +30,21 @@ def window_record(window: ClosedWindow) -> dict:
         "end": window.end,
         "policy_version": window.policy_version,
         "accounting": window.accounting,
-        "groups": [{**key._asdict(), **asdict(counters)} for key, counters in window.groups],
+        "groups": [{**_key_record(key), **asdict(counters)} for key, counters in window.groups],
     }
+
+
+def _key_record(key: FlowKey) -> dict:
+    """A key as the report carries it: `direction` only when outbound and `failsafe` only when true
+    (absent means inbound and no marker, docs/protocol.md), so an inbound key is the bytes it always was
+    and a buffer written before either existed reads back the same."""
+    record = {"peer": key.peer, "protocol": key.protocol, "port": key.port, "decision": key.decision}
+    record["rule"] = key.rule
+    if key.direction != INBOUND:
+        record["direction"] = key.direction
+    if key.failsafe:
+        record["failsafe"] = True
+    return record
 
 
 def gap_record(gap: Gap) -> dict:
@@ -41,7 +54,15 @@ def gap_record(gap: Gap) -> dict:
 def window_from_record(record: dict) -> ClosedWindow:
     groups = []
     for group in record["groups"]:
-        key = FlowKey(group["peer"], group["protocol"], group["port"], group["decision"], group["rule"])
+        key = FlowKey(
+            group["peer"],
+            group["protocol"],
+            group["port"],
+            group["decision"],
+            group["rule"],
+            group.get("direction", INBOUND),
+            group.get("failsafe", False),
+        )
         counters = Counters(
             group["connection_count"],
             group["first_seen"],

@@ -1,6 +1,7 @@
 """Flow windows: the connections a flow source saw, aggregated per wall-clock-aligned window.
 
-A window aggregates by key (peer address, protocol, port, decision, rule number) with the counters
+A window aggregates by key (peer address, protocol, port, decision, rule number, direction and the
+fail-safe marker) with the counters
 of the spec's "Stored flow window":
 
 - `connection_count`: connections opened in the window, or found live when the source subscribed
@@ -12,7 +13,7 @@ of the spec's "Stored flow window":
   A window says whether accounting was on, so "no bytes" and "not counted" differ.
 
 At `max_keys` distinct keys a window takes no new key one by one until it closes: the observations of
-any other key are summed into the window's aggregate key for their decision (peer and protocol
+any other key are summed into the window's aggregate key for their decision and direction (peer and protocol
 `AGGREGATE`, port 0, no rule), so every connection is still counted, and the window reports a
 `keys_aggregated` gap from the first such observation to its end, with how many keys and connections
 were summed so (the control plane bounds keys the same way, and folds into the same keys).
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 DECISIONS = ("observed", "allowed", "would_block", "blocked")
+INBOUND, OUTBOUND = "inbound", "outbound"
 # The aggregate key's peer and protocol: no address or protocol is written so (flows/choices.py keeps
 # the control plane's copy; a test keeps them equal).
 AGGREGATE = "*"
@@ -39,11 +41,13 @@ KEYS_AGGREGATED = "keys_aggregated"
 class FlowKey(NamedTuple):
     """A tuple: built and hashed for every connection event, in C rather than in a dataclass's Python."""
 
-    peer: str  # the remote address, as text
+    peer: str  # the remote address, as text: the originator inbound, the destination outbound
     protocol: str  # tcp, udp, icmp, icmpv6, or the protocol number as text
-    port: int  # the local (service) port; 0 for protocols without ports
+    port: int  # the service (destination) port, never an ephemeral one; 0 for protocols without ports
     decision: str  # one of DECISIONS
     rule: int | None  # the rule's lifetime number from the ct mark; None when no rule decided
+    direction: str = INBOUND  # who originated the connection: a peer (inbound) or this workload
+    failsafe: bool = False  # allowed by the fail-safe list (DNS, NTP) rather than a rule
 
 
 @dataclass
@@ -101,7 +105,7 @@ class OpenWindow:
             if self.overflow_at is None:
                 self.overflow_at = at
             self.aggregated_keys.add(key)
-            aggregate = FlowKey(AGGREGATE, AGGREGATE, 0, key.decision, None)
+            aggregate = FlowKey(AGGREGATE, AGGREGATE, 0, key.decision, None, key.direction)
             entry = self.counters.get(aggregate)
             if entry is None:
                 entry = self.counters[aggregate] = Counters()
@@ -158,7 +162,7 @@ class OpenWindow:
 
 
 def _sort_key(key: FlowKey) -> tuple:
-    return (key.peer, key.protocol, key.port, key.decision, key.rule or 0)
+    return (key.direction, key.peer, key.protocol, key.port, key.decision, key.rule or 0, key.failsafe)
 
 
 def window_start(at: float, length: float) -> float:

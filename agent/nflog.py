@@ -7,6 +7,13 @@ so an attempt counts once until its 5-tuple has been quiet for `ATTEMPT_SECONDS`
 connections are admitted and marked, so the conntrack source counts them; this source does not bind
 the would-block group, and nothing is counted twice.
 
+The direction of a drop is in the log prefix the renderer gives its rule (docs/flows.md, "NFLOG
+prefixes"): `palisade:out` for an outgoing connection this workload attempted (the peer is then the
+packet's destination), `palisade:in` or no prefix at all (what inbound rules have always logged) for an
+incoming one (the peer is the packet's source). Either may end in `:<rule number>` for a rule that
+decided the drop; the port is the destination's both ways. A prefix of any other form is read as
+inbound without a rule, so that an unknown renderer's drops are still counted.
+
 Only one socket can bind a group: a stale process holding it makes `subscribe` fail with EPERM.
 """
 
@@ -21,7 +28,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 
 from agent.conntrack import PROTOCOL_NAMES
-from agent.flowwindow import FlowKey, Gap, Windows
+from agent.flowwindow import INBOUND, OUTBOUND, FlowKey, Gap, Windows
 from agent.netlink import Datagrams, attributes_of, drain_queued, is_overrun, latest, netlink_socket
 
 NFLOG_GROUP_BLOCKED = 7302  # policy/renderer.py; tests/agent keeps the two equal
@@ -30,10 +37,10 @@ NFULNL_MSG_PACKET, NFULNL_MSG_CONFIG = 0, 1
 NFULA_CFG_CMD, NFULA_CFG_MODE = 1, 2
 NFULNL_CFG_CMD_BIND = 1
 NFULNL_COPY_PACKET = 2
-NFULA_PAYLOAD = 9
-NFULA_PREFIX = 10
-# A deny rule's log prefix names it: "palisade deny <rule number>" (policy/renderer.py, DENY_LOG_PREFIX).
-DENY_PREFIX = b"palisade deny "
+NFULA_PAYLOAD, NFULA_PREFIX = 9, 10
+# The log prefixes of the blocked group: `palisade:<in|out>[:<rule number>]` (docs/flows.md).
+PREFIX_INBOUND, PREFIX_OUTBOUND = "palisade:in", "palisade:out"
+MAX_RULE_NUMBER = (1 << 24) - 1
 NLM_F_REQUEST, NLM_F_ACK = 0x1, 0x4
 NLMSG_ERROR = 2
 COPY_BYTES = 128  # the IP and transport headers are all this source reads
@@ -102,16 +109,8 @@ def packet_tuple(payload: bytes) -> tuple[str, str, int, str, int] | None:
     return f"{source}|{sport}", destination, protocol, name, dport
 
 
-def deny_rule(prefix: bytes | None) -> int | None:
-    """The deny rule a logged packet's prefix names; None for the terminal rule (no prefix)."""
-    if not prefix or not prefix.startswith(DENY_PREFIX):
-        return None
-    digits = prefix[len(DENY_PREFIX) :].split(b"\0", 1)[0]
-    return int(digits) if digits.isdigit() and 0 < int(digits) < 1 << 24 else None
-
-
-def parse_packets(data: bytes) -> Iterator[tuple[bytes, int | None]]:
-    """Each logged packet's payload and the deny rule that dropped it (None: no rule admitted it)."""
+def parse_packets(data: bytes) -> Iterator[tuple[bytes, bytes]]:
+    """(payload, prefix) of each logged packet; the prefix without its terminating NUL, empty if none."""
     offset = 0
     while offset + 16 <= len(data):
         length, message_type = struct.unpack_from("=IH", data, offset)
@@ -121,8 +120,22 @@ def parse_packets(data: bytes) -> Iterator[tuple[bytes, int | None]]:
             attributes = attributes_of(data[offset + 16 : offset + length], 4)
             payload = attributes.get(NFULA_PAYLOAD)
             if payload:
-                yield payload, deny_rule(attributes.get(NFULA_PREFIX))
+                yield payload, attributes.get(NFULA_PREFIX, b"").split(b"\0", 1)[0]
         offset += (length + 3) & ~3
+
+
+def parse_prefix(prefix: bytes) -> tuple[str, int | None]:
+    """(direction, rule number) a blocked drop's log prefix says: `palisade:out[:N]` is outbound,
+    anything else inbound; a rule number only where it is one (1 to 2^24 - 1)."""
+    text = prefix.decode("ascii", "replace")
+    head, _, rule = text.partition(":")
+    direction_word, _, rule = rule.partition(":")
+    if head != "palisade" or direction_word not in ("in", "out"):
+        return INBOUND, None
+    number = int(rule) if rule.isascii() and rule.isdigit() and len(rule) <= 8 else 0
+    return (OUTBOUND if direction_word == "out" else INBOUND), (
+        number if 0 < number <= MAX_RULE_NUMBER else None
+    )
 
 
 class BlockedCounter:
@@ -135,7 +148,7 @@ class BlockedCounter:
         self.overruns = 0
         self.events_read = 0  # logged packets
 
-    def packet(self, payload: bytes, at: float, rule: int | None = None) -> None:
+    def packet(self, payload: bytes, at: float, prefix: bytes = b"") -> None:
         self.last_packet_at = at
         self.events_read += 1
         found = packet_tuple(payload)
@@ -149,8 +162,12 @@ class BlockedCounter:
             self.attempts.popitem(last=False)
         if seen is not None and at - seen <= ATTEMPT_SECONDS:
             return  # a retransmit, or another datagram of the same attempt
-        peer = source_and_port.split("|")[0]
-        self.windows.connection_opened(FlowKey(peer, name, dport, "blocked", rule), at)
+        direction, rule = parse_prefix(prefix) if prefix else (INBOUND, None)
+        if direction == OUTBOUND:
+            key = FlowKey(destination, name, dport, "blocked", rule, OUTBOUND)
+        else:
+            key = FlowKey(source_and_port.split("|")[0], name, dport, "blocked", rule)
+        self.windows.connection_opened(key, at)
 
     def overrun(self, *, since: float | None, at: float) -> Gap:
         """Packets were lost between `since` (the last one read before the failure) and `at`."""
@@ -193,8 +210,8 @@ class NflogSource:
         now = self.clock()
         packets = list(parse_packets(data))
         with self.counter.windows.lock:
-            for payload, rule in packets:
-                self.counter.packet(payload, now, rule)
+            for payload, prefix in packets:
+                self.counter.packet(payload, now, prefix)
         return len(packets)
 
     def close(self) -> None:

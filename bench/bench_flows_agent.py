@@ -2,9 +2,14 @@
 """The agent's conntrack flow source under connection bursts, inside network namespaces (root).
 
     .venv/bin/python bench/bench_flows_agent.py [--rates 5000,10000,20000,40000] [--seconds 2]
+        [--directions both|inbound]
 
 A client namespace sends UDP datagrams to a workload namespace at a fixed rate, each to a new port, so
-each is a new conntrack connection marked by the owned table (simulation mode: would_block). For each
+each is a new conntrack connection marked by the owned table (simulation mode: would_block). With
+`--directions both` (the default) half the rate is the workload's own datagrams to the client, marked
+outbound (flag 0x80, would_block) by an output chain of a table beside the owned one, as the renderer's
+outbound chain will mark them: the source records both directions, and the counts of each are
+reported. For each
 rate, the agent's source (agent/conntrack.py, the default --flow-netlink-buffer) and `conntrack -E`
 (conntrack-tools) consume the same burst side by side. Reported per rate: datagrams sent, connections the
 kernel created (`conntrack -C`, the ground truth), counted by the agent, lost (created - counted, and
@@ -50,6 +55,14 @@ print(round(count / (time.perf_counter() - start)), flush=True)
 """
 
 
+# What the renderer's output chain will do for a workload whose outbound mode is simulation and no rule
+# admits the destination: mark the new connection outbound | would_block (agent/conntrack.py).
+_OUTBOUND_TABLE = (
+    "table inet bench_outbound {\n\tchain output {\n\t\ttype filter hook output priority 0; policy accept;\n"
+    f"\t\tct state new ip daddr {HOSTS['client'][0]} ct mark set {(0x80 | 3) << 24:#010x}\n\t}}\n}}\n"
+)
+
+
 def _document() -> str:
     from policy.render_inputs import FleetIndex, WorkloadInput
     from policy.renderer import render
@@ -63,7 +76,37 @@ def _process_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def burst(lab, nsthread, rate: int, seconds: float) -> dict:
+def _send(lab, rate: int, count: int, *, outbound: bool) -> list[subprocess.CompletedProcess]:
+    """The burst: the client's datagrams to the workload, and with `outbound` half of them the
+    workload's own to the client instead, sent at the same time."""
+    if not outbound:
+        return [lab.python("client", _SENDER, HOSTS["wl"][0], str(count), str(rate))]
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    senders = [
+        subprocess.Popen(
+            [
+                "ip",
+                "netns",
+                "exec",
+                lab.ns(ns),
+                sys.executable,
+                "-c",
+                _SENDER,
+                HOSTS[to][0],
+                str(count // 2),
+                str(rate / 2),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )  # fmt: skip
+        for ns, to in (("client", "wl"), ("wl", "client"))
+    ]
+    return [subprocess.CompletedProcess(p.args, p.wait(60), *p.communicate()) for p in senders]
+
+
+def burst(lab, nsthread, rate: int, seconds: float, *, outbound: bool = False) -> dict:
     from agent import conntrack
     from agent.flowreporter import DEFAULT_NETLINK_BUFFER, LockedWindows
 
@@ -95,7 +138,7 @@ def burst(lab, nsthread, rate: int, seconds: float) -> dict:
     time.sleep(0.3)
     listener_cpu_before = _process_cpu(listener.pid)
     consumer.start()
-    sent = lab.python("client", _SENDER, HOSTS["wl"][0], str(count), str(rate))
+    sent = _send(lab, rate, count, outbound=outbound)
     # Ground truth: the connections the kernel created (the table was flushed before; UDP entries live 30 s).
     created = int(lab.run("wl", ["conntrack", "-C"]).stdout.strip())
     stop.set()
@@ -107,11 +150,16 @@ def burst(lab, nsthread, rate: int, seconds: float) -> dict:
     nsthread.call(source.close)
     closed, _ = windows.close_due(float("inf"), "bench")
     counted = sum(c.connection_count for w in closed for _, c in w.groups)
+    by_direction: dict[str, int] = {}
+    for w in closed:
+        for key, c in w.groups:
+            by_direction[key.direction] = by_direction.get(key.direction, 0) + c.connection_count
     conntrack_events = sum(1 for line in lines if "[NEW]" in line)
     return {
         "rate_requested": rate,
-        "rate_achieved": int(sent.stdout.strip() or 0),
-        "sent": count,
+        "rate_achieved": sum(int(s.stdout.strip() or 0) for s in sent),
+        "sent": count // 2 * 2 if outbound else count,
+        "agent_counted_by_direction": by_direction,
         "created": created,
         "agent_counted": counted,
         "agent_lost": created - counted,
@@ -155,26 +203,31 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rates", default="5000,10000,20000,40000")
     parser.add_argument("--seconds", type=float, default=2.0)
+    parser.add_argument("--directions", choices=("both", "inbound"), default="both")
     args = parser.parse_args()
+    outbound = args.directions == "both"
     exit_on_sigterm()
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
     from tests.support.netns import Lab, dataplane_call
     from tests.support.nsthread import NamespaceThread
 
-    results: dict = {"command": "bench/bench_flows_agent.py", "bursts": []}
+    results: dict = {"command": "bench/bench_flows_agent.py", "directions": args.directions, "bursts": []}
     with Lab.create(HOSTS) as lab:
         assert dataplane_call(lab, "wl", "apply", _document())["error"] is None
+        if outbound:
+            applied = lab.run("wl", ["nft", "-f", "-"], input=_OUTBOUND_TABLE)
+            assert applied.returncode == 0, applied.stderr
         lab.run("wl", ["sysctl", "-w", "net.netfilter.nf_conntrack_max=1000000"])
         nsthread = NamespaceThread(lab.ns("wl"))
         try:
             for rate in (int(r) for r in args.rates.split(",")):
-                result = burst(lab, nsthread, rate, args.seconds)
+                result = burst(lab, nsthread, rate, args.seconds, outbound=outbound)
                 results["bursts"].append(result)
                 print(
                     f"rate {rate:>6}/s (achieved {result['rate_achieved']:>6}): sent {result['sent']:>7}, "
                     f"created {result['created']:>7}, "
                     f"agent counted {result['agent_counted']:>7} (lost {result['agent_lost']}, "
-                    f"overrun gaps {result['overrun_gaps']}); CPU agent {result['agent_cpu_s']} s, "
+                    f"overrun gaps {result['overrun_gaps']}; by direction {result['agent_counted_by_direction']}); CPU agent {result['agent_cpu_s']} s, "
                     f"conntrack -E {result['conntrack_E_cpu_s']} s; per 10,000 connections agent "
                     f"{result['agent_cpu_per_10k_connections_s']} s, conntrack -E "
                     f"{result['conntrack_E_cpu_per_10k_connections_s']} s, ratio {result['cpu_ratio']}",

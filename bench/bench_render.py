@@ -25,6 +25,7 @@ import shutil
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -183,8 +184,40 @@ def build_synthetic(count: int, deny_share: float = 0.0):
     return workloads, services, groups, rulesets
 
 
-def bench_render(count: int, deny_share: float = 0.0) -> tuple[dict, str]:
+def with_outbound(workloads, services, groups, rulesets):
+    """Half the fleet judging its outgoing connections (simulation or enforced), under 50 outbound
+    rulesets to groups and applications; the inbound rulesets admit the rest at both ends. A separate
+    generator: the fleet and its inbound policy are the same with and without."""
+    rng = random.Random(SEED + 1)
+    judged = [
+        replace(w, outbound_mode=rng.choice(("simulation", "enforced"))) if i % 2 == 0 else w
+        for i, w in enumerate(workloads)
+    ]
+    outbound = []
+    for r in range(50):
+        rules = tuple(
+            RuleInput(
+                f"out-{r:02d}-{position:02d}",
+                position,
+                f"egress {position}",
+                (random_source(rng),),
+                services[rng.randrange(len(services))],
+                number=100_000 + r * 100 + position,
+                action="deny" if position == 1 and r % 10 == 0 else "allow",
+            )
+            for position in range(1, 6)
+        )
+        scope = f"app={rng.choice(APPS)}" if r else ""
+        outbound.append(
+            RulesetInput(f"out-{r:02d}", f"egress-{r:02d}", parse_selector(scope), rules, "outbound")
+        )
+    return judged, list(rulesets) + outbound
+
+
+def bench_render(count: int, deny_share: float = 0.0, outbound: bool = False) -> tuple[dict, str]:
     workloads, services, groups, rulesets = build_synthetic(count, deny_share)
+    if outbound:
+        workloads, rulesets = with_outbound(workloads, services, groups, rulesets)
 
     started = time.perf_counter()
     fleet = FleetIndex.build(workloads)
@@ -263,10 +296,16 @@ def main() -> None:
     parser.add_argument("--apply-reps", type=int, default=9)
     parser.add_argument("--no-apply", action="store_true")
     parser.add_argument("--deny-share", type=float, default=0.1, help="the share of deny rules (issue 33)")
+    parser.add_argument(
+        "--outbound",
+        action="store_true",
+        help="half the fleet in outbound simulation/enforced, 50 outbound rulesets",
+    )
     args = parser.parse_args()
 
-    results, largest = bench_render(args.workloads, args.deny_share)
+    results, largest = bench_render(args.workloads, args.deny_share, outbound=args.outbound)
     results["deny_share"] = args.deny_share
+    results["outbound"] = args.outbound
     results["apply"] = bench_apply_largest(largest, args.apply_reps, skip=args.no_apply)
     results["machine"] = {
         "cpus": os.cpu_count(),

@@ -263,6 +263,27 @@ def _loopback_ports(text: str) -> tuple[int, ...]:
 # ports (comma-separated; none by default), private ranges unless "refuse".
 PALISADE_WEBHOOK_LOOPBACK_PORTS = _loopback_ports(os.environ.get("PALISADE_WEBHOOK_LOOPBACK_PORTS", ""))
 PALISADE_WEBHOOK_PRIVATE_ADDRESSES = os.environ.get("PALISADE_WEBHOOK_PRIVATE_ADDRESSES", "allow")
+
+
+def _failsafe(text: str) -> tuple[tuple[str, int, int], ...]:
+    entries = []
+    for item in text.replace(",", " ").split():
+        protocol, _, ports = item.partition("/")
+        low, _, high = ports.partition("-")
+        if protocol not in ("tcp", "udp") or not low.isdigit() or not (high or low).isdigit():
+            raise ValueError(
+                f"PALISADE_OUTBOUND_FAILSAFE: {item!r} is not tcp/PORT, udp/PORT or udp/FIRST-LAST"
+            )
+        first, last = int(low), int(high or low)
+        if not 1 <= first <= last <= 65535:
+            raise ValueError(f"PALISADE_OUTBOUND_FAILSAFE: {item!r} is not a port range within 1-65535")
+        entries.append((protocol, first, last))
+    return tuple(entries)
+
+
+# What every output chain admits to any destination before any rule (docs/policy.md, outbound): DNS
+# and NTP unless changed; empty ("") admits nothing but the baseline. Marked with the fail-safe flag.
+PALISADE_OUTBOUND_FAILSAFE = _failsafe(os.environ.get("PALISADE_OUTBOUND_FAILSAFE", "udp/53,tcp/53,udp/123"))
 if PALISADE_WEBHOOK_PRIVATE_ADDRESSES not in ("allow", "refuse"):
     raise ValueError("PALISADE_WEBHOOK_PRIVATE_ADDRESSES must be allow or refuse")
 # Each webhook's deliveries are sent by a round of their own, on one of this many threads per serve

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from dataclasses import dataclass
 from datetime import datetime
 
 from django.db import connection, transaction
@@ -44,6 +45,25 @@ log = logging.getLogger("palisade.fleet")
 
 CONFIRM_WITHIN_MIN = 10
 CONFIRM_WITHIN_MAX = 86_400
+
+
+@dataclass(frozen=True)
+class ModeFields:
+    """The workload's columns of one direction's mode: the mode, since when, the change holding it."""
+
+    mode: str
+    since: str
+    holder: str
+
+
+_MODE_FIELDS = {
+    "inbound": ModeFields("mode", "mode_since", "mode_change"),
+    "outbound": ModeFields("outbound_mode", "outbound_mode_since", "outbound_mode_change"),
+}
+
+
+def mode_fields(direction: str) -> ModeFields:
+    return _MODE_FIELDS[direction]
 
 
 def _awaiting(changes):
@@ -70,7 +90,11 @@ def mode_change_holds_record(*, change: ModeChange, selected: Iterable[tuple]) -
         if before != change.mode:
             rows.append(
                 ModeChangeWorkload(
-                    mode_change=change, workload_id=workload_id, mode_before=before, mode_after=change.mode
+                    mode_change=change,
+                    workload_id=workload_id,
+                    mode_before=before,
+                    mode_after=change.mode,
+                    direction=change.direction,
                 )
             )
     ModeChangeWorkload.objects.bulk_create(rows, batch_size=2000)
@@ -139,12 +163,13 @@ def _revert(change: ModeChange, *, now: datetime) -> ModeChange:
         .order_by("workload_id")
         .values_list("workload_id", "mode_before", "mode_after")
     )
+    fields = mode_fields(change.direction)
     current = {
         workload_id: (mode, holder)
         for workload_id, mode, holder in Workload.objects.select_for_update()
         .filter(id__in=[workload_id for workload_id, _, _ in held])
         .order_by("id")
-        .values_list("id", "mode", "mode_change_id")
+        .values_list("id", fields.mode, fields.holder)
     }
     back, left_alone = [], []
     for workload_id, before, after in held:
@@ -165,16 +190,23 @@ def _revert(change: ModeChange, *, now: datetime) -> ModeChange:
         resolved_count=len(held),
         changed_count=len(back),
         reverts=change,
+        direction=change.direction,
         reason=f"Mode change {change.id} was not confirmed by {clock.rfc3339(change.confirm_by)}.",
         left_alone=left_alone,
     )
     for mode in modes_back:
         Workload.objects.filter(id__in=[w for w, _, before in back if before == mode]).update(
-            mode=mode, mode_since=now, mode_change=revert
+            **{fields.mode: mode, fields.since: now, fields.holder: revert}
         )
     ModeChangeWorkload.objects.bulk_create(
         [
-            ModeChangeWorkload(mode_change=revert, workload_id=w, mode_before=after, mode_after=before)
+            ModeChangeWorkload(
+                mode_change=revert,
+                workload_id=w,
+                mode_before=after,
+                mode_after=before,
+                direction=change.direction,
+            )
             for w, after, before in back
         ],
         batch_size=2000,
@@ -203,6 +235,7 @@ def _revert(change: ModeChange, *, now: datetime) -> ModeChange:
             "mode_change": {
                 "id": str(revert.id),
                 "mode": revert.mode,
+                "direction": revert.direction,
                 "selection": revert.selection,
                 "resolved_count": revert.resolved_count,
                 "changed_workload_ids": [entry["workload_id"] for entry in restored],

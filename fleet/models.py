@@ -54,6 +54,13 @@ class Workload(models.Model):
     mode_change = models.ForeignKey(
         "ModeChange", on_delete=models.SET_NULL, null=True, related_name="+", db_index=False
     )
+    # The mode judging the connections it opens (docs/policy.md, outbound); visibility installs nothing.
+    outbound_mode = models.CharField(max_length=16, choices=Mode.choices, default=Mode.VISIBILITY)
+    outbound_mode_since = models.DateTimeField(null=True)
+    # As mode_change, for the outbound mode: the two directions are put back independently.
+    outbound_mode_change = models.ForeignKey(
+        "ModeChange", on_delete=models.SET_NULL, null=True, related_name="+", db_index=False
+    )
     latest_policy = models.ForeignKey(RenderedPolicy, on_delete=models.PROTECT, null=True, related_name="+")
     # When the latest version last moved: the time to the agent's first acknowledgement of it is a
     # metric (controlplane/metrics.py). Null: before this was recorded.
@@ -147,6 +154,8 @@ class ModeChange(models.Model):
     actor = models.CharField(max_length=200)
     created_at = models.DateTimeField()
     selection = models.JSONField()
+    # Which mode it moves (and its ModeChangeWorkload rows record): the inbound one or the outbound one.
+    direction = models.CharField(max_length=8, default="inbound")
     # Null only for a revert that put its workloads back into different modes (each one's is in its
     # ModeChangeWorkload rows).
     mode = models.CharField(max_length=16, choices=Mode.choices, null=True)
@@ -189,6 +198,8 @@ class ModeChangeWorkload(models.Model):
     workload = models.ForeignKey(Workload, on_delete=models.CASCADE, related_name="+", db_index=False)
     mode_before = models.CharField(max_length=16, choices=Mode.choices)
     mode_after = models.CharField(max_length=16, choices=Mode.choices)
+    # Which of the workload's modes these are (its change's direction): a revert puts that one back.
+    direction = models.CharField(max_length=8, default="inbound")
 
     class Meta:
         constraints = [

@@ -18,6 +18,7 @@ import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from django.conf import settings
 from django.db import connection, transaction
 
 from controlplane import clock, metrics
@@ -28,6 +29,7 @@ from policy.grammar import Selector, parse_selector
 from policy.models import PolicyState
 from policy.render_inputs import (
     FleetIndex,
+    PortEntry,
     WorkloadInput,
 )
 from policy.renderer import compile_policy
@@ -36,14 +38,30 @@ from policy.selectors import PolicyInputs, policy_inputs_load
 log = logging.getLogger("palisade.fleet")
 
 
-def workload_input_of(workload_id, labels, addresses, mode) -> WorkloadInput:
-    return WorkloadInput(id=str(workload_id), labels=labels, addresses=tuple(addresses), mode=mode)
+_INPUT_FIELDS = ("id", "labels", "addresses", "mode", "outbound_mode")
+
+
+def workload_input_of(workload_id, labels, addresses, mode, outbound_mode=Mode.VISIBILITY) -> WorkloadInput:
+    return WorkloadInput(
+        id=str(workload_id), labels=labels, addresses=tuple(addresses), mode=mode, outbound_mode=outbound_mode
+    )
 
 
 def fleet_load() -> tuple[FleetIndex, dict[str, WorkloadInput]]:
-    rows = Workload.objects.values_list("id", "labels", "addresses", "mode")
+    rows = Workload.objects.values_list(*_INPUT_FIELDS)
     inputs = {str(r[0]): workload_input_of(*r) for r in rows}
     return FleetIndex.build(inputs.values()), inputs
+
+
+def outbound_failsafe() -> tuple[PortEntry, ...]:
+    """The fail-safe list every output chain admits (settings.PALISADE_OUTBOUND_FAILSAFE)."""
+    return tuple(PortEntry(*entry) for entry in settings.PALISADE_OUTBOUND_FAILSAFE)
+
+
+def _judging_outbound(inputs: Mapping[str, WorkloadInput]) -> set[str]:
+    # An output chain reads the whole fleet's inbound policy ("one rule, both ends") and every
+    # workload's addresses: any policy or peer change may alter it.
+    return {wid for wid, w in inputs.items() if w.outbound_mode != Mode.VISIBILITY}
 
 
 @dataclass(frozen=True)
@@ -74,7 +92,7 @@ def workloads_rerender(
     current = {str(k): v for k, v in current.items()}
     rendered_by_version: dict[str, object] = {}
     moved: dict[str, str] = {}
-    compiled = compile_policy(policy.rulesets, policy.groups, fleet)
+    compiled = compile_policy(policy.rulesets, policy.groups, fleet, outbound_failsafe())
     for workload_id in targets:
         with metrics.RENDER_DOCUMENT_SECONDS.time():
             result = compiled.render(inputs[workload_id])
@@ -156,7 +174,7 @@ def _matching(fleet: FleetIndex, selectors: Iterable[Selector]) -> set[str]:
 def rerender_for_scopes(*, scopes: Iterable[str]) -> Rerendered:
     """After a policy write: the workloads in the scopes of the rulesets it touched."""
     fleet, inputs = fleet_load()
-    affected = _matching(fleet, {parse_selector(s) for s in scopes})
+    affected = _matching(fleet, {parse_selector(s) for s in scopes}) | _judging_outbound(inputs)
     return workloads_rerender(workload_ids=affected, loaded=(fleet, inputs))
 
 
@@ -164,7 +182,7 @@ def rerender_for_peer_change(*, workload_id: str, labels_before: Mapping[str, st
     """After workload W's labels or addresses changed: W, and the workloads whose rules had or now
     have W among their sources."""
     policy = policy_inputs_load()
-    row = Workload.objects.filter(id=workload_id).values_list("id", "labels", "addresses", "mode").get()
+    row = Workload.objects.filter(id=workload_id).values_list(*_INPUT_FIELDS).get()
     workload = workload_input_of(*row)
     labels_after = workload.labels
     scopes = set()
@@ -177,11 +195,16 @@ def rerender_for_peer_change(*, workload_id: str, labels_before: Mapping[str, st
             ):
                 scopes.add(ruleset.scope)
                 break
-    if not scopes and workload.mode == Mode.VISIBILITY:
+    if (
+        not scopes
+        and workload.mode == Mode.VISIBILITY
+        and workload.outbound_mode == Mode.VISIBILITY
+        and not Workload.objects.exclude(outbound_mode=Mode.VISIBILITY).exists()
+    ):
         # Nobody's peer, and a visibility document depends on no other workload: enrolling into a
         # large fleet must not load the whole fleet.
         alone = (FleetIndex.build([workload]), {workload.id: workload})
         return workloads_rerender(workload_ids=[workload.id], loaded=alone, policy=policy)
     fleet, inputs = fleet_load()
-    affected = _matching(fleet, scopes) | {str(workload_id)}
+    affected = _matching(fleet, scopes) | {str(workload_id)} | _judging_outbound(inputs)
     return workloads_rerender(workload_ids=affected, loaded=(fleet, inputs), policy=policy)

@@ -33,6 +33,8 @@ def workload_data(workload: Workload) -> dict:
         "labels_version": version_text(workload.labels_version),
         "mode": workload.mode,
         "mode_since": rfc3339(workload.mode_since or workload.enrolled_at),
+        "outbound_mode": workload.outbound_mode,
+        "outbound_mode_since": rfc3339(workload.outbound_mode_since or workload.enrolled_at),
         "latest_version": latest,
         "applied_version": workload.applied_version or None,
         "agent_version": workload.agent_version or None,
@@ -99,6 +101,7 @@ def rendered_policy_data(workload: Workload, policy: RenderedPolicy | None) -> d
     return {
         "workload_id": str(workload.id),
         "mode": workload.mode,
+        "outbound_mode": workload.outbound_mode,
         "version": policy.version if policy else None,
         "rendered_at": rfc3339(policy.created_at) if policy else None,
         "document": policy.document if policy else None,
@@ -119,6 +122,7 @@ def mode_change_data(intent: ModeChange) -> dict:
     return {
         "id": str(intent.id),
         "mode": intent.mode,
+        "direction": intent.direction,
         "selection": intent.selection,
         "resolved_count": intent.resolved_count,
         "changed_count": intent.changed_count,

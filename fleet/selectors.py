@@ -17,7 +17,7 @@ from controlplane.pagination import OrderKey, Page, list_fingerprint, paginate
 from controlplane.problems import Finding, ValidationFailed
 from controlplane.validation import Findings, quoted, reject_unknown, require_object, take_string
 from fleet import health as flow_health
-from fleet.choices import OwnedTableState, SyncState
+from fleet.choices import Mode, OwnedTableState, SyncState
 from fleet.models import ModeChange, ModeChangeWorkload, Workload
 from policy.grammar import GrammarError, Selector, parse_selector
 
@@ -75,8 +75,11 @@ def workload_queryset(
     sync_state: str | None = None,
     removed: bool | None = None,
     ids: list[str] | None = None,
+    outbound_mode: str | None = None,
 ) -> QuerySet:
     queryset = Workload.objects.select_related(None)
+    if outbound_mode is not None:
+        queryset = queryset.filter(outbound_mode=outbound_mode)
     if ids is not None:
         queryset = queryset.filter(id__in=ids)
     for selector in labels:
@@ -111,7 +114,12 @@ def workload_ids_parse(texts: list[str]) -> list[str] | None:
 
 
 def workload_filters_parse(
-    *, labels: list[str], sync_state: str | None, removed: str | None, ids: list[str] = ()
+    *,
+    labels: list[str],
+    sync_state: str | None,
+    removed: str | None,
+    ids: list[str] = (),
+    outbound_mode: str | None = None,
 ) -> dict:
     findings = []
     parsed: dict = {"labels": label_filters_parse(labels), "ids": workload_ids_parse(list(ids))}
@@ -120,6 +128,13 @@ def workload_filters_parse(
             Finding("?sync_state", "sync-state", f"sync_state must be one of {', '.join(SyncState.values)}.")
         )
     parsed["sync_state"] = sync_state or None
+    if outbound_mode not in (None, "") and outbound_mode not in Mode.values:
+        findings.append(
+            Finding(
+                "?outbound_mode", "outbound-mode", f"outbound_mode must be one of {', '.join(Mode.values)}."
+            )
+        )
+    parsed["outbound_mode"] = outbound_mode or None
     if removed not in (None, "", "true", "false"):
         findings.append(Finding("?removed", "type", "removed must be true or false."))
     parsed["removed"] = None if removed in (None, "") else removed == "true"
@@ -129,14 +144,23 @@ def workload_filters_parse(
 
 
 def workload_list(
-    *, labels: list[Selector] = (), sync_state=None, removed=None, ids=None, cursor=None, limit=100
+    *,
+    labels: list[Selector] = (),
+    sync_state=None,
+    removed=None,
+    ids=None,
+    outbound_mode=None,
+    cursor=None,
+    limit=100,
 ) -> Page:
-    fingerprint = list_fingerprint(
-        "workloads",
-        {"labels": [str(s) for s in labels], "sync_state": sync_state, "removed": removed, "ids": ids},
-    )
+    criteria = {"labels": [str(s) for s in labels], "sync_state": sync_state, "removed": removed, "ids": ids}
+    if outbound_mode is not None:  # absent, the fingerprint (and so every cursor) is what it always was
+        criteria["outbound_mode"] = outbound_mode
+    fingerprint = list_fingerprint("workloads", criteria)
     return paginate(
-        workload_queryset(labels=labels, sync_state=sync_state, removed=removed, ids=ids),
+        workload_queryset(
+            labels=labels, sync_state=sync_state, removed=removed, ids=ids, outbound_mode=outbound_mode
+        ),
         order=FLEET_ORDER,
         cursor=cursor,
         limit=limit,

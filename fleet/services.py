@@ -17,11 +17,17 @@ from controlplane.problems import Finding, Problem, ValidationFailed, pointer
 from controlplane.validation import Findings, quoted, reject_unknown, require_object, take_int
 from controlplane.webhooks.outbox import webhook_event_record
 from fleet.choices import Mode, SyncState
-from fleet.mode_confirmations import CONFIRM_WITHIN_MAX, CONFIRM_WITHIN_MIN, mode_change_holds_record
+from fleet.mode_confirmations import (
+    CONFIRM_WITHIN_MAX,
+    CONFIRM_WITHIN_MIN,
+    mode_change_holds_record,
+    mode_fields,
+)
 from fleet.models import ModeChange, Workload
 from fleet.push import notify_streams
 from fleet.rendering import rerender_for_peer_change, workloads_rerender
 from fleet.selectors import MAX_ID_FILTERS, workload_get
+from policy.choices import Direction
 from policy.grammar import GrammarError, parse_selector, validate_labels
 
 MAX_LABELS = 64
@@ -126,12 +132,15 @@ def _selection_input(data: Any, findings: Findings) -> dict:
     return selection
 
 
-def mode_change_input(data: Any) -> tuple[dict, str, int | None]:
-    """The selection, the mode and the seconds within which the change must be confirmed (None: it
-    need not be)."""
+def mode_change_input(data: Any) -> tuple[dict, str, int | None, str]:
+    """The selection, the mode, the seconds within which the change must be confirmed (None: it
+    need not be) and the direction whose mode it moves (inbound unless given)."""
     data = require_object(data)
     findings = Findings()
-    reject_unknown(data, {"selection", "mode", "confirm_within_seconds"}, findings)
+    reject_unknown(data, {"selection", "mode", "confirm_within_seconds", "direction"}, findings)
+    direction = data.get("direction", Direction.INBOUND)
+    if direction not in Direction.values:
+        findings.add("/direction", "direction", f"direction must be one of {', '.join(Direction.values)}.")
     if "selection" not in data:
         findings.add("/selection", "required", "selection is required.")
         selection = {}
@@ -148,7 +157,7 @@ def mode_change_input(data: Any) -> tuple[dict, str, int | None]:
         data, "confirm_within_seconds", findings, minimum=CONFIRM_WITHIN_MIN, maximum=CONFIRM_WITHIN_MAX
     )
     findings.raise_if_any()
-    return selection, mode, confirm_within
+    return selection, mode, confirm_within, direction
 
 
 def selection_resolve(selection: dict) -> list[str]:
@@ -166,7 +175,8 @@ def mode_change_create(*, actor: Actor, data: Mapping[str, Any]) -> ModeChange:
     """Record the intent, move the selected workloads' mode and render their documents. Convergence
     (applied == latest) is observed on the workloads, not awaited here. With `confirm_within_seconds`
     the change must be confirmed by then, or the system puts it back (fleet/mode_confirmations.py)."""
-    selection, mode, confirm_within = mode_change_input(data)
+    selection, mode, confirm_within, direction = mode_change_input(data)
+    fields = mode_fields(direction)
     with transaction.atomic():
         ids = selection_resolve(selection)
         if not ids:
@@ -179,7 +189,7 @@ def mode_change_create(*, actor: Actor, data: Mapping[str, Any]) -> ModeChange:
             Workload.objects.select_for_update()
             .filter(id__in=ids)
             .order_by("id")
-            .values_list("id", "mode", "mode_change_id")
+            .values_list("id", fields.mode, fields.holder)
         )
         changed = [workload_id for workload_id, current, _ in selected if current != mode]
         now = clock.now()
@@ -191,12 +201,15 @@ def mode_change_create(*, actor: Actor, data: Mapping[str, Any]) -> ModeChange:
             resolved_count=len(ids),
             changed_count=len(changed),
             confirm_by=now + timedelta(seconds=confirm_within) if confirm_within else None,
+            direction=direction,
         )
         if intent.confirm_by is not None:
             mode_change_holds_record(change=intent, selected=selected)
-        Workload.objects.filter(id__in=changed).update(mode=mode, mode_since=now, mode_change=intent)
+        Workload.objects.filter(id__in=changed).update(
+            **{fields.mode: mode, fields.since: now, fields.holder: intent}
+        )
         unchanged = [workload_id for workload_id, current, _ in selected if current == mode]
-        Workload.objects.filter(id__in=unchanged).update(mode_change=intent)
+        Workload.objects.filter(id__in=unchanged).update(**{fields.holder: intent})
         workloads_rerender(workload_ids=[str(i) for i in changed])
         audit_record(
             actor=actor,
@@ -206,6 +219,7 @@ def mode_change_create(*, actor: Actor, data: Mapping[str, Any]) -> ModeChange:
             detail={
                 "selection": selection,
                 "mode": mode,
+                "direction": direction,
                 "resolved_count": len(ids),
                 "changed_workload_ids": sorted(str(i) for i in changed),
                 **({"confirm_by": clock.rfc3339(intent.confirm_by)} if intent.confirm_by else {}),
@@ -220,6 +234,7 @@ def _mode_change_event_data(intent: ModeChange, actor: Actor, changed: list) -> 
         "mode_change": {
             "id": str(intent.id),
             "mode": intent.mode,
+            "direction": intent.direction,
             "selection": intent.selection,
             "resolved_count": intent.resolved_count,
             "changed_workload_ids": sorted(str(i) for i in changed),

@@ -10,6 +10,18 @@ class Decision(models.TextChoices):
     BLOCKED = "blocked"
 
 
+class Direction(models.TextChoices):
+    """Who originated a connection: a peer (inbound, all evidence before outbound existed) or the
+    workload itself (outbound). A read takes `any` besides these (READ_DIRECTIONS)."""
+
+    INBOUND = "inbound"
+    OUTBOUND = "outbound"
+
+
+ANY_DIRECTION = "any"
+READ_DIRECTIONS = (*Direction.values, ANY_DIRECTION)
+
+
 class GapKind(models.TextChoices):
     SOURCE_OVERRUN = "source_overrun"
     SOURCE_RESTART = "source_restart"
@@ -37,7 +49,7 @@ class GapSource(models.TextChoices):
 
 AGENT_GAP_KINDS = tuple(kind for kind in GapKind.values if kind != GapKind.AGENT_SILENT)
 
-# A window's aggregate key: one per decision, holding the connections of the keys over the bound. Its
+# A window's aggregate key: one per decision and direction, holding the connections of the keys over the bound. Its
 # peer and protocol are this mark, never an address or a protocol (no real key has them), its port
 # 0 and its rule none. Reads show it as it is stored; no rule may be proposed from it.
 AGGREGATE = "*"

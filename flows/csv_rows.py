@@ -23,6 +23,7 @@ ROLLUP_GROUP_COLUMNS = {
     "peer_workload": ("peer_workload_id",),
     "service": ("protocol", "port"),
     "decision": ("decision",),
+    "direction": ("direction",),
     "rule": ("rule_number", "rule_id", "rule_action"),
     "window": ("window_start",),
     "ruleset": ("ruleset_id",),

@@ -7,7 +7,7 @@ Ids are the agent's own, so a window or gap re-sent after a lost acknowledgement
 from django.db import models
 
 from fleet.models import Workload
-from flows.choices import Decision, GapKind, GapSource
+from flows.choices import Decision, Direction, GapKind, GapSource
 
 
 class FlowWindow(models.Model):
@@ -24,7 +24,7 @@ class FlowWindow(models.Model):
 
 
 class FlowCounters(models.Model):
-    """A key (peer, service, decision) and its counters, as groups and hourly sums both hold them."""
+    """A key (peer, service, decision, direction) and its counters, as groups and hourly sums both hold them."""
 
     workload = models.ForeignKey(Workload, on_delete=models.CASCADE, related_name="+")
     peer = models.CharField(max_length=45)
@@ -32,6 +32,12 @@ class FlowCounters(models.Model):
     protocol = models.CharField(max_length=8)
     port = models.PositiveIntegerField()
     decision = models.CharField(max_length=16, choices=Decision.choices)
+    # Who originated the connection (the rows from before outbound evidence are all inbound), and
+    # whether the fail-safe list (DNS, NTP) admitted it instead of a rule: both part of the key.
+    direction = models.CharField(
+        max_length=8, choices=Direction.choices, default=Direction.INBOUND, db_default=Direction.INBOUND
+    )
+    failsafe = models.BooleanField(default=False, db_default=False)
     connection_count = models.PositiveBigIntegerField()
     first_seen = models.DateTimeField()
     last_seen = models.DateTimeField()
@@ -94,7 +100,17 @@ class FlowHour(FlowSums):
     class Meta:
         constraints = [
             models.UniqueConstraint(
-                fields=["workload", "hour", "peer", "protocol", "port", "decision", "rule_number"],
+                fields=[
+                    "workload",
+                    "hour",
+                    "peer",
+                    "protocol",
+                    "port",
+                    "decision",
+                    "rule_number",
+                    "direction",
+                    "failsafe",
+                ],  # fmt: skip
                 name="flow_hour_key",
             )
         ]
@@ -114,7 +130,17 @@ class FlowQuarter(FlowSums):
     class Meta:
         constraints = [
             models.UniqueConstraint(
-                fields=["workload", "quarter", "peer", "protocol", "port", "decision", "rule_number"],
+                fields=[
+                    "workload",
+                    "quarter",
+                    "peer",
+                    "protocol",
+                    "port",
+                    "decision",
+                    "rule_number",
+                    "direction",
+                    "failsafe",
+                ],  # fmt: skip
                 name="flow_quarter_key",
             )
         ]
@@ -132,7 +158,17 @@ class FlowBlock(FlowSums):
     class Meta:
         constraints = [
             models.UniqueConstraint(
-                fields=["workload", "block", "peer", "protocol", "port", "decision", "rule_number"],
+                fields=[
+                    "workload",
+                    "block",
+                    "peer",
+                    "protocol",
+                    "port",
+                    "decision",
+                    "rule_number",
+                    "direction",
+                    "failsafe",
+                ],  # fmt: skip
                 name="flow_block_key",
             )
         ]

@@ -19,7 +19,7 @@ from controlplane import runtime
 from controlplane.problems import Finding, ValidationFailed
 from controlplane.text import has_unsafe, visible
 from controlplane.validation import is_digits, parse_instant
-from flows.choices import AGENT_GAP_KINDS, AGGREGATE, MAX_WINDOW_SECONDS, Decision, GapSource
+from flows.choices import AGENT_GAP_KINDS, AGGREGATE, MAX_WINDOW_SECONDS, Decision, Direction, GapSource
 
 # The most windows and gaps the gateway accepts in one report (docs/protocol.md). The agent sends fewer
 # (agent/flowreporter.py, BATCH_MAX_WINDOWS and BATCH_MAX_GAPS; a test keeps them so).
@@ -32,6 +32,7 @@ MAX_UPTIME = 100 * 365 * 86400
 PROTOCOLS = ("tcp", "udp", "icmp", "icmpv6")
 ACCEPTED, REFUSED = "accepted", "refused"
 DECISIONS = frozenset(Decision.values)  # `.values` builds a list on every read: once per group is too often
+DIRECTIONS = frozenset(Direction.values)
 
 
 # Why a window or a gap is refused, for the metrics (controlplane/metrics.py counts these codes, never
@@ -222,6 +223,14 @@ def _group(raw: Any, *, start: datetime, end: datetime, accounting: bool) -> dic
     decision = raw.get("decision")
     if not isinstance(decision, str) or decision not in DECISIONS:  # a set: a list or object would raise
         raise Refused(f"decision is one of {', '.join(Decision.values)}")
+    direction = raw.get("direction", Direction.INBOUND)  # absent: an agent from before outbound evidence
+    if not isinstance(direction, str) or direction not in DIRECTIONS:
+        raise Refused("direction is inbound or outbound")
+    failsafe = raw.get("failsafe", False)
+    if not isinstance(failsafe, bool):
+        raise Refused("failsafe is true or false")
+    if failsafe and (decision != Decision.ALLOWED or rule is not None or peer == AGGREGATE):
+        raise Refused("failsafe marks an allowed key of a peer with no rule")
     first_seen, last_seen = (
         _instant(raw.get("first_seen"), "first_seen"),
         _instant(raw.get("last_seen"), "last_seen"),
@@ -238,6 +247,8 @@ def _group(raw: Any, *, start: datetime, end: datetime, accounting: bool) -> dic
         "port": port,
         "decision": decision,
         "rule_number": rule,
+        "direction": direction,
+        "failsafe": failsafe,
         "connection_count": _count(raw.get("connection_count"), "connection_count", MAX_CONNECTIONS),
         "first_seen": first_seen,
         "last_seen": last_seen,
@@ -326,17 +337,20 @@ def _weight(group: dict) -> tuple:
     return (
         -group["connection_count"],
         -(group["bytes_in"] + group["bytes_out"]),
-        group["peer"], group["protocol"], group["port"], group["decision"], group["rule_number"] or 0,
+        group["direction"], group["peer"], group["protocol"], group["port"], group["decision"],
+        group["rule_number"] or 0, group["failsafe"],
     )  # fmt: skip
 
 
-def _aggregate_key(decision: str, groups: list[dict]) -> dict:
+def _aggregate_key(decision: str, direction: str, groups: list[dict]) -> dict:
     summed = {
         "peer": AGGREGATE,
         "protocol": AGGREGATE,
         "port": 0,
         "decision": decision,
         "rule_number": None,
+        "direction": direction,
+        "failsafe": False,
         "connection_count": sum(g["connection_count"] for g in groups),
         "first_seen": min(g["first_seen"] for g in groups),
         "last_seen": max(g["last_seen"] for g in groups),
@@ -353,7 +367,7 @@ def _aggregate_key(decision: str, groups: list[dict]) -> dict:
 
 def keys_fold(groups: list[dict], *, keep: int) -> tuple[list[dict], Aggregated | None]:
     """A window's groups with at most `keep` keys one by one: the others, and any aggregate key the
-    agent sent, summed into one aggregate key per decision. Returns the groups and what was summed
+    agent sent, summed into one aggregate key per decision and direction. Returns the groups and what was summed
     here (None when nothing was)."""
     aggregates = [g for g in groups if g["peer"] == AGGREGATE]
     keys = [g for g in groups if g["peer"] != AGGREGATE]
@@ -361,10 +375,13 @@ def keys_fold(groups: list[dict], *, keep: int) -> tuple[list[dict], Aggregated 
         return groups, None
     keys.sort(key=_weight)
     kept, over = keys[:keep], keys[keep:]
-    by_decision: dict[str, list[dict]] = {}
+    by_decision: dict[tuple[str, str], list[dict]] = {}
     for group in over + aggregates:
-        by_decision.setdefault(group["decision"], []).append(group)
-    summed = [_aggregate_key(decision, listed) for decision, listed in sorted(by_decision.items())]
+        by_decision.setdefault((group["decision"], group["direction"]), []).append(group)
+    summed = [
+        _aggregate_key(decision, direction, listed)
+        for (decision, direction), listed in sorted(by_decision.items())
+    ]
     return kept + summed, Aggregated(len(over), sum(g["connection_count"] for g in over))
 
 

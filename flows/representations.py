@@ -8,7 +8,11 @@ from controlplane.clock import rfc3339
 from flows.models import EvidenceGap, FlowWindow
 
 
-def flow_window_data(window: FlowWindow, rule_ids: dict[int, str]) -> dict[str, Any]:
+def flow_window_data(
+    window: FlowWindow, rule_ids: dict[int, str], *, directions: bool = False
+) -> dict[str, Any]:
+    """A window and its groups; with `directions` (a read of outbound or both), each group says its
+    direction and fail-safe marker (an inbound read's groups are all inbound: shown as they always were)."""
     return {
         "id": str(window.id),
         "workload_id": str(window.workload_id),
@@ -31,6 +35,7 @@ def flow_window_data(window: FlowWindow, rule_ids: dict[int, str]) -> dict[str, 
                 "last_seen": rfc3339(group.last_seen),
                 "bytes_in": group.bytes_in,
                 "bytes_out": group.bytes_out,
+                **({"direction": group.direction, "failsafe": group.failsafe} if directions else {}),
             }
             for group in window.groups.all()
         ],
@@ -61,6 +66,8 @@ def rollup_row_data(row: dict[str, Any], rule_ids: dict[int, str]) -> dict[str, 
         data["service"] = {"protocol": row["protocol"], "port": row["port"]}
     if "decision" in row:
         data["decision"] = row["decision"]
+    if "direction" in row:
+        data["direction"] = row["direction"]
     if "rule_number" in row:
         data["rule_number"] = row["rule_number"]
         data["rule_id"] = rule_ids.get(row["rule_number"]) if row["rule_number"] else None
@@ -119,6 +126,7 @@ def review_data(review: dict[str, Any]) -> dict[str, Any]:
                 "workload_id": str(row["workload_id"]),
                 "peer": row["peer"],
                 "service": {"protocol": row["protocol"], "port": row["port"]},
+                **({"direction": row["direction"]} if "direction" in row else {}),
                 "connection_count": row["connection_count"],
                 # The deny rule that refused them; null: no rule admits them.
                 "rule_number": row["rule_number"],
@@ -148,6 +156,15 @@ def review_data(review: dict[str, Any]) -> dict[str, Any]:
                 "hostname": w.hostname,
                 "mode": w.mode,
                 "mode_since": rfc3339(w.mode_since or w.enrolled_at),
+                # An outbound review's workloads say their outbound mode too; an inbound one's as before.
+                **(
+                    {
+                        "outbound_mode": w.outbound_mode,
+                        "outbound_mode_since": rfc3339(w.outbound_mode_since or w.enrolled_at),
+                    }
+                    if review.get("direction", "inbound") != "inbound"
+                    else {}
+                ),
             }
             for w in review["not_in_simulation"]
         ],

@@ -18,7 +18,7 @@ from fleet.choices import Mode, SyncState
 from fleet.models import Workload
 from fleet.selectors import workload_flow_window, workload_get, workload_queryset
 from flows.buckets import whole_spans
-from flows.choices import AGGREGATE, Decision
+from flows.choices import AGGREGATE, ANY_DIRECTION, Decision, Direction
 from flows.models import (
     EvidenceGap,
     FlowGroup,
@@ -27,7 +27,7 @@ from flows.models import (
 from flows.retention import flow_retention
 from flows.sums.ladder import BLOCK
 from flows.sums.reads import Summed, added_up, key_sums, null_last, spans_summed
-from flows.validation import GROUP_KEYS, workload_required
+from flows.validation import GROUP_KEYS, direction_filters, workload_required
 from policy.grammar import Selector
 from policy.models import Rule
 
@@ -43,12 +43,15 @@ def flow_windows_list(
     cursor: str | None,
     limit: int,
     groups: dict | None = None,
+    direction: str = Direction.INBOUND,
 ) -> Page:
     """One workload's stored windows that intersect [start, end), in time order, with their groups
-    (only those matching `groups`, and only windows with one, when filters are given)."""
+    (only those matching `groups`, and only windows with one, when filters are given). Only the groups
+    of `direction` (inbound by default; `any`: both), and so only windows with one."""
     workload_required(workload_id)
     workload = workload_get(workload_id=workload_id, missing=f"No workload {workload_id}.")
-    groups = groups or {}
+    fingerprinted = {**(groups or {}), **({} if direction == Direction.INBOUND else {"dir": direction})}
+    groups = {**(groups or {}), **direction_filters(direction)}
     matching = FlowGroup.objects.filter(**groups)
     lookback = timedelta(seconds=workload.flow_window_seconds_longest)
     windows = FlowWindow.objects.filter(workload=workload, **_windows_in(start, end, lookback))
@@ -60,7 +63,8 @@ def flow_windows_list(
         Prefetch("groups", queryset=matching.order_by("peer", "protocol", "port", "decision", "rule_number"))
     )
     fingerprint = list_fingerprint(
-        "flows", {"workload": str(workload.id), "from": start.isoformat(), "to": end.isoformat(), **groups}
+        "flows",
+        {"workload": str(workload.id), "from": start.isoformat(), "to": end.isoformat(), **fingerprinted},
     )
     return paginate(windows, order=WINDOW_ORDER, cursor=cursor, limit=limit, fingerprint=fingerprint)
 
@@ -182,6 +186,7 @@ class FlowRange:
     start: datetime
     end: datetime
     lookback: timedelta
+    direction: str = Direction.INBOUND  # whose connections every read of it covers (`any`: both)
 
     @property
     def blocks(self) -> tuple[datetime, datetime] | None:
@@ -190,13 +195,19 @@ class FlowRange:
         return whole_spans(self.start, self.end, BLOCK)
 
 
-def flow_range_plan(*, selected, start: datetime, end: datetime) -> FlowRange:
-    return FlowRange(selected=selected, start=start, end=end, lookback=_lookback(selected))
+def flow_range_plan(
+    *, selected, start: datetime, end: datetime, direction: str = Direction.INBOUND
+) -> FlowRange:
+    return FlowRange(
+        selected=selected, start=start, end=end, lookback=_lookback(selected), direction=direction
+    )
 
 
 def groups_in_range(planned: FlowRange):
-    """The minute rows (groups) of the windows that intersect the range."""
-    groups = FlowGroup.objects.filter(**_windows_in(planned.start, planned.end, planned.lookback))
+    """The minute rows (groups) of the range's direction in the windows that intersect the range."""
+    groups = FlowGroup.objects.filter(
+        **_windows_in(planned.start, planned.end, planned.lookback), **direction_filters(planned.direction)
+    )
     return groups if planned.selected is None else groups.filter(workload__in=planned.selected)
 
 
@@ -302,6 +313,7 @@ def _summed_by_spans(planned: FlowRange, columns: list[str], **options) -> Summe
         blocks=planned.blocks,  # type: ignore[arg-type]
         columns=columns,
         annotate={"ruleset_id": ruleset_of_rule} if "ruleset_id" in columns else None,
+        **direction_filters(planned.direction),
         **options,
     )
 
@@ -343,7 +355,14 @@ ROLLUP_ROWS = 100_000
 
 
 def flow_rollup_read(
-    *, selected, group_by: list[str], start: datetime, end: datetime, cursor: str | None, limit: int | None
+    *,
+    selected,
+    group_by: list[str],
+    start: datetime,
+    end: datetime,
+    cursor: str | None,
+    limit: int | None,
+    direction: str = Direction.INBOUND,
 ) -> Rollup:
     """The rollup of the selected workloads over [start, end) with everything said of it, from one plan
     of the range for all its reads. `limit` None reads every row up to ROLLUP_ROWS (the command's one
@@ -351,15 +370,16 @@ def flow_rollup_read(
 
     Grouped by `rule` alone over a fully covered range, the rules hit are the rollup's own rows, read
     once, every page of them (a row per rule number): the sums are not read a second time for them.
-    Past ROLLUP_ROWS rule numbers the rules without hits are not said (None)."""
-    planned = flow_range_plan(selected=selected, start=start, end=end)
+    Past ROLLUP_ROWS rule numbers the rules without hits are not said (None). Every row, rule hit and
+    rule without hits is of `direction`'s connections; the coverage is of both (a gap loses both)."""
+    planned = flow_range_plan(selected=selected, start=start, end=end, direction=direction)
     covered = coverage(selected, start, end, lookback=planned.lookback)
     columns, fingerprint, last = _rollup_key(planned, group_by, cursor)
     unused, left_out = None, 0
     if group_by == ["rule"] and covered["complete"]:
         every = _rollup_rows(planned, columns, last=None, most=ROLLUP_ROWS)
         if not every.truncated:
-            unused = _rules_without_hits({row["rule_number"] for row in every.rows})
+            unused = _rules_without_hits({row["rule_number"] for row in every.rows}, planned.direction)
         rows = _after(every.rows, columns, last)
         rows = rows if limit is None else rows[: limit + 1]
         left_out = every.key_count - len(every.rows)
@@ -379,10 +399,17 @@ def flow_rollup_read(
 
 
 def flow_rollup(
-    *, selected, group_by: list[str], start: datetime, end: datetime, cursor: str | None, limit: int
+    *,
+    selected,
+    group_by: list[str],
+    start: datetime,
+    end: datetime,
+    cursor: str | None,
+    limit: int,
+    direction: str = Direction.INBOUND,
 ) -> tuple[list[dict], str | None]:
     """A page of the rollup's rows alone, and the next page's cursor (`flow_rollup_read` says the rest)."""
-    planned = flow_range_plan(selected=selected, start=start, end=end)
+    planned = flow_range_plan(selected=selected, start=start, end=end, direction=direction)
     columns, fingerprint, last = _rollup_key(planned, group_by, cursor)
     rows = _rollup_rows(planned, columns, last=last, most=limit + 1).rows
     return _page_end(rows, columns, fingerprint, limit)
@@ -403,6 +430,8 @@ def _rollup_key(
             "from": planned.start.isoformat(),
             "to": planned.end.isoformat(),
             "sel": str(selected.query) if selected is not None else "",  # type: ignore[attr-defined]
+            # Not for inbound, so that a cursor given before directions existed still reads on.
+            **({} if planned.direction == Direction.INBOUND else {"dir": planned.direction}),
         },
     )
     last = None
@@ -451,12 +480,15 @@ def _page_end(
     return rows, cursor_encode(fingerprint, [rows[-1][column] for column in columns])
 
 
-def _rules_without_hits(hit: set) -> list[Rule]:
-    """Rules whose numbers are not among those `hit` (the caller says so only when coverage is complete)."""
+def _rules_without_hits(hit: set, direction: str = Direction.INBOUND) -> list[Rule]:
+    """Rules of rulesets of `direction` (every one with `any`) whose numbers are not among those `hit`
+    (the caller says so only when coverage is complete). An outbound connection admitted by its
+    destination's inbound rule ("one rule, both ends") is no hit of that rule in an inbound read."""
     hit.discard(None)
-    return list(
-        Rule.objects.exclude(number__in=hit).select_related("ruleset").order_by("ruleset__name", "position")
-    )
+    rules = Rule.objects.exclude(number__in=hit)
+    if direction != ANY_DIRECTION:
+        rules = rules.filter(ruleset__direction=direction)
+    return list(rules.select_related("ruleset").order_by("ruleset__name", "position"))
 
 
 def _summed(
@@ -502,8 +534,10 @@ def _review_decisions(planned: FlowRange, elsewhere_ids: set) -> tuple[list, lis
     throughout (not in `elsewhere_ids`) decided as another mode's does (observed: visibility, blocked:
     enforced). Its agent had not applied the change yet (it applies it seconds later, or not at all
     while away or degraded), so what simulation would have said of them is unknown."""
+    # Read both ways, each of its own direction: the same peer and service may be both.
+    both = planned.direction == ANY_DIRECTION
     rows = _summed(
-        planned, ["workload_id", "peer", "protocol", "port", "decision", "rule_number"],
+        planned, ["workload_id", "peer", "protocol", "port", "decision", "rule_number", *(["direction"] if both else [])],
         decision__in=[Decision.WOULD_BLOCK, Decision.OBSERVED, Decision.BLOCKED],
     ).rows  # fmt: skip
     # A would-block row names the deny rule that refused its connections (rule_number), or none.
@@ -518,22 +552,42 @@ def _review_decisions(planned: FlowRange, elsewhere_ids: set) -> tuple[list, lis
             key = (row["workload_id"], row["decision"])
             decided[key] = decided.get(key, 0) + row["connection_count"]
     return (
-        sorted(would_block, key=lambda r: (-r["connection_count"], str(r["workload_id"]), r["peer"], r["protocol"], r["port"], r["rule_number"] or 0)),
+        sorted(would_block, key=lambda r: (-r["connection_count"], str(r["workload_id"]), r["peer"], r["protocol"], r["port"], r["rule_number"] or 0, r.get("direction", ""))),
         [{"workload_id": w, "decision": d, "connection_count": n} for (w, d), n in sorted(decided.items(), key=lambda i: (str(i[0][0]), i[0][1]))],
     )  # fmt: skip
 
 
-def simulation_review(*, selected, start: datetime, end: datetime) -> dict:
+# The workload's mode of each direction, and since when it holds it.
+_MODE_FIELDS = {
+    Direction.INBOUND: ("mode", "mode_since"),
+    Direction.OUTBOUND: ("outbound_mode", "outbound_mode_since"),
+}
+
+
+def _simulating_throughout(direction: str, start: datetime) -> Q:
+    """In simulation for the whole range, in the direction's mode (both with `any`): in it now, and
+    since before the range began."""
+    condition = Q()
+    for mode, since in [_MODE_FIELDS[direction]] if direction in _MODE_FIELDS else _MODE_FIELDS.values():
+        condition &= Q(**{mode: Mode.SIMULATION}) & (
+            Q(**{f"{since}__lte": start}) | Q(**{since: None}, enrolled_at__lte=start)
+        )
+    return condition
+
+
+def simulation_review(
+    *, selected, start: datetime, end: datetime, direction: str = Direction.INBOUND
+) -> dict:
     """The review before enforcing: would-block groups, gaps, offline workloads and workloads not in
-    simulation; any one fails it (a gap alone does: rule 5)."""
+    simulation; any one fails it (a gap alone does: rule 5). The would-block groups and the connections
+    decided outside simulation are `direction`'s; gaps fail it whatever the direction (a gap loses
+    both). Which workloads were in simulation throughout is read from the mode of that direction:
+    `mode` inbound, `outbound_mode` outbound, both with `any`."""
     workloads = _workloads_of(selected)
-    planned = flow_range_plan(selected=selected, start=start, end=end)
+    planned = flow_range_plan(selected=selected, start=start, end=end, direction=direction)
     covered = coverage(selected, start, end, lookback=planned.lookback)
     offline = workloads.filter(sync_state=SyncState.OFFLINE).order_by("hostname", "id")
-    # In simulation for the whole range: in it now, and since before the range began.
-    simulating_throughout = Q(mode=Mode.SIMULATION) & (
-        Q(mode_since__lte=start) | Q(mode_since=None, enrolled_at__lte=start)
-    )
+    simulating_throughout = _simulating_throughout(direction, start)
     elsewhere = workloads.exclude(simulating_throughout).order_by("hostname", "id")
     would_block, elsewhere_decided = _review_decisions(planned, set(elsewhere.values_list("id", flat=True)))
     # The lists are capped; the counts, and so the reasons, are exact: a script gating enforcement
@@ -573,6 +627,7 @@ def simulation_review(*, selected, start: datetime, end: datetime) -> dict:
         "coverage": covered,
         "offline_count": offline_count,
         "offline": list(offline[:COVERAGE_LIST]),
+        "direction": direction,
         "not_in_simulation_count": elsewhere_count,
         "not_in_simulation": list(elsewhere[:COVERAGE_LIST]),
         "decided_outside_simulation": elsewhere_decided[:COVERAGE_LIST],

@@ -1,5 +1,5 @@
 """What the flow reads admit: the query parameters of GET /flows, /flows/gaps, /flows/rollup and
-/flows/review (and the same options of `manage.py flows`), and the range, selection and label keys of
+/flows/review (and the same options of `manage.py flows`), `direction` among them for every one, and the range, selection and label keys of
 the reads of draft policy (POST /policies/impact and /policies/suggestions, and `manage.py policy`),
 parsed with one finding per parameter to fix. The reads themselves are flows/selectors.py.
 
@@ -18,7 +18,7 @@ from typing import Any
 from controlplane.problems import Finding, ValidationFailed
 from controlplane.validation import is_digits, parse_instant
 from fleet.selectors import label_filters_parse
-from flows.choices import AGGREGATE, Decision
+from flows.choices import AGGREGATE, ANY_DIRECTION, READ_DIRECTIONS, Decision, Direction
 from flows.reports import Refused, peer_address
 from policy.grammar import GrammarError, Selector, validate_label_key
 
@@ -48,6 +48,7 @@ GROUP_KEYS = {
     "peer_workload": ("peer_workload_id",),
     "service": ("protocol", "port"),
     "decision": ("decision",),
+    "direction": ("direction",),
     "rule": ("rule_number",),
     "ruleset": ("ruleset_id",),
     # The window's start: a time series (connections per window), what the console plots.
@@ -78,25 +79,44 @@ def flow_range_parse(*, start: str | None, end: str | None) -> tuple[datetime, d
     return parsed["from"], parsed["to"]
 
 
+def direction_parse(value: Any) -> str:
+    """`direction`: whose connections a read covers, `inbound` (the default: every answer as it was
+    before outbound evidence), `outbound` or `any`."""
+    if value is None or value == "":
+        return Direction.INBOUND
+    if not isinstance(value, str) or value not in READ_DIRECTIONS:
+        raise ValidationFailed(
+            [Finding("?direction", "direction", f"direction is one of {', '.join(READ_DIRECTIONS)}.")]
+        )
+    return value
+
+
+def direction_filters(direction: str) -> dict:
+    """The key columns' filter of a read's direction: none for `any`."""
+    return {} if direction == ANY_DIRECTION else {"direction": direction}
+
+
 @dataclass(frozen=True)
 class FlowSelection:
     """A range of flow evidence and the workloads selected in it: ids and label selectors, ANDed; with
-    neither, the whole fleet (flows.selectors.workloads_selected resolves them)."""
+    neither, the whole fleet (flows.selectors.workloads_selected resolves them). `direction` says whose
+    connections (`direction_parse`)."""
 
     start: datetime
     end: datetime
     labels: list[Selector]
     workload_ids: list[str]
+    direction: str = Direction.INBOUND
 
 
 QUERY, BODY = "query", "body"
 
 
 def flow_selection_parse(
-    *, start: Any, end: Any, labels: Any, workloads: Any, at: str = QUERY
+    *, start: Any, end: Any, labels: Any, workloads: Any, direction: Any = None, at: str = QUERY
 ) -> FlowSelection:
-    """`from`, `to`, `label` and `workload` as a range (`flow_range_parse`) and a selection, every
-    finding at once. `at` says where they were given: query parameters (`?from`, `?label[1]`) or the
+    """`from`, `to`, `label`, `workload` and `direction` as a range (`flow_range_parse`) and a
+    selection, every finding at once. `at` says where they were given: query parameters (`?from`, `?label[1]`) or the
     members of a JSON body (`/from`, `/label/1`), where `label` and `workload` must be lists of strings
     and a `from` or `to` that is not a string is a malformed instant (rule `instant`), as its text would
     be in a query, not a missing one."""
@@ -135,10 +155,17 @@ def flow_selection_parse(
                 "?workload", "too-many", f"workload names at most {MAX_WORKLOAD_IDS} distinct workload ids."
             )
         )
+    direction_ = Direction.INBOUND
+    try:
+        direction_ = direction_parse(direction)
+    except ValidationFailed as failed:
+        findings.extend(failed.findings)
     if findings:
         raise ValidationFailed([_at_body(f) for f in findings] if at == BODY else findings)
     assert range_ is not None and labels_ is not None  # noqa: S101  # else a finding was raised
-    return FlowSelection(start=range_[0], end=range_[1], labels=labels_, workload_ids=workload_ids)
+    return FlowSelection(
+        start=range_[0], end=range_[1], labels=labels_, workload_ids=workload_ids, direction=direction_
+    )
 
 
 def _instant_text(value: Any) -> str | None:

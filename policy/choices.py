@@ -16,3 +16,10 @@ class RuleAction(models.TextChoices):
 
     ALLOW = "allow"
     DENY = "deny"
+
+
+class Direction(models.TextChoices):
+    """Which connections a ruleset governs: those its workloads receive, or those they open."""
+
+    INBOUND = "inbound"
+    OUTBOUND = "outbound"

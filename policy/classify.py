@@ -24,12 +24,21 @@ ranges, ICMP and ``any``. Pure: no Django, no I/O.
 
 A line the renderer leaves out (a source with addresses of the other family only) would
 match nothing here either: its set is empty.
+
+Outbound (``Connection.direction == "outbound"``: the workload opens the connection, ``peer`` is the
+destination, ``port`` the destination's port) walks the output chain the same way, under the
+workload's ``outbound_mode``: in ``visibility`` no chain judges it (``decision`` None, baseline
+``unjudged``: the ct mark stays 0); otherwise the baseline (``established``, ``invalid``,
+``loopback``, ``icmpv6-discovery``, ``dhcp``, ``gateway``: one of the ``gateways`` the agent adds),
+the fail-safe list (``allowed``, ``failsafe=True``, no rule), the workload's outbound deny then allow
+rules, its destinations' inbound deny then allow rules that name its address (``CompiledPolicy.peer_lines``),
+then ``would_block``/``blocked``.
 """
 
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from policy.render_inputs import (
@@ -37,6 +46,7 @@ from policy.render_inputs import (
     PROTOCOLS,
     AddressGroupInput,
     FleetIndex,
+    PortEntry,
     RulesetInput,
     WorkloadInput,
     parse_host_address,
@@ -47,13 +57,19 @@ from policy.renderer import (
     DECISION_NAMES,
     DECISION_OBSERVED,
     DECISION_WOULD_BLOCK,
+    DEFAULT_OUTBOUND_FAILSAFE,
     CompiledPolicy,
+    CompiledRule,
+    CompiledRuleset,
+    Line,
     compile_policy,
 )
 
 STATES = ("new", "established", "related", "invalid")
 # The ICMPv6 types of the baseline's discovery line (nd-router-advert ... mld2-listener-report).
 ICMPV6_DISCOVERY_TYPES = frozenset({134, 135, 136, 137, 130, 131, 132, 143})
+# The output baseline's discovery line (nd-router-solicit ... mld2-listener-report).
+ICMPV6_OUT_DISCOVERY_TYPES = frozenset({133, 135, 136, 131, 132, 143})
 _LINK_LOCAL_V6 = ipaddress.ip_network("fe80::/10")
 
 
@@ -67,8 +83,12 @@ class Connection:
     state: str = "new"  # the conntrack state of the packet
     loopback: bool = False  # arrived on "lo"
     source_port: int | None = None  # tcp/udp; only the DHCP allowances read it
+    # outbound: the workload opened it; `peer` is the destination, `port` the destination's port.
+    direction: str = "inbound"
 
     def __post_init__(self) -> None:
+        if self.direction not in ("inbound", "outbound"):
+            raise ValueError(f"unknown direction {self.direction!r}")
         if self.protocol not in PROTOCOLS:
             raise ValueError(f"unknown protocol {self.protocol!r}")
         if self.state not in STATES:
@@ -87,6 +107,7 @@ class Outcome:
     rule: int | None = None  # the admitting rule's lifetime number ("allowed"), or the refusing deny rule's
     baseline: str | None = None  # established, invalid, loopback, icmpv6-discovery, dhcp
     admitted: bool = True  # the packet gets through (False: enforced drops it)
+    failsafe: bool = False  # outbound: admitted by the fail-safe list (the mark's FAILSAFE_FLAG)
 
 
 def _baseline(connection: Connection, family: int, address: int) -> str | None:
@@ -121,8 +142,16 @@ def classify(
     groups: Mapping[str, AddressGroupInput],
     fleet: FleetIndex,
     connection: Connection,
+    *,
+    failsafe: Sequence[PortEntry] = DEFAULT_OUTBOUND_FAILSAFE,
+    gateways: Iterable[tuple[str, int]] = (),
 ) -> Outcome:
-    """How ``render(workload, rulesets, groups, fleet)``'s table judges ``connection``."""
+    """How ``render(workload, rulesets, groups, fleet)``'s table judges ``connection`` (with the
+    `gateways` (address, tcp port) the agent adds to it)."""
+    if connection.direction == "outbound":
+        return _classify_outbound(
+            workload, compile_policy(rulesets, groups, fleet, failsafe), connection, gateways
+        )
     peer = parse_host_address(connection.peer)
     family, address = peer.version, int(peer)
     baseline = _baseline(connection, family, address)
@@ -142,6 +171,74 @@ def classify(
     if workload.mode == "enforced":
         return Outcome(DECISION_NAMES[DECISION_BLOCKED], denied, admitted=False)
     return Outcome(DECISION_NAMES[DECISION_WOULD_BLOCK], denied)
+
+
+def _outbound_baseline(connection: Connection, gateways: Iterable[tuple[str, int]]) -> str | None:
+    if connection.state in ("established", "related"):
+        return "established"
+    if connection.state == "invalid":
+        return "invalid"
+    if connection.loopback:
+        return "loopback"
+    if connection.protocol == "icmpv6" and connection.port in ICMPV6_OUT_DISCOVERY_TYPES:
+        return "icmpv6-discovery"
+    if connection.protocol == "udp" and (connection.source_port, connection.port) in ((68, 67), (546, 547)):
+        return "dhcp"
+    if connection.protocol == "tcp":
+        peer = parse_host_address(connection.peer)
+        if any(parse_host_address(a) == peer and p == connection.port for a, p in gateways):
+            return "gateway"
+    return None
+
+
+def _classify_outbound(
+    workload: WorkloadInput,
+    policy: CompiledPolicy,
+    connection: Connection,
+    gateways: Iterable[tuple[str, int]],
+) -> Outcome:
+    if workload.outbound_mode == "visibility":
+        return Outcome(None, None, "unjudged")
+    baseline = _outbound_baseline(connection, gateways)
+    if baseline is not None:
+        return Outcome(None, None, baseline)
+    peer = parse_host_address(connection.peer)
+    family, address = peer.version, int(peer)
+    protocol, port = connection.protocol, connection.port
+    if protocol in PORT_PROTOCOLS and any(
+        p == protocol and low <= port <= high  # type: ignore[operator]  # tcp/udp have one
+        for p, low, high in policy.failsafe_ranges
+    ):
+        return Outcome(DECISION_NAMES[DECISION_ALLOWED], None, failsafe=True)
+    enforced = workload.outbound_mode == "enforced"
+    refused = DECISION_NAMES[DECISION_BLOCKED if enforced else DECISION_WOULD_BLOCK]
+    own = policy.applicable_outbound(workload)
+    denied = _first_rule(workload, policy, connection, family, address, action="deny", rulesets=own)
+    if denied is not None:
+        return Outcome(refused, denied, admitted=not enforced)
+    allowed = _first_rule(workload, policy, connection, family, address, rulesets=own)
+    if allowed is not None:
+        return Outcome(DECISION_NAMES[DECISION_ALLOWED], allowed)
+    peer_denies, peer_allows = policy.peer_lines(workload)
+    for peers, refusing in ((peer_denies, True), (peer_allows, False)):
+        for line in peers:
+            if line.family != family or not _service_matches(line.compiled, line.line, protocol, port):
+                continue
+            if not policy.selector_sets(line.scope).contains(family, address):
+                continue
+            if refusing:
+                return Outcome(refused, line.rule.number, admitted=not enforced)
+            return Outcome(DECISION_NAMES[DECISION_ALLOWED], line.rule.number)
+    return Outcome(refused, None, admitted=not enforced)
+
+
+def _service_matches(compiled: CompiledRule, line: Line, protocol: str, port: int | None) -> bool:
+    if line.uses_service_set:
+        return protocol in PORT_PROTOCOLS and any(
+            p == protocol and low <= port <= high  # type: ignore[operator]  # tcp/udp have one
+            for p, low, high in compiled.service_ranges
+        )
+    return line.l4proto == protocol
 
 
 def admitting_rule(
@@ -170,11 +267,13 @@ def _first_rule(
     family: int,
     address: int,
     action: str = "allow",
+    rulesets: Sequence[CompiledRuleset] | None = None,
 ) -> int | None:
-    """The first rule of `action` (in chain order) with a line matching the connection."""
+    """The first rule of `action` (in chain order) with a line matching the connection: of the
+    workload's inbound rulesets, or of `rulesets`."""
     protocol, port = connection.protocol, connection.port
     ported = protocol in PORT_PROTOCOLS
-    for ruleset in policy.applicable(workload):
+    for ruleset in policy.applicable(workload) if rulesets is None else rulesets:
         for rule, compiled in ruleset.rules:
             if rule.action != action:
                 continue

@@ -8,7 +8,7 @@ import uuid
 
 from django.db import models
 
-from policy.choices import RuleAction, SourceKind
+from policy.choices import Direction, RuleAction, SourceKind
 
 
 class PolicyState(models.Model):
@@ -60,6 +60,9 @@ class Ruleset(models.Model):
     description = models.CharField(max_length=1000, blank=True)
     enabled = models.BooleanField(default=True)
     scope = models.CharField(max_length=4096, blank=True)  # canonical selector text
+    # outbound: the scope's workloads are the ones opening the connections, and the rules' peers
+    # (RuleSource rows) are their destinations.
+    direction = models.CharField(max_length=8, choices=Direction.choices, default=Direction.INBOUND)
     version = models.PositiveBigIntegerField(default=1)
     created_at = models.DateTimeField()
     updated_at = models.DateTimeField()
@@ -85,7 +88,8 @@ class Rule(models.Model):
 
 
 class RuleSource(models.Model):
-    """One source of a rule: a workload selector, an address group, or any address."""
+    """One source of a rule (its destination, in an outbound ruleset): a workload selector, an
+    address group, or any address."""
 
     rule = models.ForeignKey(Rule, on_delete=models.CASCADE, related_name="sources")
     position = models.PositiveIntegerField()

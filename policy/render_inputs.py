@@ -27,6 +27,7 @@ PORT_PROTOCOLS = ("tcp", "udp")
 SOURCE_KINDS = ("selector", "address_group", "any")
 MODES = ("visibility", "simulation", "enforced")
 ACTIONS = ("allow", "deny")  # policy.choices.RuleAction
+DIRECTIONS = ("inbound", "outbound")  # policy.choices.Direction
 
 
 class FrozenLabels(Mapping[str, str]):
@@ -169,9 +170,13 @@ class RulesetInput:
     name: str
     scope: Selector
     rules: tuple[RuleInput, ...]
+    # outbound: the scope's workloads open the connections; the rules' sources are their destinations.
+    direction: str = "inbound"
 
     def __post_init__(self) -> None:
         _freeze(self, "rules")
+        if self.direction not in DIRECTIONS:
+            raise ValueError(f"unknown ruleset direction {self.direction!r}")
 
 
 @dataclass(frozen=True)
@@ -190,6 +195,8 @@ class WorkloadInput:
     labels: FrozenLabels
     addresses: tuple[str, ...]
     mode: str
+    # The mode judging the connections it opens; visibility (the default) renders no output chain.
+    outbound_mode: str = "visibility"
 
     def __post_init__(self) -> None:
         if not isinstance(self.labels, FrozenLabels):
@@ -197,6 +204,8 @@ class WorkloadInput:
         _freeze(self, "addresses")
         if self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r}")
+        if self.outbound_mode not in MODES:
+            raise ValueError(f"unknown outbound mode {self.outbound_mode!r}")
 
 
 # Kept: judging a range's flow keys parses each peer many times (the key, then each rule's check), and

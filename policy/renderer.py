@@ -10,7 +10,7 @@ Layout. Only inbound connections are judged, in one base chain on the input hook
   ``observed``. No policy rules are installed.
 * ``simulation``/``enforced``: chain ``input`` holds the baseline below, then the deny rules of
   every applicable ruleset (each sets the ct mark ``would_block | rule number`` and accepts in
-  simulation; ``blocked | rule number``, logs with the prefix ``palisade deny <number>`` and drops in
+  simulation; ``blocked | rule number``, logs with the prefix ``palisade:in:<number>`` and drops in
   enforced), then one group of nftables rules per allow rule (each sets the ct mark
   ``allowed | rule number`` and accepts), then a terminal rule. A policy without deny rules renders
   exactly as before deny rules existed. In ``simulation`` it sets ``would_block``, logs to NFLOG
@@ -62,6 +62,7 @@ from policy.render_inputs import (
     RuleInput,
     RulesetInput,
     WorkloadInput,
+    parse_host_address,
     parse_network,
 )
 
@@ -81,6 +82,18 @@ DECISION_NAMES = {
 DECISION_SHIFT = 24
 RULE_NUMBER_MASK = (1 << DECISION_SHIFT) - 1
 MAX_RULES = RULE_NUMBER_MASK
+# Flags beside the decision in the mark's high byte: (flags | decision) << 24 | rule number. Inbound
+# marks carry none, exactly as before outbound existed; the agent reads both (docs/policy.md).
+DIRECTION_OUTBOUND_FLAG = 0x80  # the workload opened the connection (the output chain marked it)
+FAILSAFE_FLAG = 0x40  # admitted by the fail-safe list (rule number 0)
+_DECISION_BITS = 0x3F
+
+# The fail-safe list's default: DNS and NTP to any destination (settings.PALISADE_OUTBOUND_FAILSAFE).
+DEFAULT_OUTBOUND_FAILSAFE = (PortEntry("udp", 53), PortEntry("tcp", 53), PortEntry("udp", 123))
+# The sets the agent fills at apply time with the control-plane addresses it uses (agent/gateway_sets.py):
+# the rendered document holds them empty, so a stale document can never leave the agent's own
+# gateway out.
+GATEWAY_SETS = {4: "agent_gateways_v4", 6: "agent_gateways_v6"}
 
 NFLOG_GROUP_WOULD_BLOCK = 7301
 NFLOG_GROUP_BLOCKED = 7302
@@ -90,19 +103,54 @@ _COMMENT_BYTES = 120
 _ELEMENTS_PER_LINE = 8
 
 
-# The NFLOG prefix of a packet a deny rule drops: "palisade deny <rule number>". The agent reads the
-# number from it (agent/nflog.py), as it reads a conntrack entry's mark for the connections it admits.
-DENY_LOG_PREFIX = "palisade deny "
+# The NFLOG prefixes of the blocked group, one scheme: `palisade:<in|out>[:<rule number>]`. A dropped
+# packet never becomes a conntrack entry, so the prefix carries what a mark would: the direction and
+# the deny rule that refused it. The inbound terminal drop keeps no prefix (as it always has). The
+# agent parses them (agent/nflog.py parse_prefix); tests/agent keeps the two equal.
+LOG_PREFIX_INBOUND = "palisade:in"
+LOG_PREFIX_OUTBOUND = "palisade:out"
 
 
-def deny_log_prefix(rule_number: int) -> str:
-    return f"{DENY_LOG_PREFIX}{rule_number}"
+def blocked_log_prefix(*, outbound: bool, rule_number: int | None = None) -> str:
+    """`palisade:in:N` (inbound deny N), `palisade:out` (outbound terminal), `palisade:out:N`."""
+    head = LOG_PREFIX_OUTBOUND if outbound else LOG_PREFIX_INBOUND
+    return head if rule_number is None else f"{head}:{rule_number}"
 
 
-def encode_mark(decision: int, rule_number: int = 0) -> int:
-    if decision not in DECISION_NAMES or not 0 <= rule_number <= MAX_RULES:
-        raise ValueError(f"cannot encode decision {decision!r} with rule {rule_number!r}")
-    return decision << DECISION_SHIFT | rule_number
+def deny_log_prefix(rule_number: int, *, outbound: bool = False) -> str:
+    return blocked_log_prefix(outbound=outbound, rule_number=rule_number)
+
+
+def encode_mark(decision: int, rule_number: int = 0, flags: int = 0) -> int:
+    if (
+        decision not in DECISION_NAMES
+        or not 0 <= rule_number <= MAX_RULES
+        or flags & ~(DIRECTION_OUTBOUND_FLAG | FAILSAFE_FLAG)
+    ):
+        raise ValueError(f"cannot encode decision {decision!r} with rule {rule_number!r}, flags {flags!r}")
+    return (flags | decision) << DECISION_SHIFT | rule_number
+
+
+@dataclass(frozen=True)
+class Mark:
+    direction: str  # inbound, outbound
+    decision: str
+    rule: int | None
+    failsafe: bool = False
+
+
+def decode_any_mark(mark: int) -> Mark | None:
+    """A ct mark of either direction; None for what Palisade did not set. (``decode_mark`` reads the
+    inbound ones only, as it always did.)"""
+    if not 0 <= mark < 1 << 32:
+        return None
+    high = mark >> DECISION_SHIFT
+    decision = DECISION_NAMES.get(high & _DECISION_BITS)
+    outbound = bool(high & DIRECTION_OUTBOUND_FLAG)
+    failsafe = bool(high & FAILSAFE_FLAG)
+    if decision is None or (failsafe and not outbound):
+        return None
+    return Mark("outbound" if outbound else "inbound", decision, (mark & RULE_NUMBER_MASK) or None, failsafe)
 
 
 def decode_mark(mark: int) -> tuple[str | None, int | None]:
@@ -132,12 +180,10 @@ def render(
     rulesets: Sequence[RulesetInput],
     groups: Mapping[str, AddressGroupInput],
     fleet: FleetIndex,
+    failsafe: Sequence[PortEntry] = DEFAULT_OUTBOUND_FAILSAFE,
 ) -> RenderedDocument:
     """The document of `workload` under the policy (`rulesets`, `groups`) in `fleet`."""
-    if workload.mode == "visibility":
-        document = _observe_document()
-        return RenderedDocument(document, {}, _version(document))
-    return compile_policy(rulesets, groups, fleet).render(workload)
+    return compile_policy(rulesets, groups, fleet, failsafe=failsafe).render(workload)
 
 
 # --- fixed text ------------------------------------------------------------------------
@@ -166,23 +212,59 @@ _TERMINAL_ENFORCED = (
 )
 
 
-def _table_comment(mode: str) -> str:
-    return f'\tcomment "managed by palisade, mode {mode}; replaced whole on every update"\n\n'
+def _table_comment(mode: str, outbound_mode: str = "visibility") -> str:
+    outbound = "" if outbound_mode == "visibility" else f", outbound {outbound_mode}"
+    return f'\tcomment "managed by palisade, mode {mode}{outbound}; replaced whole on every update"\n\n'
+
+
+_OBSERVE_CHAIN = "".join(
+    (
+        _CHAIN_HEAD.format(name="observe"),
+        _ESTABLISHED,
+        _BASELINE,
+        f"\t\tct state new ct mark set {DECISION_OBSERVED << DECISION_SHIFT:#010x} accept "
+        'comment "observed: recorded, not judged"\n',
+        "\t}\n",
+    )
+)
 
 
 def _observe_document() -> str:
     return "".join(
-        (
-            f"table {TABLE_FAMILY} {TABLE_NAME} {{\n",
-            _table_comment("visibility"),
-            _CHAIN_HEAD.format(name="observe"),
-            _ESTABLISHED,
-            _BASELINE,
-            f"\t\tct state new ct mark set {DECISION_OBSERVED << DECISION_SHIFT:#010x} accept "
-            'comment "observed: recorded, not judged"\n',
-            "\t}\n}\n",
-        )
+        (f"table {TABLE_FAMILY} {TABLE_NAME} {{\n", _table_comment("visibility"), _OBSERVE_CHAIN, "}\n")
     )
+
+
+# The output chain's baseline: what the workload sends that no outbound policy may stop.
+_OUTPUT_HEAD = "\tchain output {\n\t\ttype filter hook output priority filter; policy accept;\n"
+_OUTPUT_BASELINE = (
+    '\t\tct state invalid accept comment "not a new connection: the peer judges it"\n'
+    '\t\toif "lo" accept comment "baseline: loopback"\n'
+    "\t\ticmpv6 type { nd-router-solicit, nd-neighbor-solicit, nd-neighbor-advert, "
+    "mld-listener-report, mld-listener-done, mld2-listener-report } "
+    'accept comment "baseline: IPv6 neighbour/router discovery, multicast listeners"\n'
+    '\t\tudp sport 68 udp dport 67 accept comment "baseline: DHCPv4 requests"\n'
+    '\t\tudp sport 546 udp dport 547 accept comment "baseline: DHCPv6 requests"\n'
+    f"\t\tip daddr . tcp dport @{GATEWAY_SETS[4]} accept "
+    'comment "baseline: the control plane this agent uses"\n'
+    f"\t\tip6 daddr . tcp dport @{GATEWAY_SETS[6]} accept "
+    'comment "baseline: the control plane this agent uses"\n'
+)
+_GATEWAY_SET_DEFINITIONS = "".join(
+    f"\tset {name} {{\n\t\ttype {kind} . inet_service\n"
+    '\t\tcomment "filled by the agent when it applies the table"\n\t}\n\n'
+    for name, kind in ((GATEWAY_SETS[4], "ipv4_addr"), (GATEWAY_SETS[6], "ipv6_addr"))
+)
+_OUT_TERMINAL_SIMULATION = (
+    f"\t\tct mark set {encode_mark(DECISION_WOULD_BLOCK, 0, DIRECTION_OUTBOUND_FLAG):#010x} "
+    f"log group {NFLOG_GROUP_WOULD_BLOCK} queue-threshold 1 accept "
+    'comment "no rule admits this connection out: would block"\n'
+)
+_OUT_TERMINAL_ENFORCED = (
+    f"\t\tct mark set {encode_mark(DECISION_BLOCKED, 0, DIRECTION_OUTBOUND_FLAG):#010x} "
+    f'log prefix "{blocked_log_prefix(outbound=True)}" group {NFLOG_GROUP_BLOCKED} queue-threshold 1 drop '
+    'comment "no rule admits this connection out: blocked"\n'
+)
 
 
 def _version(document: str) -> str:
@@ -217,6 +299,7 @@ class Line:
     match: str  # the nftables match, without the verdict
     uses_service_set: bool
     l4proto: str | None = None  # "icmp"/"icmpv6" for the ICMP lines (policy.classify reads it)
+    tail: str = ""  # the match after the address part: the service set, or the ICMP protocol
 
 
 @dataclass(frozen=True)
@@ -244,6 +327,31 @@ class _Block:
     entries: tuple[tuple[int, dict], ...]
 
 
+@dataclass(frozen=True)
+class PeerLine:
+    """A line of the output chain that judges a connection by the destination's own inbound policy
+    ("one rule, both ends"): a destination in `scope` (an inbound ruleset's), on the service of the
+    inbound rule's `line`, refused (a deny rule) or admitted (an allow rule) by that rule."""
+
+    rule: RuleInput
+    compiled: CompiledRule
+    scope: Selector
+    family: int
+    line: Line
+
+
+# (every inbound rule in chain order with its scope and distinct service lines; per distinct source, its
+# sets and the (rule order, family) pairs it appears in; (family, address) -> the selector sources
+# holding it; the sources of intervals (address groups); the orders of `any` rules)
+_PeerIndex = tuple[
+    list[tuple[RuleInput, CompiledRule, Selector, tuple[Line, ...]]],
+    list[tuple["SourceSets", list[tuple[int, int]]]],
+    dict[tuple[int, int], list[int]],
+    list[int],
+    list[int],
+]
+
+
 class CompiledRuleset:
     """A ruleset's rules in chain order, each compiled once (on first use)."""
 
@@ -268,18 +376,34 @@ class CompiledPolicy:
     workload it applies to."""
 
     def __init__(
-        self, rulesets: Sequence[RulesetInput], groups: Mapping[str, AddressGroupInput], fleet: FleetIndex
+        self,
+        rulesets: Sequence[RulesetInput],
+        groups: Mapping[str, AddressGroupInput],
+        fleet: FleetIndex,
+        failsafe: Sequence[PortEntry] = DEFAULT_OUTBOUND_FAILSAFE,
     ) -> None:
         self.rulesets = tuple(rulesets)
         self.groups = groups
         self.fleet = fleet
-        self._ordered = [CompiledRuleset(r) for r in sorted(self.rulesets, key=_ruleset_order)]
+        self.failsafe = tuple(failsafe)
+        # (protocol, first port, last port) of the fail-safe list, for policy.classify.
+        self.failsafe_ranges = tuple(
+            (protocol, low, high)
+            for protocol, ranges in _service_ranges(self.failsafe)
+            for low, high in ranges
+        )
+        ordered = [CompiledRuleset(r) for r in sorted(self.rulesets, key=_ruleset_order)]
+        self._ordered = [r for r in ordered if r.ruleset.direction == "inbound"]
+        self._ordered_out = [r for r in ordered if r.ruleset.direction == "outbound"]
         self._per_position: dict[int, list[CompiledRuleset]] | None = None
         self._group_sets: dict[str, SourceSets] = {}
         self._blocks: dict[CompiledRuleset, _Block] = {}
+        self._peers: _PeerIndex | None = None
+        self._entries: dict[int, dict] = {}  # id(inbound rule) -> its rule-index entry
+        self._peer_texts: dict[tuple, tuple] = {}
 
     def applicable(self, workload: WorkloadInput) -> Sequence[CompiledRuleset]:
-        """The rulesets whose scope matches the workload's labels, in rule-numbering order."""
+        """The inbound rulesets whose scope matches the workload's labels, in rule-numbering order."""
         position = self.fleet.position_of(workload.id)
         if position is None or self.fleet.labels[position] != workload.labels:
             return [r for r in self._ordered if r.ruleset.scope.matches(workload.labels)]
@@ -290,6 +414,10 @@ class CompiledPolicy:
                 for p in self.fleet.positions_matching(compiled.ruleset.scope):
                     self._per_position.setdefault(p, []).append(compiled)
         return self._per_position.get(position, ())
+
+    def applicable_outbound(self, workload: WorkloadInput) -> Sequence[CompiledRuleset]:
+        """The outbound rulesets whose scope matches the workload's labels, in rule-numbering order."""
+        return [r for r in self._ordered_out if r.ruleset.scope.matches(workload.labels)]
 
     def source_sets(self, source: tuple[str, str], rule: CompiledRule) -> SourceSets:
         """The sets of a line's source: a selector's peers in this fleet, or an address group's members."""
@@ -302,44 +430,229 @@ class CompiledPolicy:
                     raise ValueError(f"a rule refers to address group {key!r}, which is not among the groups")
                 found = self._group_sets[key] = _group_sets(group, self.fleet)
             return found
+        return self.selector_sets(rule.selectors[key])
+
+    def selector_sets(self, selector: Selector) -> SourceSets:
         # A selector's sets depend on the fleet alone: kept in its index, shared by every policy.
+        key = str(selector)
         found = self.fleet.memo.get(("sel", key))
         if found is None:
-            found = self.fleet.memo[("sel", key)] = _selector_sets(rule.selectors[key], self.fleet)
+            found = self.fleet.memo[("sel", key)] = _selector_sets(selector, self.fleet)
         return found
 
+    def peer_lines(self, workload: WorkloadInput) -> tuple[list[PeerLine], list[PeerLine]]:
+        """(deny, allow) lines of the fleet's inbound rules whose sources hold `workload`'s address:
+        its outgoing connections to their scopes' workloads on their services are what those
+        workloads' own inbound policy refuses or admits. Rulesets by name, rules by position."""
+        rules = self._peer_index()[0]
+        denies: list[PeerLine] = []
+        allows: list[PeerLine] = []
+        for order, families in self._peer_families(workload):
+            found = denies if rules[order][0].action == "deny" else allows
+            found.extend(self._rule_peer_lines(order, families))
+        return denies, allows
+
+    def _rule_peer_lines(self, order: int, families: tuple[int, ...]) -> list[PeerLine]:
+        rule, rule_compiled, scope, tails = self._peer_index()[0][order]
+        return [
+            PeerLine(rule, rule_compiled, scope, family, line)
+            for family in families
+            for line in tails
+            if line.l4proto is None or line.family == family
+        ]
+
+    def _peer_families(self, workload: WorkloadInput) -> list[tuple[int, tuple[int, ...]]]:
+        """(rule order, families) of the inbound rules with a source holding the workload's address."""
+        _, sources, by_address, interval_sources, any_source = self._peer_index()
+        own: dict[int, list[int]] = {4: [], 6: []}
+        for text in workload.addresses:
+            address = parse_host_address(text)
+            own[address.version].append(int(address))
+        families: dict[int, set[int]] = {}
+        mine = {f for f in (4, 6) if own[f]}
+        for order in any_source:
+            families.setdefault(order, set()).update(mine)
+        # Each distinct source is asked once, not once per rule that names it: a selector's by the
+        # workload's addresses (an index of every selector set's members), a group's by its intervals.
+        hits: dict[int, set[int]] = {}
+        for family in mine:
+            for value in own[family]:
+                for index in by_address.get((family, value), ()):
+                    hits.setdefault(index, set()).add(family)
+        for index in interval_sources:
+            sets = sources[index][0]
+            hit = {f for f in mine if any(sets.contains(f, a) for a in own[f])}
+            if hit:
+                hits[index] = hit
+        for index, hit in hits.items():
+            for order, family in sources[index][1]:
+                if family in hit:
+                    families.setdefault(order, set()).add(family)
+        return [(order, tuple(sorted(families[order]))) for order in sorted(families)]
+
+    def _peer_index(self) -> _PeerIndex:
+        """Every inbound rule in chain order with its distinct service matches, and which rules each
+        distinct source (or `any`) appears in, by family: worked out once per compiled policy."""
+        if self._peers is None:
+            rules: list[tuple[RuleInput, CompiledRule, Selector, tuple[Line, ...]]] = []
+            by_source: dict[tuple[str, str], tuple[CompiledRule, list[tuple[int, int]]]] = {}
+            any_source: list[int] = []
+            for compiled in self._ordered:
+                for rule, rule_compiled in compiled.rules:
+                    order = len(rules)
+                    tails: dict[str, Line] = {}
+                    for line in rule_compiled.lines:
+                        tails.setdefault(line.tail, line)
+                        if line.source is None:
+                            if not any_source or any_source[-1] != order:
+                                any_source.append(order)
+                        else:
+                            by_source.setdefault(line.source, (rule_compiled, []))[1].append(
+                                (order, line.family)
+                            )
+                    rules.append((rule, rule_compiled, compiled.ruleset.scope, tuple(tails.values())))
+                    self._entries[id(rule)] = _rule_entry(compiled.ruleset, rule)
+            resolved = [(self.source_sets(source, rep), pairs) for source, (rep, pairs) in by_source.items()]
+            by_address: dict[tuple[int, int], list[int]] = {}
+            interval_sources = []
+            for index, (sets, _) in enumerate(resolved):
+                if sets.addresses:
+                    for family, members in sets.addresses.items():
+                        for member in members:
+                            by_address.setdefault((family, member), []).append(index)
+                else:
+                    interval_sources.append(index)
+            self._peers = (rules, resolved, by_address, interval_sources, any_source)
+        return self._peers
+
     def render(self, workload: WorkloadInput) -> RenderedDocument:
-        if workload.mode == "visibility":
+        outbound = workload.outbound_mode != "visibility"
+        if workload.mode == "visibility" and not outbound:
             document = _observe_document()
             return RenderedDocument(document, {}, _version(document))
+        rule_index: dict[int, dict] = {}
+        sets: dict[str, str] = {}
+        chains: list[str] = []
+        if workload.mode == "visibility":
+            chains.append(_OBSERVE_CHAIN)
+        else:
+            chains.append(self._input_chain(workload, rule_index, sets))
+        if outbound:
+            chains.append(self._output_chain(workload, rule_index, sets))
+        parts = [
+            f"table {TABLE_FAMILY} {TABLE_NAME} {{\n",
+            _table_comment(workload.mode, workload.outbound_mode),
+        ]
+        parts.extend(sets[name] for name in sorted(sets))
+        if outbound:
+            parts.append(_GATEWAY_SET_DEFINITIONS)
+        parts.extend(chains)
+        parts.append("}\n")
+        document = "".join(parts)
+        return RenderedDocument(document, rule_index, _version(document))
+
+    def _input_chain(self, workload: WorkloadInput, rule_index: dict[int, dict], sets: dict[str, str]) -> str:
         enforced = workload.mode == "enforced"
         blocks: list[str] = []
         denies: list[str] = []
-        rule_index: dict[int, dict] = {}
-        sets: dict[str, str] = {}
         for compiled in self.applicable(workload):
             block = self._block(compiled)
             blocks.append(block.allow)
             denies.append(block.deny_enforced if enforced else block.deny_simulation)
             sets.update(block.sets)
-            for number, entry in block.entries:
-                if number in rule_index:
-                    raise ValueError(f"rule number {number} is given to two rules")
-                rule_index[number] = dict(entry)
-
-        parts = [f"table {TABLE_FAMILY} {TABLE_NAME} {{\n", _table_comment(workload.mode)]
-        parts.extend(sets[name] for name in sorted(sets))
-        parts.append(_CHAIN_HEAD.format(name="input"))
-        parts.append(_ESTABLISHED)
+            _index(rule_index, block.entries)
+        parts = [_CHAIN_HEAD.format(name="input"), _ESTABLISHED]
         parts.append(_INVALID_ENFORCED if enforced else _INVALID_SIMULATION)
         parts.append(_BASELINE)
         # Every deny rule of every applicable ruleset before the first allow: no allow can undo a deny.
         parts.extend(denies)
         parts.extend(blocks)
         parts.append(_TERMINAL_ENFORCED if enforced else _TERMINAL_SIMULATION)
-        parts.append("\t}\n}\n")
-        document = "".join(parts)
-        return RenderedDocument(document, rule_index, _version(document))
+        parts.append("\t}\n")
+        return "".join(parts)
+
+    def _output_chain(
+        self, workload: WorkloadInput, rule_index: dict[int, dict], sets: dict[str, str]
+    ) -> str:
+        """Baseline (the gateways among it), the fail-safe list, the workload's own outbound deny rules
+        then allows, then its destinations' inbound deny rules then allows, then the terminal."""
+        enforced = workload.outbound_mode == "enforced"
+        parts = [_OUTPUT_HEAD, _ESTABLISHED, _OUTPUT_BASELINE]
+        failsafe_set = _service_set(_service_ranges(self.failsafe), name=FAILSAFE_SET)
+        if failsafe_set is not None:
+            name, definition = failsafe_set
+            sets[name] = definition
+            mark = encode_mark(DECISION_ALLOWED, 0, DIRECTION_OUTBOUND_FLAG | FAILSAFE_FLAG)
+            parts.append(
+                f"\t\tmeta l4proto . th dport @{name} ct mark set {mark:#010x} accept "
+                'comment "fail-safe list (PALISADE_OUTBOUND_FAILSAFE)"\n'
+            )
+        blocks: list[str] = []
+        for compiled in self.applicable_outbound(workload):
+            block = self._block(compiled)
+            parts.append(block.deny_enforced if enforced else block.deny_simulation)
+            blocks.append(block.allow)
+            sets.update(block.sets)
+            _index(rule_index, block.entries)
+        parts.extend(blocks)
+        # A rule's lines, their sets and its index entry, kept per (rule, families, mode): most workloads
+        # meet the same inbound rules.
+        denies: list[str] = []
+        allows: list[str] = []
+        for order, families in self._peer_families(workload):
+            key = (order, families, enforced)
+            found = self._peer_texts.get(key)
+            if found is None:
+                texts: list[str] = []
+                line_sets: dict[str, str] = {}
+                for peer in self._rule_peer_lines(order, families):
+                    text, more = self._peer_line(peer, enforced)
+                    texts.append(text)
+                    line_sets.update(more)
+                rule = self._peer_index()[0][order][0]
+                found = self._peer_texts[key] = (
+                    rule.action == "deny",
+                    "".join(texts),
+                    tuple(line_sets.items()),
+                    (rule.number, self._entries[id(rule)]) if texts and any(texts) else None,
+                )
+            deny, text, line_sets_found, entry = found
+            if text:
+                (denies if deny else allows).append(text)
+                sets.update(line_sets_found)
+                if entry is not None:
+                    _index(rule_index, (entry,))
+        parts.extend(denies)
+        parts.extend(allows)
+        parts.append(_OUT_TERMINAL_ENFORCED if enforced else _OUT_TERMINAL_SIMULATION)
+        parts.append("\t}\n")
+        return "".join(parts)
+
+    def _peer_line(self, peer: PeerLine, enforced: bool) -> tuple[str, tuple[tuple[str, str], ...]]:
+        destination = self.selector_sets(peer.scope)
+        if not destination.has[peer.family]:
+            return "", ()
+        line_sets = [destination.sets[peer.family]]
+        if peer.line.uses_service_set and peer.compiled.service_set is not None:
+            service_name, service_definition = peer.compiled.service_set
+            line_sets.append(
+                (service_name, _claimed(self.fleet, service_name, service_definition, service_definition))
+            )
+        rule = peer.rule
+        daddr = "ip daddr" if peer.family == 4 else "ip6 daddr"
+        head = f"\t\t{daddr} @{line_sets[0][0]} {peer.line.tail} ct mark set "
+        comment = peer.compiled.comment
+        if rule.action != "deny":
+            mark = encode_mark(DECISION_ALLOWED, rule.number, DIRECTION_OUTBOUND_FLAG)
+            return f"{head}{mark:#010x} accept{comment}\n", tuple(line_sets)
+        if enforced:
+            mark = encode_mark(DECISION_BLOCKED, rule.number, DIRECTION_OUTBOUND_FLAG)
+            prefix = deny_log_prefix(rule.number, outbound=True)
+            verdict = f'log prefix "{prefix}" group {NFLOG_GROUP_BLOCKED} queue-threshold 1 drop'
+        else:
+            mark = encode_mark(DECISION_WOULD_BLOCK, rule.number, DIRECTION_OUTBOUND_FLAG)
+            verdict = f"log group {NFLOG_GROUP_WOULD_BLOCK} queue-threshold 1 accept"
+        return f"{head}{mark:#010x} {verdict}{comment}\n", tuple(line_sets)
 
     def _block(self, compiled: CompiledRuleset) -> _Block:
         """A ruleset's chain lines, their sets, and its rules' (number, rule-index entry): the same for
@@ -348,6 +661,7 @@ class CompiledPolicy:
         if found is not None:
             return found
         ruleset = compiled.ruleset
+        flags = DIRECTION_OUTBOUND_FLAG if ruleset.direction == "outbound" else 0
         lines: list[str] = []
         simulation: list[str] = []
         enforced: list[str] = []
@@ -357,29 +671,23 @@ class CompiledPolicy:
             if not 0 < rule.number <= MAX_RULES:
                 raise ValueError(f"rule {rule.id} has no lifetime number (1-{MAX_RULES}): {rule.number!r}")
             heads, rule_sets = self._resolved(rule_compiled)
-            entry = {
-                "ruleset_id": ruleset.id,
-                "ruleset_name": ruleset.name,
-                "rule_id": rule.id,
-                "position": rule.position,
-            }
+            entry = _rule_entry(ruleset, rule)
             if rule.action == "deny":
                 # Logged like the terminal rule (the NFLOG prefix names the rule of a dropped packet,
                 # which never becomes a conntrack entry), but marked with the deny rule's number.
-                entry["action"] = "deny"
                 would_block = (
-                    f"{encode_mark(DECISION_WOULD_BLOCK, rule.number):#010x} "
+                    f"{encode_mark(DECISION_WOULD_BLOCK, rule.number, flags):#010x} "
                     f"log group {NFLOG_GROUP_WOULD_BLOCK} queue-threshold 1 accept{rule_compiled.comment}\n"
                 )
                 blocked = (
-                    f"{encode_mark(DECISION_BLOCKED, rule.number):#010x} "
-                    f'log prefix "{deny_log_prefix(rule.number)}" group {NFLOG_GROUP_BLOCKED} '
-                    f"queue-threshold 1 drop{rule_compiled.comment}\n"
+                    f"{encode_mark(DECISION_BLOCKED, rule.number, flags):#010x} "
+                    f'log prefix "{deny_log_prefix(rule.number, outbound=bool(flags))}" '
+                    f"group {NFLOG_GROUP_BLOCKED} queue-threshold 1 drop{rule_compiled.comment}\n"
                 )
                 simulation.extend(head + would_block for head in heads)
                 enforced.extend(head + blocked for head in heads)
             else:
-                tail = f"{encode_mark(DECISION_ALLOWED, rule.number):#010x} accept{rule_compiled.comment}\n"
+                tail = f"{encode_mark(DECISION_ALLOWED, rule.number, flags):#010x} accept{rule_compiled.comment}\n"
                 lines.extend(head + tail for head in heads)
             sets.update(rule_sets)
             entries.append((rule.number, entry))
@@ -406,17 +714,49 @@ class CompiledPolicy:
         return tuple(heads), tuple(sets.items())
 
 
+FAILSAFE_SET = "failsafe"
+
+
+def _rule_entry(ruleset: RulesetInput, rule: RuleInput) -> dict:
+    entry = {
+        "ruleset_id": ruleset.id,
+        "ruleset_name": ruleset.name,
+        "rule_id": rule.id,
+        "position": rule.position,
+    }
+    if ruleset.direction == "outbound":
+        entry["direction"] = "outbound"
+    if rule.action == "deny":
+        entry["action"] = "deny"
+    return entry
+
+
+def _index(rule_index: dict[int, dict], entries: Iterable[tuple[int, dict]]) -> None:
+    for number, entry in entries:
+        if number in rule_index and rule_index[number] != entry:
+            raise ValueError(f"rule number {number} is given to two rules")
+        rule_index[number] = dict(entry)
+
+
 def compile_policy(
-    rulesets: Sequence[RulesetInput], groups: Mapping[str, AddressGroupInput], fleet: FleetIndex
+    rulesets: Sequence[RulesetInput],
+    groups: Mapping[str, AddressGroupInput],
+    fleet: FleetIndex,
+    failsafe: Sequence[PortEntry] = DEFAULT_OUTBOUND_FAILSAFE,
 ) -> CompiledPolicy:
     """The policy compiled against `fleet`, once for the same ruleset and group objects: rendering every
     workload of a fleet, or classifying each of its flow keys, compiles its policy once. Kept in the
     fleet index by the identity of those objects; the compiled policy holds them, so that their ids
     cannot be taken by other objects while it is kept."""
-    key = ("policy", tuple(map(id, rulesets)), tuple((name, id(group)) for name, group in groups.items()))
+    key = (
+        "policy",
+        tuple(map(id, rulesets)),
+        tuple((name, id(group)) for name, group in groups.items()),
+        tuple(failsafe),
+    )
     found = fleet.memo.get(key)
     if found is None:
-        found = fleet.memo[key] = CompiledPolicy(rulesets, groups, fleet)
+        found = fleet.memo[key] = CompiledPolicy(rulesets, groups, fleet, failsafe)
     return found
 
 
@@ -442,7 +782,7 @@ def _compile_rule(ruleset: RulesetInput, rule: RuleInput) -> CompiledRule:
         for family, match, uses_service, l4proto in matches:
             if match not in seen:
                 seen.add(match)
-                lines.append(Line(None, family, match, uses_service, l4proto))
+                lines.append(Line(None, family, match, uses_service, l4proto, tail=match))
     else:
         sources: set[tuple[str, str]] = set()
         for s in rule.sources:
@@ -451,12 +791,21 @@ def _compile_rule(ruleset: RulesetInput, rule: RuleInput) -> CompiledRule:
                 sources.add(("sel", str(s.selector)))
             elif s.address_group_id is not None:
                 sources.add(("grp", s.address_group_id))
+        # An outbound ruleset's rules name destinations: the same sets, read by the packet's daddr.
+        end = "daddr" if ruleset.direction == "outbound" else "saddr"
         for source in sorted(sources):
             base = _set_base(source)
             for family, match, uses_service, l4proto in matches:
-                saddr = "ip saddr" if family == 4 else "ip6 saddr"
+                address = f"ip {end}" if family == 4 else f"ip6 {end}"
                 lines.append(
-                    Line(source, family, f"{saddr} @{base}_v{family} {match}", uses_service, l4proto)
+                    Line(
+                        source,
+                        family,
+                        f"{address} @{base}_v{family} {match}",
+                        uses_service,
+                        l4proto,
+                        tail=match,
+                    )
                 )
     description = f"{ruleset.name} #{rule.position}" + (f": {rule.description}" if rule.description else "")
     group_ids = tuple(
@@ -595,14 +944,14 @@ def _service_ranges(entries: Iterable[PortEntry]) -> list[tuple[str, list[list[i
     return found
 
 
-def _service_set(service_ranges: list[tuple[str, list[list[int]]]]) -> tuple[str, str] | None:
+def _service_set(service_ranges: list[tuple[str, list[list[int]]]], name: str = "") -> tuple[str, str] | None:
     if not service_ranges:
         return None
     elements = []
     for protocol, merged in service_ranges:
         for low, high in merged:
             elements.append(f"{protocol} . {low}" if low == high else f"{protocol} . {low}-{high}")
-    name = f"svc_{_short_hash(','.join(elements))}"
+    name = name or f"svc_{_short_hash(','.join(elements))}"
     definition = (
         f"\tset {name} {{\n\t\ttype inet_proto . inet_service\n\t\tflags interval\n"
         + _elements_text(elements)

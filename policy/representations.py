@@ -6,6 +6,7 @@ from controlplane.clock import rfc3339
 from controlplane.conditional import version_text
 from policy.choices import SourceKind
 from policy.models import AddressGroup, Rule, RuleService, Ruleset, RuleSource, Service
+from policy.validation import peers_key
 
 
 def port_entry_data(protocol: str, port: int | None, port_to: int | None) -> dict:
@@ -59,13 +60,16 @@ def _service_ref_data(ref: RuleService) -> dict:
     return port_entry_data(ref.protocol, ref.port, ref.port_to)
 
 
-def rule_data(rule: Rule) -> dict:
+def rule_data(rule: Rule, direction: str | None = None) -> dict:
+    """A rule; its peers are `sources`, or `destinations` in an outbound ruleset (`direction`: its
+    ruleset's, when the caller has it)."""
+    direction = direction or rule.ruleset.direction
     return {
         "id": str(rule.id),
         "number": rule.number,
         "description": rule.description,
         "action": rule.action,
-        "sources": [_source_data(s) for s in rule.sources.all()],
+        peers_key(direction): [_source_data(s) for s in rule.sources.all()],
         "services": [_service_ref_data(s) for s in rule.services.all()],
         **_stamps(rule),
     }
@@ -78,6 +82,7 @@ def ruleset_data(ruleset: Ruleset) -> dict:
         "description": ruleset.description,
         "enabled": ruleset.enabled,
         "scope": ruleset.scope,
-        "rules": [rule_data(r) for r in ruleset.rules.all()],
+        "direction": ruleset.direction,
+        "rules": [rule_data(r, ruleset.direction) for r in ruleset.rules.all()],
         **_stamps(ruleset),
     }

@@ -54,7 +54,9 @@ def ruleset_get(*, ruleset_id: str) -> Ruleset:
 def rule_get(*, ruleset_id: str, rule_id: str) -> Rule:
     ruleset_get(ruleset_id=ruleset_id)
     return _one(
-        Rule.objects.filter(ruleset_id=ruleset_id).prefetch_related("sources", "services"),
+        Rule.objects.filter(ruleset_id=ruleset_id)
+        .select_related("ruleset")
+        .prefetch_related("sources", "services"),
         rule_id,
         f"rule in ruleset {ruleset_id}:",
     )
@@ -87,7 +89,7 @@ def policy_inputs_load() -> PolicyInputs:
 
     Flat reads joined in dicts: on every fan-out this is ten times faster than the ORM's prefetches.
     """
-    rulesets = list(Ruleset.objects.filter(enabled=True).values_list("id", "name", "scope"))
+    rulesets = list(Ruleset.objects.filter(enabled=True).values_list("id", "name", "scope", "direction"))
     ruleset_ids = [r[0] for r in rulesets]
     rules = list(
         Rule.objects.filter(ruleset_id__in=ruleset_ids).values_list(
@@ -145,8 +147,14 @@ def policy_inputs_load() -> PolicyInputs:
     groups = {name: AddressGroupInput(name, name, tuple(members)) for _, name, members in group_rows}
     return PolicyInputs(
         rulesets=tuple(
-            RulesetInput(id=str(rid), name=name, scope=parse_selector(scope), rules=tuple(rules_of[rid]))
-            for rid, name, scope in rulesets
+            RulesetInput(
+                id=str(rid),
+                name=name,
+                scope=parse_selector(scope),
+                rules=tuple(rules_of[rid]),
+                direction=direction,
+            )
+            for rid, name, scope, direction in rulesets
         ),
         groups=groups,
     )

@@ -486,6 +486,7 @@ def ruleset_create(
             description=spec.description,
             enabled=spec.enabled,
             scope=spec.scope,
+            direction=spec.direction,
             created_at=now,
             updated_at=now,
         )
@@ -566,7 +567,7 @@ def ruleset_replace(
                 _write_rule(row, sources, services)
         scope_before = ruleset.scope
         ruleset.name, ruleset.description = spec.name, spec.description
-        ruleset.enabled, ruleset.scope = spec.enabled, spec.scope
+        ruleset.enabled, ruleset.scope, ruleset.direction = spec.enabled, spec.scope, spec.direction
         _audit("replace", ruleset, actor=actor, detail={"rules": len(spec.rules)}, audit_detail=audit_detail)
         ruleset.version += 1
         ruleset.updated_at = now
@@ -594,8 +595,7 @@ def _touch_ruleset(ruleset: Ruleset, now) -> None:
 
 
 def rule_add(*, actor: Actor, ruleset_id: str, data: Mapping[str, Any]) -> Rule:
-    _get(Ruleset, ruleset_id, "ruleset")
-    spec = single_rule_input(data)
+    spec = single_rule_input(data, direction=_get(Ruleset, ruleset_id, "ruleset").direction)
     with transaction.atomic():
         state = _lock_policy()
         ruleset = Ruleset.objects.select_for_update().get(id=ruleset_id)
@@ -636,8 +636,7 @@ def _rule_of(ruleset_id: str, rule_id: str) -> Rule:
 def rule_replace(
     *, actor: Actor, ruleset_id: str, rule_id: str, expected_version: str, data: Mapping[str, Any]
 ) -> Rule:
-    _rule_of(ruleset_id, rule_id)
-    spec = single_rule_input(data)
+    spec = single_rule_input(data, direction=_rule_of(ruleset_id, rule_id).ruleset.direction)
     with transaction.atomic():
         state = _lock_policy()
         rule = locked_for_write(

@@ -28,6 +28,7 @@ from policy.grammar import GrammarError, parse_selector
 PROTOCOLS = ("tcp", "udp", "icmp", "icmpv6")
 PORTED = ("tcp", "udp")
 ACTIONS = ("allow", "deny")  # policy.choices.RuleAction; the first is the default
+DIRECTIONS = ("inbound", "outbound")  # policy.choices.Direction; the first is the default
 
 MAX_NAME = 100
 MAX_DESCRIPTION = 1000
@@ -98,6 +99,7 @@ class RulesetSpec:
     enabled: bool
     scope: str
     rules: tuple[RuleSpec, ...]
+    direction: str = "inbound"
 
 
 def _take_list(data, key, findings, *, base: str, maximum: int, required: bool = True) -> list:
@@ -324,13 +326,29 @@ def _service_ref_input(item: Any, findings: Findings, path: str) -> ServiceRefSp
     return ServiceRefSpec(entry=entry, path=path) if entry else None
 
 
-def rule_input(data: Any, *, base: str = "", allow_id: bool = False) -> tuple[RuleSpec | None, Findings]:
+def peers_key(direction: str) -> str:
+    """What a rule of a ruleset of `direction` calls its peers: the sources of the connections it
+    judges (inbound), or their destinations (outbound)."""
+    return "destinations" if direction == DIRECTIONS[1] else "sources"
+
+
+def rule_input(
+    data: Any, *, base: str = "", allow_id: bool = False, direction: str = "inbound"
+) -> tuple[RuleSpec | None, Findings]:
     findings = Findings()
     if not isinstance(data, dict):
         findings.add(base, "type", "A rule must be an object.")
         return None, findings
-    allowed = READ_ONLY | {"number", "description", "action", "sources", "services"}  # number: read-only
-    reject_unknown(data, allowed, findings, base)
+    key = peers_key(direction)
+    other = peers_key(DIRECTIONS[0] if key == "destinations" else DIRECTIONS[1])
+    if other in data:
+        findings.add(
+            base + pointer(other),
+            "direction",
+            f"A rule of an {direction} ruleset has {key}, not {other}.",
+        )
+    allowed = READ_ONLY | {"number", "description", "action", key, "services"}  # number: read-only
+    reject_unknown({k: v for k, v in data.items() if k != other}, allowed, findings, base)
     action = _take_action(data, findings, base)
     rule_id = None
     if allow_id and "id" in data:
@@ -341,14 +359,12 @@ def rule_input(data: Any, *, base: str = "", allow_id: bool = False) -> tuple[Ru
     description = take_string(
         data, "description", findings, base=base, required=False, max_length=MAX_DESCRIPTION
     )
-    raw_sources = _take_list(data, "sources", findings, base=base, maximum=MAX_SOURCES_PER_RULE)
+    raw_sources = _take_list(data, key, findings, base=base, maximum=MAX_SOURCES_PER_RULE)
     raw_services = _take_list(data, "services", findings, base=base, maximum=MAX_SERVICES_PER_RULE)
-    for key in ("sources", "services"):
-        if key in data and isinstance(data[key], list) and not data[key]:
-            findings.add(base + pointer(key), "empty", f"A rule needs at least one of {key}.")
-    sources = [
-        _source_input(item, findings, base + pointer("sources", i)) for i, item in enumerate(raw_sources)
-    ]
+    for name in (key, "services"):
+        if name in data and isinstance(data[name], list) and not data[name]:
+            findings.add(base + pointer(name), "empty", f"A rule needs at least one of {name}.")
+    sources = [_source_input(item, findings, base + pointer(key, i)) for i, item in enumerate(raw_sources)]
     services = [
         _service_ref_input(item, findings, base + pointer("services", i))
         for i, item in enumerate(raw_services)
@@ -381,8 +397,8 @@ def _take_action(data: dict, findings: Findings, base: str) -> str:
     return value
 
 
-def single_rule_input(data: Any) -> RuleSpec:
-    spec, findings = rule_input(require_object(data))
+def single_rule_input(data: Any, *, direction: str = "inbound") -> RuleSpec:
+    spec, findings = rule_input(require_object(data), direction=direction)
     findings.raise_if_any()
     return spec
 
@@ -390,8 +406,19 @@ def single_rule_input(data: Any) -> RuleSpec:
 def ruleset_input(data: Any) -> RulesetSpec:
     data = require_object(data)
     findings = Findings()
-    reject_unknown(data, READ_ONLY | {"name", "description", "enabled", "scope", "rules"}, findings)
+    reject_unknown(
+        data, READ_ONLY | {"name", "description", "enabled", "scope", "direction", "rules"}, findings
+    )
     name = _take_name(data, findings)
+    # Absent means inbound: every ruleset, file and request written before outbound keeps its meaning.
+    direction = data.get("direction", DIRECTIONS[0])
+    if direction not in DIRECTIONS:
+        findings.add(
+            "/direction",
+            "direction",
+            f"direction must be one of {', '.join(DIRECTIONS)}, not {quoted(direction)}.",
+        )
+        direction = DIRECTIONS[0]
     description = take_string(data, "description", findings, required=False, max_length=MAX_DESCRIPTION)
     enabled = take_bool(data, "enabled", findings, default=True)
     scope = ""
@@ -406,7 +433,9 @@ def ruleset_input(data: Any) -> RulesetSpec:
     raw_rules = _take_list(data, "rules", findings, base="", maximum=MAX_RULES_PER_RULESET, required=False)
     rules = []
     for index, item in enumerate(raw_rules):
-        spec, rule_findings = rule_input(item, base=pointer("rules", index), allow_id=True)
+        spec, rule_findings = rule_input(
+            item, base=pointer("rules", index), allow_id=True, direction=direction
+        )
         findings.extend(rule_findings.items)
         rules.append(spec)
     ids = [r.id for r in rules if r and r.id]
@@ -414,4 +443,11 @@ def ruleset_input(data: Any) -> RulesetSpec:
         if rule and rule.id and ids.count(rule.id) > 1:
             findings.add(pointer("rules", index, "id"), "duplicate-id", "The same rule id appears twice.")
     findings.raise_if_any()
-    return RulesetSpec(name=name, description=description, enabled=enabled, scope=scope, rules=tuple(rules))
+    return RulesetSpec(
+        name=name,
+        description=description,
+        enabled=enabled,
+        scope=scope,
+        rules=tuple(rules),
+        direction=direction,
+    )

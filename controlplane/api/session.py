@@ -37,6 +37,11 @@ MeResponse = inline_serializer(
             help_text="Every gateway (host:port) agents are given, in the order they try them.",
         ),
         "version": serializers.CharField(help_text="The control plane's version."),
+        "outbound_failsafe": serializers.ListField(
+            child=serializers.CharField(),
+            help_text="The fail-safe list (PALISADE_OUTBOUND_FAILSAFE): what every output chain admits to any "
+            "destination before any rule, as `protocol/port` or `protocol/first-last`.",
+        ),
     },
 )
 
@@ -103,5 +108,9 @@ class MeView(APIView):
                 "gateway_address": gateway_address(),
                 "gateway_addresses": list(gateway_addresses()),
                 "version": __version__,
+                "outbound_failsafe": [
+                    f"{protocol}/{first}" if first == last else f"{protocol}/{first}-{last}"
+                    for protocol, first, last in settings.PALISADE_OUTBOUND_FAILSAFE
+                ],
             }
         )

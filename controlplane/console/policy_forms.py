@@ -81,12 +81,19 @@ def rule_services_text(services: list[dict], service_names: dict[str, str]) -> s
     )
 
 
-def rule_body(form) -> dict:
+def peers(rule: dict) -> list[dict]:
+    """A rule's sources, or its destinations in an outbound ruleset: the form's one `sources` field."""
+    return rule.get("sources", rule.get("destinations", []))
+
+
+def rule_body(form, direction: str = "inbound") -> dict:
     # The field is `rule_action`: the form's buttons already submit `action` (dryrun, impact, save).
     return {
         "description": form.get("description", ""),
         "action": form.get("rule_action") or "allow",
-        "sources": sources_from_text(form.get("sources", "")),
+        ("destinations" if direction == "outbound" else "sources"): sources_from_text(
+            form.get("sources", "")
+        ),
         "services": rule_services_from_text(form.get("services", "")),
     }
 
@@ -95,7 +102,7 @@ def refuses_everything(rule: dict, service_entries: dict[str, list[dict]]) -> bo
     """A deny rule from `any` source on every service (named services resolved by id to their entries):
     the ruleset's page warns of it, as the dry-run does (policy.render_inputs.refuses_everything; the
     console reads the API's JSON, not the renderer's inputs)."""
-    if rule.get("action") != "deny" or not any(s.get("any") for s in rule["sources"]):
+    if rule.get("action") != "deny" or not any(s.get("any") for s in peers(rule)):
         return False
     ranges: dict[str, list[tuple[int, int]]] = {"tcp": [], "udp": [], "icmp": [], "icmpv6": []}
     for item in rule["services"]:

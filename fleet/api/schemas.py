@@ -5,6 +5,7 @@ from rest_framework import serializers
 
 from fleet.choices import Mode, OwnedTableState, SyncState
 from fleet.mode_confirmations import CONFIRM_WITHIN_MAX, CONFIRM_WITHIN_MIN
+from policy.choices import Direction
 
 
 class SyncSerializer(serializers.Serializer):
@@ -104,6 +105,14 @@ class WorkloadSerializer(serializers.Serializer):
     mode_since = serializers.DateTimeField(
         help_text="When the current mode was chosen (the mode change, or the enrolment)."
     )
+    outbound_mode = serializers.ChoiceField(
+        choices=Mode.values,
+        help_text="The mode judging the new connections it opens (`visibility` unless a mode change with "
+        "`direction: outbound` moved it).",
+    )
+    outbound_mode_since = serializers.DateTimeField(
+        help_text="When the current outbound mode was chosen (the mode change, or the enrolment)."
+    )
     latest_version = serializers.CharField(
         allow_null=True, help_text="Version of the latest rendered policy."
     )
@@ -138,6 +147,7 @@ class LabelsSerializer(serializers.Serializer):
 class RenderedPolicySerializer(serializers.Serializer):
     workload_id = serializers.UUIDField()
     mode = serializers.ChoiceField(choices=Mode.values)
+    outbound_mode = serializers.ChoiceField(choices=Mode.values)
     version = serializers.CharField(allow_null=True)
     rendered_at = serializers.DateTimeField(allow_null=True)
     document = serializers.CharField(allow_null=True, help_text="The nftables text of `table inet palisade`.")
@@ -165,6 +175,12 @@ ModeChangeRequest = inline_serializer(
     {
         "selection": Selection,
         "mode": serializers.ChoiceField(choices=Mode.values),
+        "direction": serializers.ChoiceField(
+            choices=Direction.values,
+            default=Direction.INBOUND,
+            help_text="Which mode of the selected workloads the change moves: `inbound` (the default) or "
+            "`outbound` (the one judging the connections they open).",
+        ),
         "confirm_within_seconds": serializers.IntegerField(
             required=False,
             allow_null=True,
@@ -185,6 +201,9 @@ class ModeChangeSerializer(serializers.Serializer):
         allow_null=True,
         help_text="The mode the change moves its workloads to. Null only for a revert whose workloads "
         "went back to different modes (each one's is in `workloads` of `GET /mode-changes/{id}`).",
+    )
+    direction = serializers.ChoiceField(
+        choices=Direction.values, help_text="Which mode it moves: the inbound one or the outbound one."
     )
     selection = serializers.DictField(help_text="A revert's is the `workload_ids` of the change it put back.")
     resolved_count = serializers.IntegerField()

@@ -18,7 +18,7 @@ from controlplane.api.schema import (
 )
 from fleet import credentials, mode_confirmations, selectors, services
 from fleet.api import schemas
-from fleet.choices import SyncState
+from fleet.choices import Mode, SyncState
 from fleet.representations import (
     labels_data,
     mode_change_data,
@@ -44,6 +44,12 @@ LIST_FILTERS = [
     ),
     OpenApiParameter("sync_state", OpenApiTypes.STR, enum=SyncState.values),
     OpenApiParameter(
+        "outbound_mode",
+        OpenApiTypes.STR,
+        enum=Mode.values,
+        description="Only workloads whose outbound mode (judging the connections they open) is this.",
+    ),
+    OpenApiParameter(
         "removed", OpenApiTypes.BOOL, description="Only workloads whose owned table is (not) absent."
     ),
 ]
@@ -61,6 +67,7 @@ class WorkloadListView(APIView):
             sync_state=request.query_params.get("sync_state"),
             removed=request.query_params.get("removed"),
             ids=request.query_params.getlist("id"),
+            outbound_mode=request.query_params.get("outbound_mode"),
         )
         cursor, limit = page_params(request)
         page = selectors.workload_list(**filters, cursor=cursor, limit=limit)

@@ -2,7 +2,7 @@
 
 from rest_framework import serializers
 
-from flows.choices import Decision, GapKind, GapSource
+from flows.choices import Decision, Direction, GapKind, GapSource
 from policy.choices import RuleAction
 
 
@@ -35,6 +35,21 @@ class FlowGroupSerializer(serializers.Serializer):
     last_seen = serializers.DateTimeField()
     bytes_in = serializers.IntegerField(help_text="0 unless the window's `accounting` is true.")
     bytes_out = serializers.IntegerField()
+    direction = serializers.ChoiceField(
+        choices=Direction.values,
+        required=False,
+        help_text=(
+            "Read with `direction` outbound or any only: who originated the connection. Outbound: the "
+            "peer is the destination and the port the destination's."
+        ),
+    )
+    failsafe = serializers.BooleanField(
+        required=False,
+        help_text=(
+            "Read with `direction` outbound or any only: allowed by the fail-safe list (DNS, NTP) "
+            "instead of a rule (`rule_number` null)."
+        ),
+    )
 
 
 class FlowWindowSerializer(serializers.Serializer):
@@ -87,6 +102,9 @@ class RollupRowSerializer(serializers.Serializer):
     peer_workload_id = serializers.UUIDField(required=False, allow_null=True)
     service = ServiceKeySerializer(required=False)
     decision = serializers.ChoiceField(choices=Decision.values, required=False)
+    direction = serializers.ChoiceField(
+        choices=Direction.values, required=False, help_text="Grouped by `direction`."
+    )
     rule_number = serializers.IntegerField(required=False, allow_null=True)
     rule_id = serializers.UUIDField(required=False, allow_null=True)
     rule_action = serializers.ChoiceField(
@@ -175,6 +193,9 @@ class WouldBlockSerializer(serializers.Serializer):
     workload_id = serializers.UUIDField()
     peer = serializers.CharField()
     service = ServiceKeySerializer()
+    direction = serializers.ChoiceField(
+        choices=Direction.values, required=False, help_text="Reviewed with `direction=any` only."
+    )
     connection_count = serializers.IntegerField()
     rule_number = serializers.IntegerField(
         allow_null=True, help_text="The deny rule that refused these connections; null: no rule admits them."
@@ -189,6 +210,10 @@ class ReviewWorkloadSerializer(serializers.Serializer):
     last_heard_from = serializers.DateTimeField(required=False, allow_null=True)
     mode = serializers.CharField(required=False)
     mode_since = serializers.DateTimeField(required=False)
+    outbound_mode = serializers.CharField(
+        required=False, help_text="Reviewed with `direction=outbound` or `any`: the outbound mode."
+    )
+    outbound_mode_since = serializers.DateTimeField(required=False)
 
 
 class DecidedOutsideSimulationSerializer(serializers.Serializer):

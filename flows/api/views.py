@@ -14,7 +14,7 @@ from flows.api.schemas import (
     FlowWindowSerializer,
     RollupSerializer,
 )
-from flows.choices import Decision
+from flows.choices import READ_DIRECTIONS, Decision, Direction
 from flows.representations import (
     coverage_data,
     evidence_gap_data,
@@ -36,6 +36,16 @@ RANGE = [
         description="RFC 3339, from 1970 to 9000; starting before it. At most 31 days after `from`.",
     ),
 ]
+DIRECTION = OpenApiParameter(
+    "direction",
+    OpenApiTypes.STR,
+    enum=list(READ_DIRECTIONS),
+    default=Direction.INBOUND,
+    description=(
+        "Whose connections: `inbound` (the default: peers' connections to the workload, every answer as "
+        "before outbound evidence), `outbound` (the workload's own, to a destination), or `any`."
+    ),
+)
 INVALID = {
     422: problem("`validation`: a missing or malformed range, a range over 31 days, a bad cursor or limit.")
 }
@@ -67,6 +77,7 @@ class FlowWindowListView(APIView):
                 "service", OpenApiTypes.STR, description="`tcp/443`, `udp/53`, `icmp`, `icmpv6`."
             ),
             OpenApiParameter("rule", OpenApiTypes.INT, description="A rule's lifetime number."),
+            DIRECTION,
             *PAGE_PARAMETERS,
         ],
         responses={
@@ -78,7 +89,7 @@ class FlowWindowListView(APIView):
     )
     def get(self, request):
         params = request.query_params
-        (start, end), (cursor, limit), groups, _ = parsed_together(
+        (start, end), (cursor, limit), groups, _, direction = parsed_together(
             lambda: _range(request),
             lambda: page_params(request),
             lambda: validation.group_filters_parse(
@@ -88,6 +99,7 @@ class FlowWindowListView(APIView):
                 rule=params.get("rule"),
             ),
             lambda: validation.workload_required(params.get("workload", "")),
+            lambda: validation.direction_parse(params.get("direction")),
         )
         page = selectors.flow_windows_list(
             workload_id=params.get("workload", ""),
@@ -96,10 +108,14 @@ class FlowWindowListView(APIView):
             cursor=cursor,
             limit=limit,
             groups=groups,
+            direction=direction,
         )
         numbers = {group.rule_number for window in page.items for group in window.groups.all()}
         rule_ids = selectors.rule_ids_by_number(numbers)
-        return page_response(page, [flow_window_data(window, rule_ids) for window in page.items])
+        directions = direction != Direction.INBOUND
+        return page_response(
+            page, [flow_window_data(window, rule_ids, directions=directions) for window in page.items]
+        )
 
 
 class EvidenceGapListView(APIView):
@@ -111,6 +127,14 @@ class EvidenceGapListView(APIView):
                 "label", OpenApiTypes.STR, many=True, description="Label requirement; repeatable, ANDed."
             ),
             *RANGE,
+            OpenApiParameter(
+                "direction",
+                OpenApiTypes.STR,
+                enum=list(READ_DIRECTIONS),
+                default=Direction.INBOUND,
+                description="Checked as every flow read's; a gap loses evidence of both directions, so "
+                "every value lists the same gaps.",
+            ),
             *PAGE_PARAMETERS,
         ],
         responses={
@@ -150,6 +174,7 @@ def _selection(request) -> validation.FlowSelection:
         end=params.get("to"),
         labels=params.getlist("label"),
         workloads=params.getlist("workload"),
+        direction=params.get("direction"),
     )
 
 
@@ -167,6 +192,7 @@ class FlowRollupView(APIView):
             ),
             *SELECTION,
             *RANGE,
+            DIRECTION,
             *PAGE_PARAMETERS,
         ],
         responses={200: RollupSerializer, **INVALID, **NOT_FOUND, **COMMON_ERRORS},
@@ -184,6 +210,7 @@ class FlowRollupView(APIView):
             end=selection.end,
             cursor=cursor,
             limit=limit,
+            direction=selection.direction,
         )
         return Response(
             rollup_data(

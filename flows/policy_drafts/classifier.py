@@ -4,8 +4,10 @@ and for what suggestions leave out as admitted now (suggestions.py). Nothing her
 The inputs are a render's: the fleet's workloads and addresses now (selectors resolve to them, as in
 the table) and the enabled policy in force now (draft.py `InForce`, loaded once by the caller), plus
 any drafts the caller judges beside it. A key is judged as a table in `simulation` or `enforced`
-judges a new inbound connection, whatever the workload's mode now: a workload in `visibility` has no
-rules, and the question is what its rules would do.
+judges a new connection, whatever the workload's mode now: a workload in `visibility` has no rules,
+and the question is what its rules would do. A key's `direction` (inbound when it carries none) says
+which: an outbound key is judged by the output chain (the workload's outbound rules, its destination's
+inbound rules, the fail-safe list of the settings now).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from fleet.rendering import outbound_failsafe
 from flows.policy_drafts.draft import InForce
 from policy.classify import Connection, classify
 from policy.render_inputs import PROTOCOLS, WorkloadInput, parse_host_address
@@ -29,13 +32,17 @@ def flow_key_connection(row: dict) -> Connection | None:
         peer = parse_host_address(row["peer"])
         # icmp keys carry no type (0): echo and the other queries that open a connection.
         port = row["port"] if protocol in ("tcp", "udp") else None
-        return Connection(row["peer"], protocol, port, loopback=peer.is_loopback)
+        direction = row.get("direction") or "inbound"
+        return Connection(row["peer"], protocol, port, loopback=peer.is_loopback, direction=direction)
     except ValueError:
         return None
 
 
 def _judged(workload: WorkloadInput) -> WorkloadInput:
-    return workload if workload.mode != "visibility" else dataclasses.replace(workload, mode="simulation")
+    judged = workload if workload.mode != "visibility" else dataclasses.replace(workload, mode="simulation")
+    if judged.outbound_mode == "visibility":
+        judged = dataclasses.replace(judged, outbound_mode="simulation")
+    return judged
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +67,7 @@ class FlowKeyClassifier:
         self._outcomes: dict[tuple, tuple[Judged, ...]] = {}
         self._connections: dict[tuple, Connection | None] = {}
         self._by_id: dict = {}
+        self._failsafe = outbound_failsafe()
 
     def workload(self, row: dict) -> WorkloadInput | None:
         workload_id = row["workload_id"]
@@ -82,7 +90,7 @@ class FlowKeyClassifier:
         workload = self.workload(row)
         if workload is None:
             return None
-        service = (row["peer"], row["protocol"], row["port"])
+        service = (row["peer"], row["protocol"], row["port"], row.get("direction") or "inbound")
         if service in self._connections:
             connection = self._connections[service]
         else:
@@ -94,7 +102,9 @@ class FlowKeyClassifier:
         if found is None:
             judged = _judged(workload)
             outcomes = (
-                classify(judged, policy.rulesets, policy.groups, self.fleet, connection)
+                classify(
+                    judged, policy.rulesets, policy.groups, self.fleet, connection, failsafe=self._failsafe
+                )
                 for policy in self.policies
             )
             found = self._outcomes[key] = tuple(Judged(o.decision == "allowed", o.rule) for o in outcomes)

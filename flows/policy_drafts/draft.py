@@ -228,6 +228,7 @@ def _hypothetical_rulesets(
                     name=spec.name,
                     scope=parse_selector(spec.scope),
                     rules=tuple(rules),
+                    direction=spec.direction,
                 )
             )
     return rulesets
@@ -246,8 +247,12 @@ def deny_everything(specs, policy: PolicyInputs) -> list[dict]:
                     {
                         "path": pointer("rulesets", index[ruleset.name], "rules", rule.position),
                         "rule": "deny-refuses-everything",
-                        "message": f"This deny rule refuses every connection the workloads of "
-                        f"{quoted(scope)} receive, from any source on every service.",
+                        "message": f"This deny rule refuses every connection the workloads of {quoted(scope)} "
+                        + (
+                            "open, to any destination on every service."
+                            if ruleset.direction == "outbound"
+                            else "receive, from any source on every service."
+                        ),
                     }
                 )
     return flagged

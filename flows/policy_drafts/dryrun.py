@@ -8,6 +8,7 @@ from typing import Any
 
 from controlplane.validation import require_object
 from fleet.models import RenderedPolicy, Workload
+from fleet.rendering import outbound_failsafe
 from flows.policy_drafts.draft import Draft, draft_parse
 from policy.renderer import compile_policy
 from policy.selectors import PolicyInputs
@@ -46,7 +47,7 @@ def render_dryrun(*, draft: Draft) -> dict:
         RenderedPolicy.objects.filter(version__in=set(latest.values())).values_list("version", "rule_index")
     )
     changed = []
-    compiled = compile_policy(draft.policy.rulesets, draft.policy.groups, fleet)
+    compiled = compile_policy(draft.policy.rulesets, draft.policy.groups, fleet, outbound_failsafe())
     for workload_id, workload in inputs.items():
         result = compiled.render(workload)
         current_version = latest.get(uuid.UUID(workload_id))

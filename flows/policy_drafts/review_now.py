@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
+from flows.choices import Direction
 from flows.policy_drafts.classifier import FlowKeyClassifier
 from flows.policy_drafts.draft import in_force_load
 from flows.selectors import simulation_review
@@ -29,13 +30,17 @@ def _reasons_now(reasons: list[str], refused_now: int) -> list[str]:
     return kept
 
 
-def simulation_review_now(*, selected, start: datetime, end: datetime) -> dict:
+def simulation_review_now(
+    *, selected, start: datetime, end: datetime, direction: str = Direction.INBOUND
+) -> dict:
     """`simulation_review`, and `now`: its verdict with the would-block groups judged against the
-    policy in force now (those a rule saved since admits no longer count)."""
-    review = simulation_review(selected=selected, start=start, end=end)
+    policy in force now (those a rule saved since admits no longer count), each by its own direction's
+    chain."""
+    review = simulation_review(selected=selected, start=start, end=end, direction=direction)
     judge = FlowKeyClassifier(in_force_load())
     rows = review["would_block_rows"]
-    refused = [row for row in rows if not judge.admitted_now(row)]
+    # A row carries its direction only when read with `any`.
+    refused = [row for row in rows if not judge.admitted_now({"direction": direction, **row})]
     reasons = _reasons_now(review["reasons"], len(refused))
     review["judged_against"] = RECORDED
     review["now"] = {

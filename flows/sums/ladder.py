@@ -51,7 +51,10 @@ class Span:
         return self.model._meta.db_table
 
     def key(self) -> tuple[str, ...]:
-        return ("workload_id", self.column, "peer", "protocol", "port", "decision", "rule_number")
+        return (
+            "workload_id", self.column, "peer", "protocol", "port", "decision", "rule_number", "direction",
+            "failsafe",
+        )  # fmt: skip
 
     def columns(self) -> tuple[str, ...]:
         return (*self.key(), "peer_workload_id", *SUMMED, "first_seen", "last_seen")

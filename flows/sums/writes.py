@@ -146,10 +146,11 @@ def _sums_add_in_sqlite(sums: Span, windows: list[tuple[uuid.UUID, uuid.UUID, da
     sql = (
         f'INSERT INTO "{sums.model._meta.db_table}" ({quoted}) '  # noqa: S608 - our names
         f"SELECT workload_id, {sums.start_in_sqlite()}, peer, protocol, port, decision,"
-        f" {rule_stored_sql('rule_number')}, max(peer_workload_id), sum(connection_count), sum(bytes_in),"
+        f" {rule_stored_sql('rule_number')}, direction, failsafe, max(peer_workload_id), sum(connection_count),"
+        " sum(bytes_in),"
         f' sum(bytes_out), min(first_seen), max(last_seen) FROM "{FlowGroup._meta.db_table}"'
         f" WHERE window_id IN ({', '.join(['%s'] * len(windows))})"
-        " GROUP BY 1, 2, 3, 4, 5, 6, 7 " + _upsert_clause(sums, "min", "max")
+        " GROUP BY 1, 2, 3, 4, 5, 6, 7, 8, 9 " + _upsert_clause(sums, "min", "max")
     )
     try:
         with connection.cursor() as cursor:
@@ -169,10 +170,11 @@ def _sums_add_in_postgresql(sums: Span, windows: list[tuple[uuid.UUID, uuid.UUID
     sql = (
         f'INSERT INTO "{sums.model._meta.db_table}" ({quoted}) '  # noqa: S608 - our names
         f"SELECT workload_id, {sums.start_in_postgresql()}, peer, protocol, port, decision,"
-        f" {rule_stored_sql('rule_number')}, (array_agg(peer_workload_id))[1], sum(connection_count), sum(bytes_in),"
+        f" {rule_stored_sql('rule_number')}, direction, failsafe, (array_agg(peer_workload_id))[1], sum(connection_count),"
+        " sum(bytes_in),"
         f' sum(bytes_out), min(first_seen), max(last_seen) FROM "{FlowGroup._meta.db_table}"'
         " WHERE workload_id = ANY(%s) AND start >= %s AND start <= %s AND window_id = ANY(%s)"
-        " GROUP BY 1, 2, 3, 4, 5, 6, 7 " + _upsert_clause(sums, "LEAST", "GREATEST")
+        " GROUP BY 1, 2, 3, 4, 5, 6, 7, 8, 9 " + _upsert_clause(sums, "LEAST", "GREATEST")
     )
     starts = [start for _, _, start in windows]
     with connection.cursor() as cursor:

@@ -3,7 +3,7 @@
 from drf_spectacular.utils import PolymorphicProxySerializer
 from rest_framework import serializers
 
-from policy.choices import RuleAction
+from policy.choices import Direction, RuleAction
 from policy.validation import (
     MAX_DESCRIPTION,
     MAX_GROUP_MEMBERS,
@@ -70,11 +70,16 @@ class ServiceReference(serializers.Serializer):
     service = serializers.CharField(help_text="Service id (a name is accepted on input).")
 
 
-SOURCE = PolymorphicProxySerializer(
-    component_name="RuleSourceItem",
-    serializers=[SelectorSource, AddressGroupSource, AnySource],
-    resource_type_field_name=None,
-)
+def _peer_item() -> PolymorphicProxySerializer:
+    # One instance per field: a serializer is bound to the field it is the child of.
+    return PolymorphicProxySerializer(
+        component_name="RuleSourceItem",
+        serializers=[SelectorSource, AddressGroupSource, AnySource],
+        resource_type_field_name=None,
+    )
+
+
+SOURCE = _peer_item()
 SERVICE_ITEM = PolymorphicProxySerializer(
     component_name="RuleServiceItem",
     serializers=[ServiceReference, PortEntrySerializer],
@@ -103,7 +108,17 @@ class RuleSerializer(_Stamped):
         child=SOURCE,
         min_length=1,
         max_length=MAX_SOURCES_PER_RULE,
-        help_text="Admit (or, for a deny rule, refuse) new inbound connections from any of these.",
+        required=False,
+        help_text="A rule of an inbound ruleset: admit (or, for a deny rule, refuse) new inbound connections "
+        "from any of these.",
+    )
+    destinations = serializers.ListField(
+        child=_peer_item(),
+        min_length=1,
+        max_length=MAX_SOURCES_PER_RULE,
+        required=False,
+        help_text="A rule of an outbound ruleset (instead of `sources`): admit (or refuse) new connections "
+        "the scope's workloads open to any of these (the same item kinds as `sources`).",
     )
     services = serializers.ListField(
         child=SERVICE_ITEM,
@@ -119,7 +134,14 @@ class RulesetSerializer(_Stamped):
     enabled = serializers.BooleanField(default=True)
     scope = serializers.CharField(
         allow_blank=True,
-        help_text="Selector of the workloads whose inbound traffic the rules admit (empty: every workload).",
+        help_text="Selector of the workloads whose inbound traffic the rules admit, or, in an outbound "
+        "ruleset, whose outgoing connections they admit (empty: every workload).",
+    )
+    direction = serializers.ChoiceField(
+        choices=Direction.values,
+        default=Direction.INBOUND,
+        help_text="`inbound` (the default): the rules judge connections the scope's workloads receive, "
+        "from their `sources`; `outbound`: connections they open, to their `destinations`.",
     )
     rules = serializers.ListField(child=RuleSerializer(), required=False, max_length=MAX_RULES_PER_RULESET)
 

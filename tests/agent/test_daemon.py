@@ -518,3 +518,30 @@ def test_a_malformed_frame_closes_with_4000(tmp_path):
         await w.event("connected", w.gateway.events.index(closed))  # and it comes back
 
     scenario(tmp_path, body)
+
+
+def test_an_outbound_table_gets_every_listed_gateway_in_its_gateway_sets(tmp_path):
+    """The gateway sets are filled with every gateway the agent lists (StateDir.load_gateways: any of
+    them may be the next it connects to, under an enforced output chain), not only the one it uses."""
+    with_sets = document("v1").replace(
+        "table inet palisade {\n",
+        "table inet palisade {\n"
+        "\tset agent_gateways_v4 {\n\t\ttype ipv4_addr . inet_service\n\t}\n"
+        "\tset agent_gateways_v6 {\n\t\ttype ipv6_addr . inet_service\n\t}\n",
+    )
+
+    async def prepare(w: World) -> None:
+        listed = [*w.agent.gateways, "192.0.2.10:8443", "[2001:db8::10]:9443"]
+        w.agent.state.write_gateways(listed, updated_at="2026-11-28T00:00:00Z")
+        w.agent.gateways = w.agent.state.load_gateways(w.agent.identity)
+        assert w.agent.gateways == listed
+
+    async def body(w: World) -> None:
+        await w.gateway.push_snapshot(w.workload, "v1", with_sets, mode="enforced")
+        w.start()
+        await w.message("applied")
+        applied = w.dataplane.current
+        assert "192.0.2.10 . 8443" in applied and "2001:db8::10 . 9443" in applied
+        assert "127.0.0.1 . " in applied  # the gateway it is connected to
+
+    scenario(tmp_path, body, prepare=prepare)

@@ -38,12 +38,14 @@ def test_a_document_without_deny_rules_has_no_deny_lines():
     assert deny_lines(render(workload, rulesets, groups, fleet).document) == []
 
 
-def test_the_agent_reads_the_prefix_the_renderer_logs():
-    from agent.nflog import DENY_PREFIX, deny_rule
-    from policy.renderer import DENY_LOG_PREFIX, deny_log_prefix
+def test_the_agent_reads_the_prefixes_the_renderer_logs():
+    from agent.nflog import PREFIX_INBOUND, PREFIX_OUTBOUND, parse_prefix
+    from policy.renderer import LOG_PREFIX_INBOUND, LOG_PREFIX_OUTBOUND, blocked_log_prefix, deny_log_prefix
 
-    assert DENY_PREFIX.decode() == DENY_LOG_PREFIX
-    assert deny_rule(deny_log_prefix(4242).encode() + b"\0") == 4242
-    assert (
-        deny_rule(None) is None and deny_rule(b"palisade deny x\0") is None and deny_rule(b"other\0") is None
-    )
+    assert (PREFIX_INBOUND, PREFIX_OUTBOUND) == (LOG_PREFIX_INBOUND, LOG_PREFIX_OUTBOUND)
+    assert parse_prefix(deny_log_prefix(4242).encode()) == ("inbound", 4242)
+    assert parse_prefix(deny_log_prefix(4242, outbound=True).encode()) == ("outbound", 4242)
+    assert parse_prefix(blocked_log_prefix(outbound=True).encode()) == ("outbound", None)
+    # The inbound terminal drop has no prefix at all; the old deny form is no longer a rule.
+    assert parse_prefix(b"") == ("inbound", None)
+    assert parse_prefix(b"palisade deny 7") == ("inbound", None)

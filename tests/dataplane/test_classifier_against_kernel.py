@@ -251,7 +251,7 @@ def random_connections(rng: random.Random, count: int) -> dict[str, list[tuple[s
 # once told to stop on stdin, prints each logged packet's key and the deny rule its prefix names.
 _NFLOG_READER = """
 import json, select, socket, struct, sys, ipaddress
-from agent.nflog import nflog_socket, parse_packets
+from agent.nflog import nflog_socket, parse_packets, parse_prefix
 
 def key(payload):
     if payload[0] >> 4 == 4:
@@ -274,18 +274,20 @@ while True:
         sys.stdin.readline()
         stopping = True
         continue
-    for payload, rule in parse_packets(sock.recv(1 << 20)):
-        logged.append([key(payload), rule])
+    for payload, prefix in parse_packets(sock.recv(1 << 20)):
+        logged.append([key(payload), *parse_prefix(prefix)])
 print(json.dumps(logged), flush=True)
 """
 
 
-def logged_rules(reader) -> dict[tuple[str, str, int, int], set[int | None]]:
-    """(protocol, source, source port or echo id, destination port or 0) -> deny rules of its drops."""
+def logged_rules(reader, direction: str = "inbound") -> dict[tuple[str, str, int, int], set[int | None]]:
+    """(protocol, source, source port or echo id, destination port or 0) -> deny rules of its drops,
+    as their NFLOG prefixes say (agent/nflog.py parse_prefix). A drop whose prefix says the other
+    direction is kept under the rule "wrong direction", so that it fails the comparison."""
     out, _ = reader.communicate("stop\n", timeout=30)
-    found: dict[tuple[str, str, int, int], set[int | None]] = {}
-    for key, rule in json.loads(out.splitlines()[-1]):
-        found.setdefault(tuple(key), set()).add(rule)
+    found: dict[tuple[str, str, int, int], set] = {}
+    for key, said, rule in json.loads(out.splitlines()[-1]):
+        found.setdefault(tuple(key), set()).add(rule if said == direction else f"wrong direction: {said}")
     return found
 
 

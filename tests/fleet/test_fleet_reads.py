@@ -103,6 +103,8 @@ def test_workload_and_rendered_policy_reads(api, db):
         "labels_version",
         "mode",
         "mode_since",
+        "outbound_mode",
+        "outbound_mode_since",
         "latest_version",
         "applied_version",
         "agent_version",

@@ -563,7 +563,7 @@ def test_deny_rules_come_after_the_baseline_and_before_every_allow():
     # the ruleset sorts last by name, yet its deny lines precede every ruleset's allow lines
     assert deny_at and allow_at and max(baseline_at) < min(deny_at) and max(deny_at) < min(allow_at)
     for i in deny_at:
-        assert drops(lines[i]) and 'log prefix "palisade deny 40" group 7302' in lines[i]
+        assert drops(lines[i]) and 'log prefix "palisade:in:40" group 7302' in lines[i]
 
 
 def test_simulation_accepts_and_marks_what_a_deny_rule_matches_as_would_block():

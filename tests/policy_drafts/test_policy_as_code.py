@@ -847,7 +847,7 @@ def test_a_deny_rule_round_trips_and_an_allow_rule_is_written_as_before(fleet):
     # a deny rule's documents carry its drop
     frontend_rule = stored[0]
     assert any(
-        f'log prefix "palisade deny {frontend_rule.number}"' in d
+        f'log prefix "palisade:in:{frontend_rule.number}"' in d
         for d in RenderedPolicy.objects.values_list("document", flat=True)
     )
 

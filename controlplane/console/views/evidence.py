@@ -46,7 +46,13 @@ def selected_workloads(api, form: dict) -> dict:
 
 
 def review_of(api, form: dict, span: dict):
-    return api.get("/flows/review", params={**selection_query(form), "from": span["from"], "to": span["to"]})
+    """The review of the form's direction (inbound when it has none): an outbound change to enforced is
+    judged on outbound evidence and the outbound mode."""
+    direction = {"direction": form["direction"]} if form.get("direction", "inbound") != "inbound" else {}
+    return api.get(
+        "/flows/review",
+        params={**selection_query(form), "from": span["from"], "to": span["to"], **direction},
+    )
 
 
 @require_http_methods(["GET", "POST"])
@@ -56,11 +62,21 @@ def mode_changes(request, api):
     form = {
         **selection_form(params),
         "mode": params.get("mode", "simulation"),
+        "direction": "outbound" if params.get("direction") == "outbound" else "inbound",
         "with_confirmation": params.get("with_confirmation") == "yes",
         "confirm_within": params.get("confirm_within", CONFIRM_WITHIN_DEFAULT).strip(),
     }
     span = chosen_range(params)
-    context: dict = {"form": form, "modes": MODES, "span": span, "ranges": list(RANGES)}
+    context: dict = {
+        "form": form,
+        "modes": MODES,
+        "directions": ("inbound", "outbound"),
+        "span": span,
+        "ranges": list(RANGES),
+    }
+    # Each direction's change to enforced is gated by that direction's review; the impact panel (what
+    # enforcing would refuse, by the classifier) is drawn for inbound changes only.
+    inbound = form["direction"] == "inbound"
     if form["labels"] or form["workloads"]:
         selected = selected_workloads(api, form)
         context.update(selected, workloads=selected["workloads"][:LISTED])
@@ -68,6 +84,7 @@ def mode_changes(request, api):
         review = review_of(api, form, span)
         context["review"] = review.data if review.ok else None
         context["review_problem"] = review.problem
+    if inbound and form["mode"] == "enforced" and (form["labels"] or form["workloads"]):
         refused, problem = refused_when_enforced(api, selection_query(form), span)
         context.update(enforced_impact=refused, enforced_impact_problem=problem)
         if refused is not None:
@@ -79,6 +96,8 @@ def mode_changes(request, api):
         else:
             selection = selection_query(form)
             body = {"mode": form["mode"], "selection": {}}
+            if not inbound:
+                body["direction"] = form["direction"]
             if selection["label"]:
                 body["selection"]["labels"] = selection["label"]
             if selection["workload"]:

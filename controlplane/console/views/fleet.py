@@ -16,12 +16,14 @@ from controlplane.validation import is_digits
 GROUPS_LISTED = 200
 GAPS_LISTED = 100
 SYNC_STATES = ("synced", "pending", "degraded", "offline")
+MODES = ("visibility", "simulation", "enforced")
 
 
 def fleet_filters(params) -> dict:
     return {
         "label": [value for value in params.getlist("label") if value.strip()],
         "sync_state": params.get("sync_state", "") if params.get("sync_state") in SYNC_STATES else "",
+        "outbound_mode": params.get("outbound_mode", "") if params.get("outbound_mode") in MODES else "",
         "removed": params.get("removed", "") if params.get("removed") in ("true", "false") else "",
         "limit": params.get("limit", "") if is_digits(params.get("limit", "")) else "",
     }
@@ -42,6 +44,7 @@ def fleet(request, api):
     context = {
         "filters": filters,
         "sync_states": SYNC_STATES,
+        "modes": MODES,
         "counts": counts.data if counts.ok else None,
         "problem": listing.problem,
         "workloads": with_chips(listing.data["items"]) if listing.ok else [],

@@ -38,6 +38,7 @@ def _ruleset_form(form) -> dict:
         "name": form.get("name", ""),
         "description": form.get("description", ""),
         "scope": form.get("scope", ""),
+        "direction": "outbound" if form.get("direction") == "outbound" else "inbound",
         "enabled": form.get("enabled") == "on",
     }
 
@@ -59,7 +60,7 @@ def _rule_rows(ruleset: dict, services: dict, groups: dict, service_entries: dic
     return [
         {
             **rule,
-            "sources_text": forms.sources_text(rule["sources"], groups),
+            "sources_text": forms.sources_text(forms.peers(rule), groups),
             "services_text": forms.rule_services_text(rule["services"], services),
             "refuses_everything": forms.refuses_everything(rule, service_entries),
         }
@@ -214,13 +215,13 @@ def rule_edit(request, api, ruleset_id: str, rule_id: str | None = None):
             context["rule_form"] = {
                 "description": rule.data["description"],
                 "rule_action": rule.data["action"],
-                "sources": forms.sources_text(rule.data["sources"], groups),
+                "sources": forms.sources_text(forms.peers(rule.data), groups),
                 "services": forms.rule_services_text(rule.data["services"], services),
                 "version": rule.data["version"],
             }
         return page(request, "console/rule.html", context)
 
-    body = forms.rule_body(request.POST)
+    body = forms.rule_body(request.POST, found.data.get("direction", "inbound"))
     context["rule_form"] = {
         key: request.POST.get(key, "")
         for key in ("description", "rule_action", "sources", "services", "version")
@@ -293,7 +294,7 @@ def rule_delete(request, api, ruleset_id: str, rule_id: str):
             _names(api, "/services", "services"),
             _names(api, "/address-groups", "address_groups"),
         )
-        sources = "; ".join(forms.sources_text(rule.data["sources"], groups).splitlines())
+        sources = "; ".join(forms.sources_text(forms.peers(rule.data), groups).splitlines())
         ports = "; ".join(forms.rule_services_text(rule.data["services"], services).splitlines())
         described = f" ({rule.data['description']})" if rule.data.get("description") else ""
         verb = "refuses" if rule.data.get("action") == "deny" else "admits"

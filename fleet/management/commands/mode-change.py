@@ -12,6 +12,7 @@ from fleet.services import mode_change_create
 
 def _summary(data: dict) -> str:
     line = (
+        f"{'outbound ' if data['direction'] == 'outbound' else ''}"
         f"{data['mode'] or 'each to its mode before'}: {data['resolved_count']} selected, "
         f"{data['changed_count']} changed (mode change {data['id']})"
     )
@@ -46,6 +47,12 @@ class Command(PalisadeCommand):
             change.add_argument("--workload", action="append", default=[], help="workload id; repeatable")
             change.add_argument("--all", action="store_true", help="every workload of the fleet")
             change.add_argument(
+                "--direction",
+                choices=("inbound", "outbound"),
+                default="inbound",
+                help="which mode to move: inbound (the default) or outbound (the connections they open)",
+            )
+            change.add_argument(
                 "--confirm-within",
                 type=int,
                 metavar="SECONDS",
@@ -71,6 +78,8 @@ class Command(PalisadeCommand):
         if o["all"]:
             selection["all"] = True
         body: dict = {"selection": selection, "mode": mode}
+        if o["direction"] != "inbound":
+            body["direction"] = o["direction"]
         if o["confirm_within"] is not None:
             body["confirm_within_seconds"] = o["confirm_within"]
         data = mode_change_data(mode_change_create(actor=self.actor, data=body))

@@ -7,7 +7,7 @@ from controlplane.management.base import PalisadeCommand
 from controlplane.pagination import MAX_LIMIT
 from controlplane.text import visible
 from fleet import credentials, selectors, services
-from fleet.choices import SyncState
+from fleet.choices import Mode, SyncState
 from fleet.representations import labels_data, rendered_policy_data, workload_data
 
 
@@ -26,6 +26,9 @@ class Command(PalisadeCommand):
         )
         listing.add_argument("--id", action="append", default=[], help="workload id; repeatable")
         listing.add_argument("--sync-state", choices=SyncState.values)
+        listing.add_argument(
+            "--outbound-mode", choices=Mode.values, help="only workloads with this outbound mode"
+        )
         listing.add_argument("--removed", choices=["true", "false"])
         actions.add_parser("counts", help="totals per sync state and removed")
         for name in ("show", "rendered-policy", "labels", "resend-snapshot"):
@@ -46,7 +49,11 @@ class Command(PalisadeCommand):
 
     def do_list(self, o):
         filters = selectors.workload_filters_parse(
-            labels=o["label"], sync_state=o["sync_state"], removed=o["removed"], ids=o["id"]
+            labels=o["label"],
+            sync_state=o["sync_state"],
+            removed=o["removed"],
+            ids=o["id"],
+            outbound_mode=o["outbound_mode"],
         )
         items, cursor = [], None
         while True:

@@ -11,7 +11,7 @@ from controlplane.pagination import MAX_LIMIT
 from controlplane.text import counted, visible
 from controlplane.validation import parsed_together
 from flows import selectors, validation
-from flows.choices import Decision
+from flows.choices import READ_DIRECTIONS, Decision, Direction
 from flows.csv_rows import GAP_COLUMNS, csv_text, rollup_columns, rollup_row
 from flows.policy_drafts.review_now import simulation_review_now
 from flows.representations import (
@@ -24,6 +24,8 @@ from flows.representations import (
 
 GROUP_COLUMNS = ("window_start", "window_end", "peer", "peer_workload_id", "protocol", "port", "decision",
                  "rule_number", "rule_id", "connection_count", "first_seen", "last_seen", "bytes_in", "bytes_out")  # fmt: skip
+# ... and of a list read with --direction outbound or any.
+DIRECTION_COLUMNS = ("direction", "failsafe")
 EXIT_REVIEW_FAILED = 3  # apart from a refused command's 1 and 2
 
 
@@ -38,7 +40,7 @@ def _pages(fetch):
 
 def _selection(o) -> validation.FlowSelection:
     return validation.flow_selection_parse(
-        start=o["start"], end=o["end"], labels=o["label"], workloads=o["workload"]
+        start=o["start"], end=o["end"], labels=o["label"], workloads=o["workload"], direction=o["direction"]
     )
 
 
@@ -76,6 +78,12 @@ class Command(PalisadeCommand):
         for sub in (listing, gaps, rollup, review):
             sub.add_argument("--from", dest="start", required=True, help="RFC 3339 instant")
             sub.add_argument("--to", dest="end", required=True, help="RFC 3339 instant, at most 31 days on")
+            sub.add_argument(
+                "--direction",
+                choices=READ_DIRECTIONS,
+                default=Direction.INBOUND,
+                help="whose connections: inbound (the default), outbound (the workload's own) or any",
+            )
         for sub in (listing, gaps, rollup):
             sub.add_argument("--csv", action="store_true", help="print CSV")
 
@@ -89,21 +97,29 @@ class Command(PalisadeCommand):
         groups = validation.group_filters_parse(
             decision=o["decision"], peer=o["peer"], service=o["service"], rule=o["rule"]
         )
+        direction = validation.direction_parse(o["direction"])
         windows = _pages(
             lambda cursor: selectors.flow_windows_list(
-                workload_id=o["workload"], start=start, end=end, cursor=cursor, limit=MAX_LIMIT, groups=groups
+                workload_id=o["workload"],
+                start=start,
+                end=end,
+                cursor=cursor,
+                limit=MAX_LIMIT,
+                groups=groups,
+                direction=direction,
             )
         )
         numbers = {group.rule_number for window in windows for group in window.groups.all()}
         rule_ids = selectors.rule_ids_by_number(numbers)
-        data = [flow_window_data(window, rule_ids) for window in windows]
+        directions = direction != Direction.INBOUND
+        data = [flow_window_data(window, rule_ids, directions=directions) for window in windows]
         rows = [
             {"window_start": w["start"], "window_end": w["end"], **group}
             for w in data
             for group in w["groups"]
         ]
         if o["csv"]:
-            self.stdout.write(_csv(GROUP_COLUMNS, rows))
+            self.stdout.write(_csv(GROUP_COLUMNS + (DIRECTION_COLUMNS if directions else ()), rows))
             return
         lines = [
             f"{'WINDOW':20}  {'PEER':39}  {'SERVICE':10}  {'DECISION':11}  {'RULE':>6}  {'CONNS':>7}  BYTES IN/OUT"
@@ -153,6 +169,7 @@ class Command(PalisadeCommand):
             end=selection.end,
             cursor=None,
             limit=None,
+            direction=selection.direction,
         )
         covered, unused = coverage_data(rollup.coverage), rollup.unused_rules
         document = rollup_data(
@@ -201,7 +218,10 @@ class Command(PalisadeCommand):
     def do_review(self, o):
         selection = _selection(o)
         review = simulation_review_now(
-            selected=_selected(selection), start=selection.start, end=selection.end
+            selected=_selected(selection),
+            start=selection.start,
+            end=selection.end,
+            direction=selection.direction,
         )
         data = {**review_data(review), "judged_against": review["judged_against"], "now": review["now"]}
         now = data["now"]

@@ -7,7 +7,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from controlplane.api.schema import COMMON_ERRORS, WRITE_ERRORS, problem
-from flows.api.views import INVALID, RANGE, SELECTION, _selected, _selection
+from flows.api.views import DIRECTION, INVALID, RANGE, SELECTION, _selected, _selection
 from flows.api.views import NOT_FOUND as FLOWS_NOT_FOUND
 from flows.policy_drafts import draft_save, dryrun, impact, review_now, suggestions
 from flows.policy_drafts.api import schemas
@@ -71,7 +71,7 @@ class PolicyDraftSaveView(APIView):
 class SimulationReviewView(APIView):
     @extend_schema(
         operation_id="flows_review",
-        parameters=[*SELECTION, *RANGE],
+        parameters=[*SELECTION, *RANGE, DIRECTION],
         responses={200: schemas.ReviewNowSerializer, **INVALID, **FLOWS_NOT_FOUND, **COMMON_ERRORS},
     )
     def get(self, request):
@@ -80,7 +80,10 @@ class SimulationReviewView(APIView):
         Lives beside the draft policy reads because it uses their classifier."""
         selection = _selection(request)
         review = review_now.simulation_review_now(
-            selected=_selected(selection), start=selection.start, end=selection.end
+            selected=_selected(selection),
+            start=selection.start,
+            end=selection.end,
+            direction=selection.direction,
         )
         return Response(
             {**review_data(review), "judged_against": review["judged_against"], "now": review["now"]}

@@ -28,6 +28,7 @@ from flows.policy_drafts.as_code.yaml_core import CoreConstructor, CoreParser, C
 from policy.choices import SourceKind
 from policy.models import AddressGroup, PolicyState, Ruleset, Service
 from policy.representations import port_entry_data
+from policy.validation import peers_key
 
 FORMAT_VERSION = 1
 FORMATS = ("yaml", "json")
@@ -39,8 +40,9 @@ MAX_FILE_BYTES = 4 * 1024 * 1024
 TOP_KEYS = ("version", "services", "address_groups", "rulesets")
 SERVICE_KEYS = ("name", "description", "entries")
 GROUP_KEYS = ("name", "description", "members")
-RULESET_KEYS = ("name", "description", "enabled", "scope", "rules")
-RULE_KEYS = ("number", "description", "action", "sources", "services")
+RULESET_KEYS = ("name", "description", "enabled", "scope", "direction", "rules")
+# A rule has sources (an inbound ruleset's) or destinations (an outbound one's), never both.
+RULE_KEYS = ("number", "description", "action", "sources", "destinations", "services")
 RULE_FIELDS = RULE_KEYS[1:]  # what a plan compares: a numbered rule *is* the stored rule of its number
 
 KINDS = ("service", "address_group", "ruleset")
@@ -76,7 +78,12 @@ def group_canonical(name: str, description: str, members) -> dict:
 
 
 def rule_canonical(
-    number: int | None, description: str, sources: list[dict], services: list[dict], action: str = "allow"
+    number: int | None,
+    description: str,
+    sources: list[dict],
+    services: list[dict],
+    action: str = "allow",
+    direction: str = "inbound",
 ) -> dict:
     data: dict = {}
     if number is not None:
@@ -86,16 +93,22 @@ def rule_canonical(
     # Only a deny rule says so: an allow rule's file reads as it did before rules had an action.
     if action != "allow":
         data["action"] = action
-    data["sources"] = sources
+    data[peers_key(direction)] = sources
     data["services"] = services
     return data
 
 
-def ruleset_canonical(name: str, description: str, enabled: bool, scope: str, rules: list[dict]) -> dict:
+def ruleset_canonical(
+    name: str, description: str, enabled: bool, scope: str, rules: list[dict], direction: str = "inbound"
+) -> dict:
     data: dict = {"name": name}
     if description:
         data["description"] = description
-    data.update({"enabled": enabled, "scope": scope, "rules": rules})
+    data.update({"enabled": enabled, "scope": scope})
+    # Only an outbound ruleset says so: an inbound ruleset's file reads as it did before outbound.
+    if direction != "inbound":
+        data["direction"] = direction
+    data["rules"] = rules
     return data
 
 
@@ -158,13 +171,17 @@ def stored_policy_load() -> StoredPolicy:
                 else port_entry_data(ref.protocol, ref.port, ref.port_to)
                 for ref in rule.services.all()
             ]
-            rules.append(rule_canonical(rule.number, rule.description, sources, refs, rule.action))
+            rules.append(
+                rule_canonical(rule.number, rule.description, sources, refs, rule.action, ruleset.direction)
+            )
             rule_ids.append(str(rule.id))
             rule_owners[rule.number] = ruleset.name
         rulesets[ruleset.name] = StoredObject(
             str(ruleset.id),
             version_text(ruleset.version),
-            ruleset_canonical(ruleset.name, ruleset.description, ruleset.enabled, ruleset.scope, rules),
+            ruleset_canonical(
+                ruleset.name, ruleset.description, ruleset.enabled, ruleset.scope, rules, ruleset.direction
+            ),
             rule_ids,
         )
     return StoredPolicy(

@@ -111,7 +111,11 @@ def _references(item: Any) -> list[tuple[str, str, str]]:
     for i, rule in enumerate(rules if isinstance(rules, list) else []):
         if not isinstance(rule, Mapping):
             continue
-        for key, kind in (("sources", "address_group"), ("services", "service")):
+        for key, kind in (
+            ("sources", "address_group"),
+            ("destinations", "address_group"),
+            ("services", "service"),
+        ):
             entries = rule.get(key)
             for j, entry in enumerate(entries if isinstance(entries, list) else []):
                 if isinstance(entry, Mapping) and len(entry) == 1 and isinstance(entry.get(kind), str):
@@ -247,9 +251,9 @@ def file_rulesets_resolve(
                 else {"service": ref.reference}
                 for ref in rule.services
             ]
-            rules.append(rule_canonical(number, rule.description, sources, refs, rule.action))
+            rules.append(rule_canonical(number, rule.description, sources, refs, rule.action, spec.direction))
         desired.objects["ruleset"][spec.name] = ruleset_canonical(
-            spec.name, spec.description, spec.enabled, spec.scope, rules
+            spec.name, spec.description, spec.enabled, spec.scope, rules, spec.direction
         )
 
 

@@ -81,13 +81,17 @@ def _match_rules(old: list[dict], new: list[dict]) -> list[int | None]:
         if j is not None:
             matched[i] = j
             taken.add(j)
-    by_sources, by_services = indexed(lambda r: r["sources"]), indexed(lambda r: r["services"])
+
+    def peers(rule: dict) -> list:
+        return rule.get("sources", rule.get("destinations", []))
+
+    by_sources, by_services = indexed(peers), indexed(lambda r: r["services"])
     for i in unnumbered:
         if matched[i] is None:
             found = [
                 j
                 for j in (
-                    first_free(by_sources, _key(new[i]["sources"])),
+                    first_free(by_sources, _key(peers(new[i]))),
                     first_free(by_services, _key(new[i]["services"])),
                 )
                 if j is not None
@@ -143,7 +147,8 @@ def _field_changes(kind: str, old: dict, new: dict, matched: list[int | None] | 
     for key in keys:
         if key == "name":
             continue
-        before, after = old.get(key, ""), new.get(key, "")
+        absent = "inbound" if key == "direction" else ""
+        before, after = old.get(key, absent), new.get(key, absent)
         if key == "rules":
             assert matched is not None  # noqa: S101
             changes.extend(_rule_changes(old["rules"], new["rules"], matched))
