@@ -165,7 +165,7 @@ def dataplane_call(lab: Lab, name: str, operation: str, document: str = "") -> d
 # connections from boot (any firewall does), and so do the lab's: a table of the lab's own whose one rule
 # only counts. docs/flows.md says what a host that tracks nothing before the agent records.
 LAB_CONNTRACK_TABLE = (
-    "table inet palisade_lab {\n"
+    "table inet lab_conntrack {\n"
     "\tchain track {\n\t\ttype filter hook prerouting priority 0; policy accept;\n"
     "\t\tct state established counter\n\t}\n}\n"
 )
