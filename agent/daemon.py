@@ -130,6 +130,7 @@ class Agent:
         self.denied_connections_ended = 0  # open connections a deny rule ended (agent/deny.py)
         self.force_apply = True  # the first snapshot of a process, and the one after a resend, always apply
         self.owned_table = UNKNOWN
+        self._table_verdicts = 0  # how many verdicts on the table so far: a check outrun by one is stale
         self.renewal_due_at: datetime | None = None
         # The control plane's clock minus this host's, from the last Hello: credential times are the
         # control plane's, and a host clock days ahead would otherwise renew in a loop (due, renewed,
@@ -211,6 +212,7 @@ class Agent:
     # --- the owned table ---
 
     def _table_seen(self, state: str, *, initial: bool = False) -> None:
+        self._table_verdicts += 1
         if state == ABSENT:
             self._killed, self._drift = True, None  # the kill switch: nothing is put back
         if state == self.owned_table:
@@ -329,11 +331,16 @@ class Agent:
             self.table_event(verdict)
 
     async def _check_table(self, *, initial: bool = False) -> None:
+        verdicts = self._table_verdicts
         try:
             present = await self.dataplane.table_present()
         except Exception as error:  # noqa: BLE001 - a failed check must not stop the agent
             self.log("table check failed", error=getattr(error, "message", None) or str(error))
             self._table_seen(UNKNOWN)
+            return
+        if self._table_verdicts != verdicts:
+            # The watcher saw a change while the kernel was asked (a delete just after the listing
+            # began): its verdict is newer, and this answer would put `present` back for a heartbeat.
             return
         self._table_seen(PRESENT if present else ABSENT, initial=initial)
 

@@ -286,6 +286,36 @@ def test_heartbeats_carry_the_table_state_and_catch_a_missed_delete(tmp_path):
     scenario(tmp_path, body, heartbeat=0.2)
 
 
+def test_a_table_check_outrun_by_the_watchers_delete_does_not_put_present_back(tmp_path):
+    """The heartbeat's check lists the tables just before a delete and answers after the watcher saw it:
+    that answer is stale, and would report `present` (to the API, for a heartbeat) after `absent`."""
+
+    async def body(w: World) -> None:
+        await w.gateway.push_snapshot(w.workload, "v1", document("v1"))
+        w.start()
+        await w.message("applied")
+        await w.message("table")
+        asked, answer = asyncio.Event(), asyncio.Event()
+
+        async def listed_before_the_delete() -> bool:
+            asked.set()
+            await answer.wait()
+            return True
+
+        w.agent.dataplane.table_present = listed_before_the_delete
+        await asyncio.wait_for(asked.wait(), 5)  # the next heartbeat is asking the kernel now
+        mark = w.mark()
+        w.dataplane.remove()
+        w.agent.table_event("absent")  # the watcher's verdict, while the check waits
+        answer.set()
+        assert (await w.message("table", mark))["state"] == "absent"
+        assert (await w.message("heartbeat", mark))["owned_table"] == "absent"
+        assert [m for m in w.types_between(mark) if m == "table"] == ["table"]
+        assert w.agent.owned_table == "absent"
+
+    scenario(tmp_path, body, heartbeat=0.2)
+
+
 def test_renewal_when_due(tmp_path):
     async def prepare(w: World) -> None:
         w.gateway.welcome_renewal_due_seconds = -1  # due already
