@@ -70,6 +70,10 @@ class FlowGroup(FlowCounters):
         ]
 
 
+# What a row of sums is the sum of, beside its workload and its span: one key of the windows.
+SUMS_KEY = ("peer", "protocol", "port", "decision", "rule_number", "direction", "failsafe")
+
+
 class FlowSums(FlowCounters):
     """The groups of one workload's windows that start in one span, summed per key. Written by
     serve's housekeeping a few minutes after each ten-minute block is over
@@ -100,17 +104,7 @@ class FlowHour(FlowSums):
     class Meta:
         constraints = [
             models.UniqueConstraint(
-                fields=[
-                    "workload",
-                    "hour",
-                    "peer",
-                    "protocol",
-                    "port",
-                    "decision",
-                    "rule_number",
-                    "direction",
-                    "failsafe",
-                ],  # fmt: skip
+                fields=["workload", "hour", *SUMS_KEY],
                 name="flow_hour_key",
             )
         ]
@@ -130,17 +124,7 @@ class FlowQuarter(FlowSums):
     class Meta:
         constraints = [
             models.UniqueConstraint(
-                fields=[
-                    "workload",
-                    "quarter",
-                    "peer",
-                    "protocol",
-                    "port",
-                    "decision",
-                    "rule_number",
-                    "direction",
-                    "failsafe",
-                ],  # fmt: skip
+                fields=["workload", "quarter", *SUMS_KEY],
                 name="flow_quarter_key",
             )
         ]
@@ -158,17 +142,7 @@ class FlowBlock(FlowSums):
     class Meta:
         constraints = [
             models.UniqueConstraint(
-                fields=[
-                    "workload",
-                    "block",
-                    "peer",
-                    "protocol",
-                    "port",
-                    "decision",
-                    "rule_number",
-                    "direction",
-                    "failsafe",
-                ],  # fmt: skip
+                fields=["workload", "block", *SUMS_KEY],
                 name="flow_block_key",
             )
         ]
