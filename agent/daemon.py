@@ -47,7 +47,7 @@ from agent.credential import (
 )
 from agent.errors import AgentError, EnrolmentNeeded
 from agent.eventlog import EventLog
-from agent.gateways import CONNECT_SECONDS, Candidate, candidates, needs_resolving, rotated
+from agent.gateways import CONNECT_SECONDS, Candidate, candidates, needs_resolving, rotated, silence_bounded
 from agent.state import Identity, StateDir
 from agent.status import DaemonStatus
 from agent.tablediff import CHANGED, Changes, describe
@@ -493,6 +493,7 @@ class Agent:
         family = socket.AF_INET6 if ":" in candidate.host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setblocking(False)
+        silence_bounded(sock)
         try:
             await asyncio.wait_for(
                 asyncio.get_running_loop().sock_connect(sock, (candidate.host, candidate.port)),

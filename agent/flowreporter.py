@@ -32,7 +32,7 @@ from agent.backoff import retry_delay
 from agent.flowbuffer import FlowBuffer
 from agent.flowreport import instant, report_body
 from agent.flowwindow import Gap, Windows
-from agent.gateways import CONNECT_SECONDS, Candidate, candidates
+from agent.gateways import CONNECT_SECONDS, Candidate, candidates, silence_bounded
 from agent.state import StateDir
 from agent.tls import split_gateway
 
@@ -365,6 +365,7 @@ class FlowReporter:
                 continue
             try:
                 sock.settimeout(30)
+                silence_bounded(sock)  # a report in flight to a host gone silent fails in 6 s, not 30
                 connection = http.client.HTTPSConnection(
                     split_gateway(candidate.address)[0], candidate.port, context=self.context(), timeout=30
                 )

@@ -96,6 +96,22 @@ class Fleet:
         return time.monotonic() - began
 
 
+def _serve(lab, tcp_database_url: str, data_dir, gateway: str) -> NamespacedServe:
+    """One serve process of the control plane, on `gateway` and its operator port. One data directory:
+    every process presents its gateway certificate (docs/operations.md)."""
+    return NamespacedServe(
+        lab,
+        "cp",
+        data_dir,
+        [arg for g in GATEWAYS for arg in ("--gateway-advertise", g)]
+        + ["--max-connections-per-address", "0"],  # the simulated fleet shares one address
+        database_url=via_unix_socket(tcp_database_url),
+        env={"REDIS_URL": f"redis://127.0.0.1:{REDIS_PORT}/0"},
+        operator_listen=f"{CP}:{PORTS[gateway]}",
+        gateway_listen=gateway,
+    ).start()
+
+
 def _instant(at: datetime) -> str:
     return at.strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -147,18 +163,7 @@ def test_agents_fail_over_to_the_other_gateway_and_lose_or_repeat_no_window(lab,
         data_dir = tmp_path / "cp"
 
         def serve(gateway: str) -> NamespacedServe:
-            # One data directory: both present its gateway certificate (docs/operations.md).
-            serves[gateway] = NamespacedServe(
-                lab,
-                "cp",
-                data_dir,
-                [arg for g in GATEWAYS for arg in ("--gateway-advertise", g)]
-                + ["--max-connections-per-address", "0"],  # the simulated fleet shares one address
-                database_url=via_unix_socket(tcp_database_url),
-                env={"REDIS_URL": f"redis://127.0.0.1:{REDIS_PORT}/0"},
-                operator_listen=f"{CP}:{PORTS[gateway]}",
-                gateway_listen=gateway,
-            ).start()
+            serves[gateway] = _serve(lab, tcp_database_url, data_dir, gateway)
             return serves[gateway]
 
         try:
@@ -283,3 +288,49 @@ def test_agents_fail_over_to_the_other_gateway_and_lose_or_repeat_no_window(lab,
             print("\n".join(f"--- {a.ns} agent log\n{a.log()[-6000:]}" for a in agents))
             for gateway, process in serves.items():
                 print(f"--- serve {gateway}\n{process.stderr_text()[-6000:]}")
+
+
+SILENCE_SECONDS = 10.0
+# Every packet to and from the first gateway's port dropped in the control plane's namespace: its process
+# runs on, but its host says nothing more, as after a power cut or a partition (no FIN, no RST).
+_SILENCE = """
+table inet lab_silence {
+    chain input { type filter hook input priority -300; tcp dport 8443 drop; }
+    chain output { type filter hook output priority -300; tcp sport 8443 drop; }
+}
+"""
+
+
+def test_an_agent_leaves_a_gateway_that_went_silent_within_10_s(lab, tmp_path):
+    serves: list[NamespacedServe] = []
+    web: AgentProcess | None = None
+    with throwaway_database() as tcp_database_url:
+        fleet = Fleet(tcp_database_url)
+        try:
+            serves += [_serve(lab, tcp_database_url, tmp_path / "cp", gateway) for gateway in GATEWAYS]
+            token = serves[0].mint_operator_token("e2e")
+            api = serves[1].api(token)
+            minted = api.post("/provisioning-tokens", {"description": "silence", "max_uses": 1})
+            assert minted.status_code == 201, minted.text
+            web = AgentProcess(lab, "web", tmp_path / "web")
+            workload_id = web.enrol(minted.json()["bundle"], WEB)
+            web.start()
+            fleet.wait("the agent streaming", lambda: fleet.streams() == {GATEWAYS[0]: 1}, 60)
+
+            done = lab.run("cp", ["nft", "-f", "-"], input=_SILENCE, capture_output=True, text=True)
+            assert done.returncode == 0, done.stderr
+            silent_since = time.monotonic()
+            fleet.wait(
+                "the agent streaming on the other gateway",
+                lambda: fleet.streams().get(GATEWAYS[1]) == 1,
+                SILENCE_SECONDS,
+            )
+            print(f"streaming on {GATEWAYS[1]} {time.monotonic() - silent_since:.1f} s after the silence")
+            assert _status(web)["stream"]["gateway"] == GATEWAYS[1]
+            assert api.workload(workload_id)["sync"]["gateway"] == GATEWAYS[1]
+        finally:
+            if web is not None:
+                web.kill()
+            for process in serves:
+                process.kill()
+            fleet.db.close()
