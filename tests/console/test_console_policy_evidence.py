@@ -312,3 +312,38 @@ def test_an_address_group_edit_shows_its_impact_before_saving(browser, server):
     assert AddressGroup.objects.get(id=group.id).members == [OUTSIDE]  # nothing saved
     bad = browser.post(url, {**edited, "text": "not an address"})
     assert bad.status_code == 422 and 'id="text-errors"' in text(bad)
+
+
+def test_outbound_suggestions_propose_destinations_save_and_link_to_the_outbound_mode(browser, server):
+    """The direction chosen on the form: the database's own outgoing connections, proposed as an
+    outbound ruleset whose rules name destinations, saved as it is."""
+    windows = windows_between(clock.now() - timedelta(minutes=30), 5)
+    for window in windows:
+        template = window["groups"][0]
+        window["groups"] = [
+            {**template, "peer": OUTSIDE, "port": 443, "connection_count": 2, "direction": "outbound"},
+            {**template, "peer": "10.50.0.20", "port": 8080, "connection_count": 1, "direction": "outbound"},
+        ]
+    answer = flow_report_ingest(workload_id=str(server.id), data=flow_report("p1", next(_uptimes), windows))
+    assert all(r["result"] == "accepted" for r in answer["windows"]), answer
+    # Inbound (the default): the database received nothing.
+    assert "data-no-proposal" in text(_suggested(browser, server))
+
+    response = _suggested(browser, server, direction="outbound")
+    page = text(response)
+    assert response.status_code == 200, page[:2000]
+    assert "data-outbound" in page and "Destinations seen" in page
+    assert "group:suggested app=db rule 1 destinations" in page and "app=web" in page
+    assert 'value="outbound" selected' in page
+    saved = browser.post(
+        "/policy/suggest",
+        {"workloads": str(server.id), "range": "1h", "direction": "outbound", **_save_fields(response)},
+    )
+    page = text(saved)
+    assert saved.status_code == 200 and "Saved" in page, page[:2000]
+    [ruleset] = Ruleset.objects.filter(name__startswith="suggested app=db")
+    assert ruleset.direction == "outbound"
+    link = re.search(r'href="(/mode-changes\?[^"]*)" data-simulation', page)
+    assert link is not None and "direction=outbound" in link[1]
+    again = text(_suggested(browser, server, direction="outbound"))
+    assert "data-no-proposal" in again
