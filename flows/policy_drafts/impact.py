@@ -14,8 +14,10 @@ now: a workload in `visibility` has no rules, and the question is what its rules
 classifier's inputs are built in flows/policy_drafts/classifier.py, which the suggestions share.
 
 The draft's direction decides which evidence it is judged against (`direction`, as the flow reads
-take it): given, as given; else `outbound` when every ruleset of the draft is outbound, `any` when it
-holds both, `inbound` otherwise (every answer as before outbound existed). An outbound key is judged by
+take it): given, as given; else `outbound` when the draft holds rulesets and every one is outbound,
+`inbound` otherwise. A draft is the complete set, so one that holds both directions is usually the
+policy in force with an edit: it is judged on inbound evidence, as every such body was before outbound
+existed (the console's panels post the whole set); ask `outbound` or `any` for the rest. An outbound key is judged by
 the output chain (the workload's outbound mode's meanings): its own outbound rules, its destination's
 inbound rules (one rule, both ends: a draft changing only inbound rules changes outbound keys too,
 read with `direction: outbound`) and the fail-safe list.
@@ -93,12 +95,10 @@ def policy_impact(*, data: Any) -> dict:
 
 
 def draft_direction(draft: Draft) -> str:
-    """The evidence a draft is judged against when the request does not say: its rulesets'
-    direction (both: `any`), inbound for a draft of none."""
+    """The evidence a draft is judged against when the request does not say: outbound for a draft of
+    outbound rulesets only, else inbound (see the module)."""
     held = {spec.direction for spec in draft.specs}
-    if held == {Direction.OUTBOUND}:
-        return Direction.OUTBOUND
-    return ANY_DIRECTION if Direction.OUTBOUND in held else Direction.INBOUND
+    return Direction.OUTBOUND if held == {Direction.OUTBOUND} else Direction.INBOUND
 
 
 def draft_impact(*, draft: Draft, selection: FlowSelection) -> dict:

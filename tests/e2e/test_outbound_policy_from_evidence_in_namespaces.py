@@ -163,7 +163,7 @@ def test_outbound_rules_suggested_from_simulation_admit_the_same_traffic_when_en
         # 2. The impact of the policy with the draft: nothing refused newly, the two keys admitted.
         impact = api.post("/policies/impact", {
             "rulesets": [db_rules, draft], "address_groups": [group], "workload": [api_id],
-            **_span(start1, end1)})  # fmt: skip
+            "direction": "outbound", **_span(start1, end1)})  # fmt: skip
         assert impact.status_code == 200, impact.text
         impact = impact.json()
         assert impact["newly_refused"] == [], impact

@@ -148,16 +148,17 @@ def test_the_draft_saves_through_the_api_and_then_admits_all_it_learnt_from(api,
     learnt = sum(r["connection_count"] for r in answer["evidence"][0]["rules"])
 
     # Before saving: the impact of the draft (the policy in force with it) refuses nothing newly and
-    # admits exactly the keys learnt from, judged on the evidence of both directions (the draft's).
+    # admits exactly the keys learnt from, judged on the outbound evidence (asked: the draft holds both
+    # directions, which alone would be judged on inbound evidence, as such bodies always were).
     db_ruleset = {"name": "db", "scope": "app=db", "rules": [
         {"sources": [{"selector": "app=web"}], "services": [{"protocol": "tcp", "port": 5432}]}]}  # fmt: skip
     impact = api.post(
         "/api/v1/policies/impact",
         {"rulesets": [db_ruleset, answer["draft"]], "address_groups": answer["address_groups"],
-         **_body(workload=[str(web.id)])},
+         **_body(workload=[str(web.id)], direction="outbound")},
         format="json",
     ).json()  # fmt: skip
-    assert impact["direction"] == "any", impact  # the draft holds both directions
+    assert impact["direction"] == "outbound", impact
     assert impact["newly_refused"] == [] and impact["newly_admitted_summary"]["connection_count"] == learnt
     assert {k["direction"] for k in impact["newly_admitted"]} == {"outbound"}
 
@@ -188,6 +189,17 @@ def test_the_impact_of_dropping_the_database_rule_refuses_web_outbound_both_ends
     # Inbound by default for a draft without outbound rulesets: web received nothing.
     inbound = policy_impact(data={"rulesets": [], **window})
     assert inbound["direction"] == "inbound" and inbound["keys_classified"] == 0
+    # A draft of outbound rulesets only is judged on outbound evidence without asking: web's own
+    # outbound rule to the database keeps 5432, and the cache's 6379 is admitted newly.
+    own = {"name": "web out", "direction": "outbound", "scope": "app=web", "rules": [
+        {"destinations": [{"selector": "app=db"}, {"selector": "app=cache"}],
+         "services": [{"protocol": "tcp", "port": 5432}, {"protocol": "tcp", "port": 6379}]}]}  # fmt: skip
+    judged = policy_impact(data={"rulesets": [own], **window})
+    assert judged["direction"] == "outbound" and judged["newly_refused"] == []
+    assert {(k["peer"], k["port"]) for k in judged["newly_admitted"]} == {(CACHE, 6379)}
+    # Both directions held, nothing asked: inbound, as the console's whole-set bodies always were.
+    both = policy_impact(data={"rulesets": [own, {"name": "x", "scope": "app=x"}], **window})
+    assert both["direction"] == "inbound" and both["keys_classified"] == 0
 
 
 def test_bad_directions_are_findings(api, fleet):
@@ -213,3 +225,27 @@ def test_manage_py_policy_suggest_takes_the_direction(fleet):
         "--workload", str(web.id), "--label-key", "app", "--direction", "outbound", "--json",
     )  # fmt: skip
     assert code == 0 and '"direction": "outbound"' in out and '"destinations"' in out
+
+
+def test_the_dryrun_renders_an_outbound_draft_into_the_output_chains_that_judge(api, fleet):
+    web, _, _ = fleet
+    own = {"name": "web out", "direction": "outbound", "scope": "app=web", "rules": [
+        {"destinations": [{"selector": "app=cache"}], "services": [{"protocol": "tcp", "port": 6379}]}]}  # fmt: skip
+    stored = api.get("/api/v1/rulesets").json()["rulesets"]
+
+    def dryrun(rulesets):
+        answer = api.post("/api/v1/policies/render-dryrun", {"rulesets": rulesets}, format="json")
+        assert answer.status_code == 200, answer.content
+        return {c["workload_id"]: c for c in answer.json()["changed"]}
+
+    # Outbound in visibility: no output chain, so an outbound draft changes no document.
+    assert str(web.id) not in dryrun([*stored, own])
+    change = api.post("/api/v1/mode-changes", {"selection": {"workload_ids": [str(web.id)]},
+                                               "mode": "simulation", "direction": "outbound"}, format="json")  # fmt: skip
+    assert change.status_code == 202, change.content
+    changed = dryrun([*stored, own])
+    assert list(changed) == [str(web.id)]
+    assert [r["ruleset_name"] for r in changed[str(web.id)]["rules_added"]] == ["web out"]
+    # The database's inbound rule dropped: web's output chain loses it too (one rule, both ends).
+    without_db = dryrun([own])
+    assert {r["ruleset_name"] for r in without_db[str(web.id)]["rules_removed"]} == {"db"}

@@ -48,8 +48,8 @@ ImpactRequest = inline_serializer(
             required=False,
             help_text="The evidence the draft is judged against: the connections the selected workloads "
             "received (inbound), opened (outbound, judged by the output chain: their outbound rules, their "
-            "destinations' inbound rules, the fail-safe list) or both. Default: the draft's rulesets' "
-            "direction (`any` when it holds both, `inbound` for none).",
+            "destinations' inbound rules, the fail-safe list) or both. Default: `outbound` when every ruleset "
+            "of the draft is outbound, else `inbound`.",
         ),
     },
 )
