@@ -333,6 +333,8 @@ SPECTACULAR_SETTINGS = {
         "ProblemType": "controlplane.api.schema.PROBLEM_TYPE_CHOICES",
         "ModeEnum": "fleet.choices.Mode.values",
         "RuleActionEnum": "policy.choices.RuleAction.values",
+        "DirectionEnum": "flows.choices.Direction.values",
+        "ReadDirectionEnum": "flows.choices.READ_DIRECTIONS",
     },
     "POSTPROCESSING_HOOKS": [
         "drf_spectacular.hooks.postprocess_schema_enums",

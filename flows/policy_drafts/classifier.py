@@ -116,6 +116,7 @@ class FlowKeyClassifier:
         return found[0].rule if found is not None and not found[0].admitted else None
 
     def admitted_now(self, row: dict) -> bool:
-        """Whether a rule in force now admits the key, as the workload's table would."""
-        found = self.rules(row)
-        return found is not None and found[0] is not None
+        """Whether the policy in force now admits the key, as the workload's table would: by a rule,
+        or (outbound) by the fail-safe list, which names none."""
+        found = self.judged(row)
+        return found is not None and found[0].admitted

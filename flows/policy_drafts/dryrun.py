@@ -28,7 +28,8 @@ def _rule_definitions(policy: PolicyInputs) -> dict[str, tuple]:
                 policy.groups[s.address_group_id].members if s.address_group_id in policy.groups else None
                 for s in rule.sources
             )
-            out[rule.id] = (ruleset.name, rule.action, rule.sources, rule.entries, groups)
+            # A rule kept as it is in a ruleset turned round judges other connections: changed.
+            out[rule.id] = (ruleset.name, ruleset.direction, rule.action, rule.sources, rule.entries, groups)
     return out
 
 
@@ -39,7 +40,10 @@ def render_dryrun_request(*, data: Any) -> dict:
 
 def render_dryrun(*, draft: Draft) -> dict:
     """Render the whole fleet under `draft`, whose rulesets replace every stored ruleset. Reports each
-    workload whose document would change, with the rules it would gain, lose or see changed."""
+    workload whose document would change, with the rules it would gain, lose or see changed. Outbound
+    rulesets render into their workloads' output chains; a workload's output chain also lists its
+    destinations' inbound rules that name it (one rule, both ends), so an inbound change may change
+    the documents of the workloads it admits as well."""
     fleet, inputs = draft.in_force.fleet, draft.in_force.workloads
     before_rules, after_rules = _rule_definitions(draft.in_force.policy), _rule_definitions(draft.policy)
     latest = dict(Workload.objects.values_list("id", "latest_policy_id"))

@@ -12,15 +12,26 @@ evidence is not.
 Keys are judged as a table in `simulation` or `enforced` judges them, whatever the workload's mode
 now: a workload in `visibility` has no rules, and the question is what its rules would do. The
 classifier's inputs are built in flows/policy_drafts/classifier.py, which the suggestions share.
+
+The draft's direction decides which evidence it is judged against (`direction`, as the flow reads
+take it): given, as given; else `outbound` when the draft holds rulesets and every one is outbound,
+`inbound` otherwise. A draft is the complete set, so one that holds both directions is usually the
+policy in force with an edit: it is judged on inbound evidence, as every such body was before outbound
+existed (the console's panels post the whole set); ask `outbound` or `any` for the rest. An outbound key is judged by
+the output chain (the workload's outbound mode's meanings): its own outbound rules, its destination's
+inbound rules (one rule, both ends: a draft changing only inbound rules changes outbound keys too,
+read with `direction: outbound`) and the fail-safe list.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from controlplane.clock import rfc3339
 from controlplane.problems import ValidationFailed
 from controlplane.validation import Findings, require_object
+from flows.choices import ANY_DIRECTION, Direction
 from flows.policy_drafts.classifier import FlowKeyClassifier
 from flows.policy_drafts.draft import Draft, draft_parse
 from flows.representations import coverage_data, keys_read_data
@@ -30,7 +41,7 @@ from policy.selectors import PolicyInputs
 
 MAX_LISTED = 1000
 KEY_COLUMNS = ["workload_id", "peer", "peer_workload_id", "protocol", "port"]
-SELECTION_KEYS = frozenset({"from", "to", "label", "workload"})
+SELECTION_KEYS = frozenset({"from", "to", "label", "workload", "direction"})
 
 
 def _rules_by_number(policy: PolicyInputs) -> dict[int, dict]:
@@ -60,8 +71,8 @@ def _summary(entries: list[dict]) -> dict:
 
 def policy_impact(*, data: Any) -> dict:
     """POST /policies/impact (and `manage.py policy impact`): the body's draft (a render dry-run's body)
-    and its range and selection (`from`, `to`, `label`, `workload`, as the rollup's), every finding at
-    once, then `draft_impact`."""
+    and its range and selection (`from`, `to`, `label`, `workload`, `direction`, as the rollup's; no
+    `direction`: the draft's, see the module), every finding at once, then `draft_impact`."""
     data = require_object(data)
     findings = Findings()
     selection = None
@@ -71,25 +82,40 @@ def policy_impact(*, data: Any) -> dict:
             end=data.get("to"),
             labels=data.get("label", []),
             workloads=data.get("workload", []),
+            direction=data.get("direction"),
             at=BODY,
         )
     except ValidationFailed as failed:
         findings.extend(failed.findings)
     draft = draft_parse(data=data, findings=findings, more_keys=SELECTION_KEYS)
     assert selection is not None  # noqa: S101  # else draft_parse raised its findings
+    if data.get("direction") in (None, ""):
+        selection = dataclasses.replace(selection, direction=draft_direction(draft))
     return draft_impact(draft=draft, selection=selection)
+
+
+def draft_direction(draft: Draft) -> str:
+    """The evidence a draft is judged against when the request does not say: outbound for a draft of
+    outbound rulesets only, else inbound (see the module)."""
+    held = {spec.direction for spec in draft.specs}
+    return Direction.OUTBOUND if held == {Direction.OUTBOUND} else Direction.INBOUND
 
 
 def draft_impact(*, draft: Draft, selection: FlowSelection) -> dict:
     """The keys of the selection's range whose outcome `draft` changes; see the module."""
     selected = workloads_selected(workload_ids=selection.workload_ids, labels=selection.labels)
     start, end = selection.start, selection.end
-    planned = flow_range_plan(selected=selected, start=start, end=end)
+    direction = selection.direction
+    planned = flow_range_plan(selected=selected, start=start, end=end, direction=direction)
     covered = coverage(selected, start, end, lookback=planned.lookback)
     # The keys of most connections, up to a bound (the aggregate key left out in the query): past it
-    # the answer says how many keys and connections were not judged.
-    read = flow_keys_summed(planned, KEY_COLUMNS)
+    # the answer says how many keys and connections were not judged. Read both ways, each key says its
+    # own direction; read one way, the classifier is told it.
+    both = direction == ANY_DIRECTION
+    read = flow_keys_summed(planned, [*KEY_COLUMNS, "direction"] if both else KEY_COLUMNS)
     rows = read.rows
+    if direction == Direction.OUTBOUND:
+        rows = [{**row, "direction": direction} for row in rows]
 
     judge = FlowKeyClassifier(draft.in_force, drafts=[draft.policy])
     rules_now, rules_draft = _rules_by_number(draft.in_force.policy), _rules_by_number(draft.policy)
@@ -105,9 +131,12 @@ def draft_impact(*, draft: Draft, selection: FlowSelection) -> dict:
         # A rule names each side: the allow rule that admits the key, or the deny rule that refuses it
         # (None: no rule admits it).
         before, after = now.rule, draft_judged.rule
+        outbound = row.get("direction") == Direction.OUTBOUND
         entry = {
             "workload_id": str(row["workload_id"]),
-            "mode": workload.mode,
+            "direction": row.get("direction") or Direction.INBOUND,
+            # The mode that decides the key: the outbound mode for a connection the workload opened.
+            "mode": workload.outbound_mode if outbound else workload.mode,
             "peer": row["peer"],
             "peer_workload_id": str(row["peer_workload_id"]) if row["peer_workload_id"] else None,
             "protocol": row["protocol"],
@@ -127,6 +156,7 @@ def draft_impact(*, draft: Draft, selection: FlowSelection) -> dict:
             entry["peer"],
             entry["protocol"],
             entry["port"],
+            entry["direction"],
         )
 
     refused.sort(key=order)
@@ -134,6 +164,7 @@ def draft_impact(*, draft: Draft, selection: FlowSelection) -> dict:
     return {
         "from": rfc3339(start),
         "to": rfc3339(end),
+        "direction": str(direction),
         "keys_classified": len(rows),
         "newly_refused_summary": _summary(refused),
         "newly_refused": refused[:MAX_LISTED],

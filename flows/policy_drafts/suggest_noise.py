@@ -4,7 +4,15 @@ scanner (one peer, many ports, a connection or two on each), a connection to an 
 differs from a far commoner one of the same key only in case or by one character (a typo: `app=Web`
 beside `app=web`), and the peers the operator asked to exclude. Pure: no database.
 
-Each kind can be included on request (`include_noise`), except the operator's own exclusions."""
+Each kind can be included on request (`include_noise`), except the operator's own exclusions.
+
+Outbound keys (the workload opened the connection; the peer is the destination, the port the
+destination's) are judged by the same kinds, turned round: a scanner is the workload itself opening
+connections to many ports of one destination, a connection or two on each (a port scan from the host,
+or a compromised one probing); an ephemeral port is the destination's, taking a connection or two from
+the fleet (a late reply of the workload to a connection the destination opened, which conntrack no
+longer tracked: seen as a new outgoing one). A workload reaching one port of many destinations is
+not set apart: that is what a monitoring or backup job does."""
 
 from __future__ import annotations
 
@@ -86,15 +94,25 @@ class NoiseJudge:
         lookalikes: Mapping[tuple[str, str], str],
         excluded: list,
         label_keys: list[str],
+        direction: str = "inbound",
     ) -> None:
         self.lookalikes, self.excluded, self.label_keys = lookalikes, excluded, label_keys
-        ports_of_peer: dict[str, set] = defaultdict(set)
+        self.outbound = direction == "outbound"
+        ports_of_peer: dict = defaultdict(set)
         self.on_port: Counter = Counter()
         for row in rows:
             if row["connection_count"] <= FEW:
-                ports_of_peer[row["peer"]].add((row["protocol"], row["port"]))
-            self.on_port[(row["workload_id"], row["protocol"], row["port"])] += row["connection_count"]
+                ports_of_peer[self._scanner_key(row)].add((row["protocol"], row["port"]))
+            self.on_port[self._port_key(row)] += row["connection_count"]
         self.scanners = {p: len(s) for p, s in ports_of_peer.items() if len(s) >= SCANNER_PORTS}
+
+    def _scanner_key(self, row: dict):
+        """Who scans: the peer (inbound), or the workload, of one destination (outbound)."""
+        return (row["workload_id"], row["peer"]) if self.outbound else row["peer"]
+
+    def _port_key(self, row: dict) -> tuple:
+        """Whose port: the workload's own (inbound), or the destination's (outbound)."""
+        return (row["peer"] if self.outbound else row["workload_id"], row["protocol"], row["port"])
 
     def _excluded(self, peer: str) -> bool:
         try:
@@ -116,13 +134,24 @@ class NoiseJudge:
     def judge(self, row: dict, labels, peer_labels) -> tuple[str, str] | None:
         if self.excluded and self._excluded(row["peer"]):
             return EXCLUDED_PEER, "the peer is in exclude_peers"
-        if row["peer"] in self.scanners and row["connection_count"] <= FEW:
+        scanner = self._scanner_key(row)
+        if scanner in self.scanners and row["connection_count"] <= FEW:
+            if self.outbound:
+                return SCANNER, (
+                    f"scanner-like: the workload opened connections to {self.scanners[scanner]} ports of "
+                    f"{row['peer']} with at most {FEW} connections each"
+                )
             return SCANNER, (
-                f"scanner-like peer: {self.scanners[row['peer']]} ports with at most {FEW} connections each"
+                f"scanner-like peer: {self.scanners[scanner]} ports with at most {FEW} connections each"
             )
         port = row["port"]
         if row["protocol"] in ("tcp", "udp") and EPHEMERAL_LOW <= port <= EPHEMERAL_HIGH:
-            if self.on_port[(row["workload_id"], row["protocol"], port)] <= EPHEMERAL_FEW:
+            if self.on_port[self._port_key(row)] <= EPHEMERAL_FEW:
+                if self.outbound:
+                    return EPHEMERAL_PORT, (
+                        f"a connection to an ephemeral port of the destination ({row['protocol']}/{port}): "
+                        "a late reply to a connection it opened, not a service"
+                    )
                 return EPHEMERAL_PORT, (
                     f"a connection to an ephemeral local port ({row['protocol']}/{port}): a late reply, "
                     "not a service"

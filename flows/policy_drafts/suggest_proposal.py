@@ -1,6 +1,8 @@
 """The draft a suggestion proposes (suggestions.py), built scope by scope from the evidence sorted
 out: rules of the sources seen on the same services, cut at every limit of a write
-(suggest_shape.py), each with its own address group named for it and its evidence and breadth."""
+(suggest_shape.py), each with its own address group named for it and its evidence and breadth. An
+outbound proposal's rules name their peers `destinations` and its rulesets say `direction: outbound`;
+an inbound one's bodies are as they always were."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from flows.policy_drafts.suggest_shape import (
 from policy.grammar import parse_selector
 from policy.models import AddressGroup, Ruleset, Service
 from policy.render_inputs import FleetIndex
-from policy.validation import MAX_DESCRIPTION, MAX_NAME, MAX_RULES_PER_RULESET
+from policy.validation import MAX_DESCRIPTION, MAX_NAME, MAX_RULES_PER_RULESET, peers_key
 
 DESCRIPTION = "Suggested from observed traffic."
 
@@ -87,8 +89,12 @@ class Proposal:
     """The draft's rulesets (one per scope, more past 500 rules), the address groups to create, and
     the evidence of each rule, built scope by scope."""
 
-    def __init__(self, fleet: FleetIndex, prefix: int | None, prefix_v6: int | None) -> None:
+    def __init__(
+        self, fleet: FleetIndex, prefix: int | None, prefix_v6: int | None, *, direction: str = "inbound"
+    ) -> None:
         self.fleet, self.prefix, self.prefix_v6 = fleet, prefix, prefix_v6
+        self.direction, self.peers_key = direction, peers_key(direction)
+        self.outbound = self.peers_key == "destinations"
         self.rulesets: list[dict] = []
         self.groups: list[dict] = []
         self.group_evidence: dict[str, dict] = {}
@@ -140,7 +146,7 @@ class Proposal:
             groups = self._groups(f"{name[:70]} rule {position}", draft.addresses, scope)
             sources += [{"address_group": g["name"]} for g in groups]
             services = [self.named_services.get(_run_key(r)) or r.entry() for r in draft.runs]
-            rules.append({"description": DESCRIPTION, "sources": sources, "services": services})
+            rules.append({"description": DESCRIPTION, self.peers_key: sources, "services": services})
             peers = sum(len(self.fleet.positions_matching(parse_selector(s))) for s in draft.selectors)
             peers += sum(g["admitted"] for g in groups)
             wide = breadth(
@@ -164,9 +170,10 @@ class Proposal:
                     ],
                 }
             )
-        self.rulesets.append(
-            {"name": name, "description": DESCRIPTION, "enabled": True, "scope": scope, "rules": rules}
-        )
+        ruleset = {"name": name, "description": DESCRIPTION, "enabled": True, "scope": scope, "rules": rules}
+        if self.outbound:
+            ruleset = {**ruleset, "direction": self.direction}
+        self.rulesets.append(ruleset)
         self.evidence.append({"ruleset": name, "workloads": workload_ids, "rules": rules_evidence})
 
     def _groups(self, rule_name: str, addresses: list[str], scope: str) -> list[dict]:
@@ -182,15 +189,18 @@ class Proposal:
             admitted = addresses_admitted(part)
             name = self.stored_groups.get(tuple(part))
             if name is None:
-                suffix = f" peers {index}" if len(chunks) > 1 else " peers"
+                kind = " destinations" if self.outbound else " peers"
+                suffix = f"{kind} {index}" if len(chunks) > 1 else kind
                 name = self.group_names.take(rule_name + suffix)
                 self.groups.append(
                     {
                         "name": name,
                         # A narrowed scope can be long: the description stays within a write's limit.
-                        "description": f"Peers seen by {scope} in the suggested range ({rule_name})."[
-                            :MAX_DESCRIPTION
-                        ],
+                        "description": (
+                            f"Destinations {scope} reached in the suggested range ({rule_name})."
+                            if self.outbound
+                            else f"Peers seen by {scope} in the suggested range ({rule_name})."
+                        )[:MAX_DESCRIPTION],
                         "members": part,
                     }
                 )

@@ -19,6 +19,14 @@ How the evidence becomes rules, never wider than what was asked and saying how w
 - within a scope, the sources seen on exactly the same set of services share one rule, its services
   as port entries (runs of ports as ranges: suggest_shape.py), cut at every limit of a ruleset write;
 - each rule states its breadth: the combinations it admits against those seen.
+
+Outbound (`direction: outbound`): the evidence is the selected workloads' outgoing connections, whose
+stored peer is the destination and port the destination's (never the local ephemeral one). The same
+steps propose outbound rulesets: the scope is the selected (originating) workload's values, a
+destination of the fleet becomes a selector and one outside it a member of the rule's own address
+group of exactly those seen, under `destinations`. A key is learnt from when the output chain would
+refuse it now: neither the source's outbound rules, nor the destination's inbound rules (one rule,
+both ends), nor the fail-safe list admit it. Noise for outbound is in suggest_noise.py.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from controlplane.clock import rfc3339
 from controlplane.problems import ValidationFailed, pointer
 from controlplane.validation import Findings, parsed_together, reject_unknown, require_object
 from fleet.models import Workload
+from flows.choices import Direction
 from flows.policy_drafts import suggest_noise as noise
 from flows.policy_drafts.classifier import FlowKeyClassifier
 from flows.policy_drafts.draft import InForce, in_force_load
@@ -132,7 +141,9 @@ def _learnt_from(judge: FlowKeyClassifier, row: dict) -> bool:
     return not judge.admitted_now(row)
 
 
-def _sorted_out(rows: list[dict], workloads: dict, asked: _Asked, in_force: InForce) -> _SortedOut:
+def _sorted_out(
+    rows: list[dict], workloads: dict, asked: _Asked, in_force: InForce, direction: str = Direction.INBOUND
+) -> _SortedOut:
     """Each key: admitted now, set apart as noise, not generalised (and why), or
     seen[scope][source][(protocol, port)], a source being ("selector", text) or ("address", peer).
 
@@ -168,6 +179,7 @@ def _sorted_out(rows: list[dict], workloads: dict, asked: _Asked, in_force: InFo
         lookalikes=noise.lookalike_values((w.labels for w in in_force.workloads.values()), label_keys),
         excluded=noise.excluded_networks(asked.exclude_peers),
         label_keys=label_keys,
+        direction=direction,
     )
     for row in learnt:
         workload, peer = workloads.get(row["workload_id"]), workloads.get(row["peer_workload_id"])
@@ -187,7 +199,8 @@ def _sorted_out(rows: list[dict], workloads: dict, asked: _Asked, in_force: InFo
         scope, missing = selector_of(workload)
         reason, source = None, ("address", row["peer"])
         if _family_mismatch(row):
-            reason = f"{row['protocol']} from {row['peer']}: no rule admits it (the other family's ICMP)"
+            towards = "to" if direction == Direction.OUTBOUND else "from"
+            reason = f"{row['protocol']} {towards} {row['peer']}: no rule admits it (the other family's ICMP)"
         elif scope is None:
             reason = f"the workload {workload.hostname} has no label {', '.join(missing)}"
         elif row["peer_workload_id"] is not None:
@@ -242,11 +255,13 @@ def policy_suggest(
     selection_labels=(),
     include_noise=(),
     exclude_peers=(),
+    direction: str = Direction.INBOUND,
 ) -> dict:
     """Rules proposed from the selected workloads' (`selected` as flows.selectors.workloads_selected
     gives it; None: the whole fleet) connections in [start, end) that no rule in force now admits,
     with their evidence, the keys set apart as noise, those that could not be generalised, and the
-    range's coverage. Saves nothing. `selection_labels` are the selectors that chose `selected`."""
+    range's coverage. Saves nothing. `selection_labels` are the selectors that chose `selected`;
+    `direction` whose connections are learnt from: received (inbound rulesets) or opened (outbound)."""
     label_keys = label_keys_parse(
         list(label_keys) if label_keys is not None else default_label_keys(selection_labels)
     )
@@ -264,20 +279,23 @@ def policy_suggest(
         prefix=aggregate_prefix,
         prefix_v6=aggregate_prefix_v6,
     )
-    planned = flow_range_plan(selected=selected, start=start, end=end)
+    planned = flow_range_plan(selected=selected, start=start, end=end, direction=direction)
     covered = coverage(selected, start, end, lookback=planned.lookback)
     # Every decision: what is learnt from is what the policy in force now would refuse. The keys of
     # most connections, up to a bound (the aggregate key left out in the query): past it the answer
     # says how many keys and connections it did not learn from.
     read = flow_keys_summed(planned, KEY_COLUMNS)
     rows = read.rows
+    if direction != Direction.INBOUND:
+        # The classifier judges a key by its direction (inbound when it carries none).
+        rows = [{**row, "direction": direction} for row in rows]
     ids = {r["workload_id"] for r in rows} | {r["peer_workload_id"] for r in rows if r["peer_workload_id"]}
     workloads = {
         row[0]: _Workload(*row)
         for row in Workload.objects.filter(id__in=ids).values_list("id", "hostname", "labels")
     }
     in_force = in_force_load()
-    sorted_out = _sorted_out(rows, workloads, asked, in_force)
+    sorted_out = _sorted_out(rows, workloads, asked, in_force, direction)
     scopes = ScopeNarrowing(in_force.fleet, asked.selected_ids, asked.selection_labels, workloads)
     narrowed: dict[str, dict] = defaultdict(
         lambda: {"seen": defaultdict(lambda: defaultdict(list)), "ids": set()}
@@ -297,7 +315,7 @@ def policy_suggest(
             for service, rows_of in by_service.items():
                 narrowed[scope]["seen"][source][service].extend(rows_of)
         narrowed[scope]["ids"] |= ids_of_scope
-    proposal = Proposal(in_force.fleet, asked.prefix, asked.prefix_v6)
+    proposal = Proposal(in_force.fleet, asked.prefix, asked.prefix_v6, direction=direction)
     for scope in sorted(narrowed):
         proposal.add_scope(scope, narrowed[scope]["seen"], sorted(narrowed[scope]["ids"]))
     intervals = _incomplete_intervals(covered, start, end)
@@ -309,6 +327,7 @@ def policy_suggest(
     return {
         "from": rfc3339(start),
         "to": rfc3339(end),
+        "direction": str(direction),
         "label_keys": label_keys,
         "complete": covered["complete"],
         "warning": None
@@ -371,7 +390,10 @@ REQUEST_FIELDS = (
     "aggregate_prefix_v6",
     "include_noise",
     "exclude_peers",
+    "direction",
 )
+# Rules are of one direction: a suggestion proposes inbound rulesets or outbound ones, not both.
+SUGGEST_DIRECTIONS = tuple(Direction.values)
 
 
 def _prefix(data, name: str, longest: int, findings: Findings) -> int | None:
@@ -415,13 +437,25 @@ def _exclude_peers(data, findings: Findings) -> list[str]:
     return peers
 
 
+def _direction(data, findings: Findings) -> str:
+    value = data.get("direction", Direction.INBOUND)
+    if value not in SUGGEST_DIRECTIONS:
+        findings.add(
+            pointer("direction"), "direction",
+            f"direction is one of {', '.join(SUGGEST_DIRECTIONS)}: the rulesets proposed are of one direction.",
+        )  # fmt: skip
+        return Direction.INBOUND
+    return value
+
+
 def policy_suggest_request(*, data: Any) -> dict:
     """POST /policies/suggestions (and `manage.py policy suggest`): the body parsed, every finding at
     once, then `policy_suggest`. The body: `label` (selectors, ANDed) and `workload` (ids) select the
     workloads to protect (neither: the whole fleet), `from` and `to` the range (as the rollup's),
     `label_keys` (default: `app` and the keys the selection requires), optionally `aggregate_prefix`
     (IPv4) and `aggregate_prefix_v6`, `include_noise` (kinds of noise to propose rules for anyway) and
-    `exclude_peers` (addresses or CIDRs never learnt from)."""
+    `exclude_peers` (addresses or CIDRs never learnt from), `direction` (`inbound`, the default, or
+    `outbound`: the selected workloads' outgoing connections, proposed as outbound rulesets)."""
     data = require_object(data)
     findings = Findings()
     reject_unknown(data, REQUEST_FIELDS, findings)
@@ -429,6 +463,7 @@ def policy_suggest_request(*, data: Any) -> dict:
     prefix_v6 = _prefix(data, "aggregate_prefix_v6", 128, findings)
     include = _include_noise(data, findings)
     exclude = _exclude_peers(data, findings)
+    direction = _direction(data, findings)
     parsed = [None, None]
     try:
         parsed = parsed_together(
@@ -456,6 +491,7 @@ def policy_suggest_request(*, data: Any) -> dict:
         selection_labels=selection.labels,
         include_noise=include,
         exclude_peers=exclude,
+        direction=direction,
     )
 
 

@@ -312,3 +312,71 @@ def test_an_address_group_edit_shows_its_impact_before_saving(browser, server):
     assert AddressGroup.objects.get(id=group.id).members == [OUTSIDE]  # nothing saved
     bad = browser.post(url, {**edited, "text": "not an address"})
     assert bad.status_code == 422 and 'id="text-errors"' in text(bad)
+
+
+def test_outbound_suggestions_propose_destinations_save_and_link_to_the_outbound_mode(browser, server):
+    """The direction chosen on the form: the database's own outgoing connections, proposed as an
+    outbound ruleset whose rules name destinations, saved as it is."""
+    windows = windows_between(clock.now() - timedelta(minutes=30), 5)
+    for window in windows:
+        template = window["groups"][0]
+        window["groups"] = [
+            {**template, "peer": OUTSIDE, "port": 443, "connection_count": 2, "direction": "outbound"},
+            {**template, "peer": "10.50.0.20", "port": 8080, "connection_count": 1, "direction": "outbound"},
+        ]
+    answer = flow_report_ingest(workload_id=str(server.id), data=flow_report("p1", next(_uptimes), windows))
+    assert all(r["result"] == "accepted" for r in answer["windows"]), answer
+    # Inbound (the default): the database received nothing.
+    assert "data-no-proposal" in text(_suggested(browser, server))
+
+    response = _suggested(browser, server, direction="outbound")
+    page = text(response)
+    assert response.status_code == 200, page[:2000]
+    assert "data-outbound" in page and "Destinations seen" in page
+    assert "group:suggested app=db rule 1 destinations" in page and "app=web" in page
+    assert 'value="outbound" selected' in page
+    saved = browser.post(
+        "/policy/suggest",
+        {"workloads": str(server.id), "range": "1h", "direction": "outbound", **_save_fields(response)},
+    )
+    page = text(saved)
+    assert saved.status_code == 200 and "Saved" in page, page[:2000]
+    [ruleset] = Ruleset.objects.filter(name__startswith="suggested app=db")
+    assert ruleset.direction == "outbound"
+    link = re.search(r'href="(/mode-changes\?[^"]*)" data-simulation', page)
+    assert link is not None and "direction=outbound" in link[1]
+    again = text(_suggested(browser, server, direction="outbound"))
+    assert "data-no-proposal" in again
+
+
+def test_an_outbound_rule_edit_shows_its_impact_on_the_connections_the_workloads_open(browser, server):
+    """The impact of an outbound rule's edit is judged on the outbound evidence (the whole stored set is
+    posted, which alone would be judged on inbound evidence)."""
+    _ingest(server)  # inbound evidence beside: not what this edit changes
+    windows = windows_between(clock.now() - timedelta(minutes=30), 5)
+    for window in windows:
+        template = window["groups"][0]
+        window["groups"] = [
+            {**template, "peer": OUTSIDE, "port": 443, "connection_count": 2, "direction": "outbound"}
+        ]
+    answer = flow_report_ingest(workload_id=str(server.id), data=flow_report("p1", next(_uptimes), windows))
+    assert all(r["result"] == "accepted" for r in answer["windows"]), answer
+    policy_services.ruleset_create(
+        actor=CLI_ACTOR,
+        data={"name": "db", "scope": "app=db", "rules": [
+            {"sources": [{"selector": "app=web"}], "services": [{"protocol": "tcp", "port": 5432}]}]},
+    )  # fmt: skip
+    egress = policy_services.ruleset_create(
+        actor=CLI_ACTOR,
+        data={"name": "db out", "scope": "app=db", "direction": "outbound", "rules": [
+            {"destinations": [{"any": True}], "services": [{"protocol": "tcp", "port": 443}]}]},
+    )  # fmt: skip
+    rule = egress.rules.get()
+    response = browser.post(
+        f"/policy/rulesets/{egress.id}/rules/{rule.id}",
+        {"sources": "any", "services": "tcp/8443", "version": str(rule.version), "action": "impact",
+         "impact_range": "1h"},
+    )  # fmt: skip
+    page = text(response)
+    assert response.status_code == 200, page[:2000]
+    assert "this change would have refused 10 connections from 1 peer to 1 service" in page, page[:3000]

@@ -1,7 +1,8 @@
 """Properties of suggested rules over randomized fleets and evidence: every draft is accepted by the
 ruleset validation and saves as it is, all or nothing; saved, it admits every key it learnt from (the
 impact of enforcing it over the same range refuses nothing newly); and no scope reaches outside the
-selection."""
+selection. Both ways: inbound rulesets from received connections, outbound ones (`direction:
+outbound`) from opened connections, judged with the destinations' inbound policy (both ends)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from controlplane.auth.actor import CLI_ACTOR
 from fleet.services import workload_labels_replace
 from flows.policy_drafts.draft import in_force_load
 from flows.policy_drafts.draft_save import policy_draft_save
+from flows.policy_drafts.impact import policy_impact
 from flows.policy_drafts.suggestions import policy_suggest
 from flows.selectors import workloads_selected
 from flows.services import flow_report_ingest
@@ -68,7 +70,7 @@ def _ports(rng: random.Random) -> list[int]:
     return rng.choice(shapes)()
 
 
-def _evidence(rng: random.Random, workloads: list) -> None:
+def _evidence(rng: random.Random, workloads: list, direction: str = "inbound") -> None:
     addresses = [w.addresses[0] for w in workloads]
     for workload in workloads:
         if rng.random() < 0.3:
@@ -84,6 +86,7 @@ def _evidence(rng: random.Random, workloads: list) -> None:
                     "peer": peer, "protocol": protocol, "port": port, "decision": decision,
                     "rule": rng.randint(1, 50) if decision == "allowed" else None,
                     "connection_count": rng.randint(1, 6),
+                    **({"direction": direction} if direction != "inbound" else {}),
                 })  # fmt: skip
         unique = {(g["peer"], g["protocol"], g["port"], g["decision"]): g for g in groups}
         [window] = windows_between(clock.now() - timedelta(minutes=20), 1)
@@ -155,5 +158,105 @@ def test_every_draft_saves_as_it_is_and_then_admits_every_key_it_learnt_from(see
         again = policy_suggest(selected=selected, start=start, end=end, selection_labels=labels)
         assert again["rulesets"] == [], (again["rulesets"], again["evidence"])
         # (a range of ports admits some keys set apart too: never more are left)
+        assert _rows_unadmitted_after(again) <= _rows_unadmitted_after(first)
+        raise _Rollback
+
+
+def _outbound_policy_in_force(rng: random.Random) -> list[dict]:
+    """Rulesets in force, as bodies: an inbound one that admits some of the outgoing keys at their
+    destination's end, an outbound one that admits some at their source's."""
+    bodies = []
+    if rng.random() < 0.5:
+        bodies.append(
+            {
+                "name": "in force",
+                "scope": "app=db",
+                "rules": [
+                    {
+                        "sources": [{"selector": "app=web"}],
+                        "services": [{"protocol": "tcp", "port": 1, "port_to": 9000}],
+                    }
+                ],
+            }
+        )
+    if rng.random() < 0.5:
+        bodies.append(
+            {
+                "name": "out in force",
+                "direction": "outbound",
+                "scope": "app=api",
+                "rules": [
+                    {
+                        "destinations": [{"any": True}],
+                        "services": [{"protocol": "tcp", "port": 7000, "port_to": 7050}],
+                    }
+                ],
+            }
+        )
+    for body in bodies:
+        services.ruleset_create(actor=CLI_ACTOR, data=body)
+    return bodies  # fmt: skip
+
+
+@pytest.mark.django_db
+@settings(
+    max_examples=20, deadline=None, derandomize=True, database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)  # fmt: skip
+@given(seed=st.integers(0, 2**32 - 1), size=st.integers(2, 8), by_label=st.booleans())
+def test_every_outbound_draft_saves_as_it_is_and_its_impact_refuses_nothing_newly(seed, size, by_label):
+    rng = random.Random(seed)
+    with pytest.raises(_Rollback), transaction.atomic():
+        workloads = _fleet(rng, size)
+        _evidence(rng, workloads, direction="outbound")
+        in_force = _outbound_policy_in_force(rng)
+        start, end = clock.now() - timedelta(hours=1), clock.now() + timedelta(minutes=1)
+        labels = [parse_selector("app=web,env=prod")] if by_label else []
+        selected = workloads_selected(workload_ids=[], labels=labels)
+        first = policy_suggest(
+            selected=selected, start=start, end=end, selection_labels=labels, direction="outbound"
+        )
+
+        for ruleset in first["rulesets"]:
+            assert ruleset["direction"] == "outbound" and ruleset_input(ruleset).direction == "outbound"
+            assert all("destinations" in rule and "sources" not in rule for rule in ruleset["rules"])
+        for group in first["address_groups"]:
+            address_group_input(group)
+        if selected is not None:
+            chosen = {str(i) for i in selected.values_list("id", flat=True)}
+            fleet = in_force_load().fleet
+            for ruleset in first["rulesets"]:
+                matched = {
+                    fleet.workload_ids[p] for p in fleet.positions_matching(parse_selector(ruleset["scope"]))
+                }
+                assert matched <= chosen, (ruleset["scope"], first["scope_notes"])
+
+        # The impact of the policy in force with the draft beside it, judged on the outbound evidence:
+        # nothing admitted now is refused, and every key learnt from is admitted.
+        body = {
+            "rulesets": [*in_force, *first["rulesets"]], "address_groups": first["address_groups"],
+            "from": clock.rfc3339(start), "to": clock.rfc3339(end), "direction": "outbound",
+            "label": [str(s) for s in labels],
+        }  # fmt: skip
+        impact = policy_impact(data=body)
+        assert impact["newly_refused"] == [], impact["newly_refused"][:5]
+        learnt = first["keys_total"] - first["admitted_now_count"] - _rows_unadmitted_after(first)
+        # (a range of ports admits some keys set apart too: never fewer are admitted)
+        assert impact["newly_admitted_summary"]["count"] >= learnt
+        assert impact["keys_total"] == first["keys_total"]
+
+        groups_before, rulesets_before = AddressGroup.objects.count(), Ruleset.objects.count()
+        saved = policy_draft_save(
+            actor=CLI_ACTOR, data={"address_groups": first["address_groups"], "rulesets": first["rulesets"]}
+        )
+        assert Ruleset.objects.count() == rulesets_before + len(first["rulesets"])
+        assert AddressGroup.objects.count() == groups_before + len(saved["address_groups"])
+        assert set(Ruleset.objects.filter(name__in=[r["name"] for r in first["rulesets"]]).values_list(
+            "direction", flat=True)) <= {"outbound"}  # fmt: skip
+
+        again = policy_suggest(
+            selected=selected, start=start, end=end, selection_labels=labels, direction="outbound"
+        )
+        assert again["rulesets"] == [], (again["rulesets"], again["evidence"])
         assert _rows_unadmitted_after(again) <= _rows_unadmitted_after(first)
         raise _Rollback

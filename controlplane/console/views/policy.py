@@ -139,6 +139,8 @@ def _ruleset_impact(api, stored: dict, edited: dict, span: dict):
         "label": [stored["scope"]] if same else [],
         "from": span["from"],
         "to": span["to"],
+        # An outbound ruleset's edit changes what its workloads may open: judged on that evidence.
+        **({"direction": "outbound"} if stored.get("direction") == "outbound" else {}),
     }
     return api.post("/policies/impact", body)
 
@@ -239,6 +241,7 @@ def rule_edit(request, api, ruleset_id: str, rule_id: str | None = None):
         draft = {
             "rulesets": _dryrun_rulesets(api, ruleset_id, rule_id, body),
             "label": [scope] if scope else [],
+            **({"direction": "outbound"} if found.data.get("direction") == "outbound" else {}),
         }
         result = api.post("/policies/impact", {**draft, "from": span["from"], "to": span["to"]})
         if result.ok:

@@ -1,7 +1,9 @@
 """Suggest rules: the API's proposal learnt from the stored flows (POST /policies/suggestions), read
 with its evidence and coverage by host name, rules kept or dropped with checkboxes and rulesets
 renamed in place (JSON only in an advanced view), then saved in one request (POST /policies/drafts:
-all or nothing), and a link to put the workloads in `simulation`."""
+all or nothing), and a link to put the workloads in `simulation`. The direction chosen says whose
+connections are learnt from: those the workloads receive (inbound rulesets) or open (outbound ones, whose
+rules name `destinations`; the link then moves the outbound mode)."""
 
 from __future__ import annotations
 
@@ -25,6 +27,9 @@ NOISE_KINDS = (
 
 def _request_body(form: dict, span: dict) -> dict:
     body: dict = {**selection_query(form), "from": span["from"], "to": span["to"]}
+    if form["direction"] != "inbound":
+        # Typed or forged, it goes as it is: the API's finding names the field.
+        body["direction"] = form["direction"]
     keys = [k.strip() for k in form["label_keys"].replace(",", " ").split() if k.strip()]
     if keys:
         body["label_keys"] = keys
@@ -56,7 +61,7 @@ def _proposed(proposal: dict, kept: set | None = None, findings: dict | None = N
             {
                 "key": f"{r}.{i}",
                 "kept": kept is None or f"{r}.{i}" in kept,
-                "sources_text": forms.sources_text(rule["sources"], {}),
+                "sources_text": forms.sources_text(_peers_of(rule), {}),
                 "services_text": forms.rule_services_text(rule["services"], {}),
                 "evidence": seen,
                 "peers": _peers_shown(seen["peers"], hostnames),
@@ -67,9 +72,14 @@ def _proposed(proposal: dict, kept: set | None = None, findings: dict | None = N
         hosts = sorted(hostnames.get(w, w) for w in evidence["workloads"])
         shown.append(
             {"index": r, "name": ruleset["name"], "scope": ruleset["scope"], "rules": rules, "hosts": hosts,
-             "findings": findings.get((r, None), [])}
+             "findings": findings.get((r, None), []), "outbound": ruleset.get("direction") == "outbound"}
         )  # fmt: skip
     return shown
+
+
+def _peers_of(rule: dict) -> list[dict]:
+    """A proposed rule's peers: its sources (inbound) or destinations (outbound)."""
+    return rule.get("sources", rule.get("destinations", []))
 
 
 def draft_text(proposal: dict) -> str:
@@ -93,7 +103,7 @@ def _kept_draft(proposal: dict, kept: set[str], names: dict[int, str]) -> tuple[
         s["address_group"]
         for rs in rulesets
         for rule in rs["rules"]
-        for s in rule["sources"]
+        for s in _peers_of(rule)
         if "address_group" in s
     }
     groups = [g for g in proposal["address_groups"] if g["name"] in named]
@@ -177,6 +187,8 @@ def _shown(proposal: dict, kept: set | None = None, findings: dict | None = None
 
 def _simulation_link(form: dict) -> str:
     query = {"labels": form["labels"], "workloads": form["workloads"], "mode": "simulation"}
+    if form["direction"] == "outbound":
+        query["direction"] = "outbound"
     return "/mode-changes?" + urlencode({k: v for k, v in query.items() if v})
 
 
@@ -192,6 +204,7 @@ def suggest(request, api):
         "exclude_peers": params.get("exclude_peers", ""),
         "aggregate_prefix": params.get("aggregate_prefix", ""),
         "aggregate_prefix_v6": params.get("aggregate_prefix_v6", ""),
+        "direction": params.get("direction") or "inbound",
     }
     chosen = any(params.get(key) for key in ("range", "from", "to"))
     span = chosen_range(params if chosen else {"range": SUGGEST_RANGE})

@@ -6,6 +6,7 @@ from rest_framework import serializers
 
 from fleet.choices import Mode
 from flows.api.schemas import CoverageSerializer, ReviewSerializer, ServiceKeySerializer
+from flows.choices import READ_DIRECTIONS, Direction
 from policy.choices import RuleAction
 
 DryrunRequest = inline_serializer(
@@ -42,6 +43,14 @@ ImpactRequest = inline_serializer(
         "workload": serializers.ListField(
             child=serializers.UUIDField(), required=False, help_text="Workload selection: ids, ANDed."
         ),
+        "direction": serializers.ChoiceField(
+            choices=READ_DIRECTIONS,
+            required=False,
+            help_text="The evidence the draft is judged against: the connections the selected workloads "
+            "received (inbound), opened (outbound, judged by the output chain: their outbound rules, their "
+            "destinations' inbound rules, the fail-safe list) or both. Default: `outbound` when every ruleset "
+            "of the draft is outbound, else `inbound`.",
+        ),
     },
 )
 
@@ -57,7 +66,16 @@ class PolicyImpactRuleSerializer(serializers.Serializer):
 
 class PolicyImpactKeySerializer(serializers.Serializer):
     workload_id = serializers.UUIDField()
-    mode = serializers.ChoiceField(choices=Mode.values, help_text="Now; keys are judged as rules judge them.")
+    direction = serializers.ChoiceField(
+        choices=Direction.values,
+        help_text="Who opened the connection: the peer (inbound) or the workload (outbound; the peer is the "
+        "destination, the port the destination's).",
+    )
+    mode = serializers.ChoiceField(
+        choices=Mode.values,
+        help_text="Now, of the key's direction (the outbound mode for outbound); keys are judged as rules "
+        "judge them.",
+    )
     peer = serializers.CharField()
     peer_workload_id = serializers.UUIDField(allow_null=True)
     protocol = serializers.CharField()
@@ -86,6 +104,9 @@ class PolicyImpactSummarySerializer(serializers.Serializer):
 class PolicyImpactSerializer(serializers.Serializer):
     # "from" is a keyword: declared below.
     to = serializers.DateTimeField()
+    direction = serializers.ChoiceField(
+        choices=READ_DIRECTIONS, help_text="The evidence judged: as asked, or the draft's."
+    )
     keys_classified = serializers.IntegerField(help_text="Flow keys (workload, peer, service) of the range.")
     newly_refused_summary = PolicyImpactSummarySerializer()
     newly_refused = PolicyImpactKeySerializer(
@@ -152,6 +173,14 @@ class SuggestionRequestSerializer(serializers.Serializer):
         required=False,
         max_length=1000,
         help_text="Addresses or CIDRs never learnt from: their keys are set apart (`excluded-peer`).",
+    )
+    direction = serializers.ChoiceField(
+        choices=Direction.values,
+        required=False,
+        help_text="inbound (the default): rules for the connections the selected workloads receive. outbound: "
+        "outbound rulesets (`direction: outbound`, rules with `destinations`) for the connections they open, "
+        "never proposing what the destination's inbound policy, their own outbound rules or the fail-safe "
+        "list admit now.",
     )
 
 
@@ -269,6 +298,9 @@ class IncompleteIntervalSerializer(serializers.Serializer):
 
 class SuggestionSerializer(serializers.Serializer):
     to = serializers.DateTimeField()
+    direction = serializers.ChoiceField(
+        choices=Direction.values, help_text="Whose connections were learnt from, as asked."
+    )
     label_keys = serializers.ListField(child=serializers.CharField())
     complete = serializers.BooleanField(help_text="The range's coverage is complete.")
     warning = serializers.CharField(allow_null=True, help_text="Set when the range is incomplete.")

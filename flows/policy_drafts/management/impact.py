@@ -20,11 +20,17 @@ def add_impact_action(actions) -> None:
     impact.add_argument("--to", dest="end", required=True, help="RFC 3339")
     impact.add_argument("--label", action="append", default=[], help="selector of the workloads; repeatable")
     impact.add_argument("--workload", action="append", default=[], help="a workload id; repeatable")
+    impact.add_argument(
+        "--direction", choices=("inbound", "outbound", "any"),
+        help="the evidence judged (default: the draft's rulesets' direction, inbound for none)",
+    )  # fmt: skip
 
 
 def run_impact(command, o) -> None:
     draft = command.read_json_input(o["file"])
     selection = {"from": o["start"], "to": o["end"], "label": o["label"], "workload": o["workload"]}
+    if o["direction"]:
+        selection["direction"] = o["direction"]
     # A draft that is not an object is refused by the function, as the endpoint refuses it.
     body = {**draft, **selection} if isinstance(draft, dict) else draft
     answer = policy_impact(data=body)
@@ -68,7 +74,8 @@ def impact_text(answer: dict) -> str:
     ):
         for e in entries:
             lines.append(
-                f"  {title}: {e['workload_id']} <- {e['peer']} {_service(e)}: "
+                f"  {title}: {e['workload_id']} {'->' if e.get('direction') == 'outbound' else '<-'} "
+                f"{e['peer']} {_service(e)}: "
                 f"{counted(e['connection_count'], 'connection')}, "
                 f"{e['first_seen']} .. {e['last_seen']}; now {_rule(e['rule_now'])}, draft {_rule(e['rule_draft'])}"
             )

@@ -65,6 +65,11 @@ class Command(PalisadeCommand):
         suggest.add_argument(
             "--exclude-peer", action="append", default=[], help="an address or CIDR never learnt from"
         )
+        suggest.add_argument(
+            "--direction", choices=("inbound", "outbound"),
+            help="inbound (the default): rules for the connections the workloads receive; outbound: for those "
+            "they open",
+        )  # fmt: skip
         suggest.add_argument("--answer", action="store_true", help="print the whole answer as JSON")
 
     def do_suggest(self, o):
@@ -78,6 +83,8 @@ class Command(PalisadeCommand):
             body["include_noise"] = o["include_noise"]
         if o["exclude_peer"]:
             body["exclude_peers"] = o["exclude_peer"]
+        if o["direction"]:
+            body["direction"] = o["direction"]
         answer = policy_suggest_request(data=body)
         if o["answer"]:
             self.stdout.write(json.dumps(answer, indent=2))
@@ -164,14 +171,23 @@ def _text(answer: dict) -> str:
             else f"scope {visible(note['scope'])} not proposed: {visible(note['reason'])}"
         )
     for ruleset, evidence in zip(answer["rulesets"], answer["evidence"], strict=True):
-        lines.append(f"ruleset {visible(ruleset['name'])}  scope {visible(ruleset['scope'])}")
+        outbound = ruleset.get("direction") == "outbound"
+        lines.append(
+            f"ruleset {visible(ruleset['name'])}  scope {visible(ruleset['scope'])}"
+            + ("  outbound" if outbound else "")
+        )
         for rule, seen in zip(ruleset["rules"], evidence["rules"], strict=True):
-            sources = ", ".join(visible(next(iter(s.values()))) for s in rule["sources"])
+            peers = ", ".join(
+                visible(next(iter(s.values()))) for s in rule.get("sources") or rule["destinations"]
+            )
             services = ", ".join(_service_text(s) for s in rule["services"])
             lines.append(
-                f"  from {sources} to {services}: {counted(seen['connection_count'], 'connection')} from "
-                f"{counted(len(seen['peers']), 'peer')}, {seen['first_seen']} .. {seen['last_seen']}"
-            )
+                (f"  to {peers} on {services}: " if outbound else f"  from {peers} to {services}: ")
+                + f"{counted(seen['connection_count'], 'connection')} "
+                + (f"to {counted(len(seen['peers']), 'destination')}" if outbound
+                   else f"from {counted(len(seen['peers']), 'peer')}")
+                + f", {seen['first_seen']} .. {seen['last_seen']}"
+            )  # fmt: skip
             breadth = seen["breadth"]
             lines.append(
                 f"    admits {breadth['admitted']} (workload, peer, service) combinations, {breadth['seen']} seen"
