@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus, WebSocketException
 
-from agent import __version__, gateway_sets
+from agent import __version__, gateway_sets, outbound_observe
 from agent import protocol as p
 from agent.backoff import retry_delay
 from agent.bundle import BundleError, gateways_check
@@ -154,7 +154,8 @@ class Agent:
         # Hand edits of the table: what the last applied document was (to put back), whether the kill
         # switch was used since (then nothing is put back until a snapshot), the edits not yet put
         # right, and the last episode, reported until the gateway has it.
-        self.applied_document: str | None = None
+        self.applied_document: str | None = None  # as applied: the gateway sets filled
+        self._applied_base: str | None = None  # the same before the gateway sets were filled
         self._killed = False
         self._apply_lock = asyncio.Lock()
         self._drift: Changes | None = None
@@ -713,6 +714,33 @@ class Agent:
             return
         self.gateways = gateways
         self.log("gateways changed", gateways=",".join(gateways))
+        await self._refill_gateway_sets(ws)
+
+    async def _refill_gateway_sets(self, ws: ClientConnection) -> None:
+        """The table's gateway sets as the changed list gives them, at once rather than at the next
+        policy version: the last applied document again, its sets filled anew, in one replace. Not after
+        the kill switch (the table stays gone until a snapshot) and not for a document without the sets."""
+        async with self._apply_lock:
+            base = self._applied_base
+            if base is None or self._killed or gateway_sets.GATEWAY_SETS[4] not in base:
+                return
+            document = gateway_sets.with_gateways(base, await self._gateway_endpoints(ws))
+            if document == self.applied_document:
+                return
+            self._applying, self._deferred_verdict = True, None
+            try:
+                await self.dataplane.apply(document)
+            except Exception as error:  # noqa: BLE001 - the previous table stands; say why
+                text = (getattr(error, "message", None) or str(error) or type(error).__name__)[
+                    :MAX_ERROR_CHARS
+                ]
+                self.log("gateway sets not applied", version=self.applied_version, error=text)
+                self.status.error(f"applying the changed gateways to the table failed: {text}")
+                return
+            finally:
+                self._end_apply()
+            self.applied_document = document
+        self.log("gateway sets applied", version=self.applied_version)
 
     # --- snapshots ---
 
@@ -733,7 +761,10 @@ class Agent:
         may be the next it connects to), and the stream's peer; the last resolved ones when no lookup
         succeeds (agent/gateway_sets.py)."""
         listed = list(self.gateways)
-        resolved = await asyncio.get_running_loop().run_in_executor(None, gateway_sets.resolve, listed)
+        if needs_resolving(listed):
+            resolved = await asyncio.get_running_loop().run_in_executor(None, gateway_sets.resolve, listed)
+        else:  # addresses only: no lookup blocks, and thousands of simulated agents need no thread each
+            resolved = gateway_sets.resolve(listed)
         if resolved:
             self._gateway_endpoints_seen = resolved
         found = list(resolved or self._gateway_endpoints_seen)
@@ -744,7 +775,8 @@ class Agent:
 
     async def _apply(self, ws: ClientConnection, snapshot: p.Snapshot) -> None:
         try:
-            document = snapshot.document
+            # Outbound visibility: the document has no output chain, the agent adds its observe-only one.
+            base = document = outbound_observe.with_output_observed(snapshot.document)
             if gateway_sets.GATEWAY_SETS[4] in document:
                 document = gateway_sets.with_gateways(document, await self._gateway_endpoints(ws))
             await self.dataplane.apply(document)
@@ -756,7 +788,8 @@ class Agent:
             await self._send(ws, p.Failed(version=snapshot.version, error=text))
             return
         self.applied_version = snapshot.version
-        self.applied_document = snapshot.document
+        # What a hand edit is undone with: the table as applied, gateways and all.
+        self.applied_document, self._applied_base = document, base
         self._killed = False  # a snapshot ends the kill switch
         self.force_apply = False
         self.status.applied(snapshot.version, snapshot.mode)

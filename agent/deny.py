@@ -114,7 +114,12 @@ def denied(entries: Iterable[conntrack.Entry], lines: list[DenyLine]) -> list[co
     serving: dict[tuple[int, int], list[DenyLine]] = {}
     found = []
     for entry in entries:
-        if entry.protocol not in conntrack.PORTED or conntrack.decode_mark(entry.mark)[0] is None:
+        if entry.protocol not in conntrack.PORTED:
+            continue
+        decision, _, direction, _ = conntrack.decode_mark_flags(entry.mark)
+        # One the workload opened (outbound flag) is not judged by its inbound deny rules: its port is
+        # the remote service's, and its source the workload's own address.
+        if decision is None or direction != conntrack.INBOUND:
             continue
         service = (entry.protocol, entry.destination_port)
         candidates = serving.get(service)

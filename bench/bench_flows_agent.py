@@ -2,14 +2,16 @@
 """The agent's conntrack flow source under connection bursts, inside network namespaces (root).
 
     .venv/bin/python bench/bench_flows_agent.py [--rates 5000,10000,20000,40000] [--seconds 2]
-        [--directions both|inbound]
+        [--directions both|inbound|outbound] [--unobserved-outbound]
 
 A client namespace sends UDP datagrams to a workload namespace at a fixed rate, each to a new port, so
-each is a new conntrack connection marked by the owned table (simulation mode: would_block). With
-`--directions both` (the default) half the rate is the workload's own datagrams to the client, marked
-outbound (flag 0x80, would_block) by an output chain of a table beside the owned one, as the renderer's
-outbound chain will mark them: the source records both directions, and the counts of each are
-reported. For each
+each is a new conntrack connection marked by the owned table (simulation mode: would_block). The owned
+table is what a real agent applies: the rendered document (outbound mode visibility: no output chain) with
+the observe-only output chain the agent adds (agent/outbound_observe.py), which marks every connection the
+workload opens outbound (flag 0x80) and observed. `--directions` says who sends: `both` (the default) half
+the rate from the client and half the workload's own datagrams to the client, at the same time;
+`inbound` the client alone; `outbound` the workload alone. The source records both directions, and the
+counts of each are reported. For each
 rate, the agent's source (agent/conntrack.py, the default --flow-netlink-buffer) and `conntrack -E`
 (conntrack-tools) consume the same burst side by side. Reported per rate: datagrams sent, connections the
 kernel created (`conntrack -C`, the ground truth), counted by the agent, lost (created - counted, and
@@ -55,20 +57,17 @@ print(round(count / (time.perf_counter() - start)), flush=True)
 """
 
 
-# What the renderer's output chain will do for a workload whose outbound mode is simulation and no rule
-# admits the destination: mark the new connection outbound | would_block (agent/conntrack.py).
-_OUTBOUND_TABLE = (
-    "table inet bench_outbound {\n\tchain output {\n\t\ttype filter hook output priority 0; policy accept;\n"
-    f"\t\tct state new ip daddr {HOSTS['client'][0]} ct mark set {(0x80 | 3) << 24:#010x}\n\t}}\n}}\n"
-)
-
-
-def _document() -> str:
+def _document(*, observe_outbound: bool = True) -> str:
+    """The table a real agent applies for a workload in simulation whose outbound mode is visibility
+    (without `observe_outbound`: the rendered document alone, as agents applied it before they recorded
+    outgoing connections in visibility, which the source then read and skipped as unmarked: counted 0)."""
+    from agent.outbound_observe import with_output_observed
     from policy.render_inputs import FleetIndex, WorkloadInput
     from policy.renderer import render
 
     workload = WorkloadInput("wl", {"role": "server"}, (HOSTS["wl"][0],), "simulation")
-    return render(workload, [], {}, FleetIndex.build([workload])).document
+    document = render(workload, [], {}, FleetIndex.build([workload])).document
+    return with_output_observed(document) if observe_outbound else document
 
 
 def _process_cpu(pid: int) -> float:
@@ -76,13 +75,15 @@ def _process_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _send(lab, rate: int, count: int, *, outbound: bool) -> list[subprocess.CompletedProcess]:
-    """The burst: the client's datagrams to the workload, and with `outbound` half of them the
-    workload's own to the client instead, sent at the same time."""
-    if not outbound:
-        return [lab.python("client", _SENDER, HOSTS["wl"][0], str(count), str(rate))]
+def _send(lab, rate: int, count: int, *, directions: str) -> list[subprocess.CompletedProcess]:
+    """The burst: the client's datagrams to the workload (`inbound`), the workload's own to the client
+    (`outbound`), or half of each at the same time (`both`)."""
+    senders = {"inbound": [("client", "wl")], "outbound": [("wl", "client")]}.get(
+        directions, [("client", "wl"), ("wl", "client")]
+    )
+    share = len(senders)
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    senders = [
+    running = [
         subprocess.Popen(
             [
                 "ip",
@@ -93,20 +94,20 @@ def _send(lab, rate: int, count: int, *, outbound: bool) -> list[subprocess.Comp
                 "-c",
                 _SENDER,
                 HOSTS[to][0],
-                str(count // 2),
-                str(rate / 2),
+                str(count // share),
+                str(rate / share),
             ],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
             env=env,
         )  # fmt: skip
-        for ns, to in (("client", "wl"), ("wl", "client"))
+        for ns, to in senders
     ]
-    return [subprocess.CompletedProcess(p.args, p.wait(60), *p.communicate()) for p in senders]
+    return [subprocess.CompletedProcess(p.args, p.wait(60), *p.communicate()) for p in running]
 
 
-def burst(lab, nsthread, rate: int, seconds: float, *, outbound: bool = False) -> dict:
+def burst(lab, nsthread, rate: int, seconds: float, *, directions: str = "both") -> dict:
     from agent import conntrack
     from agent.flowreporter import DEFAULT_NETLINK_BUFFER, LockedWindows
 
@@ -138,7 +139,7 @@ def burst(lab, nsthread, rate: int, seconds: float, *, outbound: bool = False) -
     time.sleep(0.3)
     listener_cpu_before = _process_cpu(listener.pid)
     consumer.start()
-    sent = _send(lab, rate, count, outbound=outbound)
+    sent = _send(lab, rate, count, directions=directions)
     # Ground truth: the connections the kernel created (the table was flushed before; UDP entries live 30 s).
     created = int(lab.run("wl", ["conntrack", "-C"]).stdout.strip())
     stop.set()
@@ -158,7 +159,7 @@ def burst(lab, nsthread, rate: int, seconds: float, *, outbound: bool = False) -
     return {
         "rate_requested": rate,
         "rate_achieved": sum(int(s.stdout.strip() or 0) for s in sent),
-        "sent": count // 2 * 2 if outbound else count,
+        "sent": count // 2 * 2 if directions == "both" else count,
         "agent_counted_by_direction": by_direction,
         "created": created,
         "agent_counted": counted,
@@ -203,25 +204,33 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rates", default="5000,10000,20000,40000")
     parser.add_argument("--seconds", type=float, default=2.0)
-    parser.add_argument("--directions", choices=("both", "inbound"), default="both")
+    parser.add_argument("--directions", choices=("both", "inbound", "outbound"), default="both")
+    parser.add_argument(
+        "--unobserved-outbound",
+        action="store_true",
+        help="apply the rendered document without the agent's observe-only output chain (the baseline: "
+        "outgoing connections unmarked, read and skipped)",
+    )
     args = parser.parse_args()
-    outbound = args.directions == "both"
     exit_on_sigterm()
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
     from tests.support.netns import Lab, dataplane_call
     from tests.support.nsthread import NamespaceThread
 
-    results: dict = {"command": "bench/bench_flows_agent.py", "directions": args.directions, "bursts": []}
+    results: dict = {
+        "command": "bench/bench_flows_agent.py",
+        "directions": args.directions,
+        "outbound_observed": not args.unobserved_outbound,
+        "bursts": [],
+    }
     with Lab.create(HOSTS) as lab:
-        assert dataplane_call(lab, "wl", "apply", _document())["error"] is None
-        if outbound:
-            applied = lab.run("wl", ["nft", "-f", "-"], input=_OUTBOUND_TABLE)
-            assert applied.returncode == 0, applied.stderr
+        document = _document(observe_outbound=not args.unobserved_outbound)
+        assert dataplane_call(lab, "wl", "apply", document)["error"] is None
         lab.run("wl", ["sysctl", "-w", "net.netfilter.nf_conntrack_max=1000000"])
         nsthread = NamespaceThread(lab.ns("wl"))
         try:
             for rate in (int(r) for r in args.rates.split(",")):
-                result = burst(lab, nsthread, rate, args.seconds, outbound=outbound)
+                result = burst(lab, nsthread, rate, args.seconds, directions=args.directions)
                 results["bursts"].append(result)
                 print(
                     f"rate {rate:>6}/s (achieved {result['rate_achieved']:>6}): sent {result['sent']:>7}, "

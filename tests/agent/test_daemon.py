@@ -10,11 +10,13 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import pytest
 
+from agent import protocol as p
 from agent.credential import credential_parse
 from agent.daemon import Agent, CredentialBeyondGrace, CredentialRevoked
 from agent.enrol import enrol
@@ -24,7 +26,7 @@ from agent.state import StateDir
 from agent.tablediff import ADDED
 from agent.tablewatch import Transaction
 from agent.worker import DataplaneWorker
-from tests.support.agent_helpers import document
+from tests.support.agent_helpers import as_sent, document
 from tests.support.fake_gateway import FakeGateway
 
 
@@ -104,7 +106,7 @@ def test_snapshot_is_applied_and_acknowledged(tmp_path):
         await w.gateway.push_snapshot(w.workload, "v1", document("v1"), mode="simulation")
         w.start()
         assert await w.message("applied") == {"v": 1, "type": "applied", "version": "v1"}
-        assert w.dataplane.current == document("v1")
+        assert as_sent(w.dataplane.current) == document("v1")
         auth = (await w.event("auth"))["data"]
         assert auth["owned_table"] == "absent" and auth["agent_version"] == "0.1.0"
         assert await w.message("table") == {"v": 1, "type": "table", "state": "present"}
@@ -112,7 +114,7 @@ def test_snapshot_is_applied_and_acknowledged(tmp_path):
         mark = w.mark()
         await w.gateway.push_snapshot(w.workload, "v2", document("v2"))
         assert (await w.message("applied", mark))["version"] == "v2"
-        assert w.dataplane.current == document("v2") and w.dataplane.applies == 2
+        assert as_sent(w.dataplane.current) == document("v2") and w.dataplane.applies == 2
 
         status = json.loads((w.agent.state.file("status.json")).read_text())
         assert status["stream"]["state"] == "connected"
@@ -138,7 +140,7 @@ def test_failed_apply_reports_the_error_and_keeps_the_table(tmp_path):
         await w.gateway.push_snapshot(w.workload, "v2", document("v2"))
         failed = await w.message("failed", mark)
         assert failed["version"] == "v2" and "syntax error" in failed["error"]
-        assert w.dataplane.current == document("v1")
+        assert as_sent(w.dataplane.current) == document("v1")
 
         mark = w.mark()
         w.dataplane.fail_with = None
@@ -187,7 +189,7 @@ def test_outside_delete_is_reported_and_only_a_snapshot_restores(tmp_path):
         await w.event("closed", mark, code=4100)
         assert (await w.message("applied", mark))["version"] == "v1"
         assert (await w.message("table", mark))["state"] == "present"
-        assert w.dataplane.current == document("v1") and w.dataplane.applies == 2
+        assert as_sent(w.dataplane.current) == document("v1") and w.dataplane.applies == 2
         assert (
             "table absent" in w.log_lines() and "reconnect requested reason=resend-snapshot" in w.log_lines()
         )
@@ -213,7 +215,9 @@ def test_a_hand_edit_is_put_right_in_one_replace_and_reported(tmp_path):
         edit = await w.message("table_modified", mark)
         assert edit["description"] == "chain input: 1 rule added; set allow_v4_3: 1 element added"
         assert edit["modified_at"] <= edit["restored_at"]
-        assert w.dataplane.current == document("v1") and w.dataplane.applies == 2  # both put right at once
+        assert (
+            as_sent(w.dataplane.current) == document("v1") and w.dataplane.applies == 2
+        )  # both put right at once
         assert w.agent.table_modifications == 1 and w.agent.owned_table == "present"
         assert w.agent.status.data["table_modified"]["description"] == edit["description"]
 
@@ -229,7 +233,7 @@ def test_a_hand_edit_is_put_right_in_one_replace_and_reported(tmp_path):
         assert w.agent.table_modifications == 1 and "table_modified" not in w.types_between(mark)
         w.agent.table_transaction(Transaction(state="present", deleted=True))
         assert (await w.message("table_modified", mark))["description"] == "table replaced"
-        assert w.dataplane.current == document("v2")
+        assert as_sent(w.dataplane.current) == document("v2")
 
     scenario(tmp_path, body)
 
@@ -516,7 +520,7 @@ def test_unreachable_gateway_backs_off_and_keeps_the_table(tmp_path):
                 break
             await asyncio.sleep(0.1)
         assert sum(line.startswith("stream error") for line in w.log_lines()) >= 2
-        assert w.dataplane.current == document("v1")  # fail static
+        assert as_sent(w.dataplane.current) == document("v1")  # fail static
         status = json.loads(w.agent.state.file("status.json").read_text())
         assert status["stream"]["state"] in ("connecting", "disconnected") and status["last_error"]
 
@@ -532,7 +536,7 @@ def test_stop_closes_the_stream_with_1000_and_leaves_the_table(tmp_path):
         await w.stop()
         closed = await w.event("closed", mark)
         assert closed["code"] == 1000
-        assert w.dataplane.current == document("v1")
+        assert as_sent(w.dataplane.current) == document("v1")
         assert w.log_lines()[-2:] == ["stopping reason=test", "stopped"]
 
     scenario(tmp_path, body)
@@ -575,3 +579,64 @@ def test_an_outbound_table_gets_every_listed_gateway_in_its_gateway_sets(tmp_pat
         assert "127.0.0.1 . " in applied  # the gateway it is connected to
 
     scenario(tmp_path, body, prepare=prepare)
+
+
+def test_a_document_without_an_output_chain_gets_the_observe_only_one_and_the_gateway_sets(tmp_path):
+    """Outbound visibility: the rendered document has no output chain; the agent adds one that marks new
+    outgoing connections observed (outbound) and judges nothing (agent/outbound_observe.py), its gateway
+    sets filled, so that its own connections to the control plane are not evidence."""
+
+    async def body(w: World) -> None:
+        await w.gateway.push_snapshot(w.workload, "v1", document("v1"), mode="visibility")
+        w.start()
+        await w.message("applied")
+        applied = w.dataplane.current
+        assert as_sent(applied) == document("v1")
+        chain = applied[applied.index("\tchain output {") :]
+        assert "ct state new ct mark set 0x81000000 accept" in chain
+        assert " drop" not in chain and "reject" not in chain and "log " not in chain
+        assert "elements = { 127.0.0.1 . " in applied  # the gateway it is connected to
+        # A document with an output chain of its own (an outbound mode other than visibility) gets none.
+        mark = w.mark()
+        own = document("v2").replace(
+            "}\n}\n", "}\n\tchain output {\n\t\ttype filter hook output priority 0;\n\t}\n}\n"
+        )
+        await w.gateway.push_snapshot(w.workload, "v2", own, mode="visibility")
+        await w.message("applied", mark)
+        assert w.dataplane.current == own and "0x81000000" not in w.dataplane.current
+
+    scenario(tmp_path, body)
+
+
+def test_a_pushed_list_of_gateways_is_in_the_table_at_once_without_a_new_version(tmp_path):
+    """Issue 36 item 1 with issue 34 item 4: a changed list over the stream refills the gateway sets of
+    the table in place (one replace of the last applied table), not only at the next policy version."""
+
+    async def body(w: World) -> None:
+        await w.gateway.push_snapshot(w.workload, "v1", document("v1"), mode="enforced")
+        w.start()
+        await w.message("applied")
+        assert "192.0.2.10" not in w.dataplane.current and w.dataplane.applies == 1
+        mark = w.mark()
+        changed = [*w.agent.gateways, "192.0.2.10:8443", "[2001:db8::10]:9443"]
+        await w.gateway.streams[w.workload].send(p.Gateways(addresses=changed).encode())
+        deadline = time.monotonic() + 10
+        while w.dataplane.applies < 2:
+            assert time.monotonic() < deadline, "the gateway sets were not refilled"
+            await asyncio.sleep(0.02)
+        applied = w.dataplane.current
+        assert "192.0.2.10 . 8443" in applied and "2001:db8::10 . 9443" in applied
+        assert "127.0.0.1 . " in applied and as_sent(applied) == document("v1")
+        assert w.agent.applied_document == applied  # what a hand edit is undone with
+        assert "applied" not in w.types_between(mark) and w.agent.applied_version == "v1"
+        assert "gateway sets applied version=v1" in w.log_lines()
+        # The same list again changes nothing; after the kill switch nothing is put back.
+        await w.gateway.streams[w.workload].send(p.Gateways(addresses=changed).encode())
+        w.dataplane.remove()
+        w.agent.table_event("absent")
+        await w.message("table", mark)
+        await w.gateway.streams[w.workload].send(p.Gateways(addresses=changed[:1]).encode())
+        await asyncio.sleep(0.3)
+        assert w.dataplane.current is None and w.dataplane.applies == 2
+
+    scenario(tmp_path, body)

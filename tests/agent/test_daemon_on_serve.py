@@ -26,6 +26,7 @@ from agent.eventlog import EventLog
 from agent.simulated import RecordingDataplane
 from agent.state import StateDir
 from agent.worker import DataplaneWorker
+from tests.support.agent_helpers import as_sent
 from tests.support.serve_process import Site
 
 pytestmark = pytest.mark.e2e
@@ -126,14 +127,14 @@ def rendered(http, workload: dict) -> str:
 def test_the_agent_applies_exactly_the_rendered_document_and_follows_a_mode_change(world):
     _, _, http, agent, workload = world
     assert workload["mode"] == "visibility" and workload["hostname"] == "web-1"
-    assert agent.dataplane.current == rendered(http, workload)
+    assert as_sent(agent.dataplane.current) == rendered(http, workload)
 
     http.post(
         "/api/v1/mode-changes", json={"selection": {"workload_ids": [workload["id"]]}, "mode": "enforced"}
     )
     after = wait(http, lambda w: w["mode"] == "enforced" and in_sync(w), "enforced and synced")
     assert after["latest_version"] != workload["latest_version"]
-    assert agent.dataplane.current == rendered(http, after)
+    assert as_sent(agent.dataplane.current) == rendered(http, after)
     assert f"applied version={after['latest_version']} mode=enforced" in agent.log_lines()
 
 
@@ -153,7 +154,7 @@ def test_a_refused_document_degrades_the_workload_keeps_the_table_and_a_resend_r
     agent.call(setattr, agent.dataplane, "fail_with", None)
     assert http.post(f"/api/v1/workloads/{workload['id']}/resend-snapshot").status_code == 200
     recovered = wait(http, in_sync, "synced after the resend")
-    assert recovered["mode"] == "simulation" and agent.dataplane.current == rendered(http, recovered)
+    assert recovered["mode"] == "simulation" and as_sent(agent.dataplane.current) == rendered(http, recovered)
 
 
 def test_a_table_deleted_on_the_host_shows_absent_and_only_a_resend_restores_it(world):
@@ -170,7 +171,7 @@ def test_a_table_deleted_on_the_host_shows_absent_and_only_a_resend_restores_it(
     restored = wait(
         http, lambda w: w["health"]["owned_table"]["state"] == "present" and in_sync(w), "restored"
     )
-    assert agent.dataplane.current == rendered(http, restored)
+    assert as_sent(agent.dataplane.current) == rendered(http, restored)
     assert http.get("/api/v1/workloads/counts").json()["removed"] == 0
 
 

@@ -49,3 +49,22 @@ def test_the_agent_reads_the_prefixes_the_renderer_logs():
     # The inbound terminal drop has no prefix at all; the old deny form is no longer a rule.
     assert parse_prefix(b"") == ("inbound", None)
     assert parse_prefix(b"palisade deny 7") == ("inbound", None)
+
+
+def test_a_connection_the_workload_opened_is_never_ended_by_its_inbound_deny_rules():
+    """A deny rule "any -> tcp/22" on this workload ends the inbound connections to its port 22, not the
+    workload's own connections out to another host's port 22 (marked outbound: 0x80, by the output chain
+    of any outbound mode, the observe-only one of visibility included)."""
+    from agent.conntrack import Entry
+    from agent.deny import DenyLine, denied
+
+    line = DenyLine(rule=7, family=None, intervals=(), services=((6, 22, 22),))
+
+    def entry(mark: int, source: str, destination: str) -> Entry:
+        return Entry(False, 1, 6, source, destination, 22, 40000, mark, None, None, None)
+
+    inbound = entry((1 << 24), "10.0.0.9", "10.0.0.5")  # observed, inbound
+    outbound = entry(((0x80 | 1) << 24), "10.0.0.5", "10.0.0.9")  # observed, outbound
+    enforced_out = entry(((0x80 | 2) << 24) | 3, "10.0.0.5", "10.0.0.9")  # allowed by rule 3, outbound
+    unmarked = entry(0, "10.0.0.9", "10.0.0.5")
+    assert denied([inbound, outbound, enforced_out, unmarked], [line]) == [inbound]

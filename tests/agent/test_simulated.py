@@ -10,7 +10,7 @@ import pytest
 
 from agent.dataplane import ApplyError
 from agent.simulated import RecordingDataplane, sim_addresses, sim_hostname, start_simulated_fleet
-from tests.support.agent_helpers import GatewayThread, document, run_cli
+from tests.support.agent_helpers import GatewayThread, as_sent, document, run_cli
 from tests.support.fake_gateway import FakeGateway
 
 
@@ -61,7 +61,7 @@ def test_a_fleet_in_one_process(tmp_path):
             await gateway.wait_for(
                 lambda e, w=workload: e["kind"] == "message" and e["type"] == "applied" and e["workload"] == w
             )
-        assert all(d.current == document("v1") for d in fleet.dataplanes)
+        assert all(as_sent(d.current) == document("v1") for d in fleet.dataplanes)
         assert fleet.summary()["applied"] == count and fleet.summary()["connected"] == count
 
         # A new version for one agent reaches only that agent.
@@ -74,7 +74,7 @@ def test_a_fleet_in_one_process(tmp_path):
                 and e["data"] == {"v": 1, "type": "applied", "version": "v2"}
             )
         )
-        assert [d.current for d in fleet.dataplanes].count(document("v2")) == 1
+        assert [as_sent(d.current) for d in fleet.dataplanes].count(document("v2")) == 1
         await gateway.wait_for(lambda e: e["kind"] == "message" and e["type"] == "heartbeat")
 
         fleet.stop()

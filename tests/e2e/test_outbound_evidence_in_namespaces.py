@@ -33,7 +33,9 @@ for _ in range(int(sys.argv[2])):
 
 def _outbound_table(rule_number: int) -> str:
     """What the renderer's output chain will do, for connections to the client only (the agent's own
-    stream to the gateway is left unmarked: it is not what this test counts)."""
+    stream to the gateway is left unmarked: it is not what this test counts). Priority 10: after the
+    observe-only output chain the agent adds to its table in outbound visibility (priority 0), so that
+    these marks are the last set and these drops drop."""
 
     def mark(flags: int, decision: int, rule: int = 0) -> str:
         return f"{(flags | decision) << 24 | rule:#010x}"
@@ -41,7 +43,7 @@ def _outbound_table(rule_number: int) -> str:
     return (
         "table inet palisade_outbound_test {\n"
         "\tchain output {\n"
-        "\t\ttype filter hook output priority 0; policy accept;\n"
+        "\t\ttype filter hook output priority 10; policy accept;\n"
         "\t\tct state established,related accept\n"
         f"\t\tct state new ip daddr {CLIENT} udp dport 53 ct mark set {mark(OUTBOUND | FAILSAFE, ALLOWED)} accept\n"
         f"\t\tct state new ip daddr {CLIENT} tcp dport 8080 ct mark set {mark(OUTBOUND, ALLOWED, rule_number)} accept\n"

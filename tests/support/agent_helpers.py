@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -11,6 +12,7 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
+from agent import outbound_observe
 from tests.support.fake_gateway import FakeGateway
 
 REPO = Path(__file__).resolve().parents[2]
@@ -90,3 +92,18 @@ class GatewayThread:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
         self.loop.close()
+
+
+_GATEWAY_ELEMENTS = re.compile(
+    r"(\tset agent_gateways_v[46] \{\n\t\ttype [^\n]+\n)\t\telements = \{[^}]*\}\n"
+)
+
+
+def as_sent(applied: str | None) -> str | None:
+    """The document the agent was sent, from the table it applied: without the gateway sets' elements it
+    fills and the observe-only output chain it adds to a document that has none (agent/outbound_observe.py)."""
+    if applied is None:
+        return None
+    text = _GATEWAY_ELEMENTS.sub(r"\1", applied)
+    added = "\n\n" + outbound_observe.added_text() + "}\n"
+    return text[: -len(added)] + "\n}\n" if text.endswith(added) else text
