@@ -12,8 +12,8 @@ of the spec's "Stored flow window":
   connection ended, which is often a later one than the window that counted it (`bytes_counted`).
   A window says whether accounting was on, so "no bytes" and "not counted" differ.
 
-At `max_keys` distinct keys a window takes no new key one by one until it closes: the observations of
-any other key are summed into the window's aggregate key for their decision and direction (peer and protocol
+At `max_keys` distinct keys of one direction a window takes no new key of that direction one by one
+until it closes (each direction has its own bound): the observations of any other key are summed into the window's aggregate key for their decision and direction (peer and protocol
 `AGGREGATE`, port 0, no rule), so every connection is still counted, and the window reports a
 `keys_aggregated` gap from the first such observation to its end, with how many keys and connections
 were summed so (the control plane bounds keys the same way, and folds into the same keys).
@@ -91,7 +91,10 @@ class OpenWindow:
         self.max_keys = max_keys
         self.accounting = accounting
         self.counters: dict[FlowKey, Counters] = {}
-        self.kept = 0  # keys counted one by one (the aggregate keys are not among them)
+        # Keys counted one by one, per direction (the aggregate keys are not among them): each direction
+        # has its own bound, so a host opening connections to thousands of destinations never pushes the
+        # connections it receives into the aggregate.
+        self.kept: dict[str, int] = {}
         self.overflow_at: float | None = None
         self.aggregated_connections = 0
         self.aggregated_keys: set[FlowKey] = set()
@@ -101,7 +104,8 @@ class OpenWindow:
         entry = self.counters.get(key)
         if entry is not None:
             return entry, False
-        if self.kept >= self.max_keys:
+        kept = self.kept.get(key.direction, 0)
+        if kept >= self.max_keys:
             if self.overflow_at is None:
                 self.overflow_at = at
             self.aggregated_keys.add(key)
@@ -110,7 +114,7 @@ class OpenWindow:
             if entry is None:
                 entry = self.counters[aggregate] = Counters()
             return entry, True
-        self.kept += 1
+        self.kept[key.direction] = kept + 1
         entry = self.counters[key] = Counters()
         return entry, False
 
@@ -139,7 +143,7 @@ class OpenWindow:
             if counters.connection_count == 0:  # there only for bytes
                 del self.counters[key]
                 if key.peer != AGGREGATE:
-                    self.kept -= 1
+                    self.kept[key.direction] -= 1
             else:
                 counters.bytes_in = counters.bytes_out = 0
 

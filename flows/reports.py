@@ -8,6 +8,8 @@ from __future__ import annotations
 import functools
 import ipaddress
 import uuid
+from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
 from typing import Any
@@ -365,16 +367,24 @@ def _aggregate_key(decision: str, direction: str, groups: list[dict]) -> dict:
     return summed
 
 
-def keys_fold(groups: list[dict], *, keep: int) -> tuple[list[dict], Aggregated | None]:
-    """A window's groups with at most `keep` keys one by one: the others, and any aggregate key the
-    agent sent, summed into one aggregate key per decision and direction. Returns the groups and what was summed
-    here (None when nothing was)."""
+def keys_fold(groups: list[dict], *, keep: Mapping[str, int]) -> tuple[list[dict], Aggregated | None]:
+    """A window's groups with at most `keep[direction]` keys one by one in each direction: the others,
+    and any aggregate key the agent sent, summed into one aggregate key per decision and direction.
+    Each direction has its own bound, so keys of one never push the other's into the aggregate.
+    Returns the groups and what was summed here (None when nothing was)."""
     aggregates = [g for g in groups if g["peer"] == AGGREGATE]
-    keys = [g for g in groups if g["peer"] != AGGREGATE]
-    if len(keys) <= keep:
+    by_direction: dict[str, list[dict]] = {}
+    for group in groups:
+        if group["peer"] != AGGREGATE:
+            by_direction.setdefault(group["direction"], []).append(group)
+    if all(len(keys) <= keep[direction] for direction, keys in by_direction.items()):
         return groups, None
-    keys.sort(key=_weight)
-    kept, over = keys[:keep], keys[keep:]
+    kept: list[dict] = []
+    over: list[dict] = []
+    for direction, keys in by_direction.items():
+        keys.sort(key=_weight)
+        kept += keys[: keep[direction]]
+        over += keys[keep[direction] :]
     by_decision: dict[tuple[str, str], list[dict]] = {}
     for group in over + aggregates:
         by_decision.setdefault((group["decision"], group["direction"]), []).append(group)
@@ -383,6 +393,11 @@ def keys_fold(groups: list[dict], *, keep: int) -> tuple[list[dict], Aggregated 
         for (decision, direction), listed in sorted(by_decision.items())
     ]
     return kept + summed, Aggregated(len(over), sum(g["connection_count"] for g in over))
+
+
+def keys_by_direction(groups: list[dict]) -> Counter:
+    """The keys kept one by one of each direction (the aggregate keys are not among them)."""
+    return Counter(group["direction"] for group in groups if group["peer"] != AGGREGATE)
 
 
 @dataclass(frozen=True)
@@ -400,22 +415,24 @@ def report_parse(data: Any, *, now: datetime) -> ParsedReport:
     """Check a report against the stored range of days around `now`; raises ValidationFailed for a
     malformed envelope only.
 
-    Keys are bounded: a window keeps at most PALISADE_FLOW_WINDOW_MAX_KEYS keys one by one, and a
-    report PALISADE_FLOW_REPORT_MAX_KEYS in all (its windows in order; a window past the report's
-    bound keeps none). The rest are summed into each window's aggregate keys (`keys_fold`), never
+    Keys are bounded in each direction: a window keeps at most PALISADE_FLOW_WINDOW_MAX_KEYS keys one
+    by one, and a report PALISADE_FLOW_REPORT_MAX_KEYS in all (its windows in order; a window past the
+    report's bound keeps none). The rest are summed into each window's aggregate keys (`keys_fold`), never
     dropped, and the window says how many (`ParsedWindow.aggregated`)."""
     envelope = report_envelope(data)
     stored = _stored_days(now)
     today = now.astimezone(UTC).date()
     windows: list[tuple[Any, ParsedWindow | Refused]] = []
     row_days = {today}
-    per_window, left = settings.PALISADE_FLOW_WINDOW_MAX_KEYS, settings.PALISADE_FLOW_REPORT_MAX_KEYS
+    per_window = settings.PALISADE_FLOW_WINDOW_MAX_KEYS
+    left = dict.fromkeys(Direction.values, settings.PALISADE_FLOW_REPORT_MAX_KEYS)
     for raw in envelope.windows:
         try:
             window_id, start, end, body = _window(raw, window_seconds=envelope.window_seconds)
             _check_stored_day(start, "start", stored)
             groups = [_group(g, start=start, end=end, accounting=body["accounting"]) for g in body["groups"]]
-            groups, aggregated = keys_fold(groups, keep=min(per_window, left))
+            keep = {direction: min(per_window, room) for direction, room in left.items()}
+            groups, aggregated = keys_fold(groups, keep=keep)
             windows.append(
                 (
                     raw,
@@ -430,7 +447,8 @@ def report_parse(data: Any, *, now: datetime) -> ParsedReport:
                     ),  # fmt: skip
                 )
             )
-            left -= sum(1 for group in groups if group["peer"] != AGGREGATE)
+            for direction, keys in keys_by_direction(groups).items():
+                left[direction] -= keys
             row_days.add(start.astimezone(UTC).date())
         except Refused as refused:
             windows.append((raw, refused))

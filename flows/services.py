@@ -29,7 +29,7 @@ from fleet import health
 from fleet.models import Workload
 from fleet.report_auth import ReportSender, report_sender_still_current
 from fleet.selectors import workload_get
-from flows.choices import AGGREGATE, GapKind
+from flows.choices import AGGREGATE, Direction, GapKind
 from flows.group_commit import GroupCommit
 from flows.models import (
     EvidenceGap,
@@ -46,6 +46,7 @@ from flows.reports import (
     Refused,
     Report,
     item_answer,
+    keys_by_direction,
     keys_fold,
     report_parse,
 )
@@ -583,35 +584,47 @@ def _unsummed_row(window: dict, keys: int) -> dict:
     }
 
 
-def _keys_kept_by_start(pairs: list[tuple[uuid.UUID, datetime]]) -> dict[tuple[uuid.UUID, datetime], int]:
-    """The keys stored one by one for each (workload, window start) of `pairs`: one read off the
-    (workload, start) index, in SQL written out like the write's other reads."""
+def _keys_kept_by_start(
+    pairs: list[tuple[uuid.UUID, datetime]],
+) -> dict[tuple[uuid.UUID, datetime, str], int]:
+    """The keys stored one by one for each (workload, window start) of `pairs`, per direction: one read
+    off the (workload, start) index, in SQL written out like the write's other reads."""
     if not pairs:
         return {}
     workload, start = FlowGroup._meta.get_field("workload").target_field, FlowGroup._meta.get_field("start")
     workloads = [workload.get_db_prep_value(w, connection) for w in {w for w, _ in pairs}]
     starts = [start.get_db_prep_value(s, connection) for s in {s for _, s in pairs}]
     sql = (
-        f'SELECT "workload_id", "start", count(*) FROM "{FlowGroup._meta.db_table}"'  # noqa: S608 - our names
+        f'SELECT "workload_id", "start", "direction", count(*) FROM "{FlowGroup._meta.db_table}"'  # noqa: S608 - our names
         f' WHERE "workload_id" IN ({", ".join(["%s"] * len(workloads))})'
-        f' AND "start" IN ({", ".join(["%s"] * len(starts))}) AND "peer" <> %s GROUP BY 1, 2'
+        f' AND "start" IN ({", ".join(["%s"] * len(starts))}) AND "peer" <> %s GROUP BY 1, 2, 3'
     )
     with connection.cursor() as cursor:
         cursor.execute(sql, [*workloads, *starts, AGGREGATE])
         rows = cursor.fetchall()
     # SQLite gives the workload as its text and the start without its zone (UTC): read back as stored.
-    return {(workload.to_python(w), s if s.tzinfo else s.replace(tzinfo=UTC)): keys for w, s, keys in rows}
+    return {
+        (workload.to_python(w), s if s.tzinfo else s.replace(tzinfo=UTC), direction): keys
+        for w, s, direction, keys in rows
+    }
 
 
 def _within_start_bound(window: ParsedWindow, *, workload_id: uuid.UUID, kept: dict) -> ParsedWindow:
-    """The window with at most what is left of PALISADE_FLOW_WINDOW_MAX_KEYS for its workload and start
-    kept one by one, the rest summed into its aggregate keys: the bound of a window holds for all of a
-    workload's windows of one start, so that windows sent again under new ids (or by a restarted
-    process for the same minute) add no keys past it. `kept` counts what this write keeps too."""
-    start = (workload_id, window.start)
-    room = max(settings.PALISADE_FLOW_WINDOW_MAX_KEYS - kept.get(start, 0), 0)
+    """The window with at most what is left of PALISADE_FLOW_WINDOW_MAX_KEYS in each direction for its
+    workload and start kept one by one, the rest summed into its aggregate keys: the bound of a window
+    holds for all of a workload's windows of one start, so that windows sent again under new ids (or by
+    a restarted process for the same minute) add no keys past it. `kept` counts what this write keeps
+    too."""
+    room = {
+        direction: max(
+            settings.PALISADE_FLOW_WINDOW_MAX_KEYS - kept.get((workload_id, window.start, direction), 0), 0
+        )
+        for direction in Direction.values
+    }
     groups, summed = keys_fold(window.groups, keep=room)
-    kept[start] = kept.get(start, 0) + sum(1 for group in groups if group["peer"] != AGGREGATE)
+    for direction, keys in keys_by_direction(groups).items():
+        at = (workload_id, window.start, direction)
+        kept[at] = kept.get(at, 0) + keys
     if summed is None:
         return window
     if window.aggregated is not None:

@@ -77,6 +77,20 @@ def test_a_late_event_for_a_closed_window_is_counted_once_in_the_next_open_one()
     assert closed.start == 60.0 and groups(closed)[WEB].connection_count == 1
 
 
+def test_each_direction_has_its_own_bound_so_outgoing_keys_never_push_incoming_ones_into_the_aggregate():
+    w = windows(max_keys=2, accounting=False)
+    outgoing = [FlowKey(f"198.51.100.{i}", "tcp", 443, "observed", None, "outbound") for i in range(5)]
+    for at, key in enumerate(outgoing, start=1):
+        w.connection_opened(key, float(at))
+    w.connection_opened(WEB, 10.0)
+    w.connection_opened(SSH, 11.0)
+    (closed,), (gap,) = w.close_due(60.0, "v1")
+    summed_out = FlowKey(AGGREGATE, AGGREGATE, 0, "observed", None, "outbound")
+    assert set(groups(closed)) == {WEB, SSH, *outgoing[:2], summed_out}
+    assert groups(closed)[summed_out].connection_count == 3
+    assert gap.lost == {"keys": 3, "connections": 3}
+
+
 def test_keys_over_the_bound_are_summed_into_the_aggregate_key_of_their_decision_and_said_so():
     w = windows(max_keys=2, accounting=True)
     w.connection_opened(WEB, 1.0)

@@ -211,6 +211,32 @@ def test_a_round_of_summing_ends_after_its_time_and_the_next_takes_the_rest(db, 
     assert not UnsummedWindow.objects.exists()
 
 
+def test_each_direction_has_its_own_bound_in_a_window_a_report_and_a_minute_sent_again(db, bounds):
+    web, _, _ = enrolled()
+    window = _window(0, [(f"10.1.0.{i}", i, "allowed") for i in range(1, 4)])
+    outgoing = [{**window["groups"][0], "peer": f"198.51.100.{i}", "decision": "observed", "direction": "outbound",
+                 "connection_count": 1} for i in range(1, 6)]  # fmt: skip
+    window["groups"] += outgoing
+    _ingest(web, [window])
+    # Three inbound keys, the bound: all kept as they are, the outbound ones past three summed apart.
+    stored = {
+        (g.peer, g.direction): g.connection_count for g in FlowGroup.objects.filter(window_id=window["id"])
+    }
+    assert {key: n for key, n in stored.items() if key[1] == "inbound"} == {
+        ("10.1.0.1", "inbound"): 1, ("10.1.0.2", "inbound"): 2, ("10.1.0.3", "inbound"): 3
+    }  # fmt: skip
+    assert stored[("*", "outbound")] == 2 and sum(1 for k in stored if k[1] == "outbound") == 4
+    assert [lost for _, _, _, lost, _ in _gaps()] == [{"keys": 2, "connections": 2}]
+    # The same minute again under a new id: the outbound bound is used up, the inbound one too; an
+    # outbound key is summed, not an inbound one in its place.
+    again = _window(0, [])
+    again["groups"] = [{**outgoing[0], "peer": "198.51.100.9"}]
+    _ingest(web, [again])
+    assert {(g.peer, g.direction) for g in FlowGroup.objects.filter(window_id=again["id"])} == {
+        ("*", "outbound")
+    }
+
+
 def test_windows_sent_again_under_new_ids_for_the_same_minute_add_no_keys_past_the_bound(db, bounds):
     web, _, _ = enrolled()
     first = _window(0, [("10.1.0.1", 1, "allowed"), ("10.1.0.2", 2, "allowed")])
