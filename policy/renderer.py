@@ -868,7 +868,8 @@ def compile_policy(
     key = (
         "policy",
         tuple(map(id, rulesets)),
-        tuple((name, id(group)) for name, group in groups.items()),
+        tuple(groups),
+        tuple(map(id, groups.values())),
         tuple(failsafe),
     )
     found = fleet.memo.get(key)
