@@ -220,6 +220,7 @@ def bench_render(count: int, deny_share: float = 0.0, outbound: bool = False) ->
         workloads, rulesets = with_outbound(workloads, services, groups, rulesets)
 
     started = time.perf_counter()
+    cpu_started = time.process_time()
     fleet = FleetIndex.build(workloads)
     index_seconds = time.perf_counter() - started
 
@@ -238,6 +239,8 @@ def bench_render(count: int, deny_share: float = 0.0, outbound: bool = False) ->
         if size > len(largest[1]):
             largest = (workload.id, result.document)
     render_seconds = time.perf_counter() - started
+    # This process's CPU time for the same (index and loop): steadier than the wall on a shared machine.
+    cpu_seconds = time.process_time() - cpu_started
 
     # What one re-render costs when nothing is cached: a fresh index for the whole fleet.
     target = next(w for w in workloads if w.id == largest[0])
@@ -247,6 +250,7 @@ def bench_render(count: int, deny_share: float = 0.0, outbound: bool = False) ->
     assert fresh.document == largest[1], "a cached render differs from a fresh one"
 
     judged = [s for s, w in zip(sizes, workloads, strict=True) if w.mode != "visibility"]
+    with_output = [s for s, w in zip(sizes, workloads, strict=True) if w.outbound_mode != "visibility"]
     results = {
         "fleet": {
             "workloads": len(workloads),
@@ -259,6 +263,7 @@ def bench_render(count: int, deny_share: float = 0.0, outbound: bool = False) ->
         "fleet_index_build_s": index_seconds,
         "render_all_s": render_seconds + index_seconds,
         "render_loop_s": render_seconds,
+        "render_all_cpu_s": cpu_seconds,
         "per_document_ms": {
             "p50": percentile(per_document, 0.50) * 1e3,
             "p99": percentile(per_document, 0.99) * 1e3,
@@ -270,6 +275,12 @@ def bench_render(count: int, deny_share: float = 0.0, outbound: bool = False) ->
             "p99": percentile(sizes, 0.99),
             "max": max(sizes),
             "p50_judged_modes": percentile(judged, 0.50),
+        },
+        # The documents with an output chain (outbound simulation/enforced): none without --outbound.
+        "output_chain_document_bytes": {
+            "count": len(with_output),
+            "p50": percentile(with_output, 0.50) if with_output else None,
+            "max": max(with_output, default=None),
         },
         "rules_per_document": {"p50": percentile(rules_per_document, 0.5), "max": max(rules_per_document)},
         "largest_document": {"workload": largest[0], "bytes": len(largest[1].encode())},
@@ -303,7 +314,17 @@ def main() -> None:
     )
     args = parser.parse_args()
 
+    baseline = None
+    if args.outbound:
+        # The same fleet and inbound policy without outbound, rendered first in the same run: the
+        # baseline of the ratio (the inbound render holds the 10 s target, 3.0-3.7 s on a quiet machine).
+        baseline, _ = bench_render(args.workloads, args.deny_share)
     results, largest = bench_render(args.workloads, args.deny_share, outbound=args.outbound)
+    if baseline is not None:
+        results["inbound_only_render_all_s"] = baseline["render_all_s"]
+        results["ratio_over_inbound_only"] = results["render_all_s"] / baseline["render_all_s"]
+        results["inbound_only_render_all_cpu_s"] = baseline["render_all_cpu_s"]
+        results["cpu_ratio_over_inbound_only"] = results["render_all_cpu_s"] / baseline["render_all_cpu_s"]
     results["deny_share"] = args.deny_share
     results["outbound"] = args.outbound
     results["apply"] = bench_apply_largest(largest, args.apply_reps, skip=args.no_apply)
@@ -319,7 +340,8 @@ def main() -> None:
         f"{fleet['services']} services, {fleet['address_groups']} groups"
     )
     print(
-        f"render all: {results['render_all_s']:.2f} s (index {results['fleet_index_build_s']:.2f} s) "
+        f"render all: {results['render_all_s']:.2f} s, CPU {results['render_all_cpu_s']:.2f} s "
+        f"(index {results['fleet_index_build_s']:.2f} s) "
         f"[target <= 10 s]; per document p50 {per_doc['p50']:.2f} ms, p99 {per_doc['p99']:.2f} ms, "
         f"max {per_doc['max']:.1f} ms"
     )
@@ -328,6 +350,18 @@ def main() -> None:
         f"max {sizes['max'] / 1024:.1f} KiB; rules per document p50 {results['rules_per_document']['p50']}, "
         f"max {results['rules_per_document']['max']}"
     )
+    output = results["output_chain_document_bytes"]
+    if output["count"]:
+        print(
+            f"documents with an output chain: {output['count']}, size p50 {output['p50'] / 1024:.1f} KiB, "
+            f"max {output['max'] / 1024:.1f} KiB"
+        )
+    if baseline is not None:
+        print(
+            f"same fleet without outbound, same run: {baseline['render_all_s']:.2f} s "
+            f"(CPU {baseline['render_all_cpu_s']:.2f} s); ratio with / without "
+            f"{results['ratio_over_inbound_only']:.2f} (CPU {results['cpu_ratio_over_inbound_only']:.2f})"
+        )
     print(f"fresh re-render of the largest (index rebuilt): {results['fresh_rerender_of_largest_s']:.2f} s")
     apply = results["apply"]
     if "skipped" in apply:

@@ -267,6 +267,9 @@ _OUT_TERMINAL_ENFORCED = (
 )
 
 
+_PARTS_VERSION_TAG = b"palisade document parts\n"
+
+
 def _version(document: str) -> str:
     return "sha256:" + hashlib.sha256(document.encode()).hexdigest()[:32]
 
@@ -342,13 +345,14 @@ class PeerLine:
 
 # (every inbound rule in chain order with its scope and distinct service lines; per distinct source, its
 # sets and the (rule order, family) pairs it appears in; (family, address) -> the selector sources
-# holding it; the sources of intervals (address groups); the orders of `any` rules)
+# holding it, as the orders of the rules reading each; per family, the same of the interval sources
+# (address groups) covering each stretch of addresses; the orders of `any` rules)
 _PeerIndex = tuple[
     list[tuple[RuleInput, CompiledRule, Selector, tuple[Line, ...]]],
     list[tuple["SourceSets", list[tuple[int, int]]]],
-    dict[tuple[int, int], list[int]],
-    list[int],
-    list[int],
+    dict[tuple[int, int], list[frozenset[int]]],
+    dict[int, tuple[list[int], list[list[frozenset[int]]]]],
+    frozenset[int],
 ]
 
 
@@ -399,8 +403,10 @@ class CompiledPolicy:
         self._group_sets: dict[str, SourceSets] = {}
         self._blocks: dict[CompiledRuleset, _Block] = {}
         self._peers: _PeerIndex | None = None
+        self._per_position_out: dict[int, list[CompiledRuleset]] | None = None
+        self._digests: dict[str, bytes] = {}  # set definition -> its SHA-256 (_parts_version)
         self._entries: dict[int, dict] = {}  # id(inbound rule) -> its rule-index entry
-        self._peer_texts: dict[tuple, tuple] = {}
+        self._peer_rules: dict[tuple[tuple[int, ...], bool], dict[int, _PeerRule]] = {}
 
     def applicable(self, workload: WorkloadInput) -> Sequence[CompiledRuleset]:
         """The inbound rulesets whose scope matches the workload's labels, in rule-numbering order."""
@@ -417,7 +423,15 @@ class CompiledPolicy:
 
     def applicable_outbound(self, workload: WorkloadInput) -> Sequence[CompiledRuleset]:
         """The outbound rulesets whose scope matches the workload's labels, in rule-numbering order."""
-        return [r for r in self._ordered_out if r.ruleset.scope.matches(workload.labels)]
+        position = self.fleet.position_of(workload.id)
+        if position is None or self.fleet.labels[position] != workload.labels:
+            return [r for r in self._ordered_out if r.ruleset.scope.matches(workload.labels)]
+        if self._per_position_out is None:
+            self._per_position_out = {}
+            for compiled in self._ordered_out:
+                for p in self.fleet.positions_matching(compiled.ruleset.scope):
+                    self._per_position_out.setdefault(p, []).append(compiled)
+        return self._per_position_out.get(position, ())
 
     def source_sets(self, source: tuple[str, str], rule: CompiledRule) -> SourceSets:
         """The sets of a line's source: a selector's peers in this fleet, or an address group's members."""
@@ -438,6 +452,30 @@ class CompiledPolicy:
         found = self.fleet.memo.get(("sel", key))
         if found is None:
             found = self.fleet.memo[("sel", key)] = _selector_sets(selector, self.fleet)
+        return found
+
+    def destination_set(self, scope: Selector, family: int) -> tuple[str, str]:
+        """(name, definition) of the set an output chain reads for the workloads of an inbound scope.
+        Every output chain that meets the scope carries it, so where the scope's addresses collapse into
+        at most half as many prefixes (neighbouring addresses: a subnet, the whole fleet) it is written
+        as those prefixes in a set of its own (``dst_``); otherwise it is the scope's peer set (``sel_``,
+        the set a source of the same selector reads: shared with the input chain). The same addresses
+        either way (policy.classify asks `selector_sets`)."""
+        key = ("dst", str(scope), family)
+        found = self.fleet.memo.get(key)
+        if found is None:
+            values = sorted(self.selector_sets(scope).addresses[family])
+            runs = _runs(values)
+            found = self.selector_sets(scope).sets[family]
+            if 2 * len(runs) <= len(values):
+                prefixes = _run_prefixes(runs, family)
+                if 2 * len(prefixes) <= len(values):
+                    text = str(scope)
+                    name = f"{_set_base(('dst', text))}_v{family}"
+                    label = f"destinations: {text}" if text else "destinations: every workload"
+                    definition = _set_definition(name, family, label, prefixes)
+                    found = (name, _claimed(self.fleet, name, ("dst", text), definition))
+            self.fleet.memo[key] = found
         return found
 
     def peer_lines(self, workload: WorkloadInput) -> tuple[list[PeerLine], list[PeerLine]]:
@@ -463,32 +501,35 @@ class CompiledPolicy:
 
     def _peer_families(self, workload: WorkloadInput) -> list[tuple[int, tuple[int, ...]]]:
         """(rule order, families) of the inbound rules with a source holding the workload's address."""
-        _, sources, by_address, interval_sources, any_source = self._peer_index()
-        own: dict[int, list[int]] = {4: [], 6: []}
-        for text in workload.addresses:
-            address = parse_host_address(text)
-            own[address.version].append(int(address))
-        families: dict[int, set[int]] = {}
-        mine = {f for f in (4, 6) if own[f]}
-        for order in any_source:
-            families.setdefault(order, set()).update(mine)
-        # Each distinct source is asked once, not once per rule that names it: a selector's by the
-        # workload's addresses (an index of every selector set's members), a group's by its intervals.
-        hits: dict[int, set[int]] = {}
-        for family in mine:
-            for value in own[family]:
-                for index in by_address.get((family, value), ()):
-                    hits.setdefault(index, set()).add(family)
-        for index in interval_sources:
-            sets = sources[index][0]
-            hit = {f for f in mine if any(sets.contains(f, a) for a in own[f])}
-            if hit:
-                hits[index] = hit
-        for index, hit in hits.items():
-            for order, family in sources[index][1]:
-                if family in hit:
-                    families.setdefault(order, set()).add(family)
-        return [(order, tuple(sorted(families[order]))) for order in sorted(families)]
+        four, six = self._peer_orders(workload)
+        return sorted(
+            [(order, (4,)) for order in four - six]
+            + [(order, (6,)) for order in six - four]
+            + [(order, (4, 6)) for order in four & six]
+        )
+
+    def _peer_orders(self, workload: WorkloadInput) -> tuple[set[int], set[int]]:
+        """The orders of the inbound rules with a source holding the workload's IPv4 / IPv6 address."""
+        _, _, by_address, intervals, any_source = self._peer_index()
+        found: list[set[int]] = []
+        for family in (4, 6):
+            # Each distinct source is asked once, not once per rule that names it: a selector's by the
+            # workload's address (an index of every selector set's members), a group's by an index of
+            # every group's intervals (which groups cover each stretch of addresses).
+            points, covering = intervals[family]
+            hit: list[frozenset[int]] = []
+            for text in workload.addresses:
+                address = parse_host_address(text)
+                if address.version != family:
+                    continue
+                value = int(address)
+                hit.append(any_source)
+                hit.extend(by_address.get((family, value), ()))
+                at = bisect.bisect_right(points, value) - 1
+                if at >= 0:
+                    hit.extend(covering[at])
+            found.append(set().union(*hit))
+        return found[0], found[1]
 
     def _peer_index(self) -> _PeerIndex:
         """Every inbound rule in chain order with its distinct service matches, and which rules each
@@ -513,16 +554,25 @@ class CompiledPolicy:
                     rules.append((rule, rule_compiled, compiled.ruleset.scope, tuple(tails.values())))
                     self._entries[id(rule)] = _rule_entry(compiled.ruleset, rule)
             resolved = [(self.source_sets(source, rep), pairs) for source, (rep, pairs) in by_source.items()]
-            by_address: dict[tuple[int, int], list[int]] = {}
+            # Per source and family, the orders of the rules whose lines read it.
+            orders = {
+                f: [frozenset(order for order, family in pairs if family == f) for _, pairs in resolved]
+                for f in (4, 6)
+            }
+            by_address: dict[tuple[int, int], list[frozenset[int]]] = {}
             interval_sources = []
             for index, (sets, _) in enumerate(resolved):
                 if sets.addresses:
                     for family, members in sets.addresses.items():
                         for member in members:
-                            by_address.setdefault((family, member), []).append(index)
+                            by_address.setdefault((family, member), []).append(orders[family][index])
                 else:
                     interval_sources.append(index)
-            self._peers = (rules, resolved, by_address, interval_sources, any_source)
+            intervals = {}
+            for family in (4, 6):
+                points, covering = _interval_index(resolved, interval_sources, family)
+                intervals[family] = (points, [[orders[family][i] for i in sources] for sources in covering])
+            self._peers = (rules, resolved, by_address, intervals, frozenset(any_source))
         return self._peers
 
     def render(self, workload: WorkloadInput) -> RenderedDocument:
@@ -543,13 +593,34 @@ class CompiledPolicy:
             f"table {TABLE_FAMILY} {TABLE_NAME} {{\n",
             _table_comment(workload.mode, workload.outbound_mode),
         ]
-        parts.extend(sets[name] for name in sorted(sets))
+        parts += map(sets.__getitem__, sorted(sets))
         if outbound:
             parts.append(_GATEWAY_SET_DEFINITIONS)
+        set_parts = range(2, len(parts))
         parts.extend(chains)
         parts.append("}\n")
         document = "".join(parts)
-        return RenderedDocument(document, rule_index, _version(document))
+        version = self._parts_version(parts, set_parts) if outbound else _version(document)
+        return RenderedDocument(document, rule_index, version)
+
+    def _parts_version(self, parts: Sequence[str], set_parts: range) -> str:
+        """The version of a document with an output chain: the SHA-256 of its parts' SHA-256 digests,
+        in order (the parts make up the document exactly). Such a document carries the sets of every
+        inbound scope that admits its workload, hundreds of KiB that most documents share; each set's
+        digest is worked out once per fleet (`set_parts`: where the set definitions are), so only the
+        chains are hashed per document. A document without an output chain keeps the SHA-256 of its
+        text (`_version`), as it always had."""
+        digests = self._digests
+        found = [hashlib.sha256(part.encode()).digest() for part in parts[: set_parts.start]]
+        found += [
+            digests.get(part) or self._set_digest(part) for part in parts[set_parts.start : set_parts.stop]
+        ]
+        found += [hashlib.sha256(part.encode()).digest() for part in parts[set_parts.stop :]]
+        return "sha256:" + hashlib.sha256(_PARTS_VERSION_TAG + b"".join(found)).hexdigest()[:32]
+
+    def _set_digest(self, definition: str) -> bytes:
+        found = self._digests[definition] = hashlib.sha256(definition.encode()).digest()
+        return found
 
     def _input_chain(self, workload: WorkloadInput, rule_index: dict[int, dict], sets: dict[str, str]) -> str:
         enforced = workload.mode == "enforced"
@@ -595,44 +666,57 @@ class CompiledPolicy:
             sets.update(block.sets)
             _index(rule_index, block.entries)
         parts.extend(blocks)
-        # A rule's lines, their sets and its index entry, kept per (rule, families, mode): most workloads
-        # meet the same inbound rules.
-        denies: list[str] = []
-        allows: list[str] = []
-        for order, families in self._peer_families(workload):
-            key = (order, families, enforced)
-            found = self._peer_texts.get(key)
-            if found is None:
-                texts: list[str] = []
-                line_sets: dict[str, str] = {}
-                for peer in self._rule_peer_lines(order, families):
-                    text, more = self._peer_line(peer, enforced)
-                    texts.append(text)
-                    line_sets.update(more)
-                rule = self._peer_index()[0][order][0]
-                found = self._peer_texts[key] = (
-                    rule.action == "deny",
-                    "".join(texts),
-                    tuple(line_sets.items()),
-                    (rule.number, self._entries[id(rule)]) if texts and any(texts) else None,
-                )
-            deny, text, line_sets_found, entry = found
-            if text:
-                (denies if deny else allows).append(text)
-                sets.update(line_sets_found)
-                if entry is not None:
-                    _index(rule_index, (entry,))
-        parts.extend(denies)
-        parts.extend(allows)
+        # Each inbound rule's lines, sets and index entry are kept per (families, mode): most workloads
+        # meet the same inbound rules. Deny lines before allows, each in chain order.
+        four, six = self._peer_orders(workload)
+        chosen: dict[int, _PeerRule] = {}
+        for families, orders in (((4,), four - six), ((6,), six - four), ((4, 6), four & six)):
+            if orders:
+                kept = self._peer_rules.setdefault((families, enforced), {})
+                for order in orders - kept.keys():
+                    self._peer_rule(kept, order, families, enforced)
+                chosen.update({order: kept[order] for order in orders})
+        peers = [peer for peer in map(chosen.__getitem__, sorted(chosen)) if peer.entry is not None]
+        parts += [peer.text for peer in peers if peer.deny]
+        parts += [peer.text for peer in peers if not peer.deny]
+        sets.update([item for peer in peers for item in peer.sets])
+        entries = dict([peer.entry for peer in peers])  # type: ignore[misc]  # entry is set for these
+        for number in rule_index.keys() & entries.keys():
+            if rule_index[number] != entries[number]:
+                raise ValueError(f"rule number {number} is given to two rules")
+        # Not copied, unlike the blocks' entries: these are made for the index alone and nothing reads
+        # an index to change it (a copy each was a tenth of an output chain's time).
+        rule_index.update(entries)
         parts.append(_OUT_TERMINAL_ENFORCED if enforced else _OUT_TERMINAL_SIMULATION)
         parts.append("\t}\n")
         return "".join(parts)
+
+    def _peer_rule(
+        self, kept: dict[int, _PeerRule], order: int, families: tuple[int, ...], enforced: bool
+    ) -> _PeerRule:
+        """One inbound rule's output-chain lines for these families and mode, their sets and its index
+        entry (None: no line), kept in `kept`."""
+        texts: list[str] = []
+        sets: dict[str, str] = {}
+        for peer in self._rule_peer_lines(order, families):
+            text, more = self._peer_line(peer, enforced)
+            if text:
+                texts.append(text)
+                sets.update(more)
+        rule = self._peer_index()[0][order][0]
+        found = kept[order] = _PeerRule(
+            rule.action == "deny",
+            "".join(texts),
+            tuple(sets.items()),
+            (rule.number, self._entries[id(rule)]) if texts else None,
+        )
+        return found
 
     def _peer_line(self, peer: PeerLine, enforced: bool) -> tuple[str, tuple[tuple[str, str], ...]]:
         destination = self.selector_sets(peer.scope)
         if not destination.has[peer.family]:
             return "", ()
-        line_sets = [destination.sets[peer.family]]
+        line_sets = [self.destination_set(peer.scope, peer.family)]
         if peer.line.uses_service_set and peer.compiled.service_set is not None:
             service_name, service_definition = peer.compiled.service_set
             line_sets.append(
@@ -714,6 +798,39 @@ class CompiledPolicy:
         return tuple(heads), tuple(sets.items())
 
 
+@dataclass(frozen=True)
+class _PeerRule:
+    deny: bool
+    text: str
+    sets: tuple[tuple[str, str], ...]
+    entry: tuple[int, dict] | None  # None: no line (its scope has no address of the families)
+
+
+def _interval_index(
+    resolved: Sequence[tuple[SourceSets, object]], indices: Iterable[int], family: int
+) -> tuple[list[int], list[tuple[int, ...]]]:
+    """(first addresses, sources covering from there): the stretches of `family`'s address space on
+    which the same interval sources (address groups) hold an address, found by one sweep."""
+    events: dict[int, list[tuple[int, int]]] = {}
+    for index in indices:
+        for low, high in resolved[index][0].intervals.get(family, ()):
+            events.setdefault(low, []).append((index, 1))
+            events.setdefault(high + 1, []).append((index, -1))
+    points: list[int] = []
+    covering: list[tuple[int, ...]] = []
+    active: dict[int, int] = {}
+    for point in sorted(events):
+        for index, step in events[point]:
+            count = active.get(index, 0) + step
+            if count:
+                active[index] = count
+            else:
+                active.pop(index, None)
+        points.append(point)
+        covering.append(tuple(sorted(active)))
+    return points, covering
+
+
 FAILSAFE_SET = "failsafe"
 
 
@@ -751,7 +868,8 @@ def compile_policy(
     key = (
         "policy",
         tuple(map(id, rulesets)),
-        tuple((name, id(group)) for name, group in groups.items()),
+        tuple(groups),
+        tuple(map(id, groups.values())),
         tuple(failsafe),
     )
     found = fleet.memo.get(key)
@@ -891,6 +1009,29 @@ def _group_sets(group: AddressGroupInput, fleet: FleetIndex) -> SourceSets:
         found[family] = (name, _claimed(fleet, name, ("grp", group.id), definition))
         intervals[family] = tuple((int(n.network_address), int(n.broadcast_address)) for n in collapsed)
     return SourceSets(found, {4: bool(networks[4]), 6: bool(networks[6])}, intervals=intervals)
+
+
+def _runs(values: Sequence[int]) -> list[tuple[int, int]]:
+    """Sorted distinct integers as (first, last) runs of consecutive values."""
+    runs: list[tuple[int, int]] = []
+    for value in values:
+        if runs and runs[-1][1] + 1 == value:
+            runs[-1] = (runs[-1][0], value)
+        else:
+            runs.append((value, value))
+    return runs
+
+
+def _run_prefixes(runs: Iterable[tuple[int, int]], family: int) -> list[str]:
+    """The runs of addresses as the fewest prefixes that hold exactly them (a lone address as itself)."""
+    make = ipaddress.IPv4Address if family == 4 else ipaddress.IPv6Address
+    found: list[str] = []
+    for first, last in runs:
+        if first == last:
+            found.append(str(make(first)))
+        else:
+            found.extend(_network_text(n) for n in ipaddress.summarize_address_range(make(first), make(last)))
+    return found
 
 
 def _host_elements(values: Iterable[int], family: int) -> list[str]:

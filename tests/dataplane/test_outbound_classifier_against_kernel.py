@@ -12,6 +12,7 @@ and an enforced drop's NFLOG prefix must name the classifier's deny rule, or non
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import random
 from dataclasses import replace
@@ -20,7 +21,7 @@ import pytest
 
 from policy.classify import Connection, classify
 from policy.grammar import parse_selector
-from policy.render_inputs import RulesetInput, SourceInput, WorkloadInput
+from policy.render_inputs import FleetIndex, RulesetInput, SourceInput, WorkloadInput
 from policy.renderer import decode_any_mark, render
 from tests.dataplane.test_classifier_against_kernel import (
     _CLIENTS,
@@ -129,10 +130,46 @@ def outbound_connections(rng: random.Random, count: int) -> list[tuple[str, str,
     ],
 )
 def test_the_classifier_names_the_rule_the_kernel_marks_outbound(lab, seed, mode, deny_share):
+    judge_against_kernel(lab, seed, mode, deny_share)
+
+
+@pytest.mark.parametrize(("seed", "mode", "deny_share"), [(2, "simulation", 0.0), (10, "enforced", 0.35)])
+def test_destination_prefix_sets_decide_as_the_classifier_says(lab, seed, mode, deny_share):
+    """Filler workloads own the addresses between the peers' ones, so that broad scopes collapse into
+    prefixes (the output chain's `dst_` sets): the kernel still marks what the classifier says."""
+    judge_against_kernel(lab, seed, mode, deny_share, filled=True)
+
+
+FILLER_LABELS = {"app": "web", "env": "prod"}  # in every scope of SCOPES
+
+
+def with_fillers(fleet: FleetIndex) -> FleetIndex:
+    workloads = [
+        WorkloadInput(
+            workload_id,
+            labels,
+            tuple(str(ipaddress.ip_address(a)) for a in fleet.v4[p] + fleet.v6[p]),
+            "visibility",
+        )
+        for p, (workload_id, labels) in enumerate(zip(fleet.workload_ids, fleet.labels, strict=True))
+    ]
+    for index in (1, 2, 3):
+        # The rest of each peer's /28 (and its IPv6 /124): a peer's own addresses are 1, 2, 5, 9 (1, 2, 7).
+        four, six = peer_addresses(index)
+        addresses = [f"10.78.{index}.{i}" for i in range(16) if f"10.78.{index}.{i}" not in four]
+        addresses += [f"fd78::{index}:{i:x}" for i in range(16) if f"fd78::{index}:{i:x}" not in six]
+        workloads.append(WorkloadInput(f"filler-{index}", FILLER_LABELS, tuple(addresses), "visibility"))
+    return FleetIndex.build(workloads)
+
+
+def judge_against_kernel(lab, seed: int, mode: str, deny_share: float, filled: bool = False) -> None:
     rng = random.Random(seed)
     workload, rulesets, groups, fleet = outbound_policy(rng, mode, deny_share)
+    if filled:
+        fleet = with_fillers(fleet)
     document = render(workload, rulesets, groups, fleet).document
     assert "chain output" in document
+    assert ("@dst_" in document) == filled
     assert dataplane_call(lab, "wl", "apply", document)["error"] is None
     lab.run("wl", ["conntrack", "-F"])
     jobs = outbound_connections(rng, 48)
