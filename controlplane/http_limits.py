@@ -91,7 +91,13 @@ def _got_length(request: http.Request, length: int | None) -> None:
 def _with_body_file(factory):
     if not isinstance(factory, type):
         return factory  # not a request class: nothing to change
-    return type(factory.__name__, (factory,), {"gotLength": _got_length})
+    from daphne.http_protocol import WebRequest
+
+    from controlplane.gateway_reports import PlainReportRequest  # Django's side: imported once it is set up
+
+    # daphne's requests also answer plain flow reports without its ASGI application.
+    bases = (PlainReportRequest, factory) if issubclass(factory, WebRequest) else (factory,)
+    return type(factory.__name__, bases, {"gotLength": _got_length})
 
 
 class LimitedHTTPChannel(BodyGate, http.HTTPChannel):

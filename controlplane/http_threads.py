@@ -15,7 +15,7 @@ import asyncio
 import io
 import json
 import os
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from asgiref.wsgi import WsgiToAsgiInstance
 from django.core.handlers.wsgi import WSGIHandler
@@ -39,7 +39,10 @@ LISTENER_KEY = "palisade.listener"
 
 def _client_address(scope: dict) -> str:
     client = scope.get("client") or ("", 0)
-    host = client[0] or ""
+    return client_host(client[0] or "")
+
+
+def client_host(host: str) -> str:
     # A dual-stack listener shows IPv4 clients as ::ffff:a.b.c.d; the address is a.b.c.d.
     return host[7:] if host.startswith("::ffff:") and "." in host else host
 
@@ -50,6 +53,10 @@ def _problem(problem: Problem, *, instance: str | None = None) -> tuple[int, lis
 
 
 class ThreadPoolHttp:
+    # The instance serve answers with: its flow-report pool also takes the reports that serve's
+    # requests hand it without the ASGI application (controlplane/gateway_reports.py, `PlainReportRequest`).
+    serving: ThreadPoolHttp | None = None
+
     def __init__(
         self,
         threads: int = POOL_THREADS,
@@ -60,6 +67,11 @@ class ThreadPoolHttp:
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="http")
         self.flow_report_pool = ThreadPoolExecutor(flow_report_threads, thread_name_prefix="http-flows")
         self.heavy = heavy  # None: heavy requests run on the pool threads (no workers in this process)
+        ThreadPoolHttp.serving = self
+
+    def flow_report_submit(self, environ: dict) -> Future:
+        """A flow report's answer, on the flow-report pool: (status, headers, body), as `_run` gives."""
+        return self.flow_report_pool.submit(self._respond_to_report, environ)
 
     async def _run(self, environ: dict) -> tuple[int, list, bytes]:
         loop = asyncio.get_running_loop()

@@ -13,6 +13,7 @@ looks ids up first (flows/services.py).
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterable
 from datetime import UTC, date, datetime, time, timedelta
@@ -39,6 +40,7 @@ def partitioned() -> bool:
     return connection.vendor == "postgresql"
 
 
+@functools.lru_cache(maxsize=4096)  # asked for every table of every report's days: strftime is slow
 def partition_name(table: str, day: date) -> str:
     return f"{table}_p{day:%Y%m%d}"
 

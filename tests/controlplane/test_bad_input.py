@@ -202,3 +202,31 @@ def test_if_match_that_is_not_one_version_says_why_without_echoing_it(
     response = api.delete(f"/api/v1/services/{service['id']}", HTTP_IF_MATCH=header)
     body = assert_problem(response, status, name)
     assert fragment in body["detail"] and len(body["detail"]) < 300
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "2026-11-29T02:00:00.123456Z",
+        "2024-02-29T23:59:59.999999Z",
+        "9999-12-31T23:59:59.999999Z",
+        "2026-13-01T00:00:00.000000Z",  # month 13
+        "2026-02-30T00:00:00.000000Z",
+        "2026-01-01T24:00:00.000000Z",
+        "2026-01-01T00:00:0 .000000Z",  # not a digit where one belongs
+        "2026-01-01T00:00:00.00000+Z",
+        "2026-01-01T00:00:00.-00000Z",
+        "+026-01-01T00:00:00.000000Z",
+        "2026-01-01T00:00:00.00000\u0663Z",  # an Arabic-Indic digit
+    ],
+)
+def test_an_instant_in_the_agents_form_parses_as_it_does_with_an_offset(text):
+    """Flow reports' instants (`...SS.ffffffZ`) take a shorter way through the parse: the same
+    instant, or the same refusal, as the instant written with +00:00 (the pattern's way)."""
+    from datetime import UTC
+
+    from controlplane.validation import parse_instant
+
+    parsed, by_pattern = parse_instant(text), parse_instant(text[:-1] + "+00:00")
+    assert parsed == by_pattern
+    assert parsed is None or parsed.tzinfo is UTC
