@@ -329,8 +329,8 @@ def test_an_agent_leaves_a_gateway_that_went_silent_within_10_s(lab, tmp_path):
             assert _status(web)["stream"]["gateway"] == GATEWAYS[1]
             assert api.workload(workload_id)["sync"]["gateway"] == GATEWAYS[1]
         finally:
-            if web is not None:
-                web.kill()
             for process in serves:
                 process.kill()
+            if web is not None:
+                web.kill()
             fleet.db.close()
