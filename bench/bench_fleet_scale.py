@@ -357,6 +357,10 @@ def run_count(
 
     db_name = f"palisade_bench_scale_{os.getpid()}_{count}"
     work = Path(tempfile.mkdtemp(prefix=f"palisade-bench-scale-{count}-"))
+    # The simulated agents' state directories in memory where there is a tmpfs: each agent writes its
+    # status file at every event, and a fleet's files on a busy disk stalled the simulator's event
+    # loop (10,000 agents: handshakes timed out by the thousand and no stream got through).
+    agents_root = Path(tempfile.mkdtemp(prefix=f"palisade-bench-agents-{count}-", dir=agents_dir()))
     procs: list[ServeProcess] = []
     sims: Simulators | None = None
     rows: FleetRows | None = None
@@ -415,7 +419,7 @@ def run_count(
         bundle_file = work / "bundle.txt"
         bundle_file.write_text(bundle)
         started = time.monotonic()
-        sims = Simulators(bundle_file, count, simulators, work / "agents")
+        sims = Simulators(bundle_file, count, simulators, agents_root)
         meter = CpuMeter({"serve": [p.process.pid for p in procs], "simulators": sims.pids}, bool(redis))
         profile = Profile(py_spy, procs[0].process.pid, profiles / f"serve-{count}-connect.txt")
         enrolled: dict = {}
@@ -476,6 +480,7 @@ def run_count(
         result["serve_rss_per_stream_after_enrolment_kb"] = marginal
         result["serve_rss_per_agent_kb"] = (sum(connected) - sum(idle)) * 1024 / count
         result["simulator_rss_mb"] = sims.rss_mb()
+        result["simulator_state"] = {"dir": str(agents_root), "mb": round(tree_mb(agents_root), 1)}
         meter = CpuMeter({"serve": [p.process.pid for p in procs], "simulators": sims.pids}, bool(redis))
         time.sleep(10)
         result["held_idle_cpu"] = meter.stop()
@@ -483,7 +488,7 @@ def run_count(
             f"{count}: serve RSS " + ", ".join(f"{mb:.1f}" for mb in connected) + " MB connected; "
             f"per held stream {per_stream} KiB [target <= {STREAM_MEMORY_TARGET_KB} KiB], {marginal} KiB "
             f"counted from the RSS once all had enrolled; simulators "
-            f"{result['simulator_rss_mb']:.0f} MB RSS in all; CPU s holding them idle: "
+            f"{result['simulator_rss_mb']:.0f} MB RSS in all (state files {result['simulator_state']['mb']:.0f} MB); CPU s holding them idle: "
             + cpu_text(result["held_idle_cpu"])
         )
 
@@ -585,7 +590,17 @@ def run_count(
         except Exception as error:  # noqa: BLE001 - report, keep cleaning
             log(f"could not drop database {db_name}: {error}")
         shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(agents_root, ignore_errors=True)
     return result
+
+
+def tree_mb(root: Path) -> float:
+    return sum(path.stat().st_size for path in root.rglob("*") if path.is_file()) / 2**20
+
+
+def agents_dir() -> str | None:
+    shm = Path("/dev/shm")  # noqa: S108 - mkdtemp makes a private directory inside it
+    return str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
 
 
 def failover(procs, name, rows, sims, post, wait_until, count, idle, py_spy, profiles) -> dict:
@@ -600,12 +615,22 @@ def failover(procs, name, rows, sims, post, wait_until, count, idle, py_spy, pro
     try:
         procs[doomed].stop(signal.SIGKILL, timeout=30)
         killed = time.monotonic()
-        moved = wait_until(
-            "every agent streaming on the survivor",
-            120,
-            lambda: rows.streams() == {gateway: count},
-            lambda: dict(rows.streams()),
-        )
+        progress: list[tuple[float, int]] = []  # (seconds after the kill, streams on the survivor)
+
+        def all_moved() -> bool:
+            now = rows.streams()
+            if not progress or time.monotonic() - killed - progress[-1][0] >= 5:
+                progress.append((round(time.monotonic() - killed, 1), now.get(gateway, 0)))
+            return now == {gateway: count}
+
+        try:
+            moved = wait_until(
+                "every agent streaming on the survivor", max(120, count * 0.06), all_moved, rows.streams
+            )
+        except Timeout as error:
+            raise Timeout(
+                f"{error}; streams on the survivor (s after the kill, streams): {progress}"
+            ) from None
     finally:
         profile.stop()
     cpu = meter.stop()
@@ -627,6 +652,11 @@ def failover(procs, name, rows, sims, post, wait_until, count, idle, py_spy, pro
         "all_streaming_on_survivor_s": failover_s,
         "target_s": FAILOVER_TARGET_S,
         "met": failover_s <= FAILOVER_TARGET_S,
+        "progress": progress,
+        "reached_s": {
+            f"{share:.0%}": next((at for at, n in progress if n >= share * count), round(failover_s, 1))
+            for share in (0.5, 0.9, 0.99)
+        },
         "cpu": cpu,
         "load": load(),
         "mode_change_after": {
@@ -639,7 +669,8 @@ def failover(procs, name, rows, sims, post, wait_until, count, idle, py_spy, pro
     }
     log(
         f"{count}: SIGKILL {out['killed']}: all {count} streaming on {name[gateway]} after "
-        f"{failover_s:.1f} s [target <= {FAILOVER_TARGET_S:.0f} s: {'met' if out['met'] else 'MISSED'}]; "
+        f"{failover_s:.1f} s [target <= {FAILOVER_TARGET_S:.0f} s: {'met' if out['met'] else 'MISSED'}] "
+        f"(share of the fleet there by s after the kill: {out['reached_s']}); "
         f"CPU s: {cpu_text(cpu)}; load {out['load']}; a mode change then applied everywhere in "
         f"{converged - changed:.1f} s (CPU s: {cpu_text(change_cpu)}); survivor RSS {rss:.0f} MB = "
         f"{out['survivor_rss_per_stream_kb']:.0f} KiB per stream"
