@@ -16,16 +16,19 @@ For each count, from nothing:
    the simulators inherit it): a held stream is a descriptor on both sides.
 2. A provisioning token with max_uses = count (its bundle lists every gateway), and
    `python -m agent simulate` as --simulators separate processes on loopback, each with its own range
-   of agent numbers (real agent code, RecordingDataplane, no kernel). Times: until every simulator has
+   of agent numbers (real agent code, RecordingDataplane, no kernel), their state directories in
+   /dev/shm where it exists (each agent rewrites its status file at every event: on a busy disk that
+   stalled the simulators' event loops). Times: until every simulator has
    enrolled its agents (the last `enrolled` line), and until GET /workloads/counts shows all N synced.
    Each simulator starts agents at its fixed rate of 200 per second, so connecting N takes at least
    N / (200 x simulators) s by design. An agent streams to the first gateway of its list that answers,
-   so with two processes the first holds every stream and the second none.
+   so with two processes the first holds the streams (an agent whose handshake with it times out goes
+   on to the second: under load a third of them did).
 3. Each serve's RSS with the agents connected and idle; per held stream = (RSS connected - RSS idle) /
    the streams it holds (the database's fleet_workload.stream_gateway). Target: <= 100 KiB. The
    simulators' RSS, and the CPU of serve, the simulators, PostgreSQL (and Redis) in each phase.
 4. POST /mode-changes {"selection": {"all": true}, "mode": "simulation"} (with two processes, to the
-   one holding no streams: the change reaches them through Redis): time until every workload has
+   one holding fewer streams: the change reaches the others through Redis): time until every workload has
    applied its latest version (polling counts until synced == N), then a full walk of
    GET /workloads?limit=500 checks applied == latest and the mode on every item.
    Target: <= 10 s on one process; <= 30 s on two (issue 36).
