@@ -544,8 +544,9 @@ def run_count(
             f"{count}: mode change of {intent.get('changed_count')} to simulation: POST {post_s:.2f} s, "
             f"all applied == latest after {converge_s:.2f} s [target <= {mode_change_target:.0f} s: "
             f"{'met' if result['mode_change']['met'] else 'MISSED'}]; walk of {items}: "
-            f"{len(mismatched)} with applied != latest, {wrong_mode} not in simulation; CPU s in "
-            f"{cpu['wall_s']:.1f} s: " + cpu_text(cpu) + f"; load {result['mode_change']['load']}"
+            f"{len(mismatched)} with applied != latest, {wrong_mode} not in simulation; CPU s "
+            + cpu_text(cpu)
+            + f"; load {result['mode_change']['load']}"
         )
         if serves > 1:
             result["failover"] = failover(
