@@ -20,8 +20,8 @@ For each count, from nothing:
    /dev/shm where it exists (each agent rewrites its status file at every event: on a busy disk that
    stalled the simulators' event loops). Times: until every simulator has
    enrolled its agents (the last `enrolled` line), and until GET /workloads/counts shows all N synced.
-   Each simulator starts agents at its fixed rate of 200 per second, so connecting N takes at least
-   N / (200 x simulators) s by design. An agent streams to the first gateway of its list that answers,
+   Each simulator starts --start-rate agents a second (default 200), so connecting N takes at least
+   N / (rate x simulators) s by design. An agent streams to the first gateway of its list that answers,
    so with two processes the first holds the streams (an agent whose handshake with it times out goes
    on to the second: under load a third of them did).
 3. Each serve's RSS with the agents connected and idle; per held stream = (RSS connected - RSS idle) /
@@ -77,7 +77,6 @@ MODE_CHANGE_TARGET_S = 10.0  # one process
 TWO_SERVES_TARGET_S = 30.0  # issue 36: the mode change, and the failover, on two processes
 FAILOVER_TARGET_S = 30.0
 STREAM_MEMORY_TARGET_KB = 100
-SIM_START_RATE = 200  # agent.simulated.SimulatedFleet.start_rate, not settable from the CLI
 
 _t0 = time.monotonic()
 
@@ -255,7 +254,9 @@ class FleetRows:
 class Simulators:
     """`python -m agent simulate` as several processes, each with agent numbers of its own."""
 
-    def __init__(self, bundle_file: Path, count: int, processes: int, state_root: Path) -> None:
+    def __init__(
+        self, bundle_file: Path, count: int, processes: int, state_root: Path, start_rate: float
+    ) -> None:
         self.processes: list[subprocess.Popen] = []
         self.lines: list[Lines] = []
         share, extra = divmod(count, processes)
@@ -264,7 +265,8 @@ class Simulators:
             n = share + (1 if i < extra else 0)
             process = subprocess.Popen(
                 [sys.executable, "-m", "agent", "simulate", "--bundle-file", str(bundle_file),
-                 "--count", str(n), "--first-index", str(first), "--state-root", str(state_root)],
+                 "--count", str(n), "--first-index", str(first), "--state-root", str(state_root),
+                 "--start-rate", str(start_rate)],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                 env=dict(os.environ, PYTHONPATH=str(REPO)), cwd=REPO, start_new_session=True,
             )  # fmt: skip
@@ -346,6 +348,7 @@ def run_count(
     serves: int = 1,
     redis: str | None = None,
     simulators: int = 1,
+    start_rate: float = 200.0,
     py_spy: str | None = None,
     profile_dir: Path | None = None,
 ) -> dict:
@@ -422,7 +425,7 @@ def run_count(
         bundle_file = work / "bundle.txt"
         bundle_file.write_text(bundle)
         started = time.monotonic()
-        sims = Simulators(bundle_file, count, simulators, agents_root)
+        sims = Simulators(bundle_file, count, simulators, agents_root, start_rate)
         meter = CpuMeter({"serve": [p.process.pid for p in procs], "simulators": sims.pids}, bool(redis))
         profile = Profile(py_spy, procs[0].process.pid, profiles / f"serve-{count}-connect.txt")
         enrolled: dict = {}
@@ -446,7 +449,7 @@ def run_count(
             "total_s": all_synced_at - started,
             "enrolment_s": (enrolled_at - started) if enrolled_at else None,
             "after_enrolment_s": (all_synced_at - enrolled_at) if enrolled_at else None,
-            "simulator_start_rate_per_s": SIM_START_RATE * simulators,
+            "simulator_start_rate_per_s": start_rate * simulators,
             "counts": get("/workloads/counts"),
             "streams": {name.get(g, g): n for g, n in rows.streams().items()},
             "cpu": meter.stop(),
@@ -617,8 +620,8 @@ def failover(procs, name, rows, sims, post, wait_until, count, idle, py_spy, pro
     meter = CpuMeter({"serve": [procs[survivor].process.pid], "simulators": sims.pids}, True)
     profile = Profile(py_spy, procs[survivor].process.pid, profiles / f"serve-{count}-failover.txt")
     try:
+        killed = time.monotonic()  # stop() returns once the process is reaped and its output read
         procs[doomed].stop(signal.SIGKILL, timeout=30)
-        killed = time.monotonic()
         progress: list[tuple[float, int]] = []  # (seconds after the kill, streams on the survivor)
 
         def all_moved() -> bool:
@@ -704,6 +707,12 @@ def main() -> None:
     parser.add_argument(
         "--simulators", type=int, default=1, help="simulator processes sharing the agents (default 1)"
     )
+    parser.add_argument(
+        "--start-rate",
+        type=float,
+        default=200.0,
+        help="agents each simulator starts per second once all are enrolled (default 200)",
+    )
     parser.add_argument("--py-spy", metavar="PATH", help="a py-spy binary: sample serve during each phase")
     parser.add_argument(
         "--profile-dir", type=Path, default=Path(tempfile.gettempdir()) / "palisade-bench-profiles"
@@ -713,6 +722,8 @@ def main() -> None:
         parser.error("--serves 2 needs --redis URL: the processes share it")
     if args.simulators < 1:
         parser.error("--simulators must be at least 1")
+    if args.start_rate <= 0:
+        parser.error("--start-rate must be positive")
     exit_on_sigterm()
     os.environ.pop("REDIS_URL", None)  # one serve process: the in-memory channel layer
     nofile = raise_open_file_limit()
@@ -726,6 +737,7 @@ def main() -> None:
             serves=args.serves,
             redis=args.redis if args.serves > 1 else None,
             simulators=args.simulators,
+            start_rate=args.start_rate,
             py_spy=args.py_spy,
             profile_dir=args.profile_dir,
         )  # fmt: skip
