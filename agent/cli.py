@@ -263,6 +263,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     if args.heartbeat_seconds <= 0:
         raise AgentError("--heartbeat-seconds must be positive")
+    if args.start_rate <= 0:
+        raise AgentError("--start-rate must be positive")
     return run_simulated_fleet(
         _read_bundle(args),
         args.count,
@@ -271,6 +273,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         duration=args.duration,
         verbose=args.verbose,
         first_index=args.first_index,
+        start_rate=args.start_rate,
     )
 
 
@@ -355,6 +358,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     simulate.add_argument("--state-root", required=True, help="one state directory per agent goes here")
     simulate.add_argument("--heartbeat-seconds", type=float, default=15.0, help="default 15")
+    simulate.add_argument(
+        "--start-rate",
+        type=float,
+        default=200.0,
+        help="agents started per second once all are enrolled (default 200); a machine that cannot take"
+        " that many handshakes in 10 s needs fewer",
+    )
     simulate.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
     simulate.add_argument(
         "--verbose", action="store_true", help="log every agent's events, not just summaries"

@@ -228,6 +228,7 @@ def run_simulated_fleet(
     verbose: bool = False,
     on_started: Callable[[SimulatedFleet], None] | None = None,
     first_index: int = 1,
+    start_rate: float = 200.0,
 ) -> int:
     """Enrol and run a simulated fleet in this process until SIGTERM/SIGINT or `duration`."""
     _raise_open_file_limit()
@@ -243,6 +244,7 @@ def run_simulated_fleet(
             log_stream=sys.stderr,
             first_index=first_index,
         )
+        fleet.start_rate = start_rate
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, fleet.stop)

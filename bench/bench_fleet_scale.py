@@ -1,28 +1,48 @@
-"""One `serve` process with thousands of simulated agents: connect, mode change, memory.
+"""Thousands of simulated agents on one or two `serve` processes: connect, mode change, memory, failover.
 
     .venv/bin/python bench/bench_fleet_scale.py [--counts 2000,5000] [--poll 0.25]
+    .venv/bin/python bench/bench_fleet_scale.py --serves 2 --redis redis://127.0.0.1:6379/5 \
+        --counts 10000 [--simulators 2]
 
 For each count, from nothing:
 
 1. A throwaway PostgreSQL database (palisade_bench_scale_<pid>_<count> on BENCH_PG_ADMIN_URL's server,
    default postgresql://postgres@127.0.0.1:5432/postgres) and a temporary data directory; the real
-   `manage.py serve` on 127.0.0.1 (tests/support/serve_process.py), in-memory channel layer (no REDIS_URL).
-   Its RSS idle is read once it answers the API.
-2. A provisioning token with max_uses = count, and `python -m agent simulate --count N` as a
-   separate process on loopback (real agent code, RecordingDataplane, no kernel). Times: until the
-   simulator has enrolled everyone (its `enrolled` line), and until GET /workloads/counts shows all
-   N synced. The simulator starts agents at its fixed rate of 200 per second, so connecting N takes
-   at least N / 200 s by design.
-3. serve's RSS with the agents connected and idle; per agent = (RSS with agents - RSS idle) / N.
-4. POST /mode-changes {"selection": {"all": true}, "mode": "simulation"}: time until every workload
-   has applied its latest version (polling counts until synced == N), then a full walk of
-   GET /workloads?limit=500 checks applied == latest and the mode on every item. Target: <= 10 s.
+   `manage.py serve` on 127.0.0.1 (tests/support/serve_process.py). One process: the in-memory channel
+   layer (no REDIS_URL). With --serves 2: two processes on one data directory (so both present its
+   gateway certificate), that database and the Redis of --redis, each given both gateways with
+   `--gateway-advertise` in the same order, as docs/operations.md deploys them. Each one's RSS idle is
+   read once it answers the API. The bench raises its soft RLIMIT_NOFILE to the hard limit (serve and
+   the simulators inherit it): a held stream is a descriptor on both sides.
+2. A provisioning token with max_uses = count (its bundle lists every gateway), and
+   `python -m agent simulate` as --simulators separate processes on loopback, each with its own range
+   of agent numbers (real agent code, RecordingDataplane, no kernel), their state directories in
+   /dev/shm where it exists (each agent rewrites its status file at every event: on a busy disk that
+   stalled the simulators' event loops). Times: until every simulator has
+   enrolled its agents (the last `enrolled` line), and until GET /workloads/counts shows all N synced.
+   Each simulator starts --start-rate agents a second (default 200), so connecting N takes at least
+   N / (rate x simulators) s by design. An agent streams to the first gateway of its list that answers,
+   so with two processes the first holds the streams (an agent whose handshake with it times out goes
+   on to the second: under load a third of them did).
+3. Each serve's RSS with the agents connected and idle; per held stream = (RSS connected - RSS idle) /
+   the streams it holds (the database's fleet_workload.stream_gateway). Target: <= 100 KiB. The
+   simulators' RSS, and the CPU of serve, the simulators, PostgreSQL (and Redis) in each phase.
+4. POST /mode-changes {"selection": {"all": true}, "mode": "simulation"} (with two processes, to the
+   one holding fewer streams: the change reaches the others through Redis): time until every workload has
+   applied its latest version (polling counts until synced == N), then a full walk of
+   GET /workloads?limit=500 checks applied == latest and the mode on every item.
+   Target: <= 10 s on one process; <= 30 s on two (issue 36).
+5. Two processes: SIGKILL the one holding the most streams; time until every workload streams on the
+   other (stream_gateway in the database), target <= 30 s; then at once POST /mode-changes back to
+   "visibility" to the survivor, and time until every workload streams on it in that mode with its
+   latest version applied. The survivor's RSS is then read per stream as well.
 
-With --py-spy PATH (py-spy installed anywhere, e.g. `pip install --target /tmp/x py-spy`), serve is
-sampled during the connect phase and the mode change (`py-spy record --format raw --threads --idle`,
-collapsed stacks per thread, waiting included) into --profile-dir.
+With --py-spy PATH (py-spy installed anywhere, e.g. `pip install --target /tmp/x py-spy`), serve (the
+first; after a kill, the survivor) is sampled during the connect phase, the mode change and the
+failover (`py-spy record --format raw --threads --idle`, collapsed stacks per thread, waiting
+included) into --profile-dir.
 
-Everything is bounded in time; the simulator, serve, the database and temporary directories are
+Everything is bounded in time; the simulators, serve, the database and temporary directories are
 removed even on failure. Results: bench/results/fleet_scale.json.
 """
 
@@ -32,6 +52,7 @@ import argparse
 import os
 import platform
 import re
+import resource
 import shutil
 import signal
 import statistics
@@ -49,11 +70,13 @@ sys.path.insert(0, str(REPO))
 
 from benchlib import exit_on_sigterm, results_write  # noqa: E402
 
-from tests.support.serve_process import ServeProcess, terminate  # noqa: E402
+from tests.support.serve_process import ServeProcess, free_port, terminate  # noqa: E402
 
 ADMIN_URL = os.environ.get("BENCH_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
-MODE_CHANGE_TARGET_S = 10.0
-SIM_START_RATE = 200  # agent.simulated.SimulatedFleet.start_rate, not settable from the CLI
+MODE_CHANGE_TARGET_S = 10.0  # one process
+TWO_SERVES_TARGET_S = 30.0  # issue 36: the mode change, and the failover, on two processes
+FAILOVER_TARGET_S = 30.0
+STREAM_MEMORY_TARGET_KB = 100
 
 _t0 = time.monotonic()
 
@@ -77,15 +100,16 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def postgres_cpu_seconds() -> float:
-    """CPU time of every PostgreSQL server process on this machine (its backends come and go, so
-    this is a floor: a backend that exited during a phase is not counted)."""
+def named_cpu_seconds(*names: str) -> float:
+    """CPU time of every process on this machine with one of these command names (PostgreSQL's
+    backends come and go, so this is a floor: a backend that exited during a phase is not counted;
+    and other users of the same server are counted)."""
     total = 0.0
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 with open(f"/proc/{entry}/comm") as handle:
-                    if handle.read().strip() in ("postgres", "postmaster"):
+                    if handle.read().strip() in names:
                         total += cpu_seconds(int(entry))
             except OSError:
                 continue
@@ -93,19 +117,21 @@ def postgres_cpu_seconds() -> float:
 
 
 class CpuMeter:
-    """Where the CPU time of a phase went: serve, the simulator, PostgreSQL; on a 2-core machine the
-    three share two cores, so this says which one a faster phase must take work from."""
+    """Where the CPU time of a phase went: serve, the simulators, PostgreSQL, Redis; on a 2-core
+    machine they share two cores, so this says which one a faster phase must take work from."""
 
-    def __init__(self, serve_pid: int, simulator_pid: int) -> None:
-        self.pids = {"serve": serve_pid, "simulator": simulator_pid}
+    def __init__(self, pids: dict[str, list[int]], redis: bool = False) -> None:
+        self.pids = pids  # name -> processes counted together under it
+        self.redis = redis
         self.started = time.monotonic()
         self.before = self._read()
 
     def _read(self) -> dict:
-        return {
-            **{name: cpu_seconds(pid) for name, pid in self.pids.items()},
-            "postgres": postgres_cpu_seconds(),
-        }
+        used = {name: sum(cpu_seconds(pid) for pid in pids) for name, pids in self.pids.items()}
+        used["postgres"] = named_cpu_seconds("postgres", "postmaster")
+        if self.redis:
+            used["redis"] = named_cpu_seconds("redis-server")
+        return used
 
     def stop(self) -> dict:
         after = self._read()
@@ -198,10 +224,136 @@ class Profile:
                 self.process.wait()
 
 
+class FleetRows:
+    """What the database says about every workload's stream: which gateway holds it, and whether it
+    applied its latest version in a mode (two processes: the API of either sees the same rows, but a
+    killed process leaves its rows naming it until the agent streams again elsewhere)."""
+
+    def __init__(self, database_url: str) -> None:
+        import psycopg
+
+        self.db = psycopg.connect(database_url, autocommit=True)
+
+    def streams(self) -> Counter:
+        rows = self.db.execute(
+            "SELECT stream_gateway, count(*) FROM fleet_workload WHERE stream_id <> '' GROUP BY 1"
+        ).fetchall()
+        return Counter(dict(rows))
+
+    def converged(self, mode: str, gateway: str) -> int:
+        return self.db.execute(
+            "SELECT count(*) FROM fleet_workload WHERE stream_id <> '' AND stream_gateway = %s "
+            "AND mode = %s AND sync_state = 'synced' AND applied_version = latest_policy_id",
+            (gateway, mode),
+        ).fetchone()[0]
+
+    def close(self) -> None:
+        self.db.close()
+
+
+class Simulators:
+    """`python -m agent simulate` as several processes, each with agent numbers of its own."""
+
+    def __init__(
+        self, bundle_file: Path, count: int, processes: int, state_root: Path, start_rate: float
+    ) -> None:
+        self.processes: list[subprocess.Popen] = []
+        self.lines: list[Lines] = []
+        share, extra = divmod(count, processes)
+        first = 1
+        for i in range(processes):
+            n = share + (1 if i < extra else 0)
+            process = subprocess.Popen(
+                [sys.executable, "-m", "agent", "simulate", "--bundle-file", str(bundle_file),
+                 "--count", str(n), "--first-index", str(first), "--state-root", str(state_root),
+                 "--start-rate", str(start_rate)],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                env=dict(os.environ, PYTHONPATH=str(REPO)), cwd=REPO, start_new_session=True,
+            )  # fmt: skip
+            self.processes.append(process)
+            self.lines.append(Lines(process.stderr))
+            first += n
+
+    @property
+    def pids(self) -> list[int]:
+        return [process.pid for process in self.processes]
+
+    def check(self) -> None:
+        for process, lines in zip(self.processes, self.lines, strict=True):
+            if process.poll() is not None:
+                raise RuntimeError(f"a simulator exited {process.returncode}:\n{lines.tail()}")
+
+    def all_enrolled_at(self) -> float | None:
+        times = [lines.first(r" enrolled agents=") for lines in self.lines]
+        return None if None in times else max(at for at, _ in times)
+
+    def rss_mb(self) -> float:
+        return sum(vm_rss_mb(pid) for pid in self.pids)
+
+    def last_summaries(self) -> list[str]:
+        return [
+            ([line.strip() for _, line in lines.lines if "[fleet] fleet " in line] or ["(no summary)"])[-1]
+            for lines in self.lines
+        ]
+
+    def stop(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for process in self.processes:
+            terminate(process, 60)
+
+
+def serves_start(
+    work: Path, db_url: str, serves: int, redis: str | None, timeout: float
+) -> list[ServeProcess]:
+    common = ["--max-connections-per-address", "0"]  # every simulated agent connects from 127.0.0.1
+    if serves == 1:
+        return [ServeProcess(work / "data", common, database_url=db_url).start(timeout=timeout)]
+    gateways = [f"127.0.0.1:{port}" for port in distinct_free_ports(2 * serves)[:serves]]
+    advertise = [arg for gateway in gateways for arg in ("--gateway-advertise", gateway)]
+    processes = []
+    for gateway in gateways:
+        # One data directory: every process presents its gateway certificate (docs/operations.md).
+        # The first starts alone: it makes the certificate and migrates the database.
+        process = ServeProcess(
+            work / "data", [*advertise, *common], database_url=db_url, gateway_listen=gateway,
+            env={"REDIS_URL": redis},
+        )  # fmt: skip
+        processes.append(process.start(timeout=timeout))
+    return processes
+
+
+def distinct_free_ports(n: int) -> list[int]:
+    ports: list[int] = []
+    while len(ports) < n:
+        if (port := free_port()) not in ports:
+            ports.append(port)
+    return ports
+
+
+def raise_open_file_limit() -> int:
+    """Soft RLIMIT_NOFILE up to the hard one, for this process and the serves and simulators it starts."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
 def run_count(
-    count: int, poll: float, budget: float, py_spy: str | None = None, profile_dir: Path | None = None
+    count: int,
+    poll: float,
+    budget: float,
+    *,
+    serves: int = 1,
+    redis: str | None = None,
+    simulators: int = 1,
+    start_rate: float = 200.0,
+    py_spy: str | None = None,
+    profile_dir: Path | None = None,
 ) -> dict:
     deadline = time.monotonic() + budget
+    mode_change_target = MODE_CHANGE_TARGET_S if serves == 1 else TWO_SERVES_TARGET_S
 
     def left(cap: float) -> float:
         remaining = deadline - time.monotonic()
@@ -211,99 +363,150 @@ def run_count(
 
     db_name = f"palisade_bench_scale_{os.getpid()}_{count}"
     work = Path(tempfile.mkdtemp(prefix=f"palisade-bench-scale-{count}-"))
-    serve = sim = sim_lines = http = None
-    result: dict = {"agents": count}
+    # The simulated agents' state directories in memory where there is a tmpfs: each agent writes its
+    # status file at every event, and a fleet's files on a busy disk stalled the simulator's event
+    # loop (10,000 agents: handshakes timed out by the thousand and no stream got through).
+    agents_root = Path(tempfile.mkdtemp(prefix=f"palisade-bench-agents-{count}-", dir=agents_dir()))
+    procs: list[ServeProcess] = []
+    sims: Simulators | None = None
+    rows: FleetRows | None = None
+    https: list = []
+    result: dict = {"agents": count, "serves": serves, "simulators": simulators, "redis": bool(redis)}
+    profiles = profile_dir or work
+
     try:
         db_url = database(db_name, create=True)
-        # Every simulated agent connects from 127.0.0.1: lift serve's per-address cap (256) for them.
-        serve = ServeProcess(work / "data", ["--max-connections-per-address", "0"], database_url=db_url)
-        serve.start(timeout=left(120))
-        token = serve.mint_operator_token("bench-scale")
-        http = serve.client("operator", headers={"Authorization": f"Bearer {token}"})
-        http.timeout = 120
+        procs = serves_start(work, db_url, serves, redis, left(180))
+        rows = FleetRows(db_url)
+        token = procs[0].mint_operator_token("bench-scale")
+        for process in procs:
+            http = process.client("operator", headers={"Authorization": f"Bearer {token}"})
+            http.timeout = 120
+            https.append(http)
+        name = {process.gateway_listen: f"serve-{i + 1}" for i, process in enumerate(procs)}
 
-        def get(path: str) -> dict:
-            response = http.get("/api/v1" + path)
+        def get(path: str, i: int = 0) -> dict:
+            response = https[i].get("/api/v1" + path)
             if response.status_code != 200:
                 raise RuntimeError(f"GET {path}: {response.status_code} {response.text[:500]}")
             return response.json()
 
-        def post(path: str, body: dict) -> dict:
-            response = http.post("/api/v1" + path, json=body)
+        def post(path: str, body: dict, i: int = 0) -> dict:
+            response = https[i].post("/api/v1" + path, json=body)
             if response.status_code not in (200, 201, 202):
                 raise RuntimeError(f"POST {path}: {response.status_code} {response.text[:500]}")
             return response.json()
 
-        def wait_synced(what: str, cap: float, check=None) -> tuple[float, dict]:
+        def wait_until(what: str, cap: float, done, describe) -> float:
             started = time.monotonic()
             end = started + left(cap)
-            counts = None
             while time.monotonic() < end:
-                counts = get("/workloads/counts")
-                if counts["sync_state"]["synced"] == count and counts["total"] == count:
-                    return time.monotonic(), counts
-                if sim.poll() is not None:
-                    raise RuntimeError(f"the simulator exited {sim.returncode}:\n{sim_lines.tail()}")
-                if check:
-                    check()
+                if done():
+                    return time.monotonic()
+                sims.check()
                 time.sleep(poll)
-            raise Timeout(f"{what}: not all {count} synced within {cap:.0f} s; last counts {counts}")
+            raise Timeout(f"{what}: not within {cap:.0f} s; last {describe()}")
 
-        for _ in range(3):
-            get("/workloads/counts")
+        def all_synced(i: int = 0) -> bool:
+            counts = get("/workloads/counts", i)
+            return counts["sync_state"]["synced"] == count and counts["total"] == count
+
+        for i in range(len(procs)):
+            for _ in range(3):
+                get("/workloads/counts", i)
         bundle = post("/provisioning-tokens", {"description": f"bench scale {count}", "max_uses": count})[
             "bundle"
         ]
         time.sleep(2)
-        result["serve_rss_idle_mb"] = rss_settled(serve.process.pid)
-        log(f"{count}: serve idle RSS {result['serve_rss_idle_mb']:.1f} MB")
+        idle = [rss_settled(process.process.pid) for process in procs]
+        result["serve_rss_idle_mb"] = idle
+        log(f"{count}: serve idle RSS " + ", ".join(f"{mb:.1f} MB" for mb in idle))
 
         bundle_file = work / "bundle.txt"
         bundle_file.write_text(bundle)
         started = time.monotonic()
-        sim = subprocess.Popen(
-            [sys.executable, "-m", "agent", "simulate", "--bundle-file", str(bundle_file), "--count", str(count),
-             "--state-root", str(work / "agents")],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-            env=dict(os.environ, PYTHONPATH=str(REPO)), cwd=REPO, start_new_session=True,
-        )  # fmt: skip
-        sim_lines = Lines(sim.stderr)
-        profile = Profile(py_spy, serve.process.pid, (profile_dir or work) / f"serve-{count}-connect.txt")
+        sims = Simulators(bundle_file, count, simulators, agents_root, start_rate)
+        meter = CpuMeter({"serve": [p.process.pid for p in procs], "simulators": sims.pids}, bool(redis))
+        profile = Profile(py_spy, procs[0].process.pid, profiles / f"serve-{count}-connect.txt")
+        enrolled: dict = {}
+
+        def connected_all() -> bool:
+            # Once every agent is enrolled, serve's memory and the streams held: what streams add
+            # from here on is told apart from what the enrolments left behind.
+            if not enrolled and sims.all_enrolled_at() is not None:
+                enrolled["rss_mb"] = [vm_rss_mb(p.process.pid) for p in procs]
+                enrolled["streams"] = rows.streams()
+            return all_synced()
+
         try:
-            all_synced, counts = wait_synced("connect", 120 + count * 0.2)
+            all_synced_at = wait_until(
+                "connect", 120 + count * 0.4, connected_all, lambda: get("/workloads/counts")
+            )
         finally:
             profile.stop()
-        enrolled = sim_lines.first(r" enrolled agents=")
+        enrolled_at = sims.all_enrolled_at()
         connect = {
-            "total_s": all_synced - started,
-            "enrolment_s": (enrolled[0] - started) if enrolled else None,
-            "after_enrolment_s": (all_synced - enrolled[0]) if enrolled else None,
-            "simulator_start_rate_per_s": SIM_START_RATE,
-            "counts": counts,
+            "total_s": all_synced_at - started,
+            "enrolment_s": (enrolled_at - started) if enrolled_at else None,
+            "after_enrolment_s": (all_synced_at - enrolled_at) if enrolled_at else None,
+            "simulator_start_rate_per_s": start_rate * simulators,
+            "counts": get("/workloads/counts"),
+            "streams": {name.get(g, g): n for g, n in rows.streams().items()},
+            "cpu": meter.stop(),
         }
         result["connect"] = connect
         log(
-            f"{count}: all synced {connect['total_s']:.1f} s after the simulator started "
-            f"(enrolment {connect['enrolment_s']:.1f} s, then {connect['after_enrolment_s']:.1f} s to connect)"
+            f"{count}: all synced {connect['total_s']:.1f} s after the simulators started "
+            f"(enrolment {connect['enrolment_s']:.1f} s, then {connect['after_enrolment_s']:.1f} s to connect); "
+            f"streams {connect['streams']}; CPU s: " + cpu_text(connect["cpu"]) + f"; load {load()}"
         )
 
         time.sleep(5)
-        serve_rss = rss_settled(serve.process.pid)
-        result["serve_rss_connected_mb"] = serve_rss
-        result["serve_rss_per_agent_kb"] = (serve_rss - result["serve_rss_idle_mb"]) * 1024 / count
-        result["simulator_rss_mb"] = vm_rss_mb(sim.pid)
+        streams = rows.streams()
+        connected = [rss_settled(process.process.pid) for process in procs]
+        result["serve_rss_connected_mb"] = connected
+        per_stream = {
+            name[p.gateway_listen]: round((mb - was) * 1024 / streams[p.gateway_listen], 1)
+            for p, mb, was in zip(procs, connected, idle, strict=True)
+            if streams.get(p.gateway_listen)
+        }
+        result["serve_rss_per_stream_kb"] = per_stream
+        # The same, from serve's RSS once every agent had enrolled: the streams alone.
+        result["serve_rss_enrolled_mb"] = enrolled.get("rss_mb")
+        marginal = {
+            name[p.gateway_listen]: round(
+                (mb - was)
+                * 1024
+                / (streams[p.gateway_listen] - enrolled["streams"].get(p.gateway_listen, 0)),
+                1,
+            )
+            for p, mb, was in zip(procs, connected, enrolled.get("rss_mb", []), strict=False)
+            if streams.get(p.gateway_listen, 0) - enrolled["streams"].get(p.gateway_listen, 0) > count / 10
+        }
+        result["serve_rss_per_stream_after_enrolment_kb"] = marginal
+        result["serve_rss_per_agent_kb"] = (sum(connected) - sum(idle)) * 1024 / count
+        result["simulator_rss_mb"] = sims.rss_mb()
+        result["simulator_state"] = {"dir": str(agents_root), "mb": round(tree_mb(agents_root), 1)}
+        meter = CpuMeter({"serve": [p.process.pid for p in procs], "simulators": sims.pids}, bool(redis))
+        time.sleep(10)
+        result["held_idle_cpu"] = meter.stop()
         log(
-            f"{count}: serve RSS {serve_rss:.1f} MB connected, "
-            f"{result['serve_rss_per_agent_kb']:.0f} KiB per agent; simulator {result['simulator_rss_mb']:.0f} MB"
+            f"{count}: serve RSS " + ", ".join(f"{mb:.1f}" for mb in connected) + " MB connected; "
+            f"per held stream {per_stream} KiB [target <= {STREAM_MEMORY_TARGET_KB} KiB], {marginal} KiB "
+            f"counted from the RSS once all had enrolled; simulators "
+            f"{result['simulator_rss_mb']:.0f} MB RSS in all (state files {result['simulator_state']['mb']:.0f} MB); CPU s holding them idle: "
+            + cpu_text(result["held_idle_cpu"])
         )
 
-        profile = Profile(py_spy, serve.process.pid, (profile_dir or work) / f"serve-{count}-mode-change.txt")
-        meter = CpuMeter(serve.process.pid, sim.pid)
+        # With two processes, the change goes to the one without streams: it reaches them through Redis.
+        by = min(range(len(procs)), key=lambda i: streams.get(procs[i].gateway_listen, 0))
+        profile = Profile(py_spy, procs[0].process.pid, profiles / f"serve-{count}-mode-change.txt")
+        meter = CpuMeter({"serve": [p.process.pid for p in procs], "simulators": sims.pids}, bool(redis))
         try:
             changed = time.monotonic()
-            intent = post("/mode-changes", {"selection": {"all": True}, "mode": "simulation"})
+            intent = post("/mode-changes", {"selection": {"all": True}, "mode": "simulation"}, by)
             post_s = time.monotonic() - changed
-            converged, counts = wait_synced("mode change", 300)
+            converged = wait_until("mode change", 300, all_synced, lambda: get("/workloads/counts"))
         finally:
             profile.stop()
         cpu = meter.stop()
@@ -324,6 +527,7 @@ def run_count(
             left(1)
         walk_s = time.monotonic() - walk_started
         result["mode_change"] = {
+            "posted_to": name[procs[by].gateway_listen],
             "post_s": post_s,
             "until_all_applied_s": converge_s,
             "changed_count": intent.get("changed_count"),
@@ -334,57 +538,159 @@ def run_count(
                 "seconds": walk_s,
             },
             "cpu": cpu,
-            "target_s": MODE_CHANGE_TARGET_S,
-            "met": converge_s <= MODE_CHANGE_TARGET_S
-            and not mismatched
-            and items == count
-            and not wrong_mode,
+            "load": load(),
+            "target_s": mode_change_target,
+            "met": converge_s <= mode_change_target and not mismatched and items == count and not wrong_mode,
         }
-        result["serve_rss_after_mode_change_mb"] = rss_settled(serve.process.pid, 2)
+        result["serve_rss_after_mode_change_mb"] = [rss_settled(p.process.pid, 2) for p in procs]
         log(
             f"{count}: mode change of {intent.get('changed_count')} to simulation: POST {post_s:.2f} s, "
-            f"all applied == latest after {converge_s:.2f} s [target <= {MODE_CHANGE_TARGET_S:.0f} s: "
+            f"all applied == latest after {converge_s:.2f} s [target <= {mode_change_target:.0f} s: "
             f"{'met' if result['mode_change']['met'] else 'MISSED'}]; walk of {items}: "
-            f"{len(mismatched)} with applied != latest, {wrong_mode} not in simulation; CPU s in "
-            f"{cpu['wall_s']:.1f} s: "
-            + ", ".join(f"{name} {seconds:.1f}" for name, seconds in cpu["cpu_s"].items())
+            f"{len(mismatched)} with applied != latest, {wrong_mode} not in simulation; CPU s "
+            + cpu_text(cpu)
+            + f"; load {result['mode_change']['load']}"
         )
+        if serves > 1:
+            result["failover"] = failover(
+                procs, name, rows, sims, post, wait_until, count, idle, py_spy, profiles
+            )
     except Timeout as error:
         result["error"] = str(error)
         log(f"{count}: {error}")
-        if sim_lines is not None:
-            result["simulator_last_summaries"] = [
-                line.strip() for _, line in sim_lines.lines if "[fleet] fleet " in line
-            ][-5:]
-            log("simulator: " + (result["simulator_last_summaries"] or ["(no summary)"])[-1])
+        if sims is not None:
+            result["simulator_last_summaries"] = sims.last_summaries()
+            for line in result["simulator_last_summaries"]:
+                log("simulator: " + line)
     finally:
-        if http is not None:
+        for http in https:
             http.close()
-        if sim is not None:
-            terminate(sim, 60)
-        if serve is not None and serve.process is not None:
+        if rows is not None:
+            rows.close()
+        if sims is not None:
+            sims.stop()
+        result["serve_exit"], result["serve_warning_lines"], result["serve_warnings_first"] = [], 0, []
+        closes: Counter = Counter()
+        for process in procs:
+            if process.process is None:
+                continue
             try:
-                result["serve_exit"] = serve.stop(timeout=60)
+                result["serve_exit"].append(process.stop(timeout=60))
             except AssertionError:
-                serve.kill()
+                process.kill()
             warnings = [
                 line
-                for line in serve.stderr_text().splitlines()
+                for line in process.stderr_text().splitlines()
                 if re.search(r"WARNING|ERROR|Traceback", line)
             ]
-            result["serve_warning_lines"] = len(warnings)
-            result["serve_warnings_first"] = [line.strip()[:300] for line in warnings[:10]]
-            closes = Counter(
-                re.sub(r"[0-9a-f-]{36}|sim-\d+|\d+\.\d+\.\d+\.\d+", "*", m.group(0))
-                for m in re.finditer(r"closing stream of .*|stream of \S+ ended \(\d+\)", serve.stderr_text())
+            result["serve_warning_lines"] += len(warnings)
+            result["serve_warnings_first"] += [line.strip()[:300] for line in warnings[:10]]
+            closes += Counter(
+                re.sub(r"[0-9a-f-]{36}|sim-\d+|\d+\.\d+\.\d+\.\d+(:\d+)?", "*", m.group(0))
+                for m in re.finditer(
+                    r"closing stream of .*|stream of \S+ ended \(\d+\)", process.stderr_text()
+                )
             )
-            result["serve_stream_closes"] = dict(closes.most_common(10))
+        result["serve_stream_closes"] = dict(closes.most_common(10))
         try:
             database(db_name, create=False)
         except Exception as error:  # noqa: BLE001 - report, keep cleaning
             log(f"could not drop database {db_name}: {error}")
         shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(agents_root, ignore_errors=True)
     return result
+
+
+def tree_mb(root: Path) -> float:
+    return sum(path.stat().st_size for path in root.rglob("*") if path.is_file()) / 2**20
+
+
+def agents_dir() -> str | None:
+    shm = Path("/dev/shm")  # noqa: S108 - mkdtemp makes a private directory inside it
+    return str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
+
+
+def failover(procs, name, rows, sims, post, wait_until, count, idle, py_spy, profiles) -> dict:
+    """SIGKILL the process holding the most streams; every agent streams again on the other, and a
+    mode change made at once reaches all of them there."""
+    streams = rows.streams()
+    doomed = max(range(len(procs)), key=lambda i: streams.get(procs[i].gateway_listen, 0))
+    (survivor,) = [i for i in range(len(procs)) if i != doomed]
+    gateway = procs[survivor].gateway_listen
+    meter = CpuMeter({"serve": [procs[survivor].process.pid], "simulators": sims.pids}, True)
+    profile = Profile(py_spy, procs[survivor].process.pid, profiles / f"serve-{count}-failover.txt")
+    try:
+        killed = time.monotonic()  # stop() returns once the process is reaped and its output read
+        procs[doomed].stop(signal.SIGKILL, timeout=30)
+        progress: list[tuple[float, int]] = []  # (seconds after the kill, streams on the survivor)
+
+        def all_moved() -> bool:
+            now = rows.streams()
+            if not progress or time.monotonic() - killed - progress[-1][0] >= 5:
+                progress.append((round(time.monotonic() - killed, 1), now.get(gateway, 0)))
+            return now == {gateway: count}
+
+        try:
+            moved = wait_until(
+                "every agent streaming on the survivor", max(120, count * 0.06), all_moved, rows.streams
+            )
+        except Timeout as error:
+            raise Timeout(
+                f"{error}; streams on the survivor (s after the kill, streams): {progress}"
+            ) from None
+    finally:
+        profile.stop()
+    cpu = meter.stop()
+    failover_s = moved - killed
+    meter = CpuMeter({"serve": [procs[survivor].process.pid], "simulators": sims.pids}, True)
+    changed = time.monotonic()
+    intent = post("/mode-changes", {"selection": {"all": True}, "mode": "visibility"}, survivor)
+    converged = wait_until(
+        "the mode change after failover",
+        300,
+        lambda: rows.converged("visibility", gateway) == count,
+        lambda: f"{rows.converged('visibility', gateway)} of {count} converged",
+    )
+    change_cpu = meter.stop()
+    rss = rss_settled(procs[survivor].process.pid)
+    out = {
+        "killed": name[procs[doomed].gateway_listen],
+        "streams_before": {name.get(g, g): n for g, n in streams.items()},
+        "all_streaming_on_survivor_s": failover_s,
+        "target_s": FAILOVER_TARGET_S,
+        "met": failover_s <= FAILOVER_TARGET_S,
+        "progress": progress,
+        "reached_s": {
+            f"{share:.0%}": next((at for at, n in progress if n >= share * count), round(failover_s, 1))
+            for share in (0.5, 0.9, 0.99)
+        },
+        "cpu": cpu,
+        "load": load(),
+        "mode_change_after": {
+            "changed_count": intent.get("changed_count"),
+            "until_all_applied_s": converged - changed,
+            "cpu": change_cpu,
+        },
+        "survivor_rss_mb": rss,
+        "survivor_rss_per_stream_kb": round((rss - idle[survivor]) * 1024 / count, 1),
+    }
+    log(
+        f"{count}: SIGKILL {out['killed']}: all {count} streaming on {name[gateway]} after "
+        f"{failover_s:.1f} s [target <= {FAILOVER_TARGET_S:.0f} s: {'met' if out['met'] else 'MISSED'}] "
+        f"(share of the fleet there by s after the kill: {out['reached_s']}); "
+        f"CPU s: {cpu_text(cpu)}; load {out['load']}; a mode change then applied everywhere in "
+        f"{converged - changed:.1f} s (CPU s: {cpu_text(change_cpu)}); survivor RSS {rss:.0f} MB = "
+        f"{out['survivor_rss_per_stream_kb']:.0f} KiB per stream"
+    )
+    return out
+
+
+def cpu_text(cpu: dict) -> str:
+    return f"in {cpu['wall_s']:.1f} s " + ", ".join(f"{name} {s:.1f}" for name, s in cpu["cpu_s"].items())
+
+
+def load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def main() -> None:
@@ -392,19 +698,49 @@ def main() -> None:
     parser.add_argument(
         "--counts", default="2000,5000", help="comma-separated agent counts (default 2000,5000)"
     )
-    parser.add_argument("--poll", type=float, default=0.25, help="seconds between GET /workloads/counts")
+    parser.add_argument("--poll", type=float, default=0.25, help="seconds between polls of the fleet")
     parser.add_argument("--budget", type=float, default=1200, help="seconds allowed per count")
+    parser.add_argument(
+        "--serves", type=int, choices=(1, 2), default=1, help="serve processes (2 needs --redis; default 1)"
+    )
+    parser.add_argument("--redis", metavar="URL", help="the Redis two serve processes share (redis://...)")
+    parser.add_argument(
+        "--simulators", type=int, default=1, help="simulator processes sharing the agents (default 1)"
+    )
+    parser.add_argument(
+        "--start-rate",
+        type=float,
+        default=200.0,
+        help="agents each simulator starts per second once all are enrolled (default 200)",
+    )
     parser.add_argument("--py-spy", metavar="PATH", help="a py-spy binary: sample serve during each phase")
     parser.add_argument(
         "--profile-dir", type=Path, default=Path(tempfile.gettempdir()) / "palisade-bench-profiles"
     )
     args = parser.parse_args()
+    if args.serves > 1 and not args.redis:
+        parser.error("--serves 2 needs --redis URL: the processes share it")
+    if args.simulators < 1:
+        parser.error("--simulators must be at least 1")
+    if args.start_rate <= 0:
+        parser.error("--start-rate must be positive")
     exit_on_sigterm()
     os.environ.pop("REDIS_URL", None)  # one serve process: the in-memory channel layer
+    nofile = raise_open_file_limit()
 
     source = source_state()
     runs = [
-        run_count(int(c), args.poll, args.budget, args.py_spy, args.profile_dir)
+        run_count(
+            int(c),
+            args.poll,
+            args.budget,
+            serves=args.serves,
+            redis=args.redis if args.serves > 1 else None,
+            simulators=args.simulators,
+            start_rate=args.start_rate,
+            py_spy=args.py_spy,
+            profile_dir=args.profile_dir,
+        )  # fmt: skip
         for c in args.counts.split(",")
     ]
     results = {
@@ -414,6 +750,7 @@ def main() -> None:
             "cpus": os.cpu_count(),
             "python": platform.python_version(),
             "kernel": platform.release(),
+            "open_file_limit": nofile,
         },
     }
     print()
@@ -423,12 +760,23 @@ def main() -> None:
             continue
         connect, change = run["connect"], run["mode_change"]
         print(
-            f"{run['agents']} agents: connected in {connect['total_s']:.1f} s (enrolment {connect['enrolment_s']:.1f} s); "
-            f"serve RSS {run['serve_rss_idle_mb']:.0f} MB idle, {run['serve_rss_connected_mb']:.0f} MB connected = "
-            f"{run['serve_rss_per_agent_kb']:.0f} KiB per agent; mode change to simulation applied everywhere in "
+            f"{run['agents']} agents on {run['serves']} serve(s), {run['simulators']} simulator(s): connected in "
+            f"{connect['total_s']:.1f} s (enrolment {connect['enrolment_s']:.1f} s); serve RSS per held stream "
+            f"{run['serve_rss_per_stream_kb']} KiB [target <= {STREAM_MEMORY_TARGET_KB}: "
+            f"{'met' if max(run['serve_rss_per_stream_kb'].values()) <= STREAM_MEMORY_TARGET_KB else 'MISSED'}]; "
+            f"simulators {run['simulator_rss_mb']:.0f} MB RSS; mode change applied everywhere in "
             f"{change['until_all_applied_s']:.1f} s (POST {change['post_s']:.1f} s) "
-            f"[target <= {MODE_CHANGE_TARGET_S:.0f} s: {'met' if change['met'] else 'MISSED'}]"
+            f"[target <= {change['target_s']:.0f} s: {'met' if change['met'] else 'MISSED'}]"
         )
+        if failover := run.get("failover"):
+            print(
+                f"  after SIGKILL of {failover['killed']}: all streaming on the other in "
+                f"{failover['all_streaming_on_survivor_s']:.1f} s [target <= {failover['target_s']:.0f} s: "
+                f"{'met' if failover['met'] else 'MISSED'}]; a mode change then applied everywhere in "
+                f"{failover['mode_change_after']['until_all_applied_s']:.1f} s"
+            )
+        elif run.get("error"):
+            print(f"  then: {run['error']}")
     results_write("fleet_scale", results)
 
 

@@ -69,6 +69,8 @@ def test_usage_errors_are_one_line():
     assert_one_line_error(run_cli("enrol"), "--bundle")
     assert_one_line_error(run_cli("frobnicate"), "invalid choice")
     assert_one_line_error(run_cli("run", "--heartbeat-seconds", "soon"), "invalid float")
+    simulate = ("simulate", "--bundle", "x", "--count", "1", "--state-root", "/nonexistent")
+    assert_one_line_error(run_cli(*simulate, "--start-rate", "0"), "--start-rate must be positive")
 
 
 def test_gateway_unreachable_is_one_line_error(tmp_path):
