@@ -440,6 +440,16 @@ class CompiledPolicy:
             found = self.fleet.memo[("sel", key)] = _selector_sets(selector, self.fleet)
         return found
 
+    def every_source_set(self) -> list[SourceSets]:
+        """Every set a connection's peer may be tested against (policy.classify): each rule's sources,
+        inbound and outbound, and each inbound ruleset's scope (the output chain's peer lines)."""
+        found: list[SourceSets] = []
+        for compiled in (*self._ordered, *self._ordered_out):
+            for _, rule in compiled.rules:
+                found += [self.source_sets(line.source, rule) for line in rule.lines if line.source]
+        found += [self.selector_sets(compiled.ruleset.scope) for compiled in self._ordered]
+        return found
+
     def peer_lines(self, workload: WorkloadInput) -> tuple[list[PeerLine], list[PeerLine]]:
         """(deny, allow) lines of the fleet's inbound rules whose sources hold `workload`'s address:
         its outgoing connections to their scopes' workloads on their services are what those
@@ -875,7 +885,9 @@ def _group_sets(group: AddressGroupInput, fleet: FleetIndex) -> SourceSets:
     networks: dict[int, list] = {4: [], 6: []}
     for member in group.members:
         try:
-            network = parse_network(member)
+            # A host as its address (parsed once for the whole process): collapse_addresses takes a
+            # host network as its address anyway, and a group of the peers seen is thousands of hosts.
+            network = _host_or_network(member)
         except ValueError as error:
             raise ValueError(f"address group {group.name!r}: bad member {member!r}: {error}") from None
         networks[network.version].append(network)
@@ -891,6 +903,17 @@ def _group_sets(group: AddressGroupInput, fleet: FleetIndex) -> SourceSets:
         found[family] = (name, _claimed(fleet, name, ("grp", group.id), definition))
         intervals[family] = tuple((int(n.network_address), int(n.broadcast_address)) for n in collapsed)
     return SourceSets(found, {4: bool(networks[4]), 6: bool(networks[6])}, intervals=intervals)
+
+
+def _host_or_network(
+    member: str,
+) -> ipaddress.IPv4Address | ipaddress.IPv6Address | ipaddress.IPv4Network | ipaddress.IPv6Network:
+    if "/" not in member:
+        try:
+            return parse_host_address(member)
+        except ValueError:
+            pass  # parse_network says why
+    return parse_network(member)
 
 
 def _host_elements(values: Iterable[int], family: int) -> list[str]:
