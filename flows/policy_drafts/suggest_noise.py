@@ -91,9 +91,12 @@ class NoiseJudge:
         ports_of_peer: dict[str, set] = defaultdict(set)
         self.on_port: Counter = Counter()
         for row in rows:
-            if row["connection_count"] <= FEW:
-                ports_of_peer[row["peer"]].add((row["protocol"], row["port"]))
-            self.on_port[(row["workload_id"], row["protocol"], row["port"])] += row["connection_count"]
+            count, protocol, port = row["connection_count"], row["protocol"], row["port"]
+            if count <= FEW:
+                ports_of_peer[row["peer"]].add((protocol, port))
+            # Counted only where `judge` reads it: a fleet's keys are mostly on service ports.
+            if protocol in ("tcp", "udp") and EPHEMERAL_LOW <= port <= EPHEMERAL_HIGH:
+                self.on_port[(row["workload_id"], protocol, port)] += count
         self.scanners = {p: len(s) for p, s in ports_of_peer.items() if len(s) >= SCANNER_PORTS}
 
     def _excluded(self, peer: str) -> bool:
