@@ -301,7 +301,7 @@ def _first_rule(
 
 
 class PeerClasses:
-    """Peers that every one of `policies` judges alike: of one family, alike in what the baseline reads
+    """Peers that every one of `policies` judges alike in connections of `direction`: of one family, alike in what the baseline reads
     of an address (loopback, IPv6 link-local), and held by the same of the sets any rule or scope of
     those policies tests a peer against (`CompiledPolicy.every_source_set`). That is all of a peer that
     `classify` reads, so a connection of one peer is judged as the same connection of any peer of its
@@ -309,10 +309,10 @@ class PeerClasses:
     which sets hold each address (a selector's members), and the sets over each stretch of addresses
     between the groups' interval ends."""
 
-    def __init__(self, policies: Iterable[CompiledPolicy]) -> None:
+    def __init__(self, policies: Iterable[CompiledPolicy], direction: str = "inbound") -> None:
         distinct: dict[int, SourceSets] = {}
         for policy in policies:
-            for sets in policy.every_source_set():
+            for sets in policy.every_source_set(direction):
                 distinct.setdefault(id(sets), sets)
         self._members: dict[tuple[int, int], list[int]] = {}
         bounds: dict[int, list[tuple[int, int, int]]] = {4: [], 6: []}  # (address, +1/-1, set)

@@ -440,14 +440,17 @@ class CompiledPolicy:
             found = self.fleet.memo[("sel", key)] = _selector_sets(selector, self.fleet)
         return found
 
-    def every_source_set(self) -> list[SourceSets]:
-        """Every set a connection's peer may be tested against (policy.classify): each rule's sources,
-        inbound and outbound, and each inbound ruleset's scope (the output chain's peer lines)."""
+    def every_source_set(self, direction: str) -> list[SourceSets]:
+        """Every set the peer of a connection of `direction` may be tested against (policy.classify):
+        inbound, each inbound rule's sources; outbound, each outbound rule's destinations and each
+        inbound ruleset's scope (the output chain's peer lines)."""
+        rulesets = self._ordered if direction == "inbound" else self._ordered_out
         found: list[SourceSets] = []
-        for compiled in (*self._ordered, *self._ordered_out):
+        for compiled in rulesets:
             for _, rule in compiled.rules:
                 found += [self.source_sets(line.source, rule) for line in rule.lines if line.source]
-        found += [self.selector_sets(compiled.ruleset.scope) for compiled in self._ordered]
+        if direction != "inbound":
+            found += [self.selector_sets(compiled.ruleset.scope) for compiled in self._ordered]
         return found
 
     def peer_lines(self, workload: WorkloadInput) -> tuple[list[PeerLine], list[PeerLine]]:

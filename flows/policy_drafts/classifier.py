@@ -71,10 +71,10 @@ class FlowKeyClassifier:
         # (policy/classify.py `PeerClasses`) match the same lines. A fleet's range has far fewer
         # classes than keys: most of its peers are held by no set, or by those of one group or tier.
         self._outcomes: dict[tuple, tuple[Judged, ...] | None] = {}
-        self._classes: PeerClasses | None = None
+        self._classes: dict[str, PeerClasses] = {}
         # Each class as a small number, so that a key's lookup hashes numbers, not labels and sets.
         self._numbers: dict[tuple, int] = {}
-        self._peer_classes: dict[str, int | None] = {}
+        self._peer_classes: dict[tuple[str, str], int | None] = {}
         # workload id -> (workload, the number of its inbound class, of its outbound class)
         self._by_id: dict = {}
         self._failsafe = outbound_failsafe()
@@ -108,17 +108,21 @@ class FlowKeyClassifier:
         found = self.judged(row)
         return None if found is None else tuple(j.rule if j.admitted else None for j in found)
 
-    def _peer_class(self, peer: str) -> int | None:
+    def _peer_class(self, peer: str, direction: str) -> int | None:
+        key = (peer, direction)
         try:
-            return self._peer_classes[peer]
+            return self._peer_classes[key]
         except KeyError:
             pass
-        if self._classes is None:
-            self._classes = PeerClasses(
-                compile_policy(p.rulesets, p.groups, self.fleet, self._failsafe) for p in self.policies
+        classes = self._classes.get(direction)
+        if classes is None:
+            # Built for a direction when a key of it comes: inbound tests rules' sources only.
+            classes = self._classes[direction] = PeerClasses(
+                (compile_policy(p.rulesets, p.groups, self.fleet, self._failsafe) for p in self.policies),
+                direction,
             )
-        of = self._classes.of(peer)
-        found = self._peer_classes[peer] = None if of is None else self._number(("peer", of))
+        of = classes.of(peer)
+        found = self._peer_classes[key] = None if of is None else self._number(("peer", direction, of))
         return found
 
     def judged(self, row: dict) -> tuple[Judged, ...] | None:
@@ -126,10 +130,10 @@ class FlowKeyClassifier:
         workload, inbound, outbound = self._of(row["workload_id"])
         if workload is None:
             return None
-        peer_class = self._peer_class(row["peer"])
+        direction = row.get("direction") or "inbound"
+        peer_class = self._peer_class(row["peer"], direction)
         if peer_class is None:
             return None
-        direction = row.get("direction") or "inbound"
         key = (
             inbound if direction == "inbound" else outbound,
             peer_class,

@@ -234,7 +234,8 @@ def test_peers_of_one_class_are_judged_alike():
     outcome for every connection, inbound and outbound, and peers that a rule tells apart are in
     different classes (a class blind to groups would put a group's member with an outsider)."""
     fleet = FleetIndex.build(WORKLOADS)
-    classes = PeerClasses([compile_policy(RULESETS, GROUPS, fleet)])
+    classes = PeerClasses([compile_policy(RULESETS, GROUPS, fleet)])  # inbound
+    outbound = PeerClasses([compile_policy(RULESETS, GROUPS, fleet)], "outbound")
     peers = [address for w in WORKLOADS for address in w.addresses] + [
         "192.168.10.0", "192.168.10.200", "192.168.10.255", "192.168.9.255", "192.168.11.0",
         "192.168.12.6", "192.168.12.7", "192.168.12.8", "2001:db8:1::", "2001:db8:1:ffff::9",
@@ -246,15 +247,16 @@ def test_peers_of_one_class_are_judged_alike():
     workload = WorkloadInput("c1", {"role": "client"}, ("10.0.1.1",), "simulation", "simulation")
     first_of: dict = {}
     for peer in peers:
-        first_of.setdefault(classes.of(peer), peer)
+        for direction, of in (("inbound", classes), ("outbound", outbound)):
+            first_of.setdefault((direction, of.of(peer)), peer)
     assert classes.of("192.168.10.200") != classes.of("10.9.9.9")
     assert classes.of("10.0.1.1") != classes.of("10.0.1.3")
     assert classes.of("not an address") is None
-    assert len(first_of) < len(peers)  # the outsiders of one family share a class
+    assert len([k for k in first_of if k[0] == "inbound"]) < len(peers)  # outsiders of a family share one
     for peer in peers:
-        twin = first_of[classes.of(peer)]
-        for protocol, port in services:
-            for direction in ("inbound", "outbound"):
+        for direction, of in (("inbound", classes), ("outbound", outbound)):
+            twin = first_of[(direction, of.of(peer))]
+            for protocol, port in services:
                 # As the flow-key classifier makes a key's connection: loopback from the peer.
                 judged = [
                     classify(workload, RULESETS, GROUPS, fleet, Connection(
