@@ -37,6 +37,7 @@ then ``would_block``/``blocked``.
 
 from __future__ import annotations
 
+import bisect
 import ipaddress
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -62,6 +63,7 @@ from policy.renderer import (
     CompiledRule,
     CompiledRuleset,
     Line,
+    SourceSets,
     compile_policy,
 )
 
@@ -296,3 +298,64 @@ def _first_rule(
                         continue
                 return rule.number
     return None
+
+
+class PeerClasses:
+    """Peers that every one of `policies` judges alike in connections of `direction`: of one family, alike in what the baseline reads
+    of an address (loopback, IPv6 link-local), and held by the same of the sets any rule or scope of
+    those policies tests a peer against (`CompiledPolicy.every_source_set`). That is all of a peer that
+    `classify` reads, so a connection of one peer is judged as the same connection of any peer of its
+    class: a range of flow keys is classified once per class, not once per address. Worked out once:
+    which sets hold each address (a selector's members), and the sets over each stretch of addresses
+    between the groups' interval ends."""
+
+    def __init__(self, policies: Iterable[CompiledPolicy], direction: str = "inbound") -> None:
+        distinct: dict[int, SourceSets] = {}
+        for policy in policies:
+            for sets in policy.every_source_set(direction):
+                distinct.setdefault(id(sets), sets)
+        self._members: dict[tuple[int, int], list[int]] = {}
+        bounds: dict[int, list[tuple[int, int, int]]] = {4: [], 6: []}  # (address, +1/-1, set)
+        for index, sets in enumerate(distinct.values()):
+            for family in (4, 6):
+                # As SourceSets.contains reads them: a family's addresses if it has any, else intervals.
+                if family in sets.addresses:
+                    for address in sets.addresses[family]:
+                        self._members.setdefault((family, address), []).append(index)
+                    continue
+                for first, last in sets.intervals.get(family, ()):
+                    bounds[family] += [(first, 1, index), (last + 1, -1, index)]
+        # Per family: the stretches' first addresses, sorted, and the sets holding each stretch.
+        self._stretches: dict[int, tuple[list[int], list[frozenset[int]]]] = {}
+        for family, events in bounds.items():
+            starts: list[int] = []
+            held: list[frozenset[int]] = []
+            active: dict[int, int] = {}
+            events.sort()
+            for at, change, index in events:
+                active[index] = active.get(index, 0) + change
+                if not active[index]:
+                    del active[index]
+                if starts and starts[-1] == at:
+                    held[-1] = frozenset(active)
+                else:
+                    starts.append(at)
+                    held.append(frozenset(active))
+            self._stretches[family] = (starts, held)
+
+    def of(self, peer: str) -> tuple | None:
+        """The class of the address `peer`; None for what no rule can name (not a plain address)."""
+        try:
+            address = parse_host_address(peer)
+        except ValueError:
+            return None
+        family, value = address.version, int(address)
+        starts, held = self._stretches[family]
+        at = bisect.bisect_right(starts, value) - 1
+        return (
+            family,
+            address.is_loopback,
+            family == 6 and value in _LINK_LOCAL_RANGE,
+            tuple(self._members.get((family, value), ())),
+            held[at] if at >= 0 else frozenset(),
+        )

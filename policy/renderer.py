@@ -478,6 +478,19 @@ class CompiledPolicy:
             self.fleet.memo[key] = found
         return found
 
+    def every_source_set(self, direction: str) -> list[SourceSets]:
+        """Every set the peer of a connection of `direction` may be tested against (policy.classify):
+        inbound, each inbound rule's sources; outbound, each outbound rule's destinations and each
+        inbound ruleset's scope (the output chain's peer lines)."""
+        rulesets = self._ordered if direction == "inbound" else self._ordered_out
+        found: list[SourceSets] = []
+        for compiled in rulesets:
+            for _, rule in compiled.rules:
+                found += [self.source_sets(line.source, rule) for line in rule.lines if line.source]
+        if direction != "inbound":
+            found += [self.selector_sets(compiled.ruleset.scope) for compiled in self._ordered]
+        return found
+
     def peer_lines(self, workload: WorkloadInput) -> tuple[list[PeerLine], list[PeerLine]]:
         """(deny, allow) lines of the fleet's inbound rules whose sources hold `workload`'s address:
         its outgoing connections to their scopes' workloads on their services are what those
@@ -993,7 +1006,9 @@ def _group_sets(group: AddressGroupInput, fleet: FleetIndex) -> SourceSets:
     networks: dict[int, list] = {4: [], 6: []}
     for member in group.members:
         try:
-            network = parse_network(member)
+            # A host as its address (parsed once for the whole process): collapse_addresses takes a
+            # host network as its address anyway, and a group of the peers seen is thousands of hosts.
+            network = _host_or_network(member)
         except ValueError as error:
             raise ValueError(f"address group {group.name!r}: bad member {member!r}: {error}") from None
         networks[network.version].append(network)
@@ -1032,6 +1047,17 @@ def _run_prefixes(runs: Iterable[tuple[int, int]], family: int) -> list[str]:
         else:
             found.extend(_network_text(n) for n in ipaddress.summarize_address_range(make(first), make(last)))
     return found
+
+
+def _host_or_network(
+    member: str,
+) -> ipaddress.IPv4Address | ipaddress.IPv6Address | ipaddress.IPv4Network | ipaddress.IPv6Network:
+    if "/" not in member:
+        try:
+            return parse_host_address(member)
+        except ValueError:
+            pass  # parse_network says why
+    return parse_network(member)
 
 
 def _host_elements(values: Iterable[int], family: int) -> list[str]:

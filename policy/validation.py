@@ -228,13 +228,23 @@ def _unique(items):
 
 def normalise_member(text: str) -> str:
     """An address or network in canonical form: single hosts without a prefix length."""
-    network = ipaddress.ip_network(text.strip(), strict=True)
+    text = text.strip()
+    if "/" not in text and "%" not in text:
+        # A host, the usual member: its address alone (cheaper than a network, and the same text).
+        try:
+            return str(ipaddress.ip_address(text))
+        except ValueError:
+            pass  # ip_network says why
+    network = ipaddress.ip_network(text, strict=True)
     if network.num_addresses == 1:
         return str(network.network_address)
     return str(network)
 
 
 def _member_sort_key(member: str):
+    if "/" not in member:
+        address = ipaddress.ip_address(member)
+        return (address.version, address, address.max_prefixlen)
     network = ipaddress.ip_network(member)
     return (network.version, network.network_address, network.prefixlen)
 

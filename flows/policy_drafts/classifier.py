@@ -17,8 +17,9 @@ from collections.abc import Sequence
 
 from fleet.rendering import outbound_failsafe
 from flows.policy_drafts.draft import InForce
-from policy.classify import Connection, classify
+from policy.classify import Connection, PeerClasses, classify
 from policy.render_inputs import PROTOCOLS, WorkloadInput, parse_host_address
+from policy.renderer import compile_policy
 from policy.selectors import PolicyInputs
 
 
@@ -54,6 +55,10 @@ class Judged:
     rule: int | None
 
 
+def _judgement(outcome) -> Judged:
+    return Judged(outcome.decision == "allowed", outcome.rule)
+
+
 class FlowKeyClassifier:
     """The fleet and the policy in force now (`in_force`) and `drafts` beside it: for a key, how each
     policy judges it (`judged`) and the rule of each that admits it (`rules`)."""
@@ -61,21 +66,39 @@ class FlowKeyClassifier:
     def __init__(self, in_force: InForce, *, drafts: Sequence[PolicyInputs] = ()) -> None:
         self.fleet, self.workloads = in_force.fleet, in_force.workloads
         self.policies = (in_force.policy, *drafts)
-        # A workload's labels decide which rulesets apply to it: workloads with the same labels judge
-        # a connection alike, and a fleet has far fewer label sets than keys. A range's keys repeat
-        # their workloads and services too: each is looked up or parsed once.
-        self._outcomes: dict[tuple, tuple[Judged, ...]] = {}
-        self._connections: dict[tuple, Connection | None] = {}
+        # A key is judged once per class of alike keys: workloads with the same labels (and, judged
+        # outbound, addresses) have the same rules applied, and peers held by the same sets
+        # (policy/classify.py `PeerClasses`) match the same lines. A fleet's range has far fewer
+        # classes than keys: most of its peers are held by no set, or by those of one group or tier.
+        self._outcomes: dict[tuple, tuple[Judged, ...] | None] = {}
+        self._classes: dict[str, PeerClasses] = {}
+        # Each class as a small number, so that a key's lookup hashes numbers, not labels and sets.
+        self._numbers: dict[tuple, int] = {}
+        self._peer_classes: dict[tuple[str, str], int | None] = {}
+        # workload id -> (workload, the number of its inbound class, of its outbound class)
         self._by_id: dict = {}
         self._failsafe = outbound_failsafe()
 
-    def workload(self, row: dict) -> WorkloadInput | None:
-        workload_id = row["workload_id"]
+    def _number(self, found: tuple) -> int:
+        return self._numbers.setdefault(found, len(self._numbers))
+
+    def _of(self, workload_id) -> tuple:
         try:
             return self._by_id[workload_id]
         except KeyError:
-            found = self._by_id[workload_id] = self.workloads.get(str(workload_id))
-            return found
+            pass
+        workload = self.workloads.get(str(workload_id))
+        found: tuple = (None, None, None)
+        if workload is not None:
+            # Inbound, the rules applied follow the labels; outbound, the destinations' rules that
+            # name the workload follow its addresses too. Its mode is not read: `_judged` sets one.
+            inbound = self._number(("workload", workload.labels))
+            found = (workload, inbound, self._number(("workload", workload.labels, workload.addresses)))
+        self._by_id[workload_id] = found
+        return found
+
+    def workload(self, row: dict) -> WorkloadInput | None:
+        return self._of(row["workload_id"])[0]
 
     def rules(self, row: dict) -> tuple[int | None, ...] | None:
         """The lifetime number of the rule of each policy (now first, then the drafts) that admits the
@@ -85,29 +108,62 @@ class FlowKeyClassifier:
         found = self.judged(row)
         return None if found is None else tuple(j.rule if j.admitted else None for j in found)
 
+    def _peer_class(self, peer: str, direction: str) -> int | None:
+        key = (peer, direction)
+        try:
+            return self._peer_classes[key]
+        except KeyError:
+            pass
+        classes = self._classes.get(direction)
+        if classes is None:
+            # Built for a direction when a key of it comes: inbound tests rules' sources only.
+            classes = self._classes[direction] = PeerClasses(
+                (compile_policy(p.rulesets, p.groups, self.fleet, self._failsafe) for p in self.policies),
+                direction,
+            )
+        of = classes.of(peer)
+        found = self._peer_classes[key] = None if of is None else self._number(("peer", direction, of))
+        return found
+
     def judged(self, row: dict) -> tuple[Judged, ...] | None:
         """How each policy (now first, then the drafts) judges the key; None as for `rules`."""
-        workload = self.workload(row)
+        workload, inbound, outbound = self._of(row["workload_id"])
         if workload is None:
             return None
-        service = (row["peer"], row["protocol"], row["port"], row.get("direction") or "inbound")
-        if service in self._connections:
-            connection = self._connections[service]
-        else:
-            connection = self._connections[service] = flow_key_connection(row)
-        if connection is None:
+        direction = row.get("direction") or "inbound"
+        peer_class = self._peer_class(row["peer"], direction)
+        if peer_class is None:
             return None
-        key = (workload.labels, service)
-        found = self._outcomes.get(key)
-        if found is None:
+        key = (
+            inbound if direction == "inbound" else outbound,
+            peer_class,
+            row["protocol"],
+            row["port"],
+            direction,
+        )
+        try:
+            return self._outcomes[key]
+        except KeyError:
+            pass
+        # The key's own connection stands for its class.
+        connection = flow_key_connection(row)
+        found = None
+        if connection is not None:
             judged = _judged(workload)
-            outcomes = (
-                classify(
-                    judged, policy.rulesets, policy.groups, self.fleet, connection, failsafe=self._failsafe
+            found = tuple(
+                _judgement(
+                    classify(
+                        judged,
+                        policy.rulesets,
+                        policy.groups,
+                        self.fleet,
+                        connection,
+                        failsafe=self._failsafe,
+                    )
                 )
                 for policy in self.policies
             )
-            found = self._outcomes[key] = tuple(Judged(o.decision == "allowed", o.rule) for o in outcomes)
+        self._outcomes[key] = found
         return found
 
     def refused_by_now(self, row: dict) -> int | None:

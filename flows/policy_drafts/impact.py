@@ -119,8 +119,11 @@ def draft_impact(*, draft: Draft, selection: FlowSelection) -> dict:
 
     judge = FlowKeyClassifier(draft.in_force, drafts=[draft.policy])
     rules_now, rules_draft = _rules_by_number(draft.in_force.policy), _rules_by_number(draft.policy)
-    refused: list[dict] = []
-    admitted: list[dict] = []
+    # The keys whose outcome changes, as (row, workload, rule now, rule in the draft): a rule names each
+    # side, the allow rule that admits the key or the deny rule that refuses it (None: no rule admits
+    # it). Only those listed are made entries: a fleet's draft may change every key of the range.
+    refused: list[tuple] = []
+    admitted: list[tuple] = []
     for row in rows:
         workload, found = judge.workload(row), judge.judged(row)
         if workload is None or found is None:
@@ -128,12 +131,32 @@ def draft_impact(*, draft: Draft, selection: FlowSelection) -> dict:
         now, draft_judged = found
         if now.admitted == draft_judged.admitted:
             continue
-        # A rule names each side: the allow rule that admits the key, or the deny rule that refuses it
-        # (None: no rule admits it).
-        before, after = now.rule, draft_judged.rule
+        (admitted if draft_judged.admitted else refused).append((row, workload, now.rule, draft_judged.rule))
+
+    ids: dict = {}
+
+    def text(workload_id) -> str:
+        found = ids.get(workload_id)
+        if found is None:
+            found = ids[workload_id] = str(workload_id)
+        return found
+
+    def order(changed: tuple) -> tuple:
+        row = changed[0]
+        return (
+            -row["connection_count"],
+            text(row["workload_id"]),
+            row["peer"],
+            row["protocol"],
+            row["port"],
+            row.get("direction") or Direction.INBOUND,
+        )
+
+    def entry(changed: tuple) -> dict:
+        row, workload, before, after = changed
         outbound = row.get("direction") == Direction.OUTBOUND
-        entry = {
-            "workload_id": str(row["workload_id"]),
+        return {
+            "workload_id": text(row["workload_id"]),
             "direction": row.get("direction") or Direction.INBOUND,
             # The mode that decides the key: the outbound mode for a connection the workload opened.
             "mode": workload.outbound_mode if outbound else workload.mode,
@@ -147,17 +170,6 @@ def draft_impact(*, draft: Draft, selection: FlowSelection) -> dict:
             "rule_now": rules_now.get(before) if before is not None else None,
             "rule_draft": rules_draft.get(after) if after is not None else None,
         }
-        (admitted if draft_judged.admitted else refused).append(entry)
-
-    def order(entry: dict) -> tuple:
-        return (
-            -entry["connection_count"],
-            entry["workload_id"],
-            entry["peer"],
-            entry["protocol"],
-            entry["port"],
-            entry["direction"],
-        )
 
     refused.sort(key=order)
     admitted.sort(key=order)
@@ -166,10 +178,10 @@ def draft_impact(*, draft: Draft, selection: FlowSelection) -> dict:
         "to": rfc3339(end),
         "direction": str(direction),
         "keys_classified": len(rows),
-        "newly_refused_summary": _summary(refused),
-        "newly_refused": refused[:MAX_LISTED],
-        "newly_admitted_summary": _summary(admitted),
-        "newly_admitted": admitted[:MAX_LISTED],
+        "newly_refused_summary": _summary([changed[0] for changed in refused]),
+        "newly_refused": [entry(changed) for changed in refused[:MAX_LISTED]],
+        "newly_admitted_summary": _summary([changed[0] for changed in admitted]),
+        "newly_admitted": [entry(changed) for changed in admitted[:MAX_LISTED]],
         # The lists stop at MAX_LISTED entries (their summaries count every one); `keys_left_out` says
         # the keys themselves stopped at their bound, and then the summaries too are of the keys read.
         "truncated": len(refused) > MAX_LISTED or len(admitted) > MAX_LISTED or read.truncated,

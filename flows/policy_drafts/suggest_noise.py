@@ -101,9 +101,12 @@ class NoiseJudge:
         ports_of_peer: dict = defaultdict(set)
         self.on_port: Counter = Counter()
         for row in rows:
-            if row["connection_count"] <= FEW:
-                ports_of_peer[self._scanner_key(row)].add((row["protocol"], row["port"]))
-            self.on_port[self._port_key(row)] += row["connection_count"]
+            count, protocol, port = row["connection_count"], row["protocol"], row["port"]
+            if count <= FEW:
+                ports_of_peer[self._scanner_key(row)].add((protocol, port))
+            # Counted only where `judge` reads it: a fleet's keys are mostly on service ports.
+            if protocol in ("tcp", "udp") and EPHEMERAL_LOW <= port <= EPHEMERAL_HIGH:
+                self.on_port[self._port_key(row)] += count
         self.scanners = {p: len(s) for p, s in ports_of_peer.items() if len(s) >= SCANNER_PORTS}
 
     def _scanner_key(self, row: dict):

@@ -67,10 +67,33 @@ def _aggregated(addresses: list[str], prefix: int | None, prefix_v6: int | None)
 
 
 def _span(rows: list[dict]) -> dict:
+    return _spans(rows, lambda row: None)[None]
+
+
+def _spans(rows: list[dict], key) -> dict:
+    """Per `key` of the rows (in the order first seen): their connections and first and last instants,
+    in one pass (a fleet's rule may hold thousands of peers), each instant's text made once."""
+    added: dict = {}
+    for row in rows:
+        k = key(row)
+        found = added.get(k)
+        if found is None:
+            added[k] = [row["connection_count"], row["first_seen"], row["last_seen"]]
+        else:
+            found[0] += row["connection_count"]
+            found[1] = min(found[1], row["first_seen"])
+            found[2] = max(found[2], row["last_seen"])
+    texts: dict = {}
+
+    def text(instant):
+        found = texts.get(instant)
+        if found is None:
+            found = texts[instant] = rfc3339(instant)
+        return found
+
     return {
-        "connection_count": sum(r["connection_count"] for r in rows),
-        "first_seen": rfc3339(min(r["first_seen"] for r in rows)),
-        "last_seen": rfc3339(max(r["last_seen"] for r in rows)),
+        k: {"connection_count": count, "first_seen": text(first), "last_seen": text(last)}
+        for k, (count, first, last) in added.items()
     }
 
 
@@ -243,18 +266,15 @@ def _stored_services() -> dict[tuple, dict]:
 
 
 def _rule_evidence(rows: list[dict], runs: list[PortRun]) -> dict:
-    by_peer: dict[tuple, list] = defaultdict(list)
-    by_service: dict[tuple, list] = defaultdict(list)
-    for row in rows:
-        by_peer[(row["peer"], row["peer_workload_id"])].append(row)
-        by_service[(row["protocol"], row["port"])].append(row)
+    by_peer = _spans(rows, lambda row: (row["peer"], row["peer_workload_id"]))
+    by_service = _spans(rows, lambda row: (row["protocol"], row["port"]))
     return {
         **_span(rows),
         "peers": [
-            {"peer": peer, "peer_workload_id": str(pw) if pw else None, **_span(by_peer[(peer, pw)])}
+            {"peer": peer, "peer_workload_id": str(pw) if pw else None, **by_peer[(peer, pw)]}
             for peer, pw in sorted(by_peer, key=lambda k: k[0])
         ],
-        "services": [{"protocol": p, "port": n, **_span(by_service[(p, n)])} for p, n in sorted(by_service)],
+        "services": [{"protocol": p, "port": n, **by_service[(p, n)]} for p, n in sorted(by_service)],
         # Runs of ports proposed as one range: the ports of the range the evidence does not hold are
         # admitted too, and said here.
         "port_ranges": [

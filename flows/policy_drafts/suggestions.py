@@ -44,7 +44,7 @@ from controlplane.validation import Findings, parsed_together, reject_unknown, r
 from fleet.models import Workload
 from flows.choices import Direction
 from flows.policy_drafts import suggest_noise as noise
-from flows.policy_drafts.classifier import FlowKeyClassifier
+from flows.policy_drafts.classifier import FlowKeyClassifier, Judged
 from flows.policy_drafts.draft import InForce, in_force_load
 from flows.policy_drafts.suggest_proposal import Proposal, parsed_address
 from flows.policy_drafts.suggest_scope import ScopeNarrowing
@@ -116,9 +116,11 @@ class _SortedOut:
 
     seen: dict = field(default_factory=lambda: defaultdict(lambda: defaultdict(lambda: defaultdict(list))))
     scope_workloads: dict = field(default_factory=lambda: defaultdict(set))
-    not_generalised: list = field(default_factory=list)
-    admitted_now: list = field(default_factory=list)
-    set_apart: list = field(default_factory=list)
+    # (row, what the entry adds to it): made entries only when listed (`_most`), as a fleet's range
+    # may hold many thousands of each.
+    not_generalised: list[tuple[dict, dict]] = field(default_factory=list)
+    admitted_now: list[tuple[dict, dict]] = field(default_factory=list)
+    set_apart: list[tuple[dict, dict]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -135,10 +137,11 @@ class _Asked:
     prefix_v6: int | None = None
 
 
-def _learnt_from(judge: FlowKeyClassifier, row: dict) -> bool:
-    """Whether the suggestion learns from the key: no rule in force now admits it, whatever decision
-    was recorded (a rule disabled since admitted it; a rule saved since admits what was refused)."""
-    return not judge.admitted_now(row)
+def _learnt_from(now: Judged | None) -> bool:
+    """Whether the suggestion learns from a key the policy in force now judges so (None: no table can
+    judge it): no rule in force now admits it, whatever decision was recorded (a rule disabled since
+    admitted it; a rule saved since admits what was refused). As `FlowKeyClassifier.admitted_now`."""
+    return now is None or not now.admitted or now.rule is None
 
 
 def _sorted_out(
@@ -166,12 +169,14 @@ def _sorted_out(
             found = of_workload[workload.id] = named[values]
         return found
 
-    learnt = []
+    learnt = []  # (row, the deny rule in force now that refuses it, if one does)
     for row in rows:
-        if _learnt_from(judge, row):
-            learnt.append(row)
+        found = judge.judged(row)
+        now = None if found is None else found[0]
+        if _learnt_from(now):
+            learnt.append((row, now.rule if now is not None and not now.admitted else None))
         else:
-            out.admitted_now.append(_row_data(row))
+            out.admitted_now.append((row, {}))
     # Noise is judged on every key of the range, admitted or not: what a peer did is the same
     # whatever rules were saved since, so a scanner stays a scanner once some of its ports are admitted.
     noisy = noise.NoiseJudge(
@@ -181,20 +186,19 @@ def _sorted_out(
         label_keys=label_keys,
         direction=direction,
     )
-    for row in learnt:
+    for row, refused_by in learnt:
         workload, peer = workloads.get(row["workload_id"]), workloads.get(row["peer_workload_id"])
         if workload is None:
-            out.not_generalised.append({**_row_data(row), "reason": "the workload no longer exists"})
+            out.not_generalised.append((row, {"reason": "the workload no longer exists"}))
             continue
-        refused_by = judge.refused_by_now(row)
         if refused_by is not None:
             # An operator's no: listed as refused by that deny rule, never learnt as a missing allow.
             reason = f"refused by deny rule {refused_by}"
-            out.not_generalised.append({**_row_data(row), "reason": reason, "rule_number": refused_by})
+            out.not_generalised.append((row, {"reason": reason, "rule_number": refused_by}))
             continue
         found = noisy.judge(row, workload.labels, peer.labels if peer else None)
         if found is not None and (found[0] == noise.EXCLUDED_PEER or found[0] not in asked.include_noise):
-            out.set_apart.append({**_row_data(row), "kind": found[0], "reason": found[1]})
+            out.set_apart.append((row, {"kind": found[0], "reason": found[1]}))
             continue
         scope, missing = selector_of(workload)
         reason, source = None, ("address", row["peer"])
@@ -211,10 +215,10 @@ def _sorted_out(
             elif selector is None:
                 reason = f"the peer workload {peer.hostname} has no label {', '.join(missing)}"
         if reason is not None:
-            out.not_generalised.append({**_row_data(row), "reason": reason})
+            out.not_generalised.append((row, {"reason": reason}))
             continue
         out.seen[scope][source][(row["protocol"], row["port"])].append(row)
-        out.scope_workloads[scope].add(str(workload.id))
+        out.scope_workloads[scope].add(workload.id)
     return out
 
 
@@ -229,8 +233,9 @@ def _family_mismatch(row: dict) -> bool:
         return True
 
 
-def _most(rows: list[dict]) -> list[dict]:
-    return sorted(rows, key=lambda r: -r["connection_count"])[:KEYS_LISTED]
+def _most(entries: list[tuple[dict, dict]]) -> list[dict]:
+    listed = sorted(entries, key=lambda entry: -entry[0]["connection_count"])[:KEYS_LISTED]
+    return [{**_row_data(row), **more} for row, more in listed]
 
 
 def default_label_keys(selection_labels) -> list[str]:
@@ -301,11 +306,11 @@ def policy_suggest(
         lambda: {"seen": defaultdict(lambda: defaultdict(list)), "ids": set()}
     )
     for base in sorted(sorted_out.seen):
-        ids_of_scope = sorted_out.scope_workloads[base]
+        ids_of_scope = {str(i) for i in sorted_out.scope_workloads[base]}
         scope, refused = scopes.narrowed(base, ids_of_scope)
         if scope is None:
             sorted_out.not_generalised += [
-                {**_row_data(row), "reason": refused}
+                (row, {"reason": refused})
                 for by_service in sorted_out.seen[base].values()
                 for rows_of in by_service.values()
                 for row in rows_of
@@ -364,17 +369,17 @@ def policy_suggest(
     }
 
 
-def _set_apart_summary(entries: list[dict]) -> list[dict]:
-    by_kind: dict[str, list[dict]] = defaultdict(list)
+def _set_apart_summary(entries: list[tuple[dict, dict]]) -> list[dict]:
+    by_kind: dict[str, list[tuple[dict, dict]]] = defaultdict(list)
     for entry in entries:
-        by_kind[entry["kind"]].append(entry)
+        by_kind[entry[1]["kind"]].append(entry)
     return [
         {
             "kind": kind,
             "count": len(items),
-            "connection_count": sum(e["connection_count"] for e in items),
-            "peer_count": len({e["peer"] for e in items}),
-            "reasons": sorted({e["reason"] for e in items})[:20],
+            "connection_count": sum(row["connection_count"] for row, _ in items),
+            "peer_count": len({row["peer"] for row, _ in items}),
+            "reasons": sorted({more["reason"] for _, more in items})[:20],
         }
         for kind, items in sorted(by_kind.items())
     ]

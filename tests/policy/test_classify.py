@@ -6,9 +6,11 @@ kernel's ct marks; these pin the semantics case by case.
 
 from __future__ import annotations
 
+import ipaddress
+
 import pytest
 
-from policy.classify import Connection, Outcome, admitting_rule, classify
+from policy.classify import Connection, Outcome, PeerClasses, admitting_rule, classify
 from policy.grammar import parse_selector
 from policy.render_inputs import (
     AddressGroupInput,
@@ -19,7 +21,7 @@ from policy.render_inputs import (
     SourceInput,
     WorkloadInput,
 )
-from policy.renderer import render
+from policy.renderer import compile_policy, render
 
 S = parse_selector
 ANY = SourceInput("any")
@@ -225,3 +227,41 @@ def test_denied_connections_have_no_admitting_rule():
     fleet = FleetIndex.build(WORKLOADS)
     assert admitting_rule(workload, DENY_RULESETS, GROUPS, fleet, Connection("10.0.1.2", "tcp", 8080)) is None
     assert admitting_rule(workload, DENY_RULESETS, GROUPS, fleet, Connection("10.0.1.1", "tcp", 8080)) == 3
+
+
+def test_peers_of_one_class_are_judged_alike():
+    """PeerClasses (what the flow-key classifier caches by): any two peers of one class get the same
+    outcome for every connection, inbound and outbound, and peers that a rule tells apart are in
+    different classes (a class blind to groups would put a group's member with an outsider)."""
+    fleet = FleetIndex.build(WORKLOADS)
+    classes = PeerClasses([compile_policy(RULESETS, GROUPS, fleet)])  # inbound
+    outbound = PeerClasses([compile_policy(RULESETS, GROUPS, fleet)], "outbound")
+    peers = [address for w in WORKLOADS for address in w.addresses] + [
+        "192.168.10.0", "192.168.10.200", "192.168.10.255", "192.168.9.255", "192.168.11.0",
+        "192.168.12.6", "192.168.12.7", "192.168.12.8", "2001:db8:1::", "2001:db8:1:ffff::9",
+        "2001:db8:2::1", "2001:db8:99::1", "10.9.9.9", "10.0.1.3", "127.0.0.1", "::1", "fe80::1",
+        "8.8.8.8",
+    ]  # fmt: skip
+    services = [("tcp", 8000), ("tcp", 8080), ("tcp", 8101), ("udp", 53), ("tcp", 5432), ("tcp", 1234),
+                ("icmp", 8), ("icmpv6", 128), ("icmpv6", 135), ("udp", 546)]  # fmt: skip
+    workload = WorkloadInput("c1", {"role": "client"}, ("10.0.1.1",), "simulation", "simulation")
+    first_of: dict = {}
+    for peer in peers:
+        for direction, of in (("inbound", classes), ("outbound", outbound)):
+            first_of.setdefault((direction, of.of(peer)), peer)
+    assert classes.of("192.168.10.200") != classes.of("10.9.9.9")
+    assert classes.of("10.0.1.1") != classes.of("10.0.1.3")
+    assert classes.of("not an address") is None
+    assert len([k for k in first_of if k[0] == "inbound"]) < len(peers)  # outsiders of a family share one
+    for peer in peers:
+        for direction, of in (("inbound", classes), ("outbound", outbound)):
+            twin = first_of[(direction, of.of(peer))]
+            for protocol, port in services:
+                # As the flow-key classifier makes a key's connection: loopback from the peer.
+                judged = [
+                    classify(workload, RULESETS, GROUPS, fleet, Connection(
+                        p, protocol, port, loopback=ipaddress.ip_address(p).is_loopback, direction=direction
+                    ))
+                    for p in (peer, twin)
+                ]  # fmt: skip
+                assert judged[0] == judged[1], (peer, twin, protocol, port, direction)
