@@ -139,9 +139,10 @@ class _Asked:
 
 def _learnt_from(now: Judged | None) -> bool:
     """Whether the suggestion learns from a key the policy in force now judges so (None: no table can
-    judge it): no rule in force now admits it, whatever decision was recorded (a rule disabled since
-    admitted it; a rule saved since admits what was refused). As `FlowKeyClassifier.admitted_now`."""
-    return now is None or not now.admitted or now.rule is None
+    judge it): the policy in force now does not admit it (by a rule, or outbound by the fail-safe list,
+    which names none), whatever decision was recorded (a rule disabled since admitted it; a rule saved
+    since admits what was refused). As `FlowKeyClassifier.admitted_now`."""
+    return now is None or not now.admitted
 
 
 def _sorted_out(
