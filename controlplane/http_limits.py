@@ -93,7 +93,7 @@ def _with_body_file(factory):
         return factory  # not a request class: nothing to change
     from daphne.http_protocol import WebRequest
 
-    from controlplane.gateway_reports import PlainReportRequest  # Django's side: imported once it is set up
+    from controlplane.plain_reports import PlainReportRequest  # Django's side: imported once it is set up
 
     # daphne's requests also answer plain flow reports without its ASGI application.
     bases = (PlainReportRequest, factory) if issubclass(factory, WebRequest) else (factory,)

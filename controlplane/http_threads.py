@@ -54,7 +54,7 @@ def _problem(problem: Problem, *, instance: str | None = None) -> tuple[int, lis
 
 class ThreadPoolHttp:
     # The instance serve answers with: its flow-report pool also takes the reports that serve's
-    # requests hand it without the ASGI application (controlplane/gateway_reports.py, `PlainReportRequest`).
+    # requests hand it without the ASGI application (controlplane/plain_reports.py, `PlainReportRequest`).
     serving: ThreadPoolHttp | None = None
 
     def __init__(

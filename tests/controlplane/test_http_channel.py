@@ -42,12 +42,12 @@ def _request(uri=b"/agent/v1/flows", method=b"POST", headers=(), body=b'{"v": 1}
 
 def test_a_plain_flow_report_gets_the_environ_daphne_and_asgiref_would_give_it():
     """serve hands a plain flow report to its threads without daphne's application
-    (controlplane/gateway_reports.py): the environ its answer reads is the one the application built."""
+    (controlplane/plain_reports.py): the environ its answer reads is the one the application built."""
     import io
 
     from asgiref.wsgi import WsgiToAsgiInstance
 
-    from controlplane.gateway_reports import _plain_report_environ
+    from controlplane.plain_reports import _plain_report_environ
 
     headers = [
         (b"Content-Type", b"application/json"),
@@ -84,7 +84,7 @@ def test_a_plain_flow_report_gets_the_environ_daphne_and_asgiref_would_give_it()
 def test_any_other_request_goes_through_daphnes_application():
     from django.conf import settings
 
-    from controlplane.gateway_reports import _plain_report_environ
+    from controlplane.plain_reports import _plain_report_environ
 
     assert _plain_report_environ(_request()) is not None
     for other in (
