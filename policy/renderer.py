@@ -53,6 +53,8 @@ import ipaddress
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from agent.gateway_sets import GATEWAY_SETS  # noqa: F401 - the documents' gateway sets, named by the agent
+from agent.outbound_observe import ESTABLISHED, GATEWAY_SET_DEFINITIONS, OUTPUT_BASELINE, OUTPUT_HEAD
 from policy.grammar import Selector
 from policy.render_inputs import (
     PORT_PROTOCOLS,
@@ -90,10 +92,9 @@ _DECISION_BITS = 0x3F
 
 # The fail-safe list's default: DNS and NTP to any destination (settings.PALISADE_OUTBOUND_FAILSAFE).
 DEFAULT_OUTBOUND_FAILSAFE = (PortEntry("udp", 53), PortEntry("tcp", 53), PortEntry("udp", 123))
-# The sets the agent fills at apply time with the control-plane addresses it uses (agent/gateway_sets.py):
-# the rendered document holds them empty, so a stale document can never leave the agent's own
-# gateway out.
-GATEWAY_SETS = {4: "agent_gateways_v4", 6: "agent_gateways_v6"}
+# GATEWAY_SETS (agent/gateway_sets.py): the sets the agent fills at apply time with the control-plane
+# addresses it uses; the rendered document holds them empty, so a stale document can never leave the
+# agent's own gateway out.
 
 NFLOG_GROUP_WOULD_BLOCK = 7301
 NFLOG_GROUP_BLOCKED = 7302
@@ -189,7 +190,7 @@ def render(
 # --- fixed text ------------------------------------------------------------------------
 
 _CHAIN_HEAD = "\tchain {name} {{\n\t\ttype filter hook input priority filter; policy accept;\n"
-_ESTABLISHED = '\t\tct state established,related accept comment "baseline: replies to admitted connections"\n'
+_ESTABLISHED = ESTABLISHED
 _BASELINE = (
     '\t\tiif "lo" accept comment "baseline: loopback"\n'
     "\t\ticmpv6 type { nd-router-advert, nd-neighbor-solicit, nd-neighbor-advert, nd-redirect, "
@@ -235,26 +236,10 @@ def _observe_document() -> str:
     )
 
 
-# The output chain's baseline: what the workload sends that no outbound policy may stop.
-_OUTPUT_HEAD = "\tchain output {\n\t\ttype filter hook output priority filter; policy accept;\n"
-_OUTPUT_BASELINE = (
-    '\t\tct state invalid accept comment "not a new connection: the peer judges it"\n'
-    '\t\toif "lo" accept comment "baseline: loopback"\n'
-    "\t\ticmpv6 type { nd-router-solicit, nd-neighbor-solicit, nd-neighbor-advert, "
-    "mld-listener-report, mld-listener-done, mld2-listener-report } "
-    'accept comment "baseline: IPv6 neighbour/router discovery, multicast listeners"\n'
-    '\t\tudp sport 68 udp dport 67 accept comment "baseline: DHCPv4 requests"\n'
-    '\t\tudp sport 546 udp dport 547 accept comment "baseline: DHCPv6 requests"\n'
-    f"\t\tip daddr . tcp dport @{GATEWAY_SETS[4]} accept "
-    'comment "baseline: the control plane this agent uses"\n'
-    f"\t\tip6 daddr . tcp dport @{GATEWAY_SETS[6]} accept "
-    'comment "baseline: the control plane this agent uses"\n'
-)
-_GATEWAY_SET_DEFINITIONS = "".join(
-    f"\tset {name} {{\n\t\ttype {kind} . inet_service\n"
-    '\t\tcomment "filled by the agent when it applies the table"\n\t}\n\n'
-    for name, kind in ((GATEWAY_SETS[4], "ipv4_addr"), (GATEWAY_SETS[6], "ipv6_addr"))
-)
+# The output chain's head and baseline and the gateway sets' definitions are the agent's, which adds the
+# same baseline to a document without an output chain (outbound visibility).
+_OUTPUT_HEAD, _OUTPUT_BASELINE = OUTPUT_HEAD, OUTPUT_BASELINE
+_GATEWAY_SET_DEFINITIONS = GATEWAY_SET_DEFINITIONS
 _OUT_TERMINAL_SIMULATION = (
     f"\t\tct mark set {encode_mark(DECISION_WOULD_BLOCK, 0, DIRECTION_OUTBOUND_FLAG):#010x} "
     f"log group {NFLOG_GROUP_WOULD_BLOCK} queue-threshold 1 accept "
