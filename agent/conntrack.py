@@ -29,7 +29,7 @@ import socket
 import struct
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from agent.flowwindow import INBOUND, OUTBOUND, FlowKey, Gap, Windows
 from agent.netlink import (
@@ -90,9 +90,30 @@ def decode_mark_flags(mark: int) -> tuple[str | None, int | None, str, bool]:
     return decision, None if failsafe else rule, direction, failsafe
 
 
-@dataclass(slots=True)
-class Entry:
-    """One conntrack message: an event (NEW or DESTROY) or a dumped entry."""
+# A table sets a few marks (a decision and a rule number each), met on every event: each is decoded
+# once, into the tail of its window key (decision, rule, direction, fail-safe), or None when Palisade
+# did not set it. Bounded, as a hostile or foreign mark could be anything.
+_MARK_TAILS: dict[int, tuple[str, int | None, str, bool] | None] = {}
+_MARKS_KEPT = 1 << 16
+
+
+def mark_tail(mark: int) -> tuple[str, int | None, str, bool] | None:
+    tail = _MARK_TAILS.get(mark, _UNSEEN)
+    if tail is _UNSEEN:
+        decision, rule, direction, failsafe = decode_mark_flags(mark)
+        tail = None if decision is None else (decision, rule, direction, failsafe)
+        if len(_MARK_TAILS) >= _MARKS_KEPT:
+            _MARK_TAILS.clear()
+        _MARK_TAILS[mark] = tail
+    return tail  # type: ignore[return-value]
+
+
+_UNSEEN = object()
+
+
+class Entry(NamedTuple):
+    """One conntrack message: an event (NEW or DESTROY) or a dumped entry. A tuple, made in C for
+    every event (see parse_entry); fields 1-6 are the connection's identity."""
 
     destroyed: bool
     id: int
@@ -206,20 +227,54 @@ def _any_tuple(data: bytes, span: tuple[int, int]) -> tuple[bytes, bytes, int, i
     return bytes(data[src[0] : src[1]]), bytes(data[dst[0] : dst[1]]), protocol, sport, dport
 
 
-def _top_level(data: bytes, offset: int, end: int) -> list[tuple[int, int] | None]:
-    """Where the top-level attributes this source reads are, as [tuple_orig, id, mark, counters_orig,
-    counters_reply, timestamp] (payload start, end) or None; one pass, nothing kept for the others."""
+def _top_level(data: bytes, offset: int, end: int) -> tuple[tuple[int, int] | None, ...]:
+    """Where the top-level attributes this source reads are, as (tuple_orig, id, mark, counters_orig,
+    counters_reply, timestamp) (payload start, end) or None.
+
+    The kernel lays out every event of one kind alike (a UDP NEW over IPv4: the same attributes, the
+    same lengths, in the same order), so a layout once walked is kept with the headers it met: when
+    every one of those headers is found again at its place, in one unpack, the walk would take the same
+    steps and find the same positions. Only then is it skipped; any other message is walked."""
+    first = offset == _FIRST_BODY  # an event's message (one a datagram), or a dump's first
+    known = _LAYOUTS.get(end) if first else None
+    if known is not None and known[0].unpack_from(data, offset) == known[1]:
+        return known[2]
     found: list[tuple[int, int] | None] = [None] * 6
-    unpack = NLA_HEADER.unpack_from
-    while offset + 4 <= end:
-        length, kind = unpack(data, offset)
+    unpack, slots, type_mask = NLA_HEADER.unpack_from, _TOP_LEVEL_SLOTS.get, NLA_TYPE_MASK
+    met = []  # where each header the walk read is
+    at = offset
+    while at + 4 <= end:
+        length, kind = unpack(data, at)
+        met.append(at)
         if length < 4:
             break
-        slot = _TOP_LEVEL_SLOTS.get(kind & NLA_TYPE_MASK)
+        slot = slots(kind & type_mask)
         if slot is not None:
-            found[slot] = (offset + 4, offset + length)
-        offset += (length + 3) & ~3
-    return found
+            found[slot] = (at + 4, at + length)
+        at += (length + 3) & ~3
+    result = tuple(found)
+    if first:
+        if len(_LAYOUTS) >= _LAYOUTS_KEPT:
+            _LAYOUTS.clear()
+        _LAYOUTS[end] = _layout_of(data, offset, met, result)
+    return result
+
+
+def _layout_of(data: bytes, offset: int, met: list[int], found: tuple) -> tuple[struct.Struct, tuple, tuple]:
+    """The unpack reading the headers at `met` (each as one 32-bit word), what it read, and `found`."""
+    parts, position = ["="], offset
+    for at in met:
+        parts.append(f"{at - position}xI")
+        position = at + 4
+    layout = struct.Struct("".join(parts))
+    return layout, layout.unpack_from(data, offset), found
+
+
+# Layouts of a datagram's first message, by its end: events come one a datagram, and a few dozen
+# layouts (protocol, family, NEW or DESTROY, accounting) serve a busy host.
+_FIRST_BODY = 16 + 4  # after the netlink header and netfilter's
+_LAYOUTS: dict[int, tuple[struct.Struct, tuple, tuple]] = {}
+_LAYOUTS_KEPT = 256
 
 
 _TOP_LEVEL_SLOTS = {CTA_TUPLE_ORIG: 0, CTA_ID: 1, CTA_MARK: 2, CTA_COUNTERS_ORIG: 3, CTA_COUNTERS_REPLY: 4,
@@ -232,11 +287,15 @@ def parse_entry(
     """A conntrack message body (after the netlink header) at data[offset:end]: None for what is not a
     connection, or, with `marked_only`, for a connection Palisade's table did not mark (read no further:
     on a busy host most are)."""
-    end = len(data) if end is None else end
+    return _parse_entry(message_type, data, offset, len(data) if end is None else end, marked_only)
+
+
+def _parse_entry(message_type: int, data: bytes, offset: int, end: int, marked_only: bool) -> Entry | None:
     tuple_orig, ident, mark, counters_orig, counters_reply, timestamp = _top_level(data, offset + 4, end)
     if tuple_orig is None or ident is None:
         return None
-    if marked_only and (mark is None or decode_mark(_U32.unpack_from(data, mark[0])[0])[0] is None):
+    mark_value = _U32.unpack_from(data, mark[0])[0] if mark is not None else 0
+    if marked_only and mark_tail(mark_value) is None:
         return None
     # The kernel's TCP/UDP layout is read in one unpack (from the attribute's header); any other walks.
     found = _ported_tuple(data, tuple_orig[0] - 4, tuple_orig[1]) or _any_tuple(data, tuple_orig)
@@ -249,23 +308,34 @@ def parse_entry(
     if timestamp is not None:
         stop = spans(data, *timestamp).get(CTA_TIMESTAMP_STOP)
         stopped = _U64.unpack_from(data, stop[0])[0] if stop else None
-    return Entry(
-        (message_type & 0xFF) == IPCTNL_MSG_CT_DELETE,
-        _U32.unpack_from(data, ident[0])[0],
-        protocol,
-        _address(src),
-        _address(dst),
-        dport,
-        sport,
-        _U32.unpack_from(data, mark[0])[0] if mark is not None else 0,
-        bytes_in,
-        bytes_out,
-        stopped,
+    return _new_entry(
+        Entry,
+        (
+            (message_type & 0xFF) == IPCTNL_MSG_CT_DELETE,
+            _U32.unpack_from(data, ident[0])[0],
+            protocol,
+            _address(src),
+            _address(dst),
+            dport,
+            sport,
+            mark_value,
+            bytes_in,
+            bytes_out,
+            stopped,
+        ),
     )
 
 
+_new_entry = tuple.__new__
+
+
 def parse_messages(data: bytes, *, marked_only: bool = False) -> list[Entry]:
-    entries = []
+    entries: list[Entry] = []
+    _parse_into(entries, data, marked_only)
+    return entries
+
+
+def _parse_into(entries: list[Entry], data: bytes, marked_only: bool) -> None:
     offset, size = 0, len(data)
     unpack = _NLMSG_LENGTH_AND_TYPE.unpack_from
     while offset + 16 <= size:
@@ -273,41 +343,32 @@ def parse_messages(data: bytes, *, marked_only: bool = False) -> list[Entry]:
         if length < 16:
             break
         if message_type >> 8 == NFNL_SUBSYS_CTNETLINK:
-            entry = parse_entry(
-                message_type, data, offset + 16, min(offset + length, size), marked_only=marked_only
-            )
+            end = offset + length
+            entry = _parse_entry(message_type, data, offset + 16, end if end < size else size, marked_only)
             if entry is not None:
                 entries.append(entry)
         offset += (length + 3) & ~3
-    return entries
 
 
 def key_of(entry: Entry) -> FlowKey | None:
     """The window key of a connection Palisade's table marked; None for every other connection. The
     peer is the remote end of the original tuple: its source inbound, its destination outbound; the
     port is the destination's either way (the service connected to)."""
-    decision, rule, direction, failsafe = decode_mark_flags(entry.mark)
-    if decision is None:
+    tail = mark_tail(entry.mark)
+    if tail is None:
         return None
     protocol = PROTOCOL_NAMES.get(entry.protocol) or str(entry.protocol)
-    if direction == OUTBOUND:
-        return FlowKey(
-            entry.destination, protocol, entry.destination_port, decision, rule, OUTBOUND, failsafe
-        )
-    if failsafe:
-        return FlowKey(entry.source, protocol, entry.destination_port, decision, rule, INBOUND, True)
-    return FlowKey(entry.source, protocol, entry.destination_port, decision, rule)
+    peer = entry.destination if tail[2] == OUTBOUND else entry.source
+    # tuple.__new__ skips the NamedTuple's own __new__, a Python function, on every event.
+    return _new_key(FlowKey, (peer, protocol, entry.destination_port) + tail)
+
+
+_new_key = tuple.__new__
 
 
 def _identity(entry: Entry) -> tuple:
-    return (
-        entry.id,
-        entry.protocol,
-        entry.source,
-        entry.source_port,
-        entry.destination,
-        entry.destination_port,
-    )
+    """The conntrack id with the original tuple (id, protocol, source, destination, both ports)."""
+    return entry[1:7]
 
 
 class ConntrackCounter:
@@ -352,12 +413,29 @@ class ConntrackCounter:
             self.counted = live
 
     def events(self, entries: list[Entry], at: float) -> None:
-        """A batch of events read at `at` (possibly none marked: unmarked ones are dropped unparsed)."""
+        """A batch of events read at `at` (possibly none marked: unmarked ones are dropped unparsed).
+        NEW events, nearly all of a burst, are counted here with the window found once per batch."""
         self.last_event_at = at
         self.events_read += len(entries)
+        counted = self.counted
+        opened: list[FlowKey] = []
         with self.windows.lock:
             for entry in entries:
-                self.event(entry, at)
+                if entry.destroyed:
+                    if opened:  # counted first: the DESTROY may be of a connection opened in this batch
+                        self.windows.connections_opened(opened, at)
+                        opened = []
+                    self.event(entry, at)
+                    continue
+                identity = entry[1:7]  # _identity, inline on the per-event path
+                if identity in counted:
+                    continue
+                key = key_of(entry)
+                if key is not None:
+                    counted[identity] = key
+                    opened.append(key)
+            if opened:
+                self.windows.connections_opened(opened, at)
 
     def event(self, entry: Entry, at: float) -> None:
         if not entry.destroyed:
@@ -503,7 +581,10 @@ def read_events(datagrams: Datagrams, timeout: float) -> list[Entry] | None:
     batch = datagrams.next(timeout)
     if not batch:
         return None
-    return [entry for data in batch for entry in parse_messages(data, marked_only=True)]
+    entries: list[Entry] = []
+    for data in batch:
+        _parse_into(entries, data, True)
+    return entries
 
 
 class EventsOff(OSError):

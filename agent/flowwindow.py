@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import math
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -50,7 +51,7 @@ class FlowKey(NamedTuple):
     failsafe: bool = False  # allowed by the fail-safe list (DNS, NTP) rather than a rule
 
 
-@dataclass
+@dataclass(slots=True)
 class Counters:
     connection_count: int = 0
     first_seen: float = math.inf
@@ -119,11 +120,23 @@ class OpenWindow:
         return entry, False
 
     def connection_opened(self, key: FlowKey, at: float) -> None:
-        entry, aggregated = self._entry(key, at)
-        entry.connection_count += 1
-        entry.seen(at)
-        if aggregated:
-            self.aggregated_connections += 1
+        self.connections_opened((key,), at)
+
+    def connections_opened(self, keys: Iterable[FlowKey], at: float) -> None:
+        """A connection opened at `at` for each of `keys` (a source's batch of events, read at one
+        instant). The loop is the source's per-event path: a known key costs one look-up."""
+        counters = self.counters
+        for key in keys:
+            entry = counters.get(key)
+            if entry is None:
+                entry, aggregated = self._entry(key, at)
+                if aggregated:
+                    self.aggregated_connections += 1
+            entry.connection_count += 1
+            if at < entry.first_seen:
+                entry.first_seen = at
+            if at > entry.last_seen:
+                entry.last_seen = at
 
     def bytes_counted(self, key: FlowKey, at: float, bytes_in: int, bytes_out: int) -> None:
         if not self.accounting:
@@ -208,6 +221,9 @@ class Windows:
 
     def connection_opened(self, key: FlowKey, at: float) -> None:
         self._window(at).connection_opened(key, at)
+
+    def connections_opened(self, keys: Iterable[FlowKey], at: float) -> None:
+        self._window(at).connections_opened(keys, at)
 
     def bytes_counted(self, key: FlowKey, at: float, bytes_in: int, bytes_out: int) -> None:
         self._window(at).bytes_counted(key, at, bytes_in, bytes_out)

@@ -118,3 +118,34 @@ def test_a_tuple_laid_out_otherwise_is_walked_not_misread():
     assert conntrack._ported_tuple(built, 20, 20 + 4 + len(ip) + len(proto)) is None
     (entry,) = conntrack.parse_messages(built)
     assert (entry.source, entry.source_port, entry.destination_port, entry.id) == ("10.0.0.2", 40000, 443, 9)
+
+
+def _reordered(first: bytes, second: bytes) -> bytes:
+    """A message of the builder's length whose mark and id attributes trade places (8 bytes each)."""
+    body = struct.pack("=BBH", socket.AF_INET, 0, 0)
+    body += tuple_attr(1, "10.0.0.2", "10.0.0.1", 17, 40000, 53) + tuple_attr(
+        2, "10.0.0.1", "10.0.0.2", 17, 53, 40000
+    )
+    body += (
+        nla(3, struct.pack(">I", 8))
+        + nla(7, struct.pack(">I", 30))
+        + first
+        + second
+        + nla(11, struct.pack(">I", 1))
+    )
+    return struct.pack("=IHHII", 16 + len(body), 1 << 8, 0, 0, 0) + body  # fmt: skip
+
+
+def test_a_layout_met_before_is_reused_only_where_every_header_is_found_again():
+    """Events of one kind share a layout, which the parser keeps; a message of the same length laid out
+    otherwise (mark and id swapped) must be walked, not read at the kept places."""
+    mark, ident = nla(8, struct.pack(">I", (2 << 24) | 7)), nla(12, struct.pack(">I", 41))
+    usual, swapped = _reordered(mark, ident), _reordered(ident, mark)
+    assert len(usual) == len(swapped)
+    for built in (usual, usual, swapped, swapped, usual):  # learnt, reused, then the other in turn
+        (entry,) = conntrack.parse_messages(built, marked_only=True)
+        assert (entry.mark, entry.id, entry.destination_port) == ((2 << 24) | 7, 41, 53)
+    other = message(protocol=17, dport=5353, mark=(1 << 24) | 3, ident=77)  # the builder's own layout
+    for _ in range(2):
+        (entry,) = conntrack.parse_messages(other)
+        assert (entry.mark, entry.id, entry.destination_port) == ((1 << 24) | 3, 77, 5353)
