@@ -48,6 +48,7 @@ of one document back to rulesets and rules.
 from __future__ import annotations
 
 import bisect
+import functools
 import hashlib
 import ipaddress
 from collections.abc import Iterable, Mapping, Sequence
@@ -988,27 +989,71 @@ def _selector_sets(selector: Selector, fleet: FleetIndex) -> SourceSets:
 
 
 def _group_sets(group: AddressGroupInput, fleet: FleetIndex) -> SourceSets:
-    networks: dict[int, list] = {4: [], 6: []}
+    # The members as integer spans, merged and cut into prefixes without network objects: a group of
+    # the peers seen is thousands of hosts, and collapse_addresses sorted and merged them as objects
+    # (most of judging a suggested draft). The same prefixes, in the same order: the fewest that hold
+    # exactly the members' addresses, found per run of consecutive addresses.
+    spans: dict[int, list[tuple[int, int]]] = {4: [], 6: []}
     for member in group.members:
         try:
-            # A host as its address (parsed once for the whole process): collapse_addresses takes a
-            # host network as its address anyway, and a group of the peers seen is thousands of hosts.
-            network = _host_or_network(member)
+            family, first, last = _member_span(member)
         except ValueError as error:
             raise ValueError(f"address group {group.name!r}: bad member {member!r}: {error}") from None
-        networks[network.version].append(network)
+        spans[family].append((first, last))
     label = f"address group {group.name}"
     base = _set_base(("grp", group.id))
     found = {}
     intervals = {}
     for family in (4, 6):
         name = f"{base}_v{family}"
-        collapsed = list(ipaddress.collapse_addresses(networks[family]))
-        elements = [_network_text(n) for n in collapsed]
+        blocks = [block for run in _merged_spans(spans[family]) for block in _prefix_blocks(*run, family)]
+        elements = [_block_text(first, length, family) for first, _, length in blocks]
         definition = _set_definition(name, family, label, elements)
         found[family] = (name, _claimed(fleet, name, ("grp", group.id), definition))
-        intervals[family] = tuple((int(n.network_address), int(n.broadcast_address)) for n in collapsed)
-    return SourceSets(found, {4: bool(networks[4]), 6: bool(networks[6])}, intervals=intervals)
+        intervals[family] = tuple((first, last) for first, last, _ in blocks)
+    return SourceSets(found, {4: bool(spans[4]), 6: bool(spans[6])}, intervals=intervals)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _member_span(member: str) -> tuple[int, int, int]:
+    """(family, first, last address) of a group member; kept, as a group's members are judged again
+    by every read of a draft that holds it."""
+    network = _host_or_network(member)
+    if isinstance(network, ipaddress.IPv4Address | ipaddress.IPv6Address):
+        return network.version, int(network), int(network)
+    first = int(network.network_address)
+    return network.version, first, first | ((1 << (network.max_prefixlen - network.prefixlen)) - 1)
+
+
+def _merged_spans(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The spans' union as sorted, disjoint runs (touching spans joined)."""
+    runs: list[tuple[int, int]] = []
+    for first, last in sorted(spans):
+        if runs and first <= runs[-1][1] + 1:
+            if last > runs[-1][1]:
+                runs[-1] = (runs[-1][0], last)
+        else:
+            runs.append((first, last))
+    return runs
+
+
+def _prefix_blocks(first: int, last: int, family: int) -> list[tuple[int, int, int]]:
+    """[first, last] as the fewest prefixes (first, last, prefix length), in order: at each step the
+    largest block aligned at `first` that fits (as ipaddress.summarize_address_range)."""
+    bits = 32 if family == 4 else 128
+    blocks = []
+    while first <= last:
+        size = (first & -first) if first else 1 << bits
+        while size > last - first + 1:
+            size >>= 1
+        blocks.append((first, first + size - 1, bits - size.bit_length() + 1))
+        first += size
+    return blocks
+
+
+def _block_text(first: int, length: int, family: int) -> str:
+    address = ipaddress.IPv4Address(first) if family == 4 else ipaddress.IPv6Address(first)
+    return str(address) if length == (32 if family == 4 else 128) else f"{address}/{length}"
 
 
 def _runs(values: Sequence[int]) -> list[tuple[int, int]]:

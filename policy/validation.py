@@ -228,25 +228,25 @@ def _unique(items):
 
 def normalise_member(text: str) -> str:
     """An address or network in canonical form: single hosts without a prefix length."""
+    return _member_normalised(text)[0]
+
+
+def _member_normalised(text: str) -> tuple[str, tuple[int, int, int]]:
+    """A member's canonical form and its place among a group's members (family, then address as an
+    integer, then prefix length: a host last among the networks at its address), parsed once."""
     text = text.strip()
     if "/" not in text and "%" not in text:
         # A host, the usual member: its address alone (cheaper than a network, and the same text).
         try:
-            return str(ipaddress.ip_address(text))
+            address = ipaddress.ip_address(text)
+            return str(address), (address.version, int(address), address.max_prefixlen)
         except ValueError:
             pass  # ip_network says why
     network = ipaddress.ip_network(text, strict=True)
+    first = network.network_address
     if network.num_addresses == 1:
-        return str(network.network_address)
-    return str(network)
-
-
-def _member_sort_key(member: str):
-    if "/" not in member:
-        address = ipaddress.ip_address(member)
-        return (address.version, address, address.max_prefixlen)
-    network = ipaddress.ip_network(member)
-    return (network.version, network.network_address, network.prefixlen)
+        return str(first), (first.version, int(first), first.max_prefixlen)
+    return str(network), (network.version, int(first), network.prefixlen)
 
 
 def address_group_input(data: Any) -> AddressGroupSpec:
@@ -256,7 +256,7 @@ def address_group_input(data: Any) -> AddressGroupSpec:
     name = _take_name(data, findings)
     description = take_string(data, "description", findings, required=False, max_length=MAX_DESCRIPTION)
     raw = _take_list(data, "members", findings, base="", maximum=MAX_GROUP_MEMBERS)
-    members = []
+    members: dict[str, tuple[int, int, int]] = {}  # canonical text -> its place
     for index, item in enumerate(raw):
         path = pointer("members", index)
         if not isinstance(item, str):
@@ -272,7 +272,8 @@ def address_group_input(data: Any) -> AddressGroupSpec:
             )
             continue
         try:
-            members.append(normalise_member(item))
+            text, place = _member_normalised(item)
+            members[text] = place
         except ValueError:
             try:
                 network = ipaddress.ip_network(item.strip(), strict=False)
@@ -283,7 +284,7 @@ def address_group_input(data: Any) -> AddressGroupSpec:
                 findings.add(path, "address", f"{quoted(item)} is not an IPv4 or IPv6 address or CIDR.")
     findings.raise_if_any()
     return AddressGroupSpec(
-        name=name, description=description, members=tuple(sorted(set(members), key=_member_sort_key))
+        name=name, description=description, members=tuple(sorted(members, key=members.__getitem__))
     )
 
 

@@ -66,23 +66,36 @@ def _aggregated(addresses: list[str], prefix: int | None, prefix_v6: int | None)
     return {m: members[m] for m in order}
 
 
-def _span(rows: list[dict]) -> dict:
-    return _spans(rows, lambda row: None)[None]
-
-
-def _spans(rows: list[dict], key) -> dict:
-    """Per `key` of the rows (in the order first seen): their connections and first and last instants,
-    in one pass (a fleet's rule may hold thousands of peers), each instant's text made once."""
-    added: dict = {}
+def _spans(rows: list[dict]) -> tuple[dict, dict, dict]:
+    """The rows' connections and first and last instants in all, per (peer, peer workload) and per
+    (protocol, port) (in the order first seen): in one pass (a fleet's rule may hold thousands of
+    peers), each instant's text made once."""
+    whole: list = []
+    by_peer: dict = {}
+    by_service: dict = {}
     for row in rows:
-        k = key(row)
-        found = added.get(k)
-        if found is None:
-            added[k] = [row["connection_count"], row["first_seen"], row["last_seen"]]
+        count, first, last = row["connection_count"], row["first_seen"], row["last_seen"]
+        for added, k in (
+            (by_peer, (row["peer"], row["peer_workload_id"])),
+            (by_service, (row["protocol"], row["port"])),
+        ):
+            found = added.get(k)
+            if found is None:
+                added[k] = [count, first, last]
+            else:
+                found[0] += count
+                if first < found[1]:
+                    found[1] = first
+                if last > found[2]:
+                    found[2] = last
+        if not whole:
+            whole = [count, first, last]
         else:
-            found[0] += row["connection_count"]
-            found[1] = min(found[1], row["first_seen"])
-            found[2] = max(found[2], row["last_seen"])
+            whole[0] += count
+            if first < whole[1]:
+                whole[1] = first
+            if last > whole[2]:
+                whole[2] = last
     texts: dict = {}
 
     def text(instant):
@@ -91,10 +104,14 @@ def _spans(rows: list[dict], key) -> dict:
             found = texts[instant] = rfc3339(instant)
         return found
 
-    return {
-        k: {"connection_count": count, "first_seen": text(first), "last_seen": text(last)}
-        for k, (count, first, last) in added.items()
-    }
+    def made(count, first, last) -> dict:
+        return {"connection_count": count, "first_seen": text(first), "last_seen": text(last)}
+
+    return (
+        made(*whole) if whole else {},
+        {k: made(*v) for k, v in by_peer.items()},
+        {k: made(*v) for k, v in by_service.items()},
+    )
 
 
 @dataclass
@@ -266,10 +283,9 @@ def _stored_services() -> dict[tuple, dict]:
 
 
 def _rule_evidence(rows: list[dict], runs: list[PortRun]) -> dict:
-    by_peer = _spans(rows, lambda row: (row["peer"], row["peer_workload_id"]))
-    by_service = _spans(rows, lambda row: (row["protocol"], row["port"]))
+    whole, by_peer, by_service = _spans(rows)
     return {
-        **_span(rows),
+        **whole,
         "peers": [
             {"peer": peer, "peer_workload_id": str(pw) if pw else None, **by_peer[(peer, pw)]}
             for peer, pw in sorted(by_peer, key=lambda k: k[0])
@@ -288,5 +304,5 @@ def _rule_evidence(rows: list[dict], runs: list[PortRun]) -> dict:
             for r in runs
             if r.width > 1
         ],  # fmt: skip
-        "workload_ids": sorted({str(r["workload_id"]) for r in rows}),
+        "workload_ids": sorted(str(w) for w in {r["workload_id"] for r in rows}),
     }
