@@ -199,6 +199,11 @@ PALISADE_OPERATOR_BODY_BUDGET_BYTES = int(
 # 8 MiB within 9); a chunked one is never further behind. 128 kbit/s: agents on slower links need less.
 PALISADE_GATEWAY_BODY_MIN_RATE = int(os.environ.get("PALISADE_GATEWAY_BODY_MIN_RATE", 16 * 1024))
 
+# Agents' sync streams one serve process authenticates at once (fleet/admission.py): past it a new
+# stream is closed at once with 4503 and `retry after N s`, N spacing the refused out at the rate the
+# process completes authentications. 0: no bound.
+PALISADE_STREAM_AUTHENTICATIONS = int(os.environ.get("PALISADE_STREAM_AUTHENTICATIONS", 64))
+
 # Heavy requests (render dry-runs, impacts, suggestions, selector previews, flow rollups and reviews,
 # the console's exports) run in worker processes of serve (controlplane/heavy_pool.py, docs/operations.md):
 # how many, how many more may wait, how long one may run, how large its answer may be, and the workers'
