@@ -128,7 +128,7 @@ class SyncStreamConsumer(LayerIndependentConsumer, AsyncWebsocketConsumer):
             await self.close(code=protocol.CLOSE_SHUTDOWN, reason=f"{what}: retry after {wait} s")
 
     async def connect(self):
-        self.admitted = False
+        self.admitted_at: float | None = None
         wait = stream_admission().enter()
         if wait is not None:
             # As many authentications in progress as this process admits: refused before any database
@@ -137,7 +137,7 @@ class SyncStreamConsumer(LayerIndependentConsumer, AsyncWebsocketConsumer):
             await self.accept()
             await self.close(code=protocol.CLOSE_SHUTDOWN, reason=f"{BUSY_REASON}: retry after {wait} s")
             return
-        self.admitted = True
+        self.admitted_at = stream_admission().clock()
         metrics.stream_authentication_began()
         self.nonce = os.urandom(32)
         self.stream_id = uuid.uuid4().hex
@@ -407,9 +407,10 @@ class SyncStreamConsumer(LayerIndependentConsumer, AsyncWebsocketConsumer):
             log.exception("recording the end of a stream failed")
 
     def authentication_ended(self, *, completed: bool) -> None:
-        if getattr(self, "admitted", False):
-            self.admitted = False
-            stream_admission().leave(completed=completed)
+        began = getattr(self, "admitted_at", None)
+        if began is not None:
+            self.admitted_at = None
+            stream_admission().leave(began=began, completed=completed)
             metrics.stream_authentication_ended()
 
     async def end_stream(self, code) -> None:
