@@ -201,8 +201,10 @@ PALISADE_GATEWAY_BODY_MIN_RATE = int(os.environ.get("PALISADE_GATEWAY_BODY_MIN_R
 
 # Agents' sync streams one serve process authenticates at once (fleet/admission.py): past it a new
 # stream is closed at once with 4503 and `retry after N s`, N spacing the refused out at the rate the
-# process completes authentications. 0: no bound.
-PALISADE_STREAM_AUTHENTICATIONS = int(os.environ.get("PALISADE_STREAM_AUTHENTICATIONS", 64))
+# process completes authentications. 0: no bound. The time an agent takes to answer `hello` counts: with
+# 64, simulated agents on a loaded machine answering in seconds held every place, and 2,000 took 190 s
+# to connect on two processes idling at a third of a core (docs/benchmarks.md).
+PALISADE_STREAM_AUTHENTICATIONS = int(os.environ.get("PALISADE_STREAM_AUTHENTICATIONS", 256))
 
 # Heavy requests (render dry-runs, impacts, suggestions, selector previews, flow rollups and reviews,
 # the console's exports) run in worker processes of serve (controlplane/heavy_pool.py, docs/operations.md):
