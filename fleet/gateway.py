@@ -129,8 +129,10 @@ class SyncStreamConsumer(LayerIndependentConsumer, AsyncWebsocketConsumer):
 
     async def connect(self):
         self.admitted_at: float | None = None
+        self.turned_away = False
         wait = stream_admission().enter()
         if wait is not None:
+            self.turned_away = True
             # As many authentications in progress as this process admits: refused before any database
             # or signature work, and told when to come back (spaced from the others refused).
             metrics.stream_admission_refused()
@@ -169,6 +171,8 @@ class SyncStreamConsumer(LayerIndependentConsumer, AsyncWebsocketConsumer):
         await self.close(code=code)
 
     async def receive(self, text_data=None, bytes_data=None):
+        if self.turned_away:
+            return  # closing already: whatever the client sends meanwhile is not read
         try:
             message = protocol.decode(text_data if text_data is not None else bytes_data, sender="agent")
             await self.dispatch_message(message)
