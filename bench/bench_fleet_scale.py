@@ -407,6 +407,17 @@ def run_count(
                 time.sleep(poll)
             raise Timeout(f"{what}: not within {cap:.0f} s; last {describe()}")
 
+        def refused() -> dict:
+            # Streams each live process refused at admission so far (4503 with a retry-after).
+            counts = {}
+            for i, process in enumerate(procs):
+                if process.process is None or process.process.poll() is not None:
+                    continue
+                text = https[i].get("/metrics", headers={"Accept": "text/plain"}).text
+                found = re.search(r"^palisade_stream_admissions_refused_total (\S+)$", text, re.M)
+                counts[name[process.gateway_listen]] = int(float(found[1])) if found else None
+            return counts
+
         def all_synced(i: int = 0) -> bool:
             counts = get("/workloads/counts", i)
             return counts["sync_state"]["synced"] == count and counts["total"] == count
@@ -453,12 +464,15 @@ def run_count(
             "counts": get("/workloads/counts"),
             "streams": {name.get(g, g): n for g, n in rows.streams().items()},
             "cpu": meter.stop(),
+            "admission_refused": refused(),
         }
         result["connect"] = connect
         log(
             f"{count}: all synced {connect['total_s']:.1f} s after the simulators started "
             f"(enrolment {connect['enrolment_s']:.1f} s, then {connect['after_enrolment_s']:.1f} s to connect); "
-            f"streams {connect['streams']}; CPU s: " + cpu_text(connect["cpu"]) + f"; load {load()}"
+            f"streams {connect['streams']}; refused at admission {connect['admission_refused']}; CPU s: "
+            + cpu_text(connect["cpu"])
+            + f"; load {load()}"
         )
 
         time.sleep(5)
@@ -554,6 +568,10 @@ def run_count(
         if serves > 1:
             result["failover"] = failover(
                 procs, name, rows, sims, post, wait_until, count, idle, py_spy, profiles
+            )
+            result["failover"]["admission_refused_since_start"] = refused()
+            log(
+                f"{count}: refused at admission since the start: {result['failover']['admission_refused_since_start']}"
             )
     except Timeout as error:
         result["error"] = str(error)

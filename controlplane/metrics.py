@@ -150,6 +150,17 @@ STREAMS_HELD = Gauge(
     "Agent sync streams this process holds.",
     registry=REGISTRY,
 )
+STREAM_ADMISSIONS_REFUSED = Counter(
+    "palisade_stream_admissions_refused",
+    "Agents' sync streams closed at once with 4503 and a retry-after, this process having as many "
+    "authentications in progress as it admits (PALISADE_STREAM_AUTHENTICATIONS).",
+    registry=REGISTRY,
+)
+STREAM_AUTHENTICATIONS_IN_PROGRESS = Gauge(
+    "palisade_stream_authentications_in_progress",
+    "Agents' sync streams this process has admitted and not yet authenticated or closed.",
+    registry=REGISTRY,
+)
 HEAVY_REQUESTS = Gauge(
     "palisade_heavy_requests",
     "Heavy requests this process has given to its worker processes: running in one, or waiting for one.",
@@ -248,6 +259,18 @@ def flow_reports_stored(counted: FlowItemsCounted, *, gaps: list) -> None:
             EVIDENCE_GAPS_RECORDED.labels(kind, source).inc()
 
     transaction.on_commit(count)
+
+
+def stream_admission_refused() -> None:
+    STREAM_ADMISSIONS_REFUSED.inc()
+
+
+def stream_authentication_began() -> None:
+    STREAM_AUTHENTICATIONS_IN_PROGRESS.inc()
+
+
+def stream_authentication_ended() -> None:
+    STREAM_AUTHENTICATIONS_IN_PROGRESS.dec()
 
 
 def owned_table_modified(*, restored: bool) -> None:

@@ -199,6 +199,13 @@ PALISADE_OPERATOR_BODY_BUDGET_BYTES = int(
 # 8 MiB within 9); a chunked one is never further behind. 128 kbit/s: agents on slower links need less.
 PALISADE_GATEWAY_BODY_MIN_RATE = int(os.environ.get("PALISADE_GATEWAY_BODY_MIN_RATE", 16 * 1024))
 
+# Agents' sync streams one serve process authenticates at once (fleet/admission.py): past it a new
+# stream is closed at once with 4503 and `retry after N s`, N spacing the refused out at the rate the
+# process completes authentications. 0: no bound. The time an agent takes to answer `hello` counts: with
+# 64, simulated agents on a loaded machine answering in seconds held every place, and 2,000 took 190 s
+# to connect on two processes idling at a third of a core (docs/benchmarks.md).
+PALISADE_STREAM_AUTHENTICATIONS = int(os.environ.get("PALISADE_STREAM_AUTHENTICATIONS", 256))
+
 # Heavy requests (render dry-runs, impacts, suggestions, selector previews, flow rollups and reviews,
 # the console's exports) run in worker processes of serve (controlplane/heavy_pool.py, docs/operations.md):
 # how many, how many more may wait, how long one may run, how large its answer may be, and the workers'

@@ -21,12 +21,13 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from agent import protocol
-from controlplane import clock
+from controlplane import clock, metrics
 from controlplane.outage import database_busy, database_failed, retry_after_seconds
 from controlplane.problems import Finding, Problem, ValidationFailed
 from controlplane.text import visible
 from controlplane.validation import parse_instant, require_object
 from fleet import credentials, held_streams, streams, sync
+from fleet.admission import stream_admission
 from fleet.choices import OwnedTableState
 from fleet.credentials import signing_public_key
 from fleet.enrolment import workload_enrol
@@ -39,6 +40,7 @@ log = logging.getLogger("palisade.gateway")
 AUTH_TIMEOUT_SECONDS = 10
 REPORTED_TABLE_STATES = (OwnedTableState.PRESENT, OwnedTableState.ABSENT)  # "unknown" is not a report
 HEARD_FROM_EVERY_SECONDS = 60  # heartbeats refresh last_heard_from at most this often
+BUSY_REASON = "busy: too many streams authenticating"  # then ": retry after N s" (docs/protocol.md)
 
 
 class EnrolView(APIView):
@@ -126,6 +128,19 @@ class SyncStreamConsumer(LayerIndependentConsumer, AsyncWebsocketConsumer):
             await self.close(code=protocol.CLOSE_SHUTDOWN, reason=f"{what}: retry after {wait} s")
 
     async def connect(self):
+        self.admitted_at: float | None = None
+        self.turned_away = False
+        wait = stream_admission().enter()
+        if wait is not None:
+            self.turned_away = True
+            # As many authentications in progress as this process admits: refused before any database
+            # or signature work, and told when to come back (spaced from the others refused).
+            metrics.stream_admission_refused()
+            await self.accept()
+            await self.close(code=protocol.CLOSE_SHUTDOWN, reason=f"{BUSY_REASON}: retry after {wait} s")
+            return
+        self.admitted_at = stream_admission().clock()
+        metrics.stream_authentication_began()
         self.nonce = os.urandom(32)
         self.stream_id = uuid.uuid4().hex
         self.grant: streams.StreamGrant | None = None
@@ -156,6 +171,8 @@ class SyncStreamConsumer(LayerIndependentConsumer, AsyncWebsocketConsumer):
         await self.close(code=code)
 
     async def receive(self, text_data=None, bytes_data=None):
+        if self.turned_away:
+            return  # closing already: whatever the client sends meanwhile is not read
         try:
             message = protocol.decode(text_data if text_data is not None else bytes_data, sender="agent")
             await self.dispatch_message(message)
@@ -193,6 +210,7 @@ class SyncStreamConsumer(LayerIndependentConsumer, AsyncWebsocketConsumer):
         grant = await held_streams.db(streams.stream_authenticate)(auth=auth, nonce=self.nonce)
         self.auth_timer.cancel()
         self.grant = grant
+        self.authentication_ended(completed=True)
         self.table_state = auth.owned_table if auth.owned_table in REPORTED_TABLE_STATES else None
         # An older stream of the same workload (a reconnect the server has not noticed) gives way.
         await self.join_group(
@@ -392,10 +410,18 @@ class SyncStreamConsumer(LayerIndependentConsumer, AsyncWebsocketConsumer):
         except Exception:  # noqa: BLE001 - the database may be what failed; the reaper records it later
             log.exception("recording the end of a stream failed")
 
+    def authentication_ended(self, *, completed: bool) -> None:
+        began = getattr(self, "admitted_at", None)
+        if began is not None:
+            self.admitted_at = None
+            stream_admission().leave(began=began, completed=completed)
+            metrics.stream_authentication_ended()
+
     async def end_stream(self, code) -> None:
         timer = getattr(self, "auth_timer", None)
         if timer:
             timer.cancel()
+        self.authentication_ended(completed=False)
         grant = getattr(self, "grant", None)
         if grant is not None and held_streams.open_streams.pop(self.channel_name, None):
             try:

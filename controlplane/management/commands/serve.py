@@ -7,6 +7,7 @@ There is no plaintext option.
 # daphne.server installs twisted's asyncio reactor on import; anything importing the reactor first
 # would leave twisted with its default reactor, which daphne cannot run on.
 import daphne.server  # isort: skip
+import daphne.ws_protocol  # isort: skip
 
 import asyncio
 import gc
@@ -101,6 +102,7 @@ class _Server(daphne.server.Server):
             reactor.addSystemEventTrigger("before", "shutdown", lambda: threads.deferToThread(heavy.stop))
         # daphne builds its HTTP factory in run(); no connection is accepted before the reactor runs.
         reactor.callWhenRunning(lambda: setattr(self.http_factory, "protocol", limited_channel_protocol))
+        reactor.callWhenRunning(lambda: setattr(self.ws_factory, "protocol", _ReasonedWebSocket))
         if self.verbosity < 2:
             # Twisted formats an access line for every request and hands it to its log, which drops it
             # below verbosity 2 (palisade.access has our own line): about 3 % of the reactor's time.
@@ -158,6 +160,21 @@ class _Server(daphne.server.Server):
 
         # The database is not used from the event loop's thread; shutdown waits for this Deferred.
         return threads.deferToThread(record)
+
+
+class _ReasonedWebSocket(daphne.ws_protocol.WebSocketProtocol):
+    """daphne sends an application's close without its reason; the agent reads `retry after N s` in a
+    4503's reason (agent/protocol.py), which without this never reached it over the network."""
+
+    def handle_reply(self, message):
+        if (
+            message.get("type") == "websocket.close"
+            and message.get("reason")
+            and self.state == self.STATE_OPEN
+        ):
+            self.sendClose(code=message.get("code") or 1000, reason=str(message["reason"]))
+            return
+        super().handle_reply(message)
 
 
 def _scheduled(step):
