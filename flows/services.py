@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import operator
 import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -56,18 +57,44 @@ log = logging.getLogger("palisade.flows")
 _peer_map: tuple[tuple, dict[str, uuid.UUID]] = ((), {})
 
 
-def _peer_workloads() -> dict[str, uuid.UUID]:
+def _peer_workloads(cursor) -> dict[str, uuid.UUID]:
     """Address -> workload for the whole fleet, rebuilt only when the fleet changed: addresses are set
     at enrolment and re-enrolment only, both of which set `enrolled_at` to now, and workloads are never
     deleted, so the latest enrolment (read off an index) says whether the map is current."""
     global _peer_map
-    with connection.cursor() as cursor:  # once per write: the ORM's aggregate cost 3 times the query
-        cursor.execute(f'SELECT max("enrolled_at") FROM "{Workload._meta.db_table}"')  # noqa: S608
-        stamp = cursor.fetchone()
+    # once per write: the ORM's aggregate cost 3 times the query
+    cursor.execute(f'SELECT max("enrolled_at") FROM "{Workload._meta.db_table}"')  # noqa: S608
+    stamp = cursor.fetchone()
     if stamp != _peer_map[0]:
         addresses = Workload.objects.values_list("id", "addresses")
         _peer_map = (stamp, {address: wid for wid, listed in addresses for address in listed})
     return _peer_map[1]
+
+
+def _write_cursor():
+    """The one cursor of a write's transaction, for all its statements: a Django cursor made for each
+    statement cost more CPU than the statement's round trip. On PostgreSQL its parameters go apart from
+    the statement (server-side binding): Django's own cursors quote every parameter into the statement's
+    text in Python (the workloads' update quotes a dozen arrays). Still Django's cursor wrapper (its
+    errors, its query log), over a plain psycopg cursor, with the time zone as Django's cursors have it."""
+    if connection.vendor != "postgresql":
+        return connection.cursor()
+    from django.db.backends.postgresql.psycopg_any import register_tzloader
+    from psycopg import Cursor
+    from psycopg.pq import Format
+
+    connection.ensure_connection()
+    with connection.wrap_database_errors:
+        cursor = Cursor(connection.connection)
+    if (
+        connection.timezone
+        != connection.connection.adapters.get_loader(_TIMESTAMPTZ_OID, Format.TEXT).timezone
+    ):
+        register_tzloader(connection.timezone, cursor)
+    return connection._prepare_cursor(cursor)
+
+
+_TIMESTAMPTZ_OID = 1184
 
 
 def _skew_fields(report: Report, now: datetime) -> dict:
@@ -153,22 +180,28 @@ def _agent_silent(
     ]
 
 
-def _rows_insert(model, rows: list[dict]) -> None:
+def _rows_insert(cursor, model, rows: list[dict]) -> None:
+    """`_values_insert` of rows that hold the model's column values by field attname."""
+    if rows:
+        columns = tuple(rows[0])
+        _values_insert(cursor, model, columns, [[row[c] for c in columns] for row in rows])
+
+
+def _values_insert(cursor, model, columns: tuple[str, ...], rows: list[list]) -> None:
     """The hot path of ingestion: binary COPY on PostgreSQL (no model instance per row, one round trip;
     3,200 group rows cost 6 ms of CPU to send where text COPY cost 46), one prepared INSERT run over
-    every row on SQLite. `rows` hold the model's column values by field attname."""
+    every row on SQLite. `rows` hold the values of `columns` (field attnames), in that order."""
     if not rows:
         return
     if connection.vendor != "postgresql":
-        _rows_insert_in_sqlite(model, rows)
+        _rows_insert_in_sqlite(cursor, model, columns, rows)
         return
-    columns = tuple(rows[0])
     sql, types = _copy_statement(model, columns)
-    with connection.cursor() as cursor, cursor.cursor.copy(sql) as copy:
+    with cursor.cursor.copy(sql) as copy:
         copy.set_types(types)
         write = copy.write_row
         for row in rows:
-            write([row[c] for c in columns])
+            write(row)
 
 
 @functools.lru_cache(maxsize=32)
@@ -182,20 +215,16 @@ def _copy_statement(model, columns: tuple[str, ...]) -> tuple[str, list[int]]:
     return sql, [adapters.types[_binary_copy_type(field)].oid for field in fields]
 
 
-def _rows_insert_in_sqlite(model, rows: list[dict]) -> None:
+def _rows_insert_in_sqlite(cursor, model, columns: tuple[str, ...], rows: list[list]) -> None:
     """SQLite holds its one write lock for the whole transaction: the rows go in as one `executemany`
     of values prepared as the columns store them (80,000 groups: 0.6 s, where bulk_create's model
     instances and SQL building held the lock for 8 s)."""
-    columns = list(rows[0])
     fields = [model._meta.get_field(column) for column in columns]
     prepare = [_sqlite_value(field) for field in fields]
     names = ", ".join(f'"{field.column}"' for field in fields)
     sql = f'INSERT INTO "{model._meta.db_table}" ({names}) VALUES ({", ".join(["%s"] * len(fields))})'  # noqa: S608
-    values = [
-        tuple(p(row[c]) if p else row[c] for p, c in zip(prepare, columns, strict=True)) for row in rows
-    ]
-    with connection.cursor() as cursor:
-        cursor.executemany(sql, values)
+    values = [tuple(p(value) if p else value for p, value in zip(prepare, row, strict=True)) for row in rows]
+    cursor.executemany(sql, values)
 
 
 def _sqlite_value(field):
@@ -266,7 +295,7 @@ WORKLOAD_FLOW_FIELDS = (
 )
 
 
-def _workloads_update(workloads: list[Workload]) -> None:
+def _workloads_update(cursor, workloads: list[Workload]) -> None:
     """Write the flow fields of the reporting workloads (their rows are locked): one statement on
     PostgreSQL, a column array each; one per workload elsewhere."""
     if connection.vendor != "postgresql":
@@ -276,8 +305,7 @@ def _workloads_update(workloads: list[Workload]) -> None:
             )
         return
     sql, attnames = _workloads_update_statement()
-    with connection.cursor() as cursor:
-        cursor.execute(sql, [[getattr(workload, name) for workload in workloads] for name in attnames])
+    cursor.execute(sql, [[getattr(workload, name) for workload in workloads] for name in attnames])
 
 
 @functools.cache
@@ -350,30 +378,34 @@ def flow_reports_write(items: list[SubmittedReport]) -> list[dict | Exception]:
 
 def _reports_write(items: list[SubmittedReport], *, skip_locked: bool) -> list[dict | Exception | None]:
     """`flow_reports_write` for one transaction; None for a report whose workload row was skipped."""
-    with transaction.atomic():
-        locked = _workloads_lock([item.workload_id for item in items], skip_locked=skip_locked)
+    with transaction.atomic(), _write_cursor() as cursor:
+        locked = _workloads_lock(cursor, [item.workload_id for item in items], skip_locked=skip_locked)
         now = clock.now()
-        peers = _peer_workloads()
+        peers = _peer_workloads(cursor)
         stored_windows = _owners_of(
+            cursor,
             FlowWindow,
             [w.id for item in items for _, w in item.report.windows if isinstance(w, ParsedWindow)],
         )
         stored_gaps = _owners_of(
-            EvidenceGap, [g[0] for item in items for _, g in item.report.gaps if not isinstance(g, Refused)]
+            cursor,
+            EvidenceGap,
+            [g[0] for item in items for _, g in item.report.gaps if not isinstance(g, Refused)],
         )
         kept = _keys_kept_by_start(
+            cursor,
             [
                 (i.workload_id, w.start)
                 for i in items
                 for _, w in i.report.windows
                 if isinstance(w, ParsedWindow)
-            ]
+            ],
         )
         outcomes: list[dict | Exception | None] = []
         counted = metrics.FlowItemsCounted()
         windows: list[dict] = []
         parsed: list[ParsedWindow] = []  # beside `windows`, row for row
-        groups: list[dict] = []
+        groups: list[list] = []  # values of GROUP_COLUMNS
         gaps: list[EvidenceGap] = []
         touched: list[Workload] = []
         events: list[Event] = []
@@ -451,14 +483,15 @@ def _reports_write(items: list[SubmittedReport], *, skip_locked: bool) -> list[d
             touched.append(workload)
             counted.reports += 1
             outcomes.append({"windows": window_answers, "gaps": gap_answers})
-        _rows_insert(FlowWindow, windows)
-        _rows_insert(FlowGroup, groups)
+        _rows_insert(cursor, FlowWindow, windows)
+        _values_insert(cursor, FlowGroup, GROUP_COLUMNS, groups)
         _rows_insert(
+            cursor,
             UnsummedWindow,
             [_unsummed_row(row, len(window.groups)) for row, window in zip(windows, parsed, strict=True)],
         )
         EvidenceGap.objects.bulk_create(gaps)
-        _workloads_update(touched)
+        _workloads_update(cursor, touched)
         counted.windows, counted.groups = len(windows), len(groups)
         metrics.flow_reports_stored(counted, gaps=gaps)
         webhook_events_record(events)
@@ -469,16 +502,15 @@ def _reports_write(items: list[SubmittedReport], *, skip_locked: bool) -> list[d
 # a third of the CPU the ORM spent building them, and serve writes hundreds of reports a second.
 
 
-def _workloads_lock(ids: list[uuid.UUID], *, skip_locked: bool) -> dict[uuid.UUID, Workload]:
+def _workloads_lock(cursor, ids: list[uuid.UUID], *, skip_locked: bool) -> dict[uuid.UUID, Workload]:
     """The reporting workloads' rows, locked (PostgreSQL) in one order for every writer, with the flow
     fields a write reads and updates only."""
     if not ids:
         return {}
     sql, names, converters = _workloads_lock_statement(connection.vendor, len(ids), skip_locked)
     pk, alias = Workload._meta.pk, connection.alias
-    with connection.cursor() as cursor:
-        cursor.execute(sql, [pk.get_db_prep_value(i, connection) for i in ids])
-        rows = cursor.fetchall()
+    cursor.execute(sql, [pk.get_db_prep_value(i, connection) for i in ids])
+    rows = cursor.fetchall()
     # Model instances made as the ORM makes them, without building a query for them: that cost more
     # than the statement (a RawQuerySet's column mapping and converters, found again every time).
     locked = {}
@@ -537,7 +569,7 @@ def _converted(converters: list, column, value):
     return value
 
 
-def _owners_of(model, ids: list[uuid.UUID]) -> dict[uuid.UUID, uuid.UUID]:
+def _owners_of(cursor, model, ids: list[uuid.UUID]) -> dict[uuid.UUID, uuid.UUID]:
     """Stored id -> its workload's id, for those of `ids` that are stored already."""
     if not ids:
         return {}
@@ -546,9 +578,8 @@ def _owners_of(model, ids: list[uuid.UUID]) -> dict[uuid.UUID, uuid.UUID]:
         f'SELECT "id", "{owner.column}" FROM "{model._meta.db_table}" '  # noqa: S608 - our names
         f'WHERE "id" IN ({", ".join(["%s"] * len(ids))})'
     )
-    with connection.cursor() as cursor:
-        cursor.execute(sql, [pk.get_db_prep_value(i, connection) for i in ids])
-        return {pk.to_python(row[0]): owner.target_field.to_python(row[1]) for row in cursor.fetchall()}
+    cursor.execute(sql, [pk.get_db_prep_value(i, connection) for i in ids])
+    return {pk.to_python(row[0]): owner.target_field.to_python(row[1]) for row in cursor.fetchall()}
 
 
 def _stored_once(item_id: uuid.UUID, stored: dict, workload_id: uuid.UUID) -> tuple[bool, Refused | None]:
@@ -585,6 +616,7 @@ def _unsummed_row(window: dict, keys: int) -> dict:
 
 
 def _keys_kept_by_start(
+    cursor,
     pairs: list[tuple[uuid.UUID, datetime]],
 ) -> dict[tuple[uuid.UUID, datetime, str], int]:
     """The keys stored one by one for each (workload, window start) of `pairs`, per direction: one read
@@ -599,9 +631,8 @@ def _keys_kept_by_start(
         f' WHERE "workload_id" IN ({", ".join(["%s"] * len(workloads))})'
         f' AND "start" IN ({", ".join(["%s"] * len(starts))}) AND "peer" <> %s GROUP BY 1, 2, 3'
     )
-    with connection.cursor() as cursor:
-        cursor.execute(sql, [*workloads, *starts, AGGREGATE])
-        rows = cursor.fetchall()
+    cursor.execute(sql, [*workloads, *starts, AGGREGATE])
+    rows = cursor.fetchall()
     # SQLite gives the workload as its text and the start without its zone (UTC): read back as stored.
     return {
         (workload.to_python(w), s if s.tzinfo else s.replace(tzinfo=UTC), direction): keys
@@ -654,18 +685,33 @@ def _keys_aggregated(windows: list[ParsedWindow], *, workload: Workload, now: da
     ]
 
 
+# A group row's columns: its window's, then the key's as flows/reports.py parses them.
+GROUP_KEY_FIELDS = (
+    "peer",
+    "protocol",
+    "port",
+    "decision",
+    "rule_number",
+    "direction",
+    "failsafe",
+    "connection_count",
+    "first_seen",
+    "last_seen",
+    "bytes_in",
+    "bytes_out",
+)
+GROUP_COLUMNS = ("window_id", "workload_id", "start", "end", "peer_workload_id", *GROUP_KEY_FIELDS)
+_group_key_values = operator.itemgetter(*GROUP_KEY_FIELDS)
+
+
 def _group_rows(
     windows: list[ParsedWindow], *, workload: Workload, peers: dict[str, uuid.UUID]
-) -> list[dict]:
+) -> list[list]:
+    """The values of GROUP_COLUMNS for each group of `windows` (lists: one dict a row, then a list
+    made from it for COPY, cost more than the COPY)."""
+    peer_of = peers.get
     return [
-        {
-            "window_id": window.id,
-            "workload_id": workload.id,
-            "start": window.start,
-            "end": window.end,
-            "peer_workload_id": peers.get(group["peer"]),
-            **group,
-        }
+        [window.id, workload.id, window.start, window.end, peer_of(group["peer"]), *_group_key_values(group)]
         for window in windows
         for group in window.groups
     ]
