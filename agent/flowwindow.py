@@ -125,13 +125,17 @@ class OpenWindow:
     def connections_opened(self, keys: Iterable[FlowKey], at: float) -> None:
         """A connection opened at `at` for each of `keys` (a source's batch of events, read at one
         instant). The loop is the source's per-event path: a known key costs one look-up."""
-        counters = self.counters
+        counters, kept, bound = self.counters, self.kept, self.max_keys
         for key in keys:
             entry = counters.get(key)
             if entry is None:
-                entry, aggregated = self._entry(key, at)
-                if aggregated:
-                    self.aggregated_connections += 1
+                direction = key[5]
+                if kept.get(direction, 0) < bound:  # a new key within its direction's bound (_entry)
+                    kept[direction] = kept.get(direction, 0) + 1
+                    entry = counters[key] = Counters(1, at, at)
+                    continue
+                entry, _ = self._entry(key, at)
+                self.aggregated_connections += 1
             entry.connection_count += 1
             if at < entry.first_seen:
                 entry.first_seen = at

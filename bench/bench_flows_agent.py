@@ -173,6 +173,11 @@ def burst(lab, nsthread, rate: int, seconds: float, *, directions: str = "both")
         if created
         else None,
         "cpu_ratio": round(agent_cpu[0] / listener_cpu, 2) if listener_cpu else None,
+        # When `conntrack -E` falls behind (a loaded machine) it drops events and its CPU is for less
+        # work: then only the CPU per event each one read compares.
+        "cpu_ratio_per_event_read": round((agent_cpu[0] / counted) / (listener_cpu / conntrack_events), 2)
+        if counted and listener_cpu and conntrack_events
+        else None,
     }
 
 
@@ -239,7 +244,9 @@ def main() -> None:
                     f"overrun gaps {result['overrun_gaps']}; by direction {result['agent_counted_by_direction']}); CPU agent {result['agent_cpu_s']} s, "
                     f"conntrack -E {result['conntrack_E_cpu_s']} s; per 10,000 connections agent "
                     f"{result['agent_cpu_per_10k_connections_s']} s, conntrack -E "
-                    f"{result['conntrack_E_cpu_per_10k_connections_s']} s, ratio {result['cpu_ratio']}",
+                    f"{result['conntrack_E_cpu_per_10k_connections_s']} s, ratio {result['cpu_ratio']} "
+                    f"(target <= 2); conntrack -E read {result['conntrack_E_events']}, ratio per event "
+                    f"each read {result['cpu_ratio_per_event_read']}",
                     flush=True,
                 )
         finally:

@@ -25,6 +25,7 @@ import json
 import os
 import re
 import threading
+import time
 
 import pytest
 
@@ -38,6 +39,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.postgres]
 AGENTS = 2000
 KEYS_PER_WORKLOAD = int(os.environ.get("PALISADE_TEST_HEAVY_KEYS", 80))  # 160,000 keys in all
 HEAVY = 10
+QUIET_SECONDS = 5
 SYNC_TIMEOUT = 600.0
 HEAVY_TIMEOUT = 600.0
 OPENED = re.compile(r"stream of \S+ opened")
@@ -80,13 +82,20 @@ def test_ten_heavy_suggestions_run_outside_serve_and_drop_no_agent_stream(tmp_pa
                     except Exception as error:  # noqa: BLE001 - what the message reports
                         answers[index] = f"{type(error).__name__}: {error}"
 
-            heavy = [threading.Thread(target=suggest, args=(i,)) for i in range(HEAVY)]
+            # What serve spends on the fleet and the probe alone, per second, measured just before: the
+            # heavy requests' share of serve is what it spent above that while they ran.
+            quiet_before, quiet_started = serve.cpu_seconds()[0], time.monotonic()
+            time.sleep(QUIET_SECONDS)
             serve_before, children_before = serve.cpu_seconds()
+            started = time.monotonic()
+            quiet_rate = (serve_before - quiet_before) / (started - quiet_started)
+            heavy = [threading.Thread(target=suggest, args=(i,)) for i in range(HEAVY)]
             for thread in heavy:
                 thread.start()
             for thread in heavy:
                 thread.join(HEAVY_TIMEOUT)
             serve_after, children_after = serve.cpu_seconds()
+            for_heavy = serve_after - serve_before - quiet_rate * (time.monotonic() - started)
             probe.stop.set()
             probe.join(60)
 
@@ -96,13 +105,16 @@ def test_ten_heavy_suggestions_run_outside_serve_and_drop_no_agent_stream(tmp_pa
             in_serve, in_children = serve_after - serve_before, children_after - children_before
             seen = (
                 f"{keys} stored keys; heavy answers: {answers}; CPU seconds while they ran: serve "
-                f"{in_serve:.1f}, its child processes {in_children:.1f}; latencies meanwhile: "
+                f"{in_serve:.1f} (above its rate before them, {quiet_rate:.2f}/s: {for_heavy:.1f}), its "
+                f"child processes {in_children:.1f}; latencies meanwhile: "
                 f"{json.dumps(probe.figures())}; after: {after}; streams opened again: {len(OPENED.findall(log))}; "
                 f"'{TOO_LONG}': {log.count(TOO_LONG)}; snapshots sent again: {len(moved)}; the simulator's "
                 f"agents: {fleet.last_summary()}"
             )
             assert answers == [200] * HEAVY, seen
-            assert in_children > in_serve, seen
+            # Run in serve, the suggestions' work would be serve's (children: none); run in the heavy
+            # workers, serve adds only the relaying of requests and answers to what the fleet costs it.
+            assert in_children > max(for_heavy, 0.0), seen
             assert not OPENED.search(log) and TOO_LONG not in log, seen
             assert not moved, seen
             assert after["sync_state"]["synced"] == AGENTS, seen
