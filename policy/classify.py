@@ -354,7 +354,9 @@ class PeerClasses:
         at = bisect.bisect_right(starts, value) - 1
         return (
             family,
-            address.is_loopback,
+            # ipaddress's is_loopback (127.0.0.0/8, ::1) from the integer: the property cost more
+            # than the rest of the class.
+            value >> 24 == 127 if family == 4 else value == 1,
             family == 6 and value in _LINK_LOCAL_RANGE,
             tuple(self._members.get((family, value), ())),
             held[at] if at >= 0 else frozenset(),

@@ -287,8 +287,8 @@ def _rule_evidence(rows: list[dict], runs: list[PortRun]) -> dict:
     return {
         **whole,
         "peers": [
-            {"peer": peer, "peer_workload_id": str(pw) if pw else None, **by_peer[(peer, pw)]}
-            for peer, pw in sorted(by_peer, key=lambda k: k[0])
+            {"peer": peer, "peer_workload_id": str(pw) if pw else None, **span}
+            for (peer, pw), span in sorted(by_peer.items(), key=lambda item: item[0][0])
         ],
         "services": [{"protocol": p, "port": n, **by_service[(p, n)]} for p, n in sorted(by_service)],
         # Runs of ports proposed as one range: the ports of the range the evidence does not hold are
