@@ -70,12 +70,13 @@ def _spans(rows: list[dict]) -> tuple[dict, dict, dict]:
     """The rows' connections and first and last instants in all, per (peer, peer workload) and per
     (protocol, port) (in the order first seen): in one pass (a fleet's rule may hold thousands of
     peers), each instant's text made once."""
-    whole: list = []
+    whole: dict = {}  # the one key None: the rows in all
     by_peer: dict = {}
     by_service: dict = {}
     for row in rows:
         count, first, last = row["connection_count"], row["first_seen"], row["last_seen"]
         for added, k in (
+            (whole, None),
             (by_peer, (row["peer"], row["peer_workload_id"])),
             (by_service, (row["protocol"], row["port"])),
         ):
@@ -88,14 +89,6 @@ def _spans(rows: list[dict]) -> tuple[dict, dict, dict]:
                     found[1] = first
                 if last > found[2]:
                     found[2] = last
-        if not whole:
-            whole = [count, first, last]
-        else:
-            whole[0] += count
-            if first < whole[1]:
-                whole[1] = first
-            if last > whole[2]:
-                whole[2] = last
     texts: dict = {}
 
     def text(instant):
@@ -108,7 +101,7 @@ def _spans(rows: list[dict]) -> tuple[dict, dict, dict]:
         return {"connection_count": count, "first_seen": text(first), "last_seen": text(last)}
 
     return (
-        made(*whole) if whole else {},
+        made(*whole[None]) if whole else {},
         {k: made(*v) for k, v in by_peer.items()},
         {k: made(*v) for k, v in by_service.items()},
     )
