@@ -80,7 +80,7 @@ class RunningAgent:
 
 @pytest.fixture
 def world(tmp_path):
-    with Site.fresh(tmp_path / "data") as site:
+    with Site.fresh(tmp_path / "data", migrated=True) as site:
         serve = site.serve()
         http = serve.client("operator", headers={"Authorization": f"Bearer {serve.mint_operator_token()}"})
         bundle = http.post(

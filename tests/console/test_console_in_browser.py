@@ -89,7 +89,7 @@ def lab(tmp_path_factory):
     _require_chromium()
     root = tmp_path_factory.mktemp("console")
     lab = Lab(root)
-    with Site.fresh(root / "data") as site:
+    with Site.fresh(root / "data", migrated=True) as site:
         site.set_operator_password(PASSWORD)
         # First serve: short credentials, for the two workloads that must be expired.
         short = site.serve(

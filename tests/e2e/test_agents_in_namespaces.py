@@ -101,7 +101,7 @@ def test_enrol_enforce_degrade_remove_restore_kill_restart_and_resend_across_pro
     lab, redis, web_servers, tmp_path
 ):
     agents: list[AgentProcess] = []
-    with throwaway_database() as tcp_database_url:
+    with throwaway_database(migrated=True) as tcp_database_url:
         database_url = via_unix_socket(tcp_database_url)
         data_dir = tmp_path / "cp"
         env = {"REDIS_URL": f"redis://127.0.0.1:{REDIS_PORT}/0"}  # the namespace's own loopback
@@ -115,6 +115,7 @@ def test_enrol_enforce_degrade_remove_restore_kill_restart_and_resend_across_pro
                 env=env,
                 operator_listen=f"{CP}:{operator_port}",
                 gateway_listen=f"{CP}:{gateway_port}",
+                migrated=True,
             ).start()
 
         first = serve(8080, 8443)

@@ -152,7 +152,7 @@ def _open_descriptors(serve) -> int:
 def site(tmp_path_factory):
     require(shutil.which("prlimit") is not None, "prlimit (util-linux) is not installed")
     root = tmp_path_factory.mktemp("limits")
-    with Site.fresh(root / "data") as site:
+    with Site.fresh(root / "data", migrated=True) as site:
         yield site, root
 
 

@@ -109,7 +109,7 @@ def _held_entries(lab: Lab) -> list[str]:
 
 def test_a_deny_rule_refuses_above_allows_names_itself_and_ends_open_connections(lab, tmp_path):
     serve = NamespacedServe(
-        lab, "cp", tmp_path / "cp", operator_listen=f"{CP}:8080", gateway_listen=f"{CP}:8443"
+        lab, "cp", tmp_path / "cp", operator_listen=f"{CP}:8080", gateway_listen=f"{CP}:8443", migrated=True
     )
     serve.start()
     web = AgentProcess(lab, "web", tmp_path / "web")

@@ -104,7 +104,7 @@ def _acct(lab, on: bool) -> None:
 
 def test_a_connection_keeps_its_rule_across_a_policy_change_and_bytes_follow_accounting(lab, tmp_path):
     serve = NamespacedServe(
-        lab, "cp", tmp_path / "cp", operator_listen=f"{CP}:8080", gateway_listen=f"{CP}:8443"
+        lab, "cp", tmp_path / "cp", operator_listen=f"{CP}:8080", gateway_listen=f"{CP}:8443", migrated=True
     )
     serve.start()
     web = AgentProcess(lab, "web", tmp_path / "web")

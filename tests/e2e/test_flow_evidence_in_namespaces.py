@@ -45,7 +45,7 @@ def _totals(api, workload_id: str, start: str, end: str) -> dict:
 def _serve(lab, tmp_path) -> NamespacedServe:
     """serve in the control plane's namespace, on its data directory (the same one when started again)."""
     return NamespacedServe(
-        lab, "cp", tmp_path / "cp", operator_listen=f"{CP}:8080", gateway_listen=f"{CP}:8443"
+        lab, "cp", tmp_path / "cp", operator_listen=f"{CP}:8080", gateway_listen=f"{CP}:8443", migrated=True
     )
 
 
@@ -612,6 +612,7 @@ def _web_behind_relay(lab, tmp_path):
         ["--gateway-advertise", f"{CP}:8443"],
         operator_listen=f"{CP}:8080",
         gateway_listen=f"{CP}:8444",
+        migrated=True,
     ).start()
     relay = lab.popen_python("cp", CUTTING_RELAY, f"{CP}:8443", f"{CP}:8444")
     assert relay.stdout.readline().strip() == "ready"

@@ -39,7 +39,7 @@ TCP_SERVER6 = TCP_SERVER.replace(
 
 def test_ipv6_ipv4_and_icmp_connections_are_counted_with_the_peer_workload(lab, tmp_path):
     serve = NamespacedServe(
-        lab, "cp", tmp_path / "cp", operator_listen=f"{CP}:8080", gateway_listen=f"{CP}:8443"
+        lab, "cp", tmp_path / "cp", operator_listen=f"{CP}:8080", gateway_listen=f"{CP}:8443", migrated=True
     ).start()
     web = AgentProcess(lab, "web", tmp_path / "web")
     try:

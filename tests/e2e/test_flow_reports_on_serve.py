@@ -30,7 +30,7 @@ RANGE = {"from": instant(T0 - 3600), "to": instant(T0 + 3600)}
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
     root = tmp_path_factory.mktemp("flows")
-    with Site.fresh(root / "data") as site:
+    with Site.fresh(root / "data", migrated=True) as site:
         serve = site.serve()
         operator = serve.client(
             "operator", headers={"Authorization": f"Bearer {serve.mint_operator_token()}"}

@@ -30,7 +30,7 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    with Site.fresh(tmp_path_factory.mktemp("fuzz") / "data") as site:
+    with Site.fresh(tmp_path_factory.mktemp("fuzz") / "data", migrated=True) as site:
         serve = site.serve()
         yield serve, site.mint_operator_token("fuzz")
         assert serve.stop() == 0

@@ -60,7 +60,7 @@ _chunk = chunk
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
     root = tmp_path_factory.mktemp("bodies")
-    with Site.fresh(root / "data") as site:
+    with Site.fresh(root / "data", migrated=True) as site:
         serve = site.serve()
         serve.gateway_context = pinned_context(serve.served_certificate("gateway"))
         serve.operator_context = pinned_context(serve.served_certificate("operator"))

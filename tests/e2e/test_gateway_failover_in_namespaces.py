@@ -109,6 +109,7 @@ def _serve(lab, tcp_database_url: str, data_dir, gateway: str) -> NamespacedServ
         env={"REDIS_URL": f"redis://127.0.0.1:{REDIS_PORT}/0"},
         operator_listen=f"{CP}:{PORTS[gateway]}",
         gateway_listen=gateway,
+        migrated=True,
     ).start()
 
 
@@ -158,7 +159,7 @@ def test_agents_fail_over_to_the_other_gateway_and_lose_or_repeat_no_window(lab,
     simulator: subprocess.Popen | None = None
     serves: dict[str, NamespacedServe] = {}
     total = SIMULATED + 2
-    with throwaway_database() as tcp_database_url:
+    with throwaway_database(migrated=True) as tcp_database_url:
         fleet = Fleet(tcp_database_url)
         data_dir = tmp_path / "cp"
 
@@ -304,7 +305,7 @@ table inet lab_silence {
 def test_an_agent_leaves_a_gateway_that_went_silent_within_10_s(lab, tmp_path):
     serves: list[NamespacedServe] = []
     web: AgentProcess | None = None
-    with throwaway_database() as tcp_database_url:
+    with throwaway_database(migrated=True) as tcp_database_url:
         fleet = Fleet(tcp_database_url)
         try:
             serves += [_serve(lab, tcp_database_url, tmp_path / "cp", gateway) for gateway in GATEWAYS]

@@ -59,7 +59,7 @@ def _enrol_many(serve, root, count: int) -> list:
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
     root = tmp_path_factory.mktemp("fair")
-    with Site.fresh(root / "data") as site:
+    with Site.fresh(root / "data", migrated=True) as site:
         serve = site.serve()
         serve.gateway_context = pinned_context(serve.served_certificate("gateway"))
         agents = _enrol_many(serve, root, HOSTILE + REPORTERS)
@@ -251,7 +251,7 @@ def two_processes(tmp_path, request):
     if request.param == "with Redis":
         require(redis_reachable(), f"needs Redis at {REDIS_TEST_URL} (set REDIS_TEST_URL)")
         env = {"REDIS_URL": REDIS_TEST_URL}
-    with Site.fresh(tmp_path / "data") as site:
+    with Site.fresh(tmp_path / "data", migrated=True) as site:
         first, second = site.serve(env=env), site.serve(env=env)
         for serve in (first, second):
             serve.gateway_context = pinned_context(serve.served_certificate("gateway"))

@@ -49,7 +49,7 @@ TOO_LONG = "took too long to shut down"
 @pytest.mark.timeout(SYNC_TIMEOUT + HEAVY_TIMEOUT + 300)
 def test_ten_heavy_suggestions_run_outside_serve_and_drop_no_agent_stream(tmp_path):
     require(bool(os.environ.get("DATABASE_URL")), "needs PostgreSQL: set DATABASE_URL")
-    with Site.fresh(tmp_path / "data") as site:
+    with Site.fresh(tmp_path / "data", migrated=True) as site:
         # Every agent connects from 127.0.0.1: no per-address cap (docs/operations.md). The subject is
         # the streams, not the deadline (tests/e2e/test_heavy_workers_on_serve.py): a slow machine's
         # suggestions all run to their end.

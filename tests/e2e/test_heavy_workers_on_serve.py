@@ -49,7 +49,7 @@ def http_2xx(operator) -> float:
 
 @pytest.fixture
 def site(tmp_path):
-    with Site.fresh(tmp_path / "data") as site:
+    with Site.fresh(tmp_path / "data", migrated=True) as site:
         site.set_operator_password(PASSWORD)
         yield site
 

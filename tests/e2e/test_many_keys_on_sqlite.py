@@ -109,7 +109,7 @@ def _housekeeping(http) -> dict[tuple[str, str], float]:
 
 def test_a_many_keys_agent_on_sqlite_holds_up_nobody_else(tmp_path):
     site = Site(tmp_path / "data", None)  # the embedded SQLite database whatever DATABASE_URL says
-    serve = site.serve(env={"REDIS_URL": ""})
+    serve = site.serve(env={"REDIS_URL": ""}, migrated=True)
     loads: list[Load] = []
     streams: list[SyncStream] = []
     try:

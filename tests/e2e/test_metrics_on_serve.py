@@ -56,7 +56,7 @@ def _report_body() -> bytes:
 
 def test_prometheus_scrapes_serve_and_stores_what_the_counts_say(tmp_path):
     root = tmp_path
-    with Site.fresh(root / "data") as site:
+    with Site.fresh(root / "data", migrated=True) as site:
         serve = site.serve()
         token = serve.mint_operator_token("prometheus")
         operator = serve.client("operator", headers={"Authorization": f"Bearer {token}"})

@@ -52,7 +52,7 @@ def wait_until(what: str, predicate, timeout: float, interval: float = 0.2):
 def test_unconfirmed_enforcement_is_put_back_on_time_and_once_through_restarts(lab, tcp_servers, tmp_path):
     agents: list[AgentProcess] = []
     servers: list[NamespacedServe] = []
-    with throwaway_database() as tcp_database_url:
+    with throwaway_database(migrated=True) as tcp_database_url:
         database_url = via_unix_socket(tcp_database_url)
         data_dir = tmp_path / "cp"
 
@@ -64,6 +64,7 @@ def test_unconfirmed_enforcement_is_put_back_on_time_and_once_through_restarts(l
                 database_url=database_url,
                 operator_listen=f"{CP}:{operator_port}",
                 gateway_listen=f"{CP}:{gateway_port}",
+                migrated=True,
             )
             servers.append(process)
             return process.start(wait=start)

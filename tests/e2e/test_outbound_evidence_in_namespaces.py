@@ -84,7 +84,7 @@ def _totals(api, web_id: str, began: datetime, **params) -> dict:
 
 def test_outbound_windows_count_the_traffic_and_leave_every_inbound_answer_as_it_was(lab, tmp_path):
     serve = NamespacedServe(
-        lab, "cp", tmp_path / "cp", operator_listen=f"{CP}:8080", gateway_listen=f"{CP}:8443"
+        lab, "cp", tmp_path / "cp", operator_listen=f"{CP}:8080", gateway_listen=f"{CP}:8443", migrated=True
     )
     serve.start()
     web = AgentProcess(lab, "web", tmp_path / "web")

@@ -103,7 +103,7 @@ def test_outbound_enforced_admits_its_rules_and_the_destinations_inbound_rules_a
     lab, tmp_path
 ):
     serve = NamespacedServe(
-        lab, "cp", tmp_path / "cp", operator_listen=f"{CP}:8080", gateway_listen=f"{CP}:8443"
+        lab, "cp", tmp_path / "cp", operator_listen=f"{CP}:8080", gateway_listen=f"{CP}:8443", migrated=True
     )
     serve.start()
     server = AgentProcess(lab, "server", tmp_path / "server")

@@ -113,7 +113,7 @@ def _outbound(api, workload_id: str, mode: str) -> None:
 
 def test_outbound_rules_suggested_from_simulation_admit_the_same_traffic_when_enforced(lab, tmp_path):
     serve = NamespacedServe(
-        lab, "cp", tmp_path / "cp", operator_listen=f"{CP}:8080", gateway_listen=f"{CP}:8443"
+        lab, "cp", tmp_path / "cp", operator_listen=f"{CP}:8080", gateway_listen=f"{CP}:8443", migrated=True
     ).start()
     agent = AgentProcess(lab, "api", tmp_path / "api")
     try:

@@ -67,7 +67,7 @@ def test_a_visibility_workload_records_its_outgoing_connections_observed_and_not
     lab, tmp_path
 ):
     serve = NamespacedServe(
-        lab, "cp", tmp_path / "cp", operator_listen=f"{CP}:8080", gateway_listen=f"{CP}:8443"
+        lab, "cp", tmp_path / "cp", operator_listen=f"{CP}:8080", gateway_listen=f"{CP}:8443", migrated=True
     )
     serve.start()
     web = AgentProcess(lab, "web", tmp_path / "web")
@@ -132,7 +132,13 @@ def test_a_changed_list_of_gateways_is_in_the_kernels_gateway_set_without_a_new_
     def serve_with(*advertised: str) -> NamespacedServe:
         args = [arg for gateway in advertised for arg in ("--gateway-advertise", gateway)]
         return NamespacedServe(
-            lab, "cp", tmp_path / "cp", args, operator_listen=f"{CP}:8080", gateway_listen=f"{CP}:8443"
+            lab,
+            "cp",
+            tmp_path / "cp",
+            args,
+            operator_listen=f"{CP}:8080",
+            gateway_listen=f"{CP}:8443",
+            migrated=True,
         ).start()
 
     serve = serve_with(f"{CP}:8443")

@@ -151,7 +151,7 @@ def _applied(api, db_id: str, change) -> None:
 @pytest.fixture
 def database_url():
     """PostgreSQL when the run has it (suggestions and impact sum the evidence in SQL), else SQLite."""
-    with throwaway_database() as url:
+    with throwaway_database(migrated=True) as url:
         yield via_unix_socket(url)
 
 
@@ -160,7 +160,7 @@ def test_suggested_rules_admit_the_traffic_they_were_learnt_from_and_the_impact_
 ):
     serve = NamespacedServe(
         lab, "cp", tmp_path / "cp", database_url=database_url,
-        operator_listen=f"{CP}:8080", gateway_listen=f"{CP}:8443",
+        operator_listen=f"{CP}:8080", gateway_listen=f"{CP}:8443", migrated=True,
     ).start()  # fmt: skip
     db = AgentProcess(lab, "db", tmp_path / "db")
     ports = _source_ports()

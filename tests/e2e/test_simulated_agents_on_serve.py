@@ -24,7 +24,7 @@ AGENTS = 3
 @pytest.fixture
 def fleet(tmp_path):
     """serve without Redis, and AGENTS simulated agents enrolled with one token and synced."""
-    with Site.fresh(tmp_path / "data") as site:
+    with Site.fresh(tmp_path / "data", migrated=True) as site:
         serve = site.serve(env={"REDIS_URL": ""})
         http = serve.client("operator", headers={"Authorization": f"Bearer {serve.mint_operator_token()}"})
         minted = http.post("/api/v1/provisioning-tokens", json={"description": "e2e", "max_uses": AGENTS})

@@ -139,7 +139,7 @@ def test_streams_survive_redis_stopped_and_restarted_under_two_serve_processes(
         "needs PostgreSQL shared by two serve processes: set DATABASE_URL=postgresql://...",
     )
     simulators: list[subprocess.Popen] = []
-    with Site.fresh(tmp_path / "data") as site:
+    with Site.fresh(tmp_path / "data", migrated=True) as site:
         env = {"REDIS_URL": redis_server.url}
         first, second = site.serve(env=env), site.serve(env=env)
         token = first.mint_operator_token()

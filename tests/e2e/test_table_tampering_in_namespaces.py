@@ -56,6 +56,7 @@ def test_hand_edits_are_undone_within_two_seconds_and_reported_but_the_kill_swit
         database_url=None,  # SQLite: on PostgreSQL an agent's first flow report was seen held 30 s
         operator_listen=f"{CP}:8080",
         gateway_listen=f"{CP}:8443",
+        migrated=True,
     ).start()
     web = AgentProcess(lab, "web", tmp_path / "web")
     try:

@@ -25,7 +25,7 @@ SHARED_FAILURES = 50
 
 @pytest.fixture
 def site(tmp_path):
-    with Site.fresh(tmp_path / "data") as site:
+    with Site.fresh(tmp_path / "data", migrated=True) as site:
         yield site
 
 

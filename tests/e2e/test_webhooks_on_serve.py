@@ -126,7 +126,7 @@ def assert_each_once_in_order(receiver: Receiver, sent: dict[str, list[str]]) ->
 
 def test_a_receiver_failing_three_times_gets_the_event_once_it_answers_with_a_valid_signature(tmp_path):
     receiver = Receiver(tmp_path, fail_first=3).start()
-    with Site.fresh(tmp_path / "data") as site:
+    with Site.fresh(tmp_path / "data", migrated=True) as site:
         serve = site.serve(env=env_for(receiver))
         with operator_of(serve) as operator:
             webhook_id, secret = create_webhook(operator, receiver.url, ["webhook.created"])
@@ -158,7 +158,7 @@ def test_a_receiver_failing_three_times_gets_the_event_once_it_answers_with_a_va
 
 def test_serve_killed_between_the_state_change_and_the_delivery_delivers_after_restart(tmp_path):
     receiver = Receiver(tmp_path).start()
-    with Site.fresh(tmp_path / "data") as site:
+    with Site.fresh(tmp_path / "data", migrated=True) as site:
         # The first process never gets round to sending: its sender's first round is an hour away.
         slow = site.serve(env=env_for(receiver, PALISADE_WEBHOOK_SEND_EVERY_SECONDS="3600"))
         with operator_of(slow) as operator:
@@ -186,7 +186,7 @@ def test_serve_killed_between_the_state_change_and_the_delivery_delivers_after_r
 
 def test_a_receiver_down_while_100_events_happen_receives_them_all_afterwards_coalesced_in_order(tmp_path):
     receiver = Receiver(tmp_path)  # not listening yet: connections are refused
-    with Site.fresh(tmp_path / "data") as site:
+    with Site.fresh(tmp_path / "data", migrated=True) as site:
         serve = site.serve(env=env_for(receiver))
         with operator_of(serve) as operator:
             webhook_id, _ = create_webhook(operator, receiver.url, ["workload.evidence_gap"])
@@ -218,7 +218,7 @@ def test_two_serve_processes_on_one_postgresql_send_each_event_once(tmp_path):
         bool(os.environ.get("DATABASE_URL")), "two serve processes share a PostgreSQL database (DATABASE_URL)"
     )
     receiver = Receiver(tmp_path, delay=0.01).start()
-    with Site.fresh(tmp_path / "data") as site:
+    with Site.fresh(tmp_path / "data", migrated=True) as site:
         env = env_for(receiver, PALISADE_WEBHOOK_SEND_EVERY_SECONDS="0.1")
         first, second = site.serve(env=env), site.serve(env=env)
         with operator_of(first) as operator:
@@ -250,7 +250,7 @@ def test_a_slow_a_trickling_and_a_silent_receiver_delay_only_themselves(tmp_path
     holding = [Receiver(tmp_path, holding=style, release=release).start() for style in HOLDING]
     healthy = Receiver(tmp_path).start()
     try:
-        with Site.fresh(tmp_path / "data") as site:
+        with Site.fresh(tmp_path / "data", migrated=True) as site:
             serve = site.serve(env=env_for(*holding, healthy, PALISADE_WEBHOOK_TIMEOUT_SECONDS="30"))
             with operator_of(serve) as operator:
                 for receiver in (*holding, healthy):

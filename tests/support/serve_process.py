@@ -9,20 +9,30 @@
 
 With DATABASE_URL set, `Site.fresh` creates a throwaway database on that server (dropped afterwards),
 so every site starts empty whatever the storage; without it the server uses SQLite in the data directory.
+
+`Site.fresh(..., migrated=True)` starts the site with the schema already applied instead: a copy of a
+database that the real `manage.py migrate` built once per test process (PostgreSQL: CREATE DATABASE
+... TEMPLATE; SQLite: the file copied into the data directory). Applying every migration is most of
+serve's first start (5-10 s on the 2-core CI machine, on either storage); a test about something else
+need not pay it again. The tests of a first start on empty storage (tests/e2e/test_serve.py) do not
+ask for it.
 """
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import os
 import re
 import secrets
+import shutil
 import signal
 import socket
 import ssl
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from contextlib import contextmanager
@@ -152,8 +162,11 @@ class ServeProcess(_HostCommands):
         gateway_listen: str | None = None,
         env: dict | None = None,
         command_prefix: tuple | list = (),
+        migrated: bool = False,
     ):
         self.data_dir = Path(data_dir)
+        # SQLite only (a database_url names its own database: see throwaway_database(migrated=True)).
+        self.migrated = migrated
         self.command_prefix = list(command_prefix)  # e.g. ("prlimit", "--nofile=1024"): run serve under it
         self.database_url = database_url
         self.operator_listen = operator_listen or f"127.0.0.1:{free_port()}"
@@ -205,6 +218,8 @@ class ServeProcess(_HostCommands):
         ]
 
     def start(self, *, wait: bool = True, timeout: float = START_TIMEOUT) -> ServeProcess:
+        if self.migrated and self.database_url is None and not (self.data_dir / "palisade.sqlite3").exists():
+            migrated_sqlite_copy(self.data_dir)
         self.process = subprocess.Popen(
             self.args,
             stdin=subprocess.DEVNULL,
@@ -364,27 +379,66 @@ def _drain(stream, sink: list[str]) -> None:
     stream.close()
 
 
+def _admin_url(base_url: str) -> str:
+    # The maintenance database: the one DATABASE_URL names need not exist (pytest-django makes its own).
+    return urlunsplit(urlsplit(base_url)._replace(path="/postgres"))
+
+
+def _admin_execute(base_url: str, statement: str) -> None:
+    import psycopg
+
+    with psycopg.connect(_admin_url(base_url), autocommit=True) as admin:
+        admin.execute(statement)
+
+
+# What `manage.py migrate` built once in this process, by storage: {base_url: template database name}
+# and {"sqlite": directory holding the migrated palisade.sqlite3}. Removed when the process exits.
+_migrated: dict[str, str] = {}
+
+
+def _migrated_template_database(base_url: str) -> str:
+    if base_url not in _migrated:
+        name = f"palisade_e2e_template_{secrets.token_hex(6)}"
+        _admin_execute(base_url, f'CREATE DATABASE "{name}"')
+        atexit.register(_admin_execute, base_url, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        parts = urlsplit(base_url)
+        scratch = tempfile.mkdtemp(prefix="palisade-template-")
+        atexit.register(shutil.rmtree, scratch, True)
+        # migrate's session has ended when it exits: CREATE DATABASE ... TEMPLATE needs none open.
+        manage(Path(scratch), "migrate", database_url=urlunsplit(parts._replace(path=f"/{name}")))
+        _migrated[base_url] = name
+    return _migrated[base_url]
+
+
+def migrated_sqlite_copy(data_dir: Path) -> None:
+    """Put a SQLite database with every migration applied into `data_dir` (made private if new), as the
+    first serve on it would have left it."""
+    if "sqlite" not in _migrated:
+        scratch = tempfile.mkdtemp(prefix="palisade-template-")
+        atexit.register(shutil.rmtree, scratch, True)
+        manage(Path(scratch), "migrate")
+        _migrated["sqlite"] = scratch
+    data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    # migrate closed its connection: the main file holds everything (no -wal is left behind).
+    shutil.copy2(Path(_migrated["sqlite"]) / "palisade.sqlite3", data_dir / "palisade.sqlite3")
+
+
 @contextmanager
-def throwaway_database(base_url: str | None = None):
-    """A fresh PostgreSQL database on the server of `base_url` (default: DATABASE_URL), dropped on exit.
-    Yields None when there is no PostgreSQL to use: the server then keeps SQLite in its data directory."""
+def throwaway_database(base_url: str | None = None, *, migrated: bool = False):
+    """A fresh PostgreSQL database on the server of `base_url` (default: DATABASE_URL), dropped on exit;
+    empty, or with every migration applied when `migrated`. Yields None when there is no PostgreSQL to
+    use: the server then keeps SQLite in its data directory."""
     base_url = base_url if base_url is not None else os.environ.get("DATABASE_URL")
     if not base_url:
         yield None
         return
-    import psycopg
-
     name = f"palisade_e2e_{secrets.token_hex(6)}"
-    parts = urlsplit(base_url)
-    # The maintenance database: the one DATABASE_URL names need not exist (pytest-django makes its own).
-    admin_url = urlunsplit(parts._replace(path="/postgres"))
-    with psycopg.connect(admin_url, autocommit=True) as admin:
-        admin.execute(f'CREATE DATABASE "{name}"')
+    template = f' TEMPLATE "{_migrated_template_database(base_url)}"' if migrated else ""
+    _admin_execute(base_url, f'CREATE DATABASE "{name}"{template}')
     try:
-        yield urlunsplit(parts._replace(path=f"/{name}"))
+        yield urlunsplit(urlsplit(base_url)._replace(path=f"/{name}"))
     finally:
-        with psycopg.connect(admin_url, autocommit=True) as admin:
-            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        _admin_execute(base_url, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 class Site(_HostCommands):
@@ -397,8 +451,11 @@ class Site(_HostCommands):
 
     @classmethod
     @contextmanager
-    def fresh(cls, data_dir: Path):
-        with throwaway_database() as database_url:
+    def fresh(cls, data_dir: Path, *, migrated: bool = False):
+        """Empty storage, or storage with the schema applied when `migrated` (see the module's doc)."""
+        with throwaway_database(migrated=migrated) as database_url:
+            if migrated and database_url is None:
+                migrated_sqlite_copy(data_dir)
             site = cls(data_dir, database_url)
             try:
                 yield site
