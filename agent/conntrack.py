@@ -417,7 +417,7 @@ class ConntrackCounter:
         NEW events, nearly all of a burst, are counted here with the window found once per batch."""
         self.last_event_at = at
         self.events_read += len(entries)
-        counted, tails, names = self.counted, _MARK_TAILS, PROTOCOL_NAMES
+        counted = self.counted
         opened: list[FlowKey] = []
         with self.windows.lock:
             for entry in entries:
@@ -430,11 +430,8 @@ class ConntrackCounter:
                 identity = entry[1:7]  # _identity, inline on the per-event path
                 if identity in counted:
                     continue
-                tail = tails.get(entry[7]) or mark_tail(entry[7])  # key_of, inline likewise
-                if tail is not None:
-                    peer = entry[4] if tail[2] == OUTBOUND else entry[3]  # destination or source
-                    protocol = names.get(entry[2]) or str(entry[2])
-                    key = _new_key(FlowKey, (peer, protocol, entry[5], *tail))
+                key = key_of(entry)
+                if key is not None:
                     counted[identity] = key
                     opened.append(key)
             if opened:

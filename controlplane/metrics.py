@@ -265,12 +265,9 @@ def stream_admission_refused() -> None:
     STREAM_ADMISSIONS_REFUSED.inc()
 
 
-def stream_authentication_began() -> None:
-    STREAM_AUTHENTICATIONS_IN_PROGRESS.inc()
-
-
-def stream_authentication_ended() -> None:
-    STREAM_AUTHENTICATIONS_IN_PROGRESS.dec()
+def stream_authentications_follow(in_progress) -> None:
+    """The gauge reads the admission's own count when scraped (fleet/admission.py): one count, kept once."""
+    STREAM_AUTHENTICATIONS_IN_PROGRESS.set_function(in_progress)
 
 
 def owned_table_modified(*, restored: bool) -> None:

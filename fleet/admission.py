@@ -42,7 +42,7 @@ class StreamAdmission:
         self.limit = limit
         self.clock = clock
         self.in_progress = 0
-        self.refused = 0  # since the start: the metric reads it
+        self.refused = 0  # since the start (the metric is counted where the refusal is sent)
         self._completed: deque[float] = deque()
         self._next_slot = 0.0
         self.duration = ASSUMED_DURATION_SECONDS

@@ -41,6 +41,7 @@ AUTH_TIMEOUT_SECONDS = 10
 REPORTED_TABLE_STATES = (OwnedTableState.PRESENT, OwnedTableState.ABSENT)  # "unknown" is not a report
 HEARD_FROM_EVERY_SECONDS = 60  # heartbeats refresh last_heard_from at most this often
 BUSY_REASON = "busy: too many streams authenticating"  # then ": retry after N s" (docs/protocol.md)
+metrics.stream_authentications_follow(lambda: stream_admission().in_progress)
 
 
 class EnrolView(APIView):
@@ -140,7 +141,6 @@ class SyncStreamConsumer(LayerIndependentConsumer, AsyncWebsocketConsumer):
             await self.close(code=protocol.CLOSE_SHUTDOWN, reason=f"{BUSY_REASON}: retry after {wait} s")
             return
         self.admitted_at = stream_admission().clock()
-        metrics.stream_authentication_began()
         self.nonce = os.urandom(32)
         self.stream_id = uuid.uuid4().hex
         self.grant: streams.StreamGrant | None = None
@@ -415,7 +415,6 @@ class SyncStreamConsumer(LayerIndependentConsumer, AsyncWebsocketConsumer):
         if began is not None:
             self.admitted_at = None
             stream_admission().leave(began=began, completed=completed)
-            metrics.stream_authentication_ended()
 
     async def end_stream(self, code) -> None:
         timer = getattr(self, "auth_timer", None)
