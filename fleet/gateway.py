@@ -41,6 +41,9 @@ AUTH_TIMEOUT_SECONDS = 10
 REPORTED_TABLE_STATES = (OwnedTableState.PRESENT, OwnedTableState.ABSENT)  # "unknown" is not a report
 HEARD_FROM_EVERY_SECONDS = 60  # heartbeats refresh last_heard_from at most this often
 BUSY_REASON = "busy: too many streams authenticating"  # then ": retry after N s" (docs/protocol.md)
+# A snapshot unanswered this long no longer holds back the next one: an agent stuck that long gains
+# nothing from waiting, and must not be left on an old version for good.
+SNAPSHOT_ANSWER_SECONDS = 60
 metrics.stream_authentications_follow(lambda: stream_admission().in_progress)
 
 
@@ -145,6 +148,10 @@ class SyncStreamConsumer(LayerIndependentConsumer, AsyncWebsocketConsumer):
         self.stream_id = uuid.uuid4().hex
         self.grant: streams.StreamGrant | None = None
         self.sent_version: str | None = None
+        # One snapshot unanswered at a time (docs/protocol.md): its version and when it left, and
+        # whether a newer latest version waits for its answer.
+        self.unanswered: tuple[str, float] | None = None
+        self.update_waiting = False
         self.heard_at = 0.0
         self.last_heartbeat: tuple[str, datetime] | None = None  # its process, when it arrived
         self.table_state: str | None = None
@@ -247,6 +254,7 @@ class SyncStreamConsumer(LayerIndependentConsumer, AsyncWebsocketConsumer):
             return
         await self.send_message(snapshot)
         self.sent_version = snapshot.version
+        self.unanswered = (snapshot.version, time.monotonic())
         held = held_streams.open_streams.get(self.channel_name)
         if held is not None:
             held.sent_version = snapshot.version
@@ -255,6 +263,16 @@ class SyncStreamConsumer(LayerIndependentConsumer, AsyncWebsocketConsumer):
         await held_streams.db(sync.workload_applied)(
             workload_id=self.grant.workload_id, stream_id=self.stream_id, version=message.version
         )
+        await self.snapshot_answered(message.version)
+
+    async def snapshot_answered(self, version: str) -> None:
+        """The agent answered the snapshot of `version`: the latest goes next if it moved meanwhile."""
+        if self.unanswered is None or self.unanswered[0] != version:
+            return
+        self.unanswered = None
+        if self.update_waiting:
+            self.update_waiting = False
+            await self.send_snapshot(unless_version=self.sent_version)
 
     async def on_failed(self, message: protocol.Failed) -> None:
         log.warning(
@@ -269,6 +287,7 @@ class SyncStreamConsumer(LayerIndependentConsumer, AsyncWebsocketConsumer):
             version=message.version,
             error=message.error,
         )
+        await self.snapshot_answered(message.version)
 
     async def on_heartbeat(self, message: protocol.Heartbeat) -> None:
         state = message.owned_table if message.owned_table in REPORTED_TABLE_STATES else None
@@ -379,8 +398,15 @@ class SyncStreamConsumer(LayerIndependentConsumer, AsyncWebsocketConsumer):
 
     async def policy_updated(self, event):
         # Several notifications (a burst of writes, the catch-up sweep) may name one version.
-        if self.grant and not self.grant.renew_only:
-            await self.send_snapshot(unless_version=self.sent_version)
+        if not self.grant or self.grant.renew_only:
+            return
+        if self.unanswered is not None and time.monotonic() - self.unanswered[1] < SNAPSHOT_ANSWER_SECONDS:
+            # Versions name documents, so a burst that returns to an earlier document repeats its
+            # version: were a second snapshot sent now, an `applied` of the first could read as
+            # convergence while the agent is still to apply the second. The latest goes with the answer.
+            self.update_waiting = True
+            return
+        await self.send_snapshot(unless_version=self.sent_version)
 
     async def gateways_changed(self, event):
         if self.grant and not self.grant.renew_only:

@@ -268,6 +268,7 @@ def test_new_version_pushes_a_snapshot_and_resend_asks_the_agent_to_reconnect():
         communicator = await open_stream(agent)
         await receive(communicator)
         first = await receive(communicator)
+        await communicator.send_to(text_data=protocol.Applied(version=first.version).encode())
         await database_sync_to_async(_enforce)(agent)
         second = await receive(communicator)
         assert (
@@ -283,6 +284,53 @@ def test_new_version_pushes_a_snapshot_and_resend_asks_the_agent_to_reconnect():
         }
 
     async_to_sync(scenario)()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_one_snapshot_is_unanswered_at_a_time_so_applied_of_a_repeated_version_means_the_table_holds_it():
+    """Versions name documents: enforced -> simulation -> enforced repeats the first version. With the
+    enforced snapshot unanswered, neither change sends another; its `applied` is then the truth (the
+    agent holds the latest), and nothing more is sent. A change answered by `failed` sends the latest."""
+    agent = Agent()
+
+    async def scenario():
+        communicator = await open_stream(agent)
+        await receive(communicator)
+        first = await receive(communicator)
+        await communicator.send_to(text_data=protocol.Applied(version=first.version).encode())
+        await database_sync_to_async(_enforce)(agent)
+        enforced = await receive(communicator)
+        assert enforced.mode == "enforced"
+        await database_sync_to_async(_mode)(agent, "simulation")
+        await database_sync_to_async(_mode)(agent, "enforced")
+        assert await communicator.receive_nothing(timeout=0.5)  # both wait for the answer
+        await communicator.send_to(text_data=protocol.Applied(version=enforced.version).encode())
+        assert await communicator.receive_nothing(timeout=0.5)  # the latest is what was answered
+        workload_now = await database_sync_to_async(workload)(agent)
+        assert workload_now.sync_state == "synced"
+        assert workload_now.applied_version == workload_now.latest_policy_id == enforced.version
+
+        await database_sync_to_async(_mode)(agent, "simulation")
+        simulated = await receive(communicator)
+        assert simulated.mode == "simulation"
+        await database_sync_to_async(_mode)(agent, "enforced")
+        assert await communicator.receive_nothing(timeout=0.5)
+        await communicator.send_to(
+            text_data=protocol.Failed(version=simulated.version, error="nft: busy").encode()
+        )
+        latest = await receive(communicator)  # the answer, a failure too, lets the latest go
+        assert latest.version == enforced.version and latest.mode == "enforced"
+        await communicator.disconnect()
+
+    async_to_sync(scenario)()
+
+
+def _mode(agent, mode):
+    from fleet.services import mode_change_create
+
+    mode_change_create(
+        actor=CLI_ACTOR, data={"selection": {"workload_ids": [agent.workload_id]}, "mode": mode}
+    )
 
 
 def _resend(agent):

@@ -53,6 +53,7 @@ def test_a_stream_opens_and_is_caught_up_while_its_redis_is_unreachable(unreacha
         assert isinstance(await receive(communicator), protocol.Welcome)
         first = await receive(communicator)
         assert isinstance(first, protocol.Snapshot)
+        await communicator.send_to(text_data=protocol.Applied(version=first.version).encode())
         await database_sync_to_async(_enforce)(agent)  # its notification cannot travel
         assert layer_health.down
         assert await held_streams.streams_catch_up_step() == 1  # at once: nothing else is on its way
