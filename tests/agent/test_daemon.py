@@ -640,3 +640,40 @@ def test_a_pushed_list_of_gateways_is_in_the_table_at_once_without_a_new_version
         assert w.dataplane.current is None and w.dataplane.applies == 2
 
     scenario(tmp_path, body)
+
+
+def test_a_handshake_cut_short_leaves_its_socket_to_the_transport_and_the_next_connection_works(
+    tmp_path, monkeypatch
+):
+    """The handshake time runs out in the middle of TLS (under load, a simulator starved of CPU): the
+    TLS transport owns the socket by then and closes it itself. Closing the socket under it as well
+    freed its descriptor while the transport still held it; the next connection, given that number
+    at once, failed with "File descriptor N is used by transport" instead of trying (3,761 of 10,000
+    simulated agents stuck so). Every attempt here must fail for its own reason: timed out."""
+    import agent.daemon as daemon
+    from agent.gateways import Candidate
+
+    async def body(w: World) -> None:
+        async def silent(reader, writer):  # the upgrade request is read and never answered
+            await reader.read(65536)
+
+        server = await asyncio.start_server(silent, "127.0.0.1", 0, ssl=w.gateway.tls)
+        port = server.sockets[0].getsockname()[1]
+        candidate = Candidate(address=f"127.0.0.1:{port}", host="127.0.0.1", port=port)
+        w.agent._load()
+        failures: dict[str, int] = {}
+        try:
+            # Cut short at several points of the TLS handshake: where depends on the machine's speed.
+            for seconds in (0.001, 0.002, 0.005, 0.01, 0.3):
+                monkeypatch.setattr(daemon, "HANDSHAKE_SECONDS", seconds)
+                for _ in range(10):
+                    try:
+                        await w.agent._open(candidate)
+                    except Exception as error:  # noqa: BLE001 - counted by kind below
+                        what = f"{type(error).__name__}: {error}"
+                        failures[what] = failures.get(what, 0) + 1
+        finally:
+            server.close()
+        assert failures == {"TimeoutError: timed out during opening handshake": 50}
+
+    scenario(tmp_path, body)
