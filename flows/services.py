@@ -57,14 +57,12 @@ log = logging.getLogger("palisade.flows")
 _peer_map: tuple[tuple, dict[str, uuid.UUID]] = ((), {})
 
 
-def _peer_workloads(cursor) -> dict[str, uuid.UUID]:
+def _peer_workloads(stamp: tuple) -> dict[str, uuid.UUID]:
     """Address -> workload for the whole fleet, rebuilt only when the fleet changed: addresses are set
     at enrolment and re-enrolment only, both of which set `enrolled_at` to now, and workloads are never
-    deleted, so the latest enrolment (read off an index) says whether the map is current."""
+    deleted, so the latest enrolment (`stamp`, read off an index with the write's lock) says whether
+    the map is current."""
     global _peer_map
-    # once per write: the ORM's aggregate cost 3 times the query
-    cursor.execute(f'SELECT max("enrolled_at") FROM "{Workload._meta.db_table}"')  # noqa: S608
-    stamp = cursor.fetchone()
     if stamp != _peer_map[0]:
         addresses = Workload.objects.values_list("id", "addresses")
         _peer_map = (stamp, {address: wid for wid, listed in addresses for address in listed})
@@ -379,22 +377,15 @@ def flow_reports_write(items: list[SubmittedReport]) -> list[dict | Exception]:
 def _reports_write(items: list[SubmittedReport], *, skip_locked: bool) -> list[dict | Exception | None]:
     """`flow_reports_write` for one transaction; None for a report whose workload row was skipped."""
     with transaction.atomic(), _write_cursor() as cursor:
-        locked = _workloads_lock(cursor, [item.workload_id for item in items], skip_locked=skip_locked)
+        locked, stamp = _workloads_lock(cursor, [item.workload_id for item in items], skip_locked=skip_locked)
         now = clock.now()
-        peers = _peer_workloads(cursor)
-        stored_windows = _owners_of(
+        # Nothing is written without a locked workload: the fleet's addresses are read only with one.
+        peers = _peer_workloads(stamp) if locked else {}
+        stored_windows, stored_gaps, kept = _stored_reads(
             cursor,
-            FlowWindow,
-            [w.id for item in items for _, w in item.report.windows if isinstance(w, ParsedWindow)],
-        )
-        stored_gaps = _owners_of(
-            cursor,
-            EvidenceGap,
-            [g[0] for item in items for _, g in item.report.gaps if not isinstance(g, Refused)],
-        )
-        kept = _keys_kept_by_start(
-            cursor,
-            [
+            windows=[w.id for item in items for _, w in item.report.windows if isinstance(w, ParsedWindow)],
+            gaps=[g[0] for item in items for _, g in item.report.gaps if not isinstance(g, Refused)],
+            starts=[
                 (i.workload_id, w.start)
                 for i in items
                 for _, w in i.report.windows
@@ -502,11 +493,14 @@ def _reports_write(items: list[SubmittedReport], *, skip_locked: bool) -> list[d
 # a third of the CPU the ORM spent building them, and serve writes hundreds of reports a second.
 
 
-def _workloads_lock(cursor, ids: list[uuid.UUID], *, skip_locked: bool) -> dict[uuid.UUID, Workload]:
+def _workloads_lock(
+    cursor, ids: list[uuid.UUID], *, skip_locked: bool
+) -> tuple[dict[uuid.UUID, Workload], tuple]:
     """The reporting workloads' rows, locked (PostgreSQL) in one order for every writer, with the flow
-    fields a write reads and updates only."""
+    fields a write reads and updates only; and the fleet's latest enrolment (`_peer_workloads`), read
+    in the same statement (one round trip and one statement's CPU less a write)."""
     if not ids:
-        return {}
+        return {}, ()
     sql, names, converters = _workloads_lock_statement(connection.vendor, len(ids), skip_locked)
     pk, alias = Workload._meta.pk, connection.alias
     cursor.execute(sql, [pk.get_db_prep_value(i, connection) for i in ids])
@@ -515,12 +509,12 @@ def _workloads_lock(cursor, ids: list[uuid.UUID], *, skip_locked: bool) -> dict[
     # than the statement (a RawQuerySet's column mapping and converters, found again every time).
     locked = {}
     for row in rows:
-        values = list(row)
+        values = list(row[:-1])
         for index, convert in converters:
             values[index] = convert(values[index])
         workload = Workload.from_db(alias, names, values)
         locked[workload.id] = workload
-    return locked
+    return locked, (rows[0][-1],) if rows else ()
 
 
 # hostname and labels name the workload in webhook events (no deferred load per workload); the
@@ -549,9 +543,10 @@ def _workloads_lock_statement(vendor: str, count: int, skip_locked: bool) -> tup
         if connection.features.has_select_for_update
         else ""
     )
+    table = Workload._meta.db_table
     sql = (
-        f'SELECT {columns} FROM "{Workload._meta.db_table}" WHERE "id" IN ({", ".join(["%s"] * count)}) '  # noqa: S608
-        f'ORDER BY "id" {lock}'
+        f'SELECT {columns}, (SELECT max("enrolled_at") FROM "{table}") FROM "{table}" '  # noqa: S608
+        f'WHERE "id" IN ({", ".join(["%s"] * count)}) ORDER BY "id" {lock}'
     )
     converters = []
     for index, field in enumerate(fields):
@@ -569,17 +564,55 @@ def _converted(converters: list, column, value):
     return value
 
 
-def _owners_of(cursor, model, ids: list[uuid.UUID]) -> dict[uuid.UUID, uuid.UUID]:
-    """Stored id -> its workload's id, for those of `ids` that are stored already."""
-    if not ids:
-        return {}
+def _stored_reads(
+    cursor,
+    *,
+    windows: list[uuid.UUID],
+    gaps: list[uuid.UUID],
+    starts: list[tuple[uuid.UUID, datetime]],
+) -> tuple[
+    dict[uuid.UUID, uuid.UUID], dict[uuid.UUID, uuid.UUID], dict[tuple[uuid.UUID, datetime, str], int]
+]:
+    """What a write reads of what is stored, in one statement (each part of it is one read off an
+    index; a statement apiece cost more CPU than the reads): stored id -> its workload's id for the
+    windows' and the gaps' ids stored already, and the keys stored one by one for each (workload,
+    window start) of `starts`, per direction (`_within_start_bound`)."""
+    parts, params = [], []
+    if starts:  # first: SQLite converts a compound select's columns by its first select's types
+        sql, values = _keys_kept_query(starts)
+        parts.append(f"SELECT 'k', {sql}")
+        params += values
+    for tag, model, ids in (("w", FlowWindow, windows), ("g", EvidenceGap, gaps)):
+        if ids:
+            sql, values = _owners_query(model, ids)
+            parts.append(f"SELECT '{tag}', {sql}")
+            params += values
+    owners: dict[str, dict] = {"w": {}, "g": {}}
+    kept: dict[tuple[uuid.UUID, datetime, str], int] = {}
+    if not parts:
+        return owners["w"], owners["g"], kept
+    cursor.execute(" UNION ALL ".join(parts), params)
+    pks = {"w": FlowWindow._meta.pk, "g": EvidenceGap._meta.pk}
+    workload = FlowGroup._meta.get_field("workload").target_field
+    for tag, item, owner, start, direction, keys in cursor.fetchall():
+        if tag == "k":
+            # SQLite gives the workload as its text and the start without its zone (UTC): read back as stored.
+            kept[
+                (workload.to_python(owner), start if start.tzinfo else start.replace(tzinfo=UTC), direction)
+            ] = keys
+        else:
+            owners[tag][pks[tag].to_python(item)] = workload.to_python(owner)
+    return owners["w"], owners["g"], kept
+
+
+def _owners_query(model, ids: list[uuid.UUID]) -> tuple[str, list]:
+    """The columns and FROM of a read of `ids`' owners: stored id, its workload, three blanks."""
     pk, owner = model._meta.pk, model._meta.get_field("workload")
     sql = (
-        f'SELECT "id", "{owner.column}" FROM "{model._meta.db_table}" '  # noqa: S608 - our names
+        f'"id", "{owner.column}", NULL, NULL, NULL FROM "{model._meta.db_table}" '  # noqa: S608 - our names
         f'WHERE "id" IN ({", ".join(["%s"] * len(ids))})'
     )
-    cursor.execute(sql, [pk.get_db_prep_value(i, connection) for i in ids])
-    return {pk.to_python(row[0]): owner.target_field.to_python(row[1]) for row in cursor.fetchall()}
+    return sql, [pk.get_db_prep_value(i, connection) for i in ids]
 
 
 def _stored_once(item_id: uuid.UUID, stored: dict, workload_id: uuid.UUID) -> tuple[bool, Refused | None]:
@@ -615,29 +648,18 @@ def _unsummed_row(window: dict, keys: int) -> dict:
     }
 
 
-def _keys_kept_by_start(
-    cursor,
-    pairs: list[tuple[uuid.UUID, datetime]],
-) -> dict[tuple[uuid.UUID, datetime, str], int]:
-    """The keys stored one by one for each (workload, window start) of `pairs`, per direction: one read
-    off the (workload, start) index, in SQL written out like the write's other reads."""
-    if not pairs:
-        return {}
+def _keys_kept_query(pairs: list[tuple[uuid.UUID, datetime]]) -> tuple[str, list]:
+    """The columns and FROM of the read of the keys kept by start: a blank, the workload, the start,
+    the direction and the count, off the (workload, start) index."""
     workload, start = FlowGroup._meta.get_field("workload").target_field, FlowGroup._meta.get_field("start")
     workloads = [workload.get_db_prep_value(w, connection) for w in {w for w, _ in pairs}]
     starts = [start.get_db_prep_value(s, connection) for s in {s for _, s in pairs}]
     sql = (
-        f'SELECT "workload_id", "start", "direction", count(*) FROM "{FlowGroup._meta.db_table}"'  # noqa: S608 - our names
+        f'NULL, "workload_id", "start", "direction", count(*) FROM "{FlowGroup._meta.db_table}"'  # noqa: S608 - our names
         f' WHERE "workload_id" IN ({", ".join(["%s"] * len(workloads))})'
-        f' AND "start" IN ({", ".join(["%s"] * len(starts))}) AND "peer" <> %s GROUP BY 1, 2, 3'
+        f' AND "start" IN ({", ".join(["%s"] * len(starts))}) AND "peer" <> %s GROUP BY "workload_id", "start", "direction"'
     )
-    cursor.execute(sql, [*workloads, *starts, AGGREGATE])
-    rows = cursor.fetchall()
-    # SQLite gives the workload as its text and the start without its zone (UTC): read back as stored.
-    return {
-        (workload.to_python(w), s if s.tzinfo else s.replace(tzinfo=UTC), direction): keys
-        for w, s, direction, keys in rows
-    }
+    return sql, [*workloads, *starts, AGGREGATE]
 
 
 def _within_start_bound(window: ParsedWindow, *, workload_id: uuid.UUID, kept: dict) -> ParsedWindow:
