@@ -34,7 +34,8 @@ MAX_UPTIME = 100 * 365 * 86400
 PROTOCOLS = ("tcp", "udp", "icmp", "icmpv6")
 ACCEPTED, REFUSED = "accepted", "refused"
 DECISIONS = frozenset(Decision.values)  # `.values` builds a list on every read: once per group is too often
-DIRECTIONS = frozenset(Direction.values)
+DIRECTION_VALUES = tuple(Direction.values)  # in their order, once per report and window
+DIRECTIONS = frozenset(DIRECTION_VALUES)
 
 
 # Why a window or a gap is refused, for the metrics (controlplane/metrics.py counts these codes, never
@@ -513,7 +514,7 @@ def report_parse(data: Any, *, now: datetime) -> ParsedReport:
     windows: list[tuple[Any, ParsedWindow | Refused]] = []
     row_days = {today}
     per_window = settings.PALISADE_FLOW_WINDOW_MAX_KEYS
-    left = dict.fromkeys(Direction.values, settings.PALISADE_FLOW_REPORT_MAX_KEYS)
+    left = dict.fromkeys(DIRECTION_VALUES, settings.PALISADE_FLOW_REPORT_MAX_KEYS)
     for raw in envelope.windows:
         try:
             window_id, start, end, body = _window(raw, window_seconds=envelope.window_seconds)
