@@ -8,6 +8,7 @@ import copy
 import itertools
 import uuid
 from datetime import timedelta
+from typing import Any
 
 from controlplane import clock
 from controlplane.problems import Problem, ValidationFailed
@@ -216,7 +217,7 @@ GROUP_VALUES = [*JSON_VALUES, 65535, 65536, 2**24 - 1, 2**24, 2**32 - 1, 2**32, 
                 "2026-13-29T02:00:30.000000Z", "2026-11-29T02:00:30.000000+00:00", "2026-11-29T02:02:00.000000Z"]  # fmt: skip
 
 
-def test_a_plain_key_takes_the_short_way_and_is_stored_or_refused_as_the_checked_way_does():
+def test_a_plain_key_takes_the_short_way_and_is_stored_or_refused_as_the_checked_way_does() -> None:
     """`_group`'s one-pass way for plain keys accepts only what `_group_checked` accepts, and stores
     the same: every field of a key at every value, absent too, with and without accounting."""
     from datetime import UTC, datetime
@@ -230,13 +231,21 @@ def test_a_plain_key_takes_the_short_way_and_is_stored_or_refused_as_the_checked
             "first_seen": "2026-11-29T02:00:01.000000Z", "last_seen": "2026-11-29T02:00:59.500000Z",
             "bytes_in": 0, "bytes_out": 0}  # fmt: skip
 
-    def outcome(way, raw, accounting):
+    def outcome(way: Any, raw: Any, accounting: bool) -> Any:
         try:
             return way(raw, start=start, end=end, accounting=accounting)
         except Refused as refused:
             return ("refused", str(refused), refused.code)
 
-    cases = [dict(base), {**base, "rule": 7, "bytes_in": 5}, {**base, "peer": "*", "protocol": "*", "port": 0}]
+    cases: list[Any] = [
+        None,
+        [],
+        "x",
+        {},
+        dict(base),
+        {**base, "rule": 7, "bytes_in": 5},
+        {**base, "peer": "*", "protocol": "*", "port": 0},
+    ]
     for name, value in itertools.product(base, [*GROUP_VALUES, "absent"]):
         case = dict(base)
         if value == "absent":
@@ -244,7 +253,6 @@ def test_a_plain_key_takes_the_short_way_and_is_stored_or_refused_as_the_checked
         else:
             case[name] = value
         cases.append(case)
-    cases += [None, [], "x", {}]
     stored = 0
     for case, accounting in itertools.product(cases, (False, True)):
         short, checked = outcome(_group, case, accounting), outcome(_group_checked, case, accounting)
