@@ -418,7 +418,8 @@ def flow_report_ingest(*, workload_id: str, data: Any, sender: ReportSender | No
 
 def flow_reports_write(items: list[SubmittedReport]) -> list[dict | Exception]:
     """Store the reports of distinct workloads in one transaction: one lock statement for their rows,
-    one id lookup per table, one COPY per table, one update of the workloads. Their quarters, hours and
+    one of the reads (`_stored_reads`), the groups' COPY, the gaps, and one statement of the windows
+    and the workloads' update (`_windows_and_workloads_write`). Their quarters, hours and
     blocks are summed later (`flow_windows_sum`). Returns each report's answer, or the problem that
     refused it.
 
