@@ -166,15 +166,8 @@ def _agent_form(value: str) -> bool:
     (agent/flowreport.py): separators checked here, digits by `fromisoformat`, which takes only ASCII
     digits where this form has them. Such an instant needs neither the pattern below (three times the
     cost of the parse, and a report has two instants a key) nor a conversion to UTC."""
-    return (
-        len(value) == 27
-        and value[26] == "Z"
-        and value[19] == "."
-        and value[10] == "T"
-        and value[4] == value[7] == "-"
-        and value[13] == value[16] == ":"
-        and value.isascii()
-    )
+    # The separators at 4, 7, 10, 13, 16 and 19 in one slice: six comparisons cost more than the parse.
+    return len(value) == 27 and value[4:20:3] == "--T::." and value[26] == "Z" and value.isascii()
 
 
 def parse_instant(value: str) -> datetime | None:

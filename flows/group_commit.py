@@ -1,5 +1,5 @@
 """Group commit: callers on many threads hand their items to whichever of them writes next, so one
-write (one transaction, one COPY per table, one commit) stores everything that arrived while the
+write (one transaction, a few statements, one commit) stores everything that arrived while the
 previous write ran. Under load that is many reports per transaction; alone, a caller writes its own
 item at once, with no wait and no extra thread.
 

@@ -30,7 +30,7 @@ from fleet import health
 from fleet.models import Workload
 from fleet.report_auth import ReportSender, report_sender_still_current
 from fleet.selectors import workload_get
-from flows.choices import AGGREGATE, Direction, GapKind
+from flows.choices import AGGREGATE, GapKind
 from flows.group_commit import GroupCommit
 from flows.models import (
     EvidenceGap,
@@ -40,6 +40,7 @@ from flows.models import (
 )
 from flows.partitions import flow_partitions_drop, flow_partitions_ensure
 from flows.reports import (
+    DIRECTION_VALUES,
     ID_TAKEN,
     Aggregated,
     ParsedReport,
@@ -54,21 +55,21 @@ from flows.reports import (
 from flows.sums.ladder import LADDER, UNSUMMED_PRUNE_MARGIN
 
 log = logging.getLogger("palisade.flows")
-_peer_map: tuple[tuple, dict[str, uuid.UUID]] = ((), {})
+_peer_map: tuple[tuple, dict[str, uuid.UUID], dict[str, bytes]] = ((), {}, {})
 
 
-def _peer_workloads(cursor) -> dict[str, uuid.UUID]:
-    """Address -> workload for the whole fleet, rebuilt only when the fleet changed: addresses are set
-    at enrolment and re-enrolment only, both of which set `enrolled_at` to now, and workloads are never
-    deleted, so the latest enrolment (read off an index) says whether the map is current."""
+def _peer_workloads(stamp: tuple, *, as_bytes: bool) -> dict[str, uuid.UUID] | dict[str, bytes]:
+    """Address -> workload for the whole fleet (its id, or with `as_bytes` its 16 bytes, as the groups'
+    COPY sends it), rebuilt only when the fleet changed: addresses are set at enrolment and
+    re-enrolment only, both of which set `enrolled_at` to now, and workloads are never deleted, so
+    the latest enrolment (`stamp`, read off an index with the write's lock) says whether the map is
+    current."""
     global _peer_map
-    # once per write: the ORM's aggregate cost 3 times the query
-    cursor.execute(f'SELECT max("enrolled_at") FROM "{Workload._meta.db_table}"')  # noqa: S608
-    stamp = cursor.fetchone()
     if stamp != _peer_map[0]:
         addresses = Workload.objects.values_list("id", "addresses")
-        _peer_map = (stamp, {address: wid for wid, listed in addresses for address in listed})
-    return _peer_map[1]
+        ids = {address: wid for wid, listed in addresses for address in listed}
+        _peer_map = (stamp, ids, {address: wid.bytes for address, wid in ids.items()})
+    return _peer_map[2] if as_bytes else _peer_map[1]
 
 
 def _write_cursor():
@@ -187,16 +188,20 @@ def _rows_insert(cursor, model, rows: list[dict]) -> None:
         _values_insert(cursor, model, columns, [[row[c] for c in columns] for row in rows])
 
 
-def _values_insert(cursor, model, columns: tuple[str, ...], rows: list[list]) -> None:
+def _values_insert(
+    cursor, model, columns: tuple[str, ...], rows: list[list], *, uuids_as_bytes: bool = False
+) -> None:
     """The hot path of ingestion: binary COPY on PostgreSQL (no model instance per row, one round trip;
     3,200 group rows cost 6 ms of CPU to send where text COPY cost 46), one prepared INSERT run over
-    every row on SQLite. `rows` hold the values of `columns` (field attnames), in that order."""
+    every row on SQLite. `rows` hold the values of `columns` (field attnames), in that order; with
+    `uuids_as_bytes` a UUID column's values on PostgreSQL are its 16 bytes (`UUID.bytes`), which is
+    the uuid's binary form: COPY sends them as they are (as bytea's, whose dumper is psycopg's C)."""
     if not rows:
         return
     if connection.vendor != "postgresql":
         _rows_insert_in_sqlite(cursor, model, columns, rows)
         return
-    sql, types = _copy_statement(model, columns)
+    sql, types = _copy_statement(model, columns, uuids_as_bytes)
     with cursor.cursor.copy(sql) as copy:
         copy.set_types(types)
         write = copy.write_row
@@ -205,14 +210,18 @@ def _values_insert(cursor, model, columns: tuple[str, ...], rows: list[list]) ->
 
 
 @functools.lru_cache(maxsize=32)
-def _copy_statement(model, columns: tuple[str, ...]) -> tuple[str, list[int]]:
+def _copy_statement(model, columns: tuple[str, ...], uuids_as_bytes: bool) -> tuple[str, list[int]]:
     """A table's binary COPY and its columns' type OIDs (named, each lookup cost more than the row)."""
     from psycopg import adapters
 
     fields = [model._meta.get_field(column) for column in columns]
     names = ", ".join(f'"{field.column}"' for field in fields)
     sql = f'COPY "{model._meta.db_table}" ({names}) FROM STDIN (FORMAT BINARY)'  # noqa: S608
-    return sql, [adapters.types[_binary_copy_type(field)].oid for field in fields]
+    types = [_binary_copy_type(field) for field in fields]
+    if uuids_as_bytes:
+        # The values go out in binary COPY as given: bytea's binary form is the bytes themselves.
+        types = ["bytea" if kind == "uuid" else kind for kind in types]
+    return sql, [adapters.types[kind].oid for kind in types]
 
 
 def _rows_insert_in_sqlite(cursor, model, columns: tuple[str, ...], rows: list[list]) -> None:
@@ -295,6 +304,54 @@ WORKLOAD_FLOW_FIELDS = (
 )
 
 
+def _windows_and_workloads_write(
+    cursor, windows: list[dict], unsummed: list[dict], workloads: list[Workload]
+) -> None:
+    """The windows' rows, their unsummed marks (`_unsummed_row`) and the workloads' flow fields. On
+    PostgreSQL in one statement (two INSERTs of arrays in a WITH, then the UPDATE): as two COPYs and
+    an UPDATE they were three round trips and seven waits for the server, and each wait cost more of
+    serve's CPU than these few rows. The groups, fifty a window, stay a COPY of their own."""
+    if connection.vendor != "postgresql":
+        _rows_insert(cursor, FlowWindow, windows)
+        _rows_insert(cursor, UnsummedWindow, unsummed)
+        _workloads_update(cursor, workloads)
+        return
+    if not workloads:  # nothing of this write's was stored
+        return
+    sql, attnames = _windows_and_workloads_statement()
+    cursor.execute(
+        sql,
+        [
+            *([row[column] for row in windows] for column in WINDOW_COLUMNS),
+            *([row[column] for row in unsummed] for column in UNSUMMED_COLUMNS),
+            *([getattr(workload, name) for workload in workloads] for name in attnames),
+        ],
+    )
+
+
+WINDOW_COLUMNS = ("id", "workload_id", "start", "end", "policy_version", "accounting", "received_at")
+UNSUMMED_COLUMNS = ("window_id", "workload_id", "start", "keys")
+
+
+@functools.cache
+def _windows_and_workloads_statement() -> tuple[str, list[str]]:
+    """PostgreSQL's statement of `_windows_and_workloads_write`, and the workloads' attributes it
+    reads, in order (its parameters: a column array each, windows', marks', then workloads')."""
+
+    def arrays_insert(model, columns: tuple[str, ...]) -> str:
+        fields = [model._meta.get_field(column) for column in columns]
+        arrays = ", ".join(f"%s::{field.db_type(connection)}[]" for field in fields)
+        names = ", ".join(f'"{field.column}"' for field in fields)
+        return f'INSERT INTO "{model._meta.db_table}" ({names}) SELECT * FROM unnest({arrays})'  # noqa: S608
+
+    update, attnames = _workloads_update_statement()
+    windows, marks = (
+        arrays_insert(FlowWindow, WINDOW_COLUMNS),
+        arrays_insert(UnsummedWindow, UNSUMMED_COLUMNS),
+    )
+    return f"WITH windows AS ({windows}), marks AS ({marks}) {update}", attnames
+
+
 def _workloads_update(cursor, workloads: list[Workload]) -> None:
     """Write the flow fields of the reporting workloads (their rows are locked): one statement on
     PostgreSQL, a column array each; one per workload elsewhere."""
@@ -361,7 +418,8 @@ def flow_report_ingest(*, workload_id: str, data: Any, sender: ReportSender | No
 
 def flow_reports_write(items: list[SubmittedReport]) -> list[dict | Exception]:
     """Store the reports of distinct workloads in one transaction: one lock statement for their rows,
-    one id lookup per table, one COPY per table, one update of the workloads. Their quarters, hours and
+    one of the reads (`_stored_reads`), the groups' COPY, the gaps, and one statement of the windows
+    and the workloads' update (`_windows_and_workloads_write`). Their quarters, hours and
     blocks are summed later (`flow_windows_sum`). Returns each report's answer, or the problem that
     refused it.
 
@@ -379,22 +437,19 @@ def flow_reports_write(items: list[SubmittedReport]) -> list[dict | Exception]:
 def _reports_write(items: list[SubmittedReport], *, skip_locked: bool) -> list[dict | Exception | None]:
     """`flow_reports_write` for one transaction; None for a report whose workload row was skipped."""
     with transaction.atomic(), _write_cursor() as cursor:
-        locked = _workloads_lock(cursor, [item.workload_id for item in items], skip_locked=skip_locked)
+        locked, stamp = _workloads_lock(cursor, [item.workload_id for item in items], skip_locked=skip_locked)
         now = clock.now()
-        peers = _peer_workloads(cursor)
-        stored_windows = _owners_of(
+        # Nothing is written without a locked workload: the fleet's addresses are read only with one.
+        # On PostgreSQL the groups' ids go to COPY as their 16 bytes (`_values_insert`), made once a
+        # window and once a peer: UUID's own conversion, a Python call per value, cost a tenth of the
+        # parse of a report.
+        as_bytes = connection.vendor == "postgresql"
+        peers = _peer_workloads(stamp, as_bytes=as_bytes) if locked else {}
+        stored_windows, stored_gaps, kept = _stored_reads(
             cursor,
-            FlowWindow,
-            [w.id for item in items for _, w in item.report.windows if isinstance(w, ParsedWindow)],
-        )
-        stored_gaps = _owners_of(
-            cursor,
-            EvidenceGap,
-            [g[0] for item in items for _, g in item.report.gaps if not isinstance(g, Refused)],
-        )
-        kept = _keys_kept_by_start(
-            cursor,
-            [
+            windows=[w.id for item in items for _, w in item.report.windows if isinstance(w, ParsedWindow)],
+            gaps=[g[0] for item in items for _, g in item.report.gaps if not isinstance(g, Refused)],
+            starts=[
                 (i.workload_id, w.start)
                 for i in items
                 for _, w in i.report.windows
@@ -468,7 +523,7 @@ def _reports_write(items: list[SubmittedReport], *, skip_locked: bool) -> list[d
                 )
             windows.extend(_window_row(window, workload=workload, now=now) for window in new_windows)
             parsed.extend(new_windows)
-            groups.extend(_group_rows(new_windows, workload=workload, peers=peers))
+            groups.extend(_group_rows(new_windows, workload=workload, peers=peers, as_bytes=as_bytes))
             gaps.extend(new_gaps)
             changes = {
                 "flow_window_seconds_longest": max(
@@ -483,15 +538,14 @@ def _reports_write(items: list[SubmittedReport], *, skip_locked: bool) -> list[d
             touched.append(workload)
             counted.reports += 1
             outcomes.append({"windows": window_answers, "gaps": gap_answers})
-        _rows_insert(cursor, FlowWindow, windows)
-        _values_insert(cursor, FlowGroup, GROUP_COLUMNS, groups)
-        _rows_insert(
-            cursor,
-            UnsummedWindow,
-            [_unsummed_row(row, len(window.groups)) for row, window in zip(windows, parsed, strict=True)],
-        )
+        _values_insert(cursor, FlowGroup, GROUP_COLUMNS, groups, uuids_as_bytes=True)
         EvidenceGap.objects.bulk_create(gaps)
-        _workloads_update(cursor, touched)
+        _windows_and_workloads_write(
+            cursor,
+            windows,
+            [_unsummed_row(row, len(window.groups)) for row, window in zip(windows, parsed, strict=True)],
+            touched,
+        )
         counted.windows, counted.groups = len(windows), len(groups)
         metrics.flow_reports_stored(counted, gaps=gaps)
         webhook_events_record(events)
@@ -502,11 +556,14 @@ def _reports_write(items: list[SubmittedReport], *, skip_locked: bool) -> list[d
 # a third of the CPU the ORM spent building them, and serve writes hundreds of reports a second.
 
 
-def _workloads_lock(cursor, ids: list[uuid.UUID], *, skip_locked: bool) -> dict[uuid.UUID, Workload]:
+def _workloads_lock(
+    cursor, ids: list[uuid.UUID], *, skip_locked: bool
+) -> tuple[dict[uuid.UUID, Workload], tuple]:
     """The reporting workloads' rows, locked (PostgreSQL) in one order for every writer, with the flow
-    fields a write reads and updates only."""
+    fields a write reads and updates only; and the fleet's latest enrolment (`_peer_workloads`), read
+    in the same statement (one round trip and one statement's CPU less a write)."""
     if not ids:
-        return {}
+        return {}, ()
     sql, names, converters = _workloads_lock_statement(connection.vendor, len(ids), skip_locked)
     pk, alias = Workload._meta.pk, connection.alias
     cursor.execute(sql, [pk.get_db_prep_value(i, connection) for i in ids])
@@ -515,12 +572,12 @@ def _workloads_lock(cursor, ids: list[uuid.UUID], *, skip_locked: bool) -> dict[
     # than the statement (a RawQuerySet's column mapping and converters, found again every time).
     locked = {}
     for row in rows:
-        values = list(row)
+        values = list(row[:-1])
         for index, convert in converters:
             values[index] = convert(values[index])
         workload = Workload.from_db(alias, names, values)
         locked[workload.id] = workload
-    return locked
+    return locked, (rows[0][-1],) if rows else ()
 
 
 # hostname and labels name the workload in webhook events (no deferred load per workload); the
@@ -549,9 +606,10 @@ def _workloads_lock_statement(vendor: str, count: int, skip_locked: bool) -> tup
         if connection.features.has_select_for_update
         else ""
     )
+    table = Workload._meta.db_table
     sql = (
-        f'SELECT {columns} FROM "{Workload._meta.db_table}" WHERE "id" IN ({", ".join(["%s"] * count)}) '  # noqa: S608
-        f'ORDER BY "id" {lock}'
+        f'SELECT {columns}, (SELECT max("enrolled_at") FROM "{table}") FROM "{table}" '  # noqa: S608
+        f'WHERE "id" IN ({", ".join(["%s"] * count)}) ORDER BY "id" {lock}'
     )
     converters = []
     for index, field in enumerate(fields):
@@ -569,17 +627,55 @@ def _converted(converters: list, column, value):
     return value
 
 
-def _owners_of(cursor, model, ids: list[uuid.UUID]) -> dict[uuid.UUID, uuid.UUID]:
-    """Stored id -> its workload's id, for those of `ids` that are stored already."""
-    if not ids:
-        return {}
+def _stored_reads(
+    cursor,
+    *,
+    windows: list[uuid.UUID],
+    gaps: list[uuid.UUID],
+    starts: list[tuple[uuid.UUID, datetime]],
+) -> tuple[
+    dict[uuid.UUID, uuid.UUID], dict[uuid.UUID, uuid.UUID], dict[tuple[uuid.UUID, datetime, str], int]
+]:
+    """What a write reads of what is stored, in one statement (each part of it is one read off an
+    index; a statement apiece cost more CPU than the reads): stored id -> its workload's id for the
+    windows' and the gaps' ids stored already, and the keys stored one by one for each (workload,
+    window start) of `starts`, per direction (`_within_start_bound`)."""
+    parts, params = [], []
+    if starts:  # first: SQLite converts a compound select's columns by its first select's types
+        sql, values = _keys_kept_query(starts)
+        parts.append(f"SELECT 'k', {sql}")
+        params += values
+    for tag, model, ids in (("w", FlowWindow, windows), ("g", EvidenceGap, gaps)):
+        if ids:
+            sql, values = _owners_query(model, ids)
+            parts.append(f"SELECT '{tag}', {sql}")
+            params += values
+    owners: dict[str, dict] = {"w": {}, "g": {}}
+    kept: dict[tuple[uuid.UUID, datetime, str], int] = {}
+    if not parts:
+        return owners["w"], owners["g"], kept
+    cursor.execute(" UNION ALL ".join(parts), params)
+    pks = {"w": FlowWindow._meta.pk, "g": EvidenceGap._meta.pk}
+    workload = FlowGroup._meta.get_field("workload").target_field
+    for tag, item, owner, start, direction, keys in cursor.fetchall():
+        if tag == "k":
+            # SQLite gives the workload as its text and the start without its zone (UTC): read back as stored.
+            kept[
+                (workload.to_python(owner), start if start.tzinfo else start.replace(tzinfo=UTC), direction)
+            ] = keys
+        else:
+            owners[tag][pks[tag].to_python(item)] = workload.to_python(owner)
+    return owners["w"], owners["g"], kept
+
+
+def _owners_query(model, ids: list[uuid.UUID]) -> tuple[str, list]:
+    """The columns and FROM of a read of `ids`' owners: stored id, its workload, three blanks."""
     pk, owner = model._meta.pk, model._meta.get_field("workload")
     sql = (
-        f'SELECT "id", "{owner.column}" FROM "{model._meta.db_table}" '  # noqa: S608 - our names
+        f'"id", "{owner.column}", NULL, NULL, NULL FROM "{model._meta.db_table}" '  # noqa: S608 - our names
         f'WHERE "id" IN ({", ".join(["%s"] * len(ids))})'
     )
-    cursor.execute(sql, [pk.get_db_prep_value(i, connection) for i in ids])
-    return {pk.to_python(row[0]): owner.target_field.to_python(row[1]) for row in cursor.fetchall()}
+    return sql, [pk.get_db_prep_value(i, connection) for i in ids]
 
 
 def _stored_once(item_id: uuid.UUID, stored: dict, workload_id: uuid.UUID) -> tuple[bool, Refused | None]:
@@ -594,7 +690,7 @@ def _stored_once(item_id: uuid.UUID, stored: dict, workload_id: uuid.UUID) -> tu
     return False, Refused("id is taken", ID_TAKEN)
 
 
-def _window_row(window: ParsedWindow, *, workload: Workload, now: datetime) -> dict:
+def _window_row(window: ParsedWindow, *, workload: Workload, now: datetime) -> dict:  # WINDOW_COLUMNS
     return {
         "id": window.id,
         "workload_id": workload.id,
@@ -606,7 +702,7 @@ def _window_row(window: ParsedWindow, *, workload: Workload, now: datetime) -> d
     }
 
 
-def _unsummed_row(window: dict, keys: int) -> dict:
+def _unsummed_row(window: dict, keys: int) -> dict:  # UNSUMMED_COLUMNS
     return {
         "window_id": window["id"],
         "workload_id": window["workload_id"],
@@ -615,29 +711,18 @@ def _unsummed_row(window: dict, keys: int) -> dict:
     }
 
 
-def _keys_kept_by_start(
-    cursor,
-    pairs: list[tuple[uuid.UUID, datetime]],
-) -> dict[tuple[uuid.UUID, datetime, str], int]:
-    """The keys stored one by one for each (workload, window start) of `pairs`, per direction: one read
-    off the (workload, start) index, in SQL written out like the write's other reads."""
-    if not pairs:
-        return {}
+def _keys_kept_query(pairs: list[tuple[uuid.UUID, datetime]]) -> tuple[str, list]:
+    """The columns and FROM of the read of the keys kept by start: a blank, the workload, the start,
+    the direction and the count, off the (workload, start) index."""
     workload, start = FlowGroup._meta.get_field("workload").target_field, FlowGroup._meta.get_field("start")
     workloads = [workload.get_db_prep_value(w, connection) for w in {w for w, _ in pairs}]
     starts = [start.get_db_prep_value(s, connection) for s in {s for _, s in pairs}]
     sql = (
-        f'SELECT "workload_id", "start", "direction", count(*) FROM "{FlowGroup._meta.db_table}"'  # noqa: S608 - our names
+        f'NULL, "workload_id", "start", "direction", count(*) FROM "{FlowGroup._meta.db_table}"'  # noqa: S608 - our names
         f' WHERE "workload_id" IN ({", ".join(["%s"] * len(workloads))})'
-        f' AND "start" IN ({", ".join(["%s"] * len(starts))}) AND "peer" <> %s GROUP BY 1, 2, 3'
+        f' AND "start" IN ({", ".join(["%s"] * len(starts))}) AND "peer" <> %s GROUP BY "workload_id", "start", "direction"'
     )
-    cursor.execute(sql, [*workloads, *starts, AGGREGATE])
-    rows = cursor.fetchall()
-    # SQLite gives the workload as its text and the start without its zone (UTC): read back as stored.
-    return {
-        (workload.to_python(w), s if s.tzinfo else s.replace(tzinfo=UTC), direction): keys
-        for w, s, direction, keys in rows
-    }
+    return sql, [*workloads, *starts, AGGREGATE]
 
 
 def _within_start_bound(window: ParsedWindow, *, workload_id: uuid.UUID, kept: dict) -> ParsedWindow:
@@ -650,7 +735,7 @@ def _within_start_bound(window: ParsedWindow, *, workload_id: uuid.UUID, kept: d
         direction: max(
             settings.PALISADE_FLOW_WINDOW_MAX_KEYS - kept.get((workload_id, window.start, direction), 0), 0
         )
-        for direction in Direction.values
+        for direction in DIRECTION_VALUES
     }
     groups, summed = keys_fold(window.groups, keep=room)
     for direction, keys in keys_by_direction(groups).items():
@@ -705,16 +790,21 @@ _group_key_values = operator.itemgetter(*GROUP_KEY_FIELDS)
 
 
 def _group_rows(
-    windows: list[ParsedWindow], *, workload: Workload, peers: dict[str, uuid.UUID]
+    windows: list[ParsedWindow], *, workload: Workload, peers: dict, as_bytes: bool
 ) -> list[list]:
     """The values of GROUP_COLUMNS for each group of `windows` (lists: one dict a row, then a list
-    made from it for COPY, cost more than the COPY)."""
+    made from it for COPY, cost more than the COPY); with `as_bytes`, ids as their 16 bytes (`peers`
+    holds them so too: `_peer_workloads`)."""
     peer_of = peers.get
-    return [
-        [window.id, workload.id, window.start, window.end, peer_of(group["peer"]), *_group_key_values(group)]
-        for window in windows
-        for group in window.groups
-    ]
+    workload_id = workload.id.bytes if as_bytes else workload.id
+    rows = []
+    for window in windows:
+        window_id, start, end = window.id.bytes if as_bytes else window.id, window.start, window.end
+        rows += [
+            [window_id, workload_id, start, end, peer_of(group["peer"]), *_group_key_values(group)]
+            for group in window.groups
+        ]
+    return rows
 
 
 def _stored_keys(item: SubmittedReport) -> int:

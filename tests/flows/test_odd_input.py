@@ -8,6 +8,7 @@ import copy
 import itertools
 import uuid
 from datetime import timedelta
+from typing import Any
 
 from controlplane import clock
 from controlplane.problems import Problem, ValidationFailed
@@ -207,3 +208,57 @@ def test_a_process_start_id_with_control_characters_refuses_the_report(db):
             assert [f.rule for f in refused.findings] == ["control-characters"]
         else:
             raise AssertionError(f"{process!r} was taken")
+
+
+GROUP_VALUES = [*JSON_VALUES, 65535, 65536, 2**24 - 1, 2**24, 2**32 - 1, 2**32, 2**54 - 1, 2**54, "tcp", "udp",
+                "icmpv6", "*", "allowed", "blocked", "would_block", "inbound", "outbound", "10.0.0.1",
+                "::ffff:10.0.0.1", "2001:db8::1", "", "x" * 65, "2026-11-29T02:00:30.000000Z",
+                "2026-11-29T02:00:30.000000z", "2026-11-29 02:00:30.000000Z", "2026-11-29T02:00:30.00000\u0663Z",
+                "2026-13-29T02:00:30.000000Z", "2026-11-29T02:00:30.000000+00:00", "2026-11-29T02:02:00.000000Z"]  # fmt: skip
+
+
+def test_a_plain_key_takes_the_short_way_and_is_stored_or_refused_as_the_checked_way_does() -> None:
+    """`_group`'s one-pass way for plain keys accepts only what `_group_checked` accepts, and stores
+    the same: every field of a key at every value, absent too, with and without accounting."""
+    from datetime import UTC, datetime
+
+    from flows.reports import Refused, _group, _group_checked
+
+    start = datetime(2026, 11, 29, 2, 0, tzinfo=UTC)
+    end = start + timedelta(minutes=1)
+    base = {"peer": "10.0.0.1", "protocol": "tcp", "port": 443, "decision": "allowed", "rule": None,
+            "direction": "inbound", "failsafe": False, "connection_count": 3,
+            "first_seen": "2026-11-29T02:00:01.000000Z", "last_seen": "2026-11-29T02:00:59.500000Z",
+            "bytes_in": 0, "bytes_out": 0}  # fmt: skip
+
+    def outcome(way: Any, raw: Any, accounting: bool) -> Any:
+        try:
+            return way(raw, start=start, end=end, accounting=accounting)
+        except Refused as refused:
+            return ("refused", str(refused), refused.code)
+
+    cases: list[Any] = [
+        None,
+        [],
+        "x",
+        {},
+        dict(base),
+        {**base, "rule": 7, "bytes_in": 5},
+        {**base, "peer": "*", "protocol": "*", "port": 0},
+    ]
+    for name, value in itertools.product(base, [*GROUP_VALUES, "absent"]):
+        case = dict(base)
+        if value == "absent":
+            del case[name]
+        else:
+            case[name] = value
+        cases.append(case)
+    stored = 0
+    for case, accounting in itertools.product(cases, (False, True)):
+        short, checked = outcome(_group, case, accounting), outcome(_group_checked, case, accounting)
+        assert short == checked, case
+        assert type(short) is tuple or {k: type(v) for k, v in short.items()} == {
+            k: type(v) for k, v in checked.items()
+        }
+        stored += type(short) is dict
+    assert stored > 50  # the cases reach both ways
