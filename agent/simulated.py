@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TextIO
 
-from agent.daemon import Agent
+from agent.daemon import HANDSHAKE_SECONDS, Agent
 from agent.dataplane import ApplyError, owned_table_problem
 from agent.enrol import Pinned, decode_bundle, enrol, pin
 from agent.errors import AgentError
@@ -162,6 +162,7 @@ async def start_simulated_fleet(
     log_stream: TextIO | None = None,
     pinned: Pinned | None = None,
     first_index: int = 1,
+    open_seconds: float = HANDSHAKE_SECONDS,
 ) -> SimulatedFleet:
     """Enrol `count` simulated agents numbered from `first_index` (those already enrolled under
     `state_root` are reused) and build them, ready to run. An agent's number gives its host name and
@@ -207,6 +208,7 @@ async def start_simulated_fleet(
             heartbeat_seconds=heartbeat_seconds,
             log=agent_log,
             compression=None,  # a deflate context per connection costs more memory than it saves
+            open_seconds=open_seconds,
         )
         agents.append(agent)
         dataplanes.append(dataplane)
@@ -229,6 +231,7 @@ def run_simulated_fleet(
     on_started: Callable[[SimulatedFleet], None] | None = None,
     first_index: int = 1,
     start_rate: float = 200.0,
+    open_seconds: float = HANDSHAKE_SECONDS,
 ) -> int:
     """Enrol and run a simulated fleet in this process until SIGTERM/SIGINT or `duration`."""
     _raise_open_file_limit()
@@ -243,6 +246,7 @@ def run_simulated_fleet(
             verbose=verbose,
             log_stream=sys.stderr,
             first_index=first_index,
+            open_seconds=open_seconds,
         )
         fleet.start_rate = start_rate
         loop = asyncio.get_running_loop()

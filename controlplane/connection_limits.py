@@ -12,6 +12,17 @@ accepted socket is counted before any byte is read:
   past the gateway's handshake time (an agent's authenticated stream) no longer counts there, so a
   fleet behind one NAT address or a TCP load balancer is not held to the cap; a connection over either
   cap is closed as soon as it is accepted;
+- at most `max_handshakes` connections per listener that have not yet sent their first request head
+  (the TLS handshake, then the head: for an agent, its websocket upgrade). At that bound the oldest
+  of them is closed for the new one once it has had `HANDSHAKE_FAIR_SECONDS`; while every one of them
+  is younger, the new connection is closed at once instead. Offered more handshakes than it finished
+  within its clients' patience (10,000 agents starting, every one at the first gateway of its list),
+  serve accepted them all: the first process held thousands of unfinished connections while its agents
+  timed out one by one after their whole handshake time, and the second process idled. An agent whose
+  connection is closed at accept tries its next gateway at once. Refusing only the new would let
+  anyone holding that many unfinished handshakes shut everyone out (the rule of the total cap below);
+  closing only the oldest would, under a flood faster than handshakes finish, close each before it
+  finished. So a handshake gets the time an honest one takes, and after that the newcomer is preferred;
 - when the total is reached, the connection that has waited longest for a request head is closed to
   admit the new one: a connection that is still in its TLS handshake, still sending its head, or idle
   between keep-alive requests costs the server a descriptor and gives it nothing; failing that, a
@@ -64,6 +75,11 @@ MAX_SPILLED_BODIES = 64
 DEFAULT_PER_ADDRESS = 256
 DEFAULT_HEAD_TIMEOUT = 15.0
 DEFAULT_BODY_MIN_RATE = 1024
+DEFAULT_MAX_HANDSHAKES = 256
+# An unfinished handshake this old may be closed for a new one at the listener's bound. serve's own work
+# for a handshake and an upgrade is a few milliseconds; a client that has not finished after this long is
+# slow or gone, and one that is merely slow can finish on the next attempt at another gateway.
+HANDSHAKE_FAIR_SECONDS = 2.0
 
 
 class Phase(enum.Enum):
@@ -80,6 +96,7 @@ class Limits:
     head_timeout: float
     body_min_rate: float
     body_grace: float = BODY_GRACE_SECONDS
+    max_handshakes: int = 0  # per listener, connections before their first request head; 0: no bound
 
 
 def descriptor_limit_raise() -> tuple[int, int]:
@@ -160,6 +177,17 @@ def add_arguments(parser) -> None:
         help=f"connections from one IPv4 address or IPv6 /64 (default {DEFAULT_PER_ADDRESS}; 0: no cap)",
     )
     parser.add_argument(
+        "--max-handshakes",
+        type=int,
+        default=env("PALISADE_MAX_HANDSHAKES", DEFAULT_MAX_HANDSHAKES),
+        metavar="N",
+        help=(
+            "connections per listener still in their TLS handshake or first request head; at the bound "
+            f"the oldest is closed once it is {HANDSHAKE_FAIR_SECONDS:g} s old, else the new one "
+            f"(default {DEFAULT_MAX_HANDSHAKES}; 0: no bound)"
+        ),
+    )
+    parser.add_argument(
         "--request-head-timeout",
         type=float,
         default=env("PALISADE_REQUEST_HEAD_TIMEOUT", DEFAULT_HEAD_TIMEOUT),
@@ -193,6 +221,7 @@ def limits_from_options(options: dict, *, descriptors: int, reserve: int) -> Lim
             options["max_connections"] if options["max_connections"] is not None else budget
         )
         per_address = int(options["max_connections_per_address"])
+        max_handshakes = int(options.get("max_handshakes") or 0)
         head_timeout = float(options["request_head_timeout"])
         body_min_rate = float(options["request_body_min_rate"])
     except ValueError as error:
@@ -204,6 +233,8 @@ def limits_from_options(options: dict, *, descriptors: int, reserve: int) -> Lim
         )
     if per_address < 0:
         raise LimitsError("--max-connections-per-address must be 0 (no cap) or more")
+    if max_handshakes < 0:
+        raise LimitsError("--max-handshakes must be 0 (no bound) or more")
     if not 0 < head_timeout <= 3600:
         raise LimitsError("--request-head-timeout must be more than 0 and at most 3600 seconds")
     if body_min_rate < 0:
@@ -217,7 +248,7 @@ def limits_from_options(options: dict, *, descriptors: int, reserve: int) -> Lim
             descriptors,
             reserve,
         )
-    return Limits(max_connections, per_address, head_timeout, body_min_rate)
+    return Limits(max_connections, per_address, head_timeout, body_min_rate, max_handshakes=max_handshakes)
 
 
 def serve_limits(options: dict) -> Limits:
@@ -228,13 +259,14 @@ def serve_limits(options: dict) -> Limits:
     limits = limits_from_options(options, descriptors=descriptors, reserve=reserve)
     log.info(
         "open-file limit %d%s; connections: at most %d (%d kept for %d database threads and the rest), "
-        "%s per address; a request head within %g s, a body at %s",
+        "%s per address, %s handshakes per listener; a request head within %g s, a body at %s",
         descriptors,
         f" (raised from {before})" if before != descriptors else "",
         limits.max_connections,
         reserve,
         threads,
         limits.max_per_address or "no cap",
+        limits.max_handshakes or "any",
         limits.head_timeout,
         f"{limits.body_min_rate:g} bytes/s" if limits.body_min_rate else "any rate",
     )
@@ -278,6 +310,7 @@ class LimitedConnection(ProtocolWrapper):
         self.unsent = 0  # bytes of the answers the socket still had to send, and when
         self.unsent_at = 0.0
         self.counted = True  # until released: closed, or evicted (its socket closes a moment later)
+        self.opened_at = 0.0  # when accepted
         self.addressed = True  # counted against its address's cap: until released, or a settled stream
 
     def makeConnection(self, transport):
@@ -326,13 +359,19 @@ class LimitingFactory(WrappingFactory):
 
     protocol = LimitedConnection
 
-    def __init__(self, wrapped, limiter: ConnectionLimiter):
+    def __init__(self, wrapped, limiter: ConnectionLimiter, name: str = ""):
+        from controlplane.metrics import HANDSHAKES_CLOSED
+
         super().__init__(wrapped)
         self.limiter = limiter
+        # This listener's connections that have not sent their first request head, oldest first.
+        self.unfinished: dict[LimitedConnection, None] = {}
+        self.closed_new = HANDSHAKES_CLOSED.labels(listener=name, closed="new")
+        self.closed_oldest = HANDSHAKES_CLOSED.labels(listener=name, closed="oldest")
 
     def buildProtocol(self, addr):
         key = address_key(getattr(addr, "host", ""))
-        if not self.limiter.admit(key):
+        if not self.limiter.admit(key, self):
             return None
         wrapped = self.wrappedFactory.buildProtocol(addr)
         if wrapped is None:
@@ -364,7 +403,9 @@ class ConnectionLimiter:
     def install(self, port) -> None:
         """Wrap a listening port's factory: called when it listens, before the reactor runs, so before
         any connection is accepted."""
-        port.factory = LimitingFactory(port.factory, self)
+        from controlplane.listeners import listener_for_port
+
+        port.factory = LimitingFactory(port.factory, self, listener_for_port(port.getHost().port))
 
     def start(self) -> None:
         from twisted.internet.task import LoopingCall
@@ -373,11 +414,22 @@ class ConnectionLimiter:
         self._sweep.clock = self.clock
         self._sweep.start(SWEEP_EVERY_SECONDS, now=False)
 
-    def admit(self, key: str) -> bool:
+    def admit(self, key: str, listener: LimitingFactory | None = None) -> bool:
         per_address = self.limits.max_per_address
         if per_address and self.by_address[key] >= per_address:
             self.events[f"over the per-address cap of {per_address}"] += 1
             return False
+        bound = self.limits.max_handshakes
+        if bound and listener is not None and len(listener.unfinished) >= bound:
+            oldest = next(iter(listener.unfinished))
+            if self.clock.seconds() - oldest.opened_at < HANDSHAKE_FAIR_SECONDS:
+                self.events[f"over the listener's {bound} handshakes in progress"] += 1
+                listener.closed_new.inc()
+                return False
+            self.events["closed to admit a new one (the oldest unfinished handshake of its listener)"] += 1
+            listener.closed_oldest.inc()
+            self.released(oldest)
+            oldest.cut()
         if self.total >= self.limits.max_connections:
             if self.waiting:
                 oldest = next(iter(self.waiting))
@@ -399,6 +451,8 @@ class ConnectionLimiter:
     def admitted(self, connection: LimitedConnection) -> None:
         self.total += 1
         self.by_address[connection.key] += 1
+        connection.opened_at = self.clock.seconds()
+        connection.factory.unfinished[connection] = None
         self.enter(connection, Phase.HEAD)
 
     def released(self, connection: LimitedConnection) -> None:
@@ -410,6 +464,7 @@ class ConnectionLimiter:
         self.waiting.pop(connection, None)
         self.receiving.pop(connection, None)
         self.young_streams.pop(connection, None)
+        connection.factory.unfinished.pop(connection, None)
 
     def _unaddress(self, connection: LimitedConnection) -> None:
         if not connection.addressed:
@@ -440,6 +495,8 @@ class ConnectionLimiter:
         self.waiting.pop(connection, None)
         self.receiving.pop(connection, None)
         self.young_streams.pop(connection, None)
+        if phase is not Phase.HEAD:  # a head arrived: its handshake is over (later heads never count)
+            connection.factory.unfinished.pop(connection, None)
         connection.phase = phase
         if phase is Phase.HEAD:
             connection.deadline = now + self.limits.head_timeout
