@@ -13,16 +13,14 @@ accepted socket is counted before any byte is read:
   fleet behind one NAT address or a TCP load balancer is not held to the cap; a connection over either
   cap is closed as soon as it is accepted;
 - at most `max_handshakes` connections per listener that have not yet sent their first request head
-  (the TLS handshake, then the head: for an agent, its websocket upgrade). At that bound the oldest
-  of them is closed for the new one once it has had `HANDSHAKE_FAIR_SECONDS`; while every one of them
-  is younger, the new connection is closed at once instead. Offered more handshakes than it finished
-  within its clients' patience (10,000 agents starting, every one at the first gateway of its list),
-  serve accepted them all: the first process held thousands of unfinished connections while its agents
-  timed out one by one after their whole handshake time, and the second process idled. An agent whose
-  connection is closed at accept tries its next gateway at once. Refusing only the new would let
-  anyone holding that many unfinished handshakes shut everyone out (the rule of the total cap below);
-  closing only the oldest would, under a flood faster than handshakes finish, close each before it
-  finished. So a handshake gets the time an honest one takes, and after that the newcomer is preferred;
+  (the TLS handshake, then the head: for an agent, its websocket upgrade); at that bound the oldest of
+  them is closed to admit the new one. Offered more handshakes than it finished within its clients'
+  patience (10,000 agents starting, every one at the first gateway of its list), serve accepted them
+  all: the first process held thousands of unfinished connections while its agents timed out one by
+  one after their whole handshake time, and the second process idled. Closed, the oldest one's agent
+  hears it at once and tries its next gateway, and the oldest is the likeliest to have been given up
+  by its client already. Refusing the new one instead would let anyone holding that many unfinished
+  handshakes shut everyone out, which the total cap below is built never to do;
 - when the total is reached, the connection that has waited longest for a request head is closed to
   admit the new one: a connection that is still in its TLS handshake, still sending its head, or idle
   between keep-alive requests costs the server a descriptor and gives it nothing; failing that, a
@@ -75,11 +73,8 @@ MAX_SPILLED_BODIES = 64
 DEFAULT_PER_ADDRESS = 256
 DEFAULT_HEAD_TIMEOUT = 15.0
 DEFAULT_BODY_MIN_RATE = 1024
+# serve's work for a handshake and an upgrade is a few milliseconds: 256 is over a second of it queued.
 DEFAULT_MAX_HANDSHAKES = 256
-# An unfinished handshake this old may be closed for a new one at the listener's bound. serve's own work
-# for a handshake and an upgrade is a few milliseconds; a client that has not finished after this long is
-# slow or gone, and one that is merely slow can finish on the next attempt at another gateway.
-HANDSHAKE_FAIR_SECONDS = 2.0
 
 
 class Phase(enum.Enum):
@@ -183,8 +178,7 @@ def add_arguments(parser) -> None:
         metavar="N",
         help=(
             "connections per listener still in their TLS handshake or first request head; at the bound "
-            f"the oldest is closed once it is {HANDSHAKE_FAIR_SECONDS:g} s old, else the new one "
-            f"(default {DEFAULT_MAX_HANDSHAKES}; 0: no bound)"
+            f"the oldest is closed for the new one (default {DEFAULT_MAX_HANDSHAKES}; 0: no bound)"
         ),
     )
     parser.add_argument(
@@ -310,7 +304,6 @@ class LimitedConnection(ProtocolWrapper):
         self.unsent = 0  # bytes of the answers the socket still had to send, and when
         self.unsent_at = 0.0
         self.counted = True  # until released: closed, or evicted (its socket closes a moment later)
-        self.opened_at = 0.0  # when accepted
         self.addressed = True  # counted against its address's cap: until released, or a settled stream
 
     def makeConnection(self, transport):
@@ -366,8 +359,7 @@ class LimitingFactory(WrappingFactory):
         self.limiter = limiter
         # This listener's connections that have not sent their first request head, oldest first.
         self.unfinished: dict[LimitedConnection, None] = {}
-        self.closed_new = HANDSHAKES_CLOSED.labels(listener=name, closed="new")
-        self.closed_oldest = HANDSHAKES_CLOSED.labels(listener=name, closed="oldest")
+        self.closed_oldest = HANDSHAKES_CLOSED.labels(listener=name)
 
     def buildProtocol(self, addr):
         key = address_key(getattr(addr, "host", ""))
@@ -422,10 +414,6 @@ class ConnectionLimiter:
         bound = self.limits.max_handshakes
         if bound and listener is not None and len(listener.unfinished) >= bound:
             oldest = next(iter(listener.unfinished))
-            if self.clock.seconds() - oldest.opened_at < HANDSHAKE_FAIR_SECONDS:
-                self.events[f"over the listener's {bound} handshakes in progress"] += 1
-                listener.closed_new.inc()
-                return False
             self.events["closed to admit a new one (the oldest unfinished handshake of its listener)"] += 1
             listener.closed_oldest.inc()
             self.released(oldest)
@@ -451,7 +439,6 @@ class ConnectionLimiter:
     def admitted(self, connection: LimitedConnection) -> None:
         self.total += 1
         self.by_address[connection.key] += 1
-        connection.opened_at = self.clock.seconds()
         connection.factory.unfinished[connection] = None
         self.enter(connection, Phase.HEAD)
 

@@ -158,9 +158,9 @@ STREAM_ADMISSIONS_REFUSED = Counter(
 )
 HANDSHAKES_CLOSED = Counter(
     "palisade_handshakes_closed",
-    "Connections closed at a listener's bound on connections before their first request head "
-    "(--max-handshakes): the new one at accept (closed=new), or the oldest unfinished one (closed=oldest).",
-    ["listener", "closed"],
+    "Unfinished handshakes (connections before their first request head) closed to admit a new "
+    "connection at the listener's bound (--max-handshakes).",
+    ["listener"],
     registry=REGISTRY,
 )
 STREAM_AUTHENTICATIONS_IN_PROGRESS = Gauge(
