@@ -425,7 +425,9 @@ def run_count(
                 counts[name[process.gateway_listen]] = int(float(found[1])) if found else None
                 # Unfinished handshakes closed at the gateway listener's bound for newer ones.
                 found = re.search(r'^palisade_handshakes_closed_total{listener="gateway"} (\S+)$', text, re.M)
-                counts[f"{name[process.gateway_listen]} handshakes closed"] = int(float(found[1])) if found else 0
+                counts[f"{name[process.gateway_listen]} handshakes closed"] = (
+                    int(float(found[1])) if found else 0
+                )
             return counts
 
         def all_synced(i: int = 0) -> bool:
@@ -463,10 +465,20 @@ def run_count(
                 # Every 15 s once enrolled: how the streams build up, and what the bounds turned away.
                 progress["at"] = time.monotonic()
                 streams = {name.get(g, g): n for g, n in rows.streams().items()}
+                kernel = {
+                    name[p.gateway_listen]: sockets_on(int(p.gateway_listen.rsplit(":", 1)[1])) for p in procs
+                }
+                turned = refused()
                 progress["log"].append(
-                    {"s": round(time.monotonic() - started, 1), "streams": streams, "refused": refused()}
+                    {
+                        "s": round(time.monotonic() - started, 1),
+                        "streams": streams,
+                        "refused": turned,
+                        "sockets": kernel,
+                        "load": os.getloadavg()[0],
+                    }
                 )
-                log(f"{count}: streams {streams}; refused {refused()}; load {load()}")
+                log(f"{count}: streams {streams}; refused {turned}; sockets {kernel}; load {load()}")
             return all_synced()
 
         try:
@@ -723,6 +735,24 @@ def failover(procs, name, rows, sims, post, wait_until, count, idle, py_spy, pro
         f"{out['survivor_rss_per_stream_kb']:.0f} KiB per stream"
     )
     return out
+
+
+def sockets_on(port: int) -> dict:
+    """The kernel's view of one listener: connections waiting in its accept queue, and established
+    connections to it (accepted or not)."""
+    try:
+        listening = subprocess.run(
+            ["ss", "-Hltn", f"sport = :{port}"], capture_output=True, text=True, timeout=10
+        ).stdout.split()
+        established = subprocess.run(
+            ["ss", "-Htn", "state", "established", f"sport = :{port}"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.count("\n")
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    return {"accept_queue": int(listening[1]) if len(listening) > 1 else None, "established": established}
 
 
 def cpu_text(cpu: dict) -> str:
