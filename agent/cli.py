@@ -265,6 +265,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         raise AgentError("--heartbeat-seconds must be positive")
     if args.start_rate <= 0:
         raise AgentError("--start-rate must be positive")
+    if args.open_seconds <= 0:
+        raise AgentError("--open-seconds must be positive")
     return run_simulated_fleet(
         _read_bundle(args),
         args.count,
@@ -274,6 +276,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         verbose=args.verbose,
         first_index=args.first_index,
         start_rate=args.start_rate,
+        open_seconds=args.open_seconds,
     )
 
 
@@ -364,6 +367,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=200.0,
         help="agents started per second once all are enrolled (default 200); a machine that cannot take"
         " that many handshakes in 10 s needs fewer",
+    )
+    simulate.add_argument(
+        "--open-seconds",
+        type=float,
+        default=10.0,
+        help="each agent's time for TLS and the websocket upgrade (default 10, the real agent's); a"
+        " simulator holding thousands of agents on a share of a core waits for its own loop as well",
     )
     simulate.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
     simulate.add_argument(

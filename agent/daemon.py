@@ -116,10 +116,14 @@ class Agent:
         compression: str | None = "deflate",
         flows: Callable[[Agent], FlowReporter] | None = None,
         metrics: MetricsTextfile | None = None,
+        open_seconds: float = HANDSHAKE_SECONDS,
     ) -> None:
         self.state = state
         self.dataplane = dataplane
         self.heartbeat_seconds = heartbeat_seconds
+        # For TLS and the websocket upgrade. A simulator holding thousands of agents on a share of one
+        # core may need longer than a real agent on its own host: its handshakes wait for its own loop.
+        self.open_seconds = open_seconds
         self.watcher = watcher
         self.log = log or EventLog()
         self.compression = compression
@@ -513,7 +517,7 @@ class Agent:
             sock=sock,
             ssl=self._context,
             max_size=p.MAX_MESSAGE_BYTES,
-            open_timeout=HANDSHAKE_SECONDS,
+            open_timeout=self.open_seconds,
             close_timeout=5,
             compression=self.compression,
             **_DIRECT,

@@ -255,7 +255,13 @@ class Simulators:
     """`python -m agent simulate` as several processes, each with agent numbers of its own."""
 
     def __init__(
-        self, bundle_file: Path, count: int, processes: int, state_root: Path, start_rate: float
+        self,
+        bundle_file: Path,
+        count: int,
+        processes: int,
+        state_root: Path,
+        start_rate: float,
+        open_seconds: float = 10.0,
     ) -> None:
         self.processes: list[subprocess.Popen] = []
         self.lines: list[Lines] = []
@@ -266,7 +272,7 @@ class Simulators:
             process = subprocess.Popen(
                 [sys.executable, "-m", "agent", "simulate", "--bundle-file", str(bundle_file),
                  "--count", str(n), "--first-index", str(first), "--state-root", str(state_root),
-                 "--start-rate", str(start_rate)],
+                 "--start-rate", str(start_rate), "--open-seconds", str(open_seconds)],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                 env=dict(os.environ, PYTHONPATH=str(REPO)), cwd=REPO, start_new_session=True,
             )  # fmt: skip
@@ -349,6 +355,7 @@ def run_count(
     redis: str | None = None,
     simulators: int = 1,
     start_rate: float = 200.0,
+    open_seconds: float = 10.0,
     py_spy: str | None = None,
     profile_dir: Path | None = None,
 ) -> dict:
@@ -416,6 +423,11 @@ def run_count(
                 text = https[i].get("/metrics", headers={"Accept": "text/plain"}).text
                 found = re.search(r"^palisade_stream_admissions_refused_total (\S+)$", text, re.M)
                 counts[name[process.gateway_listen]] = int(float(found[1])) if found else None
+                # Unfinished handshakes closed at the gateway listener's bound for newer ones.
+                found = re.search(r'^palisade_handshakes_closed_total{listener="gateway"} (\S+)$', text, re.M)
+                counts[f"{name[process.gateway_listen]} handshakes closed"] = (
+                    int(float(found[1])) if found else 0
+                )
             return counts
 
         def all_synced(i: int = 0) -> bool:
@@ -436,10 +448,12 @@ def run_count(
         bundle_file = work / "bundle.txt"
         bundle_file.write_text(bundle)
         started = time.monotonic()
-        sims = Simulators(bundle_file, count, simulators, agents_root, start_rate)
+        sims = Simulators(bundle_file, count, simulators, agents_root, start_rate, open_seconds)
         meter = CpuMeter({"serve": [p.process.pid for p in procs], "simulators": sims.pids}, bool(redis))
         profile = Profile(py_spy, procs[0].process.pid, profiles / f"serve-{count}-connect.txt")
         enrolled: dict = {}
+        progress = {"at": time.monotonic(), "log": []}
+        result["connect_progress"] = progress["log"]  # kept when the connect does not finish
 
         def connected_all() -> bool:
             # Once every agent is enrolled, serve's memory and the streams held: what streams add
@@ -447,6 +461,24 @@ def run_count(
             if not enrolled and sims.all_enrolled_at() is not None:
                 enrolled["rss_mb"] = [vm_rss_mb(p.process.pid) for p in procs]
                 enrolled["streams"] = rows.streams()
+            if enrolled and time.monotonic() - progress["at"] >= 15:
+                # Every 15 s once enrolled: how the streams build up, and what the bounds turned away.
+                progress["at"] = time.monotonic()
+                streams = {name.get(g, g): n for g, n in rows.streams().items()}
+                kernel = {
+                    name[p.gateway_listen]: sockets_on(int(p.gateway_listen.rsplit(":", 1)[1])) for p in procs
+                }
+                turned = refused()
+                progress["log"].append(
+                    {
+                        "s": round(time.monotonic() - started, 1),
+                        "streams": streams,
+                        "refused": turned,
+                        "sockets": kernel,
+                        "load": os.getloadavg()[0],
+                    }
+                )
+                log(f"{count}: streams {streams}; refused {turned}; sockets {kernel}; load {load()}")
             return all_synced()
 
         try:
@@ -461,6 +493,8 @@ def run_count(
             "enrolment_s": (enrolled_at - started) if enrolled_at else None,
             "after_enrolment_s": (all_synced_at - enrolled_at) if enrolled_at else None,
             "simulator_start_rate_per_s": start_rate * simulators,
+            "simulator_open_seconds": open_seconds,
+            "progress": progress["log"],
             "counts": get("/workloads/counts"),
             "streams": {name.get(g, g): n for g, n in rows.streams().items()},
             "cpu": meter.stop(),
@@ -703,6 +737,24 @@ def failover(procs, name, rows, sims, post, wait_until, count, idle, py_spy, pro
     return out
 
 
+def sockets_on(port: int) -> dict:
+    """The kernel's view of one listener: connections waiting in its accept queue, and established
+    connections to it (accepted or not)."""
+    try:
+        listening = subprocess.run(
+            ["ss", "-Hltn", f"sport = :{port}"], capture_output=True, text=True, timeout=10
+        ).stdout.split()
+        established = subprocess.run(
+            ["ss", "-Htn", "state", "established", f"sport = :{port}"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.count("\n")
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    return {"accept_queue": int(listening[1]) if len(listening) > 1 else None, "established": established}
+
+
 def cpu_text(cpu: dict) -> str:
     return f"in {cpu['wall_s']:.1f} s " + ", ".join(f"{name} {s:.1f}" for name, s in cpu["cpu_s"].items())
 
@@ -731,6 +783,12 @@ def main() -> None:
         default=200.0,
         help="agents each simulator starts per second once all are enrolled (default 200)",
     )
+    parser.add_argument(
+        "--open-seconds",
+        type=float,
+        default=10.0,
+        help="each simulated agent's time for TLS and the upgrade (default 10, the real agent's)",
+    )
     parser.add_argument("--py-spy", metavar="PATH", help="a py-spy binary: sample serve during each phase")
     parser.add_argument(
         "--profile-dir", type=Path, default=Path(tempfile.gettempdir()) / "palisade-bench-profiles"
@@ -756,6 +814,7 @@ def main() -> None:
             redis=args.redis if args.serves > 1 else None,
             simulators=args.simulators,
             start_rate=args.start_rate,
+            open_seconds=args.open_seconds,
             py_spy=args.py_spy,
             profile_dir=args.profile_dir,
         )  # fmt: skip

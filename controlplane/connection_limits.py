@@ -12,6 +12,15 @@ accepted socket is counted before any byte is read:
   past the gateway's handshake time (an agent's authenticated stream) no longer counts there, so a
   fleet behind one NAT address or a TCP load balancer is not held to the cap; a connection over either
   cap is closed as soon as it is accepted;
+- at most `max_handshakes` connections per listener that have not yet sent their first request head
+  (the TLS handshake, then the head: for an agent, its websocket upgrade); at that bound the oldest of
+  them is closed to admit the new one. Offered more handshakes than it finished within its clients'
+  patience (10,000 agents starting, every one at the first gateway of its list), serve accepted them
+  all: the first process held thousands of unfinished connections while its agents timed out one by
+  one after their whole handshake time, and the second process idled. Closed, the oldest one's agent
+  hears it at once and tries its next gateway, and the oldest is the likeliest to have been given up
+  by its client already. Refusing the new one instead would let anyone holding that many unfinished
+  handshakes shut everyone out, which the total cap below is built never to do;
 - when the total is reached, the connection that has waited longest for a request head is closed to
   admit the new one: a connection that is still in its TLS handshake, still sending its head, or idle
   between keep-alive requests costs the server a descriptor and gives it nothing; failing that, a
@@ -64,6 +73,8 @@ MAX_SPILLED_BODIES = 64
 DEFAULT_PER_ADDRESS = 256
 DEFAULT_HEAD_TIMEOUT = 15.0
 DEFAULT_BODY_MIN_RATE = 1024
+# serve's work for a handshake and an upgrade is a few milliseconds: 256 is over a second of it queued.
+DEFAULT_MAX_HANDSHAKES = 256
 
 
 class Phase(enum.Enum):
@@ -80,6 +91,7 @@ class Limits:
     head_timeout: float
     body_min_rate: float
     body_grace: float = BODY_GRACE_SECONDS
+    max_handshakes: int = 0  # per listener, connections before their first request head; 0: no bound
 
 
 def descriptor_limit_raise() -> tuple[int, int]:
@@ -160,6 +172,16 @@ def add_arguments(parser) -> None:
         help=f"connections from one IPv4 address or IPv6 /64 (default {DEFAULT_PER_ADDRESS}; 0: no cap)",
     )
     parser.add_argument(
+        "--max-handshakes",
+        type=int,
+        default=env("PALISADE_MAX_HANDSHAKES", DEFAULT_MAX_HANDSHAKES),
+        metavar="N",
+        help=(
+            "connections per listener still in their TLS handshake or first request head; at the bound "
+            f"the oldest is closed for the new one (default {DEFAULT_MAX_HANDSHAKES}; 0: no bound)"
+        ),
+    )
+    parser.add_argument(
         "--request-head-timeout",
         type=float,
         default=env("PALISADE_REQUEST_HEAD_TIMEOUT", DEFAULT_HEAD_TIMEOUT),
@@ -193,6 +215,7 @@ def limits_from_options(options: dict, *, descriptors: int, reserve: int) -> Lim
             options["max_connections"] if options["max_connections"] is not None else budget
         )
         per_address = int(options["max_connections_per_address"])
+        max_handshakes = int(options.get("max_handshakes") or 0)
         head_timeout = float(options["request_head_timeout"])
         body_min_rate = float(options["request_body_min_rate"])
     except ValueError as error:
@@ -204,6 +227,8 @@ def limits_from_options(options: dict, *, descriptors: int, reserve: int) -> Lim
         )
     if per_address < 0:
         raise LimitsError("--max-connections-per-address must be 0 (no cap) or more")
+    if max_handshakes < 0:
+        raise LimitsError("--max-handshakes must be 0 (no bound) or more")
     if not 0 < head_timeout <= 3600:
         raise LimitsError("--request-head-timeout must be more than 0 and at most 3600 seconds")
     if body_min_rate < 0:
@@ -217,7 +242,7 @@ def limits_from_options(options: dict, *, descriptors: int, reserve: int) -> Lim
             descriptors,
             reserve,
         )
-    return Limits(max_connections, per_address, head_timeout, body_min_rate)
+    return Limits(max_connections, per_address, head_timeout, body_min_rate, max_handshakes=max_handshakes)
 
 
 def serve_limits(options: dict) -> Limits:
@@ -228,13 +253,14 @@ def serve_limits(options: dict) -> Limits:
     limits = limits_from_options(options, descriptors=descriptors, reserve=reserve)
     log.info(
         "open-file limit %d%s; connections: at most %d (%d kept for %d database threads and the rest), "
-        "%s per address; a request head within %g s, a body at %s",
+        "%s per address, %s handshakes per listener; a request head within %g s, a body at %s",
         descriptors,
         f" (raised from {before})" if before != descriptors else "",
         limits.max_connections,
         reserve,
         threads,
         limits.max_per_address or "no cap",
+        limits.max_handshakes or "any",
         limits.head_timeout,
         f"{limits.body_min_rate:g} bytes/s" if limits.body_min_rate else "any rate",
     )
@@ -326,13 +352,18 @@ class LimitingFactory(WrappingFactory):
 
     protocol = LimitedConnection
 
-    def __init__(self, wrapped, limiter: ConnectionLimiter):
+    def __init__(self, wrapped, limiter: ConnectionLimiter, name: str = ""):
+        from controlplane.metrics import HANDSHAKES_CLOSED
+
         super().__init__(wrapped)
         self.limiter = limiter
+        # This listener's connections that have not sent their first request head, oldest first.
+        self.unfinished: dict[LimitedConnection, None] = {}
+        self.closed_oldest = HANDSHAKES_CLOSED.labels(listener=name)
 
     def buildProtocol(self, addr):
         key = address_key(getattr(addr, "host", ""))
-        if not self.limiter.admit(key):
+        if not self.limiter.admit(key, self):
             return None
         wrapped = self.wrappedFactory.buildProtocol(addr)
         if wrapped is None:
@@ -364,7 +395,9 @@ class ConnectionLimiter:
     def install(self, port) -> None:
         """Wrap a listening port's factory: called when it listens, before the reactor runs, so before
         any connection is accepted."""
-        port.factory = LimitingFactory(port.factory, self)
+        from controlplane.listeners import listener_for_port
+
+        port.factory = LimitingFactory(port.factory, self, listener_for_port(port.getHost().port))
 
     def start(self) -> None:
         from twisted.internet.task import LoopingCall
@@ -373,11 +406,18 @@ class ConnectionLimiter:
         self._sweep.clock = self.clock
         self._sweep.start(SWEEP_EVERY_SECONDS, now=False)
 
-    def admit(self, key: str) -> bool:
+    def admit(self, key: str, listener: LimitingFactory | None = None) -> bool:
         per_address = self.limits.max_per_address
         if per_address and self.by_address[key] >= per_address:
             self.events[f"over the per-address cap of {per_address}"] += 1
             return False
+        bound = self.limits.max_handshakes
+        if bound and listener is not None and len(listener.unfinished) >= bound:
+            oldest = next(iter(listener.unfinished))
+            self.events["closed to admit a new one (the oldest unfinished handshake of its listener)"] += 1
+            listener.closed_oldest.inc()
+            self.released(oldest)
+            oldest.cut()
         if self.total >= self.limits.max_connections:
             if self.waiting:
                 oldest = next(iter(self.waiting))
@@ -399,6 +439,7 @@ class ConnectionLimiter:
     def admitted(self, connection: LimitedConnection) -> None:
         self.total += 1
         self.by_address[connection.key] += 1
+        connection.factory.unfinished[connection] = None
         self.enter(connection, Phase.HEAD)
 
     def released(self, connection: LimitedConnection) -> None:
@@ -410,6 +451,7 @@ class ConnectionLimiter:
         self.waiting.pop(connection, None)
         self.receiving.pop(connection, None)
         self.young_streams.pop(connection, None)
+        connection.factory.unfinished.pop(connection, None)
 
     def _unaddress(self, connection: LimitedConnection) -> None:
         if not connection.addressed:
@@ -440,6 +482,8 @@ class ConnectionLimiter:
         self.waiting.pop(connection, None)
         self.receiving.pop(connection, None)
         self.young_streams.pop(connection, None)
+        if phase is not Phase.HEAD:  # a head arrived: its handshake is over (later heads never count)
+            connection.factory.unfinished.pop(connection, None)
         connection.phase = phase
         if phase is Phase.HEAD:
             connection.deadline = now + self.limits.head_timeout

@@ -156,6 +156,13 @@ STREAM_ADMISSIONS_REFUSED = Counter(
     "authentications in progress as it admits (PALISADE_STREAM_AUTHENTICATIONS).",
     registry=REGISTRY,
 )
+HANDSHAKES_CLOSED = Counter(
+    "palisade_handshakes_closed",
+    "Unfinished handshakes (connections before their first request head) closed to admit a new "
+    "connection at the listener's bound (--max-handshakes).",
+    ["listener"],
+    registry=REGISTRY,
+)
 STREAM_AUTHENTICATIONS_IN_PROGRESS = Gauge(
     "palisade_stream_authentications_in_progress",
     "Agents' sync streams this process has admitted and not yet authenticated or closed.",

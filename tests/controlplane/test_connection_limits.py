@@ -66,6 +66,7 @@ def _site(request_class=Answering, **limits) -> tuple[Clock, ConnectionLimiter, 
     settings = {
         "max_connections": 100,
         "max_per_address": 10,
+        "max_handshakes": 0,
         "head_timeout": HEAD_TIMEOUT,
         "body_min_rate": 1000,
     }
@@ -260,6 +261,31 @@ def test_an_ipv6_client_is_counted_by_its_64():
     assert address_key("2001:db8:1:3::5") != address_key("2001:db8:1:2::5")
     assert address_key("::ffff:10.0.0.1") == "10.0.0.1"
     assert address_key("fe80::1%eth0") == "fe80::/64"
+
+
+def test_a_listener_bounds_its_unfinished_handshakes_and_the_oldest_makes_room():
+    """10,000 agents at the first gateway of their list: past the bound the oldest connection that has
+    not sent its first head is closed for the newcomer (its agent tries the next gateway at once), and
+    nobody holding handshakes can keep a newcomer out. A connection that sent its head no longer
+    counts, and each listener has its own bound."""
+    clock, limiter, factory = _site(request_class=Pending, max_handshakes=3, max_per_address=0)
+    other = LimitingFactory(factory.wrappedFactory, limiter, "operator")
+    first, first_transport = _connect(factory, port=1)
+    second, second_transport = _connect(factory, port=2)
+    done, done_transport = _connect(factory, port=3)
+    done.dataReceived(HEAD)  # its head came: its handshake is over
+    third, third_transport = _connect(factory, port=4)
+    assert len(factory.unfinished) == 3
+    assert _connect(other, port=5)[0] is not None  # the other listener is not held to this one's bound
+    assert not any(t.disconnected for t in (first_transport, second_transport, third_transport))
+
+    newcomer, _ = _connect(factory, port=6)
+    assert newcomer is not None and first_transport.disconnected  # the oldest made room
+    assert not second_transport.disconnected and not done_transport.disconnected
+    assert limiter.total == 5 and len(factory.unfinished) == 3
+    second.connectionLost(Failure(ConnectionDone()))  # a handshake that failed frees its place
+    assert _connect(factory, port=7)[0] is not None
+    assert not third_transport.disconnected and len(factory.unfinished) == 3
 
 
 def test_at_the_total_cap_the_longest_waiting_for_a_head_makes_room_and_nothing_else_does():
