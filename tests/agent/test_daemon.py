@@ -642,15 +642,12 @@ def test_a_pushed_list_of_gateways_is_in_the_table_at_once_without_a_new_version
     scenario(tmp_path, body)
 
 
-def test_a_handshake_cut_short_leaves_its_socket_to_the_transport_and_the_next_connection_works(
-    tmp_path, monkeypatch
-):
+def test_a_handshake_cut_short_leaves_its_socket_to_the_transport_and_the_next_connection_works(tmp_path):
     """The handshake time runs out in the middle of TLS (under load, a simulator starved of CPU): the
     TLS transport owns the socket by then and closes it itself. Closing the socket under it as well
     freed its descriptor while the transport still held it; the next connection, given that number
     at once, failed with "File descriptor N is used by transport" instead of trying (3,761 of 10,000
     simulated agents stuck so). Every attempt here must fail for its own reason: timed out."""
-    import agent.daemon as daemon
     from agent.gateways import Candidate
 
     async def body(w: World) -> None:
@@ -665,7 +662,7 @@ def test_a_handshake_cut_short_leaves_its_socket_to_the_transport_and_the_next_c
         try:
             # Cut short at several points of the TLS handshake: where depends on the machine's speed.
             for seconds in (0.001, 0.002, 0.005, 0.01, 0.3):
-                monkeypatch.setattr(daemon, "HANDSHAKE_SECONDS", seconds)
+                w.agent.open_seconds = seconds
                 for _ in range(10):
                     try:
                         await w.agent._open(candidate)
