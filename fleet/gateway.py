@@ -132,9 +132,9 @@ class SyncStreamConsumer(LayerIndependentConsumer, AsyncWebsocketConsumer):
             await self.close(code=protocol.CLOSE_SHUTDOWN, reason=f"{what}: retry after {wait} s")
 
     async def connect(self):
-        self.admitted_at: float | None = None
+        self.admitted = False
         self.turned_away = False
-        wait = stream_admission().enter()
+        wait = stream_admission().enter(self)
         if wait is not None:
             self.turned_away = True
             # As many authentications in progress as this process admits: refused before any database
@@ -143,7 +143,7 @@ class SyncStreamConsumer(LayerIndependentConsumer, AsyncWebsocketConsumer):
             await self.accept()
             await self.close(code=protocol.CLOSE_SHUTDOWN, reason=f"{BUSY_REASON}: retry after {wait} s")
             return
-        self.admitted_at = stream_admission().clock()
+        self.admitted = True
         self.nonce = os.urandom(32)
         self.stream_id = uuid.uuid4().hex
         self.grant: streams.StreamGrant | None = None
@@ -437,10 +437,9 @@ class SyncStreamConsumer(LayerIndependentConsumer, AsyncWebsocketConsumer):
             log.exception("recording the end of a stream failed")
 
     def authentication_ended(self, *, completed: bool) -> None:
-        began = getattr(self, "admitted_at", None)
-        if began is not None:
-            self.admitted_at = None
-            stream_admission().leave(began=began, completed=completed)
+        if getattr(self, "admitted", False):
+            self.admitted = False
+            stream_admission().leave(self, completed=completed)
 
     async def end_stream(self, code) -> None:
         timer = getattr(self, "auth_timer", None)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fleet.admission import ASSUMED_DURATION_SECONDS, MAX_WAIT_SECONDS, StreamAdmission
+from fleet.admission import ASSUMED_DURATION_SECONDS, HOLD_SECONDS, MAX_WAIT_SECONDS, StreamAdmission
 
 
 class Clock:
@@ -13,15 +13,49 @@ class Clock:
         return self.now
 
 
+def authenticated(admission: StreamAdmission, clock: Clock, seconds: float) -> None:
+    """An authentication of `seconds` that completes now."""
+    holder = object()
+    clock.now -= seconds
+    assert admission.enter(holder) is None
+    clock.now += seconds
+    admission.leave(holder, completed=True)
+
+
+def entered(admission: StreamAdmission, count: int = 1) -> list:
+    return [admission.enter(object()) for _ in range(count)]
+
+
 def test_under_the_bound_every_stream_is_admitted_and_leaving_makes_room():
     clock = Clock()
     admission = StreamAdmission(limit=3, clock=clock)
-    assert [admission.enter() for _ in range(3)] == [None, None, None]
-    assert admission.enter() is not None
-    admission.leave(began=clock.now, completed=True)
-    assert admission.enter() is None
+    first, *others = [object() for _ in range(3)]
+    assert [admission.enter(h) for h in (first, *others)] == [None, None, None]
+    assert entered(admission) != [None]
+    admission.leave(first, completed=True)
+    admission.leave(first, completed=False)  # once only: a second leave frees nothing
+    assert entered(admission) == [None]
     assert admission.in_progress == 3
-    assert admission.refused == 1
+    assert entered(admission) != [None]
+    assert admission.refused == 2
+
+
+def test_a_place_held_past_the_hold_time_is_released_for_the_next():
+    # A stream that ended without leaving: its place comes back after HOLD_SECONDS instead of
+    # shrinking the bound for good (a process was seen refusing everyone with every place so held).
+    clock = Clock()
+    admission = StreamAdmission(limit=2, clock=clock)
+    lost, slow = object(), object()
+    admission.enter(lost)
+    clock.now += HOLD_SECONDS / 2
+    admission.enter(slow)
+    assert entered(admission) != [None]
+    clock.now += HOLD_SECONDS / 2 + 1
+    assert entered(admission) == [None]  # the lost one's place
+    assert admission.in_progress == 2 and admission.released_stale == 1
+    assert entered(admission) != [None]  # the slow one is still within its time
+    admission.leave(lost, completed=True)  # late: frees nothing, and no duration counted
+    assert admission.in_progress == 2 and admission.duration == ASSUMED_DURATION_SECONDS
 
 
 def test_the_refused_are_spaced_at_the_rate_authentications_complete():
@@ -30,11 +64,9 @@ def test_the_refused_are_spaced_at_the_rate_authentications_complete():
     # Authentications of one second each, ten at a time: ten complete a second.
     for _ in range(200):
         clock.now += 0.1
-        assert admission.enter() is None
-        admission.leave(began=clock.now - 1.0, completed=True)
-    for _ in range(10):
-        admission.enter()
-    waits = [admission.enter() for _ in range(300)]
+        authenticated(admission, clock, 1.0)
+    entered(admission, 10)
+    waits = entered(admission, 300)
     assert all(w is not None for w in waits)
     # 300 refused at 10 a second: their returns spread over 30 s, about ten for each second.
     assert min(waits) == 1
@@ -48,18 +80,16 @@ def test_the_rate_follows_the_durations_at_once_without_waiting_for_completions_
     clock = Clock()
     admission = StreamAdmission(limit=10, clock=clock)
     for _ in range(100):
-        admission.enter()
-        admission.leave(began=clock.now - 0.1, completed=True)
-    for _ in range(10):
-        admission.enter()
-    waits = [admission.enter() for _ in range(1000)]
+        authenticated(admission, clock, 0.1)
+    entered(admission, 10)
+    waits = entered(admission, 1000)
     assert max(waits) <= 12
 
 
 def test_before_any_completion_a_duration_is_assumed_and_the_wait_is_capped():
     admission = StreamAdmission(limit=2, clock=Clock())
-    admission.enter(), admission.enter()
-    waits = [admission.enter() for _ in range(5000)]
+    entered(admission, 2)
+    waits = entered(admission, 5000)
     per_second = 2 / ASSUMED_DURATION_SECONDS  # the first at 1 s, then one every 1 / per_second
     assert waits.count(2) == per_second
     assert max(waits) == MAX_WAIT_SECONDS
@@ -70,14 +100,13 @@ def test_the_schedule_empties_as_time_passes():
     admission = StreamAdmission(limit=1, clock=clock)
     for _ in range(50):  # authentications of two seconds: one every two seconds
         clock.now += 2.0
-        admission.enter()
-        admission.leave(began=clock.now - 2.0, completed=True)
-    admission.enter()
-    assert [admission.enter() for _ in range(4)] == [1, 3, 5, 7]
-    clock.now += 60
-    assert admission.enter() == 1
+        authenticated(admission, clock, 2.0)
+    entered(admission)
+    assert entered(admission, 4) == [1, 3, 5, 7]
+    clock.now += 20
+    assert entered(admission) == [1]
 
 
 def test_no_bound_when_the_limit_is_zero():
     admission = StreamAdmission(limit=0, clock=Clock())
-    assert all(admission.enter() is None for _ in range(1000))
+    assert entered(admission, 1000) == [None] * 1000
