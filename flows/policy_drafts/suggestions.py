@@ -39,6 +39,7 @@ from datetime import datetime
 from typing import Any, NamedTuple
 
 from controlplane.clock import rfc3339
+from controlplane.collection_pause import without_collection
 from controlplane.problems import ValidationFailed, pointer
 from controlplane.validation import Findings, parsed_together, reject_unknown, require_object
 from fleet.models import Workload
@@ -269,6 +270,7 @@ def default_label_keys(selection_labels) -> list[str]:
     return keys
 
 
+@without_collection
 def policy_suggest(
     *,
     selected,
