@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from controlplane.collection_pause import without_collection
 from controlplane.problems import Finding, ValidationFailed, pointer
 from controlplane.validation import Findings, quoted, reject_unknown
 from fleet.rendering import fleet_load
@@ -62,6 +63,7 @@ class Draft:
         return unmatched_selectors(self.specs, self.in_force.fleet) + deny_everything(self.specs, self.policy)
 
 
+@without_collection
 def draft_parse(
     *,
     data: Mapping[str, Any],

@@ -29,6 +29,7 @@ import dataclasses
 from typing import Any
 
 from controlplane.clock import rfc3339
+from controlplane.collection_pause import without_collection
 from controlplane.problems import ValidationFailed
 from controlplane.validation import Findings, require_object
 from flows.choices import ANY_DIRECTION, Direction
@@ -101,6 +102,7 @@ def draft_direction(draft: Draft) -> str:
     return Direction.OUTBOUND if held == {Direction.OUTBOUND} else Direction.INBOUND
 
 
+@without_collection
 def draft_impact(*, draft: Draft, selection: FlowSelection) -> dict:
     """The keys of the selection's range whose outcome `draft` changes; see the module."""
     selected = workloads_selected(workload_ids=selection.workload_ids, labels=selection.labels)

@@ -70,25 +70,27 @@ def _spans(rows: list[dict]) -> tuple[dict, dict, dict]:
     """The rows' connections and first and last instants in all, per (peer, peer workload) and per
     (protocol, port) (in the order first seen): in one pass (a fleet's rule may hold thousands of
     peers), each instant's text made once."""
-    whole: dict = {}  # the one key None: the rows in all
+    whole: list | None = None  # the rows in all
     by_peer: dict = {}
     by_service: dict = {}
     for row in rows:
         count, first, last = row["connection_count"], row["first_seen"], row["last_seen"]
-        for added, k in (
-            (whole, None),
-            (by_peer, (row["peer"], row["peer_workload_id"])),
-            (by_service, (row["protocol"], row["port"])),
-        ):
-            found = added.get(k)
-            if found is None:
-                added[k] = [count, first, last]
-            else:
-                found[0] += count
-                if first < found[1]:
-                    found[1] = first
-                if last > found[2]:
-                    found[2] = last
+        if whole is None:
+            whole = [count, first, last]
+        else:
+            _span_add(whole, count, first, last)
+        k = (row["peer"], row["peer_workload_id"])
+        found = by_peer.get(k)
+        if found is None:
+            by_peer[k] = [count, first, last]
+        else:
+            _span_add(found, count, first, last)
+        k = (row["protocol"], row["port"])
+        found = by_service.get(k)
+        if found is None:
+            by_service[k] = [count, first, last]
+        else:
+            _span_add(found, count, first, last)
     texts: dict = {}
 
     def text(instant):
@@ -101,10 +103,18 @@ def _spans(rows: list[dict]) -> tuple[dict, dict, dict]:
         return {"connection_count": count, "first_seen": text(first), "last_seen": text(last)}
 
     return (
-        made(*whole[None]) if whole else {},
+        made(*whole) if whole is not None else {},
         {k: made(*v) for k, v in by_peer.items()},
         {k: made(*v) for k, v in by_service.items()},
     )
+
+
+def _span_add(span: list, count: int, first, last) -> None:
+    span[0] += count
+    if first < span[1]:
+        span[1] = first
+    if last > span[2]:
+        span[2] = last
 
 
 @dataclass
@@ -159,13 +169,9 @@ class Proposal:
             for part_selectors, part_addresses in parts:
                 held = [("selector", s) for s in part_selectors] + [("address", a) for a in part_addresses]
                 for chunk in service_chunks(runs):
-                    rows = [
-                        row
-                        for s in held
-                        for k in services_key
-                        if any(r.holds(*k) for r in chunk)
-                        for row in seen[s].get(k, ())
-                    ]
+                    # The services of the key that the chunk's runs hold, found once for every source.
+                    chunk_services = [k for k in services_key if any(r.holds(*k) for r in chunk)]
+                    rows = [row for s in held for k in chunk_services for row in seen[s].get(k, ())]
                     drafts.append(_Rule(list(part_selectors), list(part_addresses), chunk, rows, held))
         for first in range(0, len(drafts), MAX_RULES_PER_RULESET):
             self._ruleset(scope, drafts[first : first + MAX_RULES_PER_RULESET], workload_ids)
@@ -186,7 +192,7 @@ class Proposal:
                 workloads=scope_workloads,
                 peers=peers,
                 services=sum(r.width for r in draft.runs),
-                seen=len({_combination(row) for row in draft.rows}),
+                seen=_combinations_seen(draft.rows),
             )
             if wide["wider_than_seen"]:
                 self.warnings.append(
@@ -243,9 +249,15 @@ class Proposal:
         return out
 
 
-def _combination(row: dict) -> tuple:
-    peer = row["peer_workload_id"] or row["peer"]
-    return (row["workload_id"], peer, row["protocol"], row["port"])
+def _combinations_seen(rows: list[dict]) -> int:
+    """The distinct (workload, peer, service) of the rows, a peer workload counted once whatever
+    address it came from."""
+    return len(
+        {
+            (row["workload_id"], row["peer_workload_id"] or row["peer"], row["protocol"], row["port"])
+            for row in rows
+        }
+    )
 
 
 @functools.lru_cache(maxsize=65536)
@@ -254,8 +266,10 @@ def parsed_address(text: str):
 
 
 def _address_order(text: str) -> tuple:
+    """Addresses by family, then in address order (as integers: comparing the address objects was a
+    tenth of a fleet's proposal)."""
     address = parsed_address(text)
-    return (address.version, address)
+    return (address.version, int(address))
 
 
 def _run_key(run: PortRun) -> tuple:

@@ -39,6 +39,7 @@ from datetime import datetime
 from typing import Any, NamedTuple
 
 from controlplane.clock import rfc3339
+from controlplane.collection_pause import without_collection
 from controlplane.problems import ValidationFailed, pointer
 from controlplane.validation import Findings, parsed_together, reject_unknown, require_object
 from fleet.models import Workload
@@ -159,15 +160,23 @@ def _sorted_out(
     # The selector of label_keys (or the keys lacking) of each set of their values, worked out once: a
     # fleet has far fewer of those than workloads.
     named: dict[tuple, tuple[str | None, list[str]]] = {}
-    of_workload: dict = {}  # and each workload's looked up once: a range repeats them
 
     def selector_of(workload: _Workload) -> tuple[str | None, list[str]]:
-        found = of_workload.get(workload.id)
+        values = tuple((key, workload.labels[key]) for key in label_keys if key in workload.labels)
+        found = named.get(values)
         if found is None:
-            values = tuple((key, workload.labels[key]) for key in label_keys if key in workload.labels)
-            if values not in named:
-                named[values] = _values_selector(workload.labels, label_keys)
-            found = of_workload[workload.id] = named[values]
+            found = named[values] = _values_selector(workload.labels, label_keys)
+        return found
+
+    # What is read of each workload of the range, looked up once (a range repeats them, and a key's
+    # look-ups by id were a fifth of the sorting): [workload or None, its selector, the label keys it
+    # lacks, whether a key of it was learnt into a scope].
+    facts: dict = {}
+
+    def facts_of(workload_id) -> list:
+        workload = workloads.get(workload_id)
+        selector, missing = selector_of(workload) if workload is not None else (None, [])
+        found = facts[workload_id] = [workload, selector, missing, False]
         return found
 
     learnt = []  # (row, the deny rule in force now that refuses it, if one does)
@@ -188,10 +197,14 @@ def _sorted_out(
         direction=direction,
     )
     for row, refused_by in learnt:
-        workload, peer = workloads.get(row["workload_id"]), workloads.get(row["peer_workload_id"])
+        of_workload = facts.get(row["workload_id"]) or facts_of(row["workload_id"])
+        workload = of_workload[0]
         if workload is None:
             out.not_generalised.append((row, {"reason": "the workload no longer exists"}))
             continue
+        peer_id = row["peer_workload_id"]
+        of_peer = None if peer_id is None else (facts.get(peer_id) or facts_of(peer_id))
+        peer = None if of_peer is None else of_peer[0]
         if refused_by is not None:
             # An operator's no: listed as refused by that deny rule, never learnt as a missing allow.
             reason = f"refused by deny rule {refused_by}"
@@ -201,15 +214,15 @@ def _sorted_out(
         if found is not None and (found[0] == noise.EXCLUDED_PEER or found[0] not in asked.include_noise):
             out.set_apart.append((row, {"kind": found[0], "reason": found[1]}))
             continue
-        scope, missing = selector_of(workload)
+        scope = of_workload[1]
         reason, source = None, ("address", row["peer"])
-        if _family_mismatch(row):
+        if row["protocol"] in _ICMP_FAMILIES and _family_mismatch(row):
             towards = "to" if direction == Direction.OUTBOUND else "from"
             reason = f"{row['protocol']} {towards} {row['peer']}: no rule admits it (the other family's ICMP)"
         elif scope is None:
-            reason = f"the workload {workload.hostname} has no label {', '.join(missing)}"
-        elif row["peer_workload_id"] is not None:
-            selector, missing = selector_of(peer) if peer else _values_selector({}, label_keys)
+            reason = f"the workload {workload.hostname} has no label {', '.join(of_workload[2])}"
+        elif of_peer is not None:
+            selector, missing = (of_peer[1], of_peer[2]) if peer else _values_selector({}, label_keys)
             source = ("selector", selector)
             if peer is None:
                 reason = "the peer workload no longer exists"
@@ -219,13 +232,20 @@ def _sorted_out(
             out.not_generalised.append((row, {"reason": reason}))
             continue
         out.seen[scope][source][(row["protocol"], row["port"])].append(row)
-        out.scope_workloads[scope].add(workload.id)
+        of_workload[3] = True
+    # The scopes' workloads: those with a key learnt into their scope.
+    for of_workload in facts.values():
+        if of_workload[3]:
+            out.scope_workloads[of_workload[1]].add(of_workload[0].id)
     return out
+
+
+_ICMP_FAMILIES = {"icmp": 4, "icmpv6": 6}
 
 
 def _family_mismatch(row: dict) -> bool:
     """icmp from an IPv6 peer or icmpv6 from an IPv4 one: a table's icmp lines are of one family."""
-    wanted = {"icmp": 4, "icmpv6": 6}.get(row["protocol"])
+    wanted = _ICMP_FAMILIES.get(row["protocol"])
     if wanted is None:
         return False
     try:
@@ -250,6 +270,7 @@ def default_label_keys(selection_labels) -> list[str]:
     return keys
 
 
+@without_collection
 def policy_suggest(
     *,
     selected,

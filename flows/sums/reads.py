@@ -249,6 +249,8 @@ def null_last(values) -> tuple:
 # How PostgreSQL orders a key column as `null_last` orders its values in Python: text by code point
 # (the database's collation may order "1.2.3.4" after "12.0.0.1"), uuids bytewise as their integers.
 _TEXT_COLUMNS = frozenset({"peer", "protocol", "decision"})
+# Key columns of uuids: sent as their text and made UUIDs here, one object per distinct value (below).
+_UUID_COLUMNS = frozenset({"workload_id", "peer_workload_id"})
 
 
 def _added_up_in_sql(
@@ -257,14 +259,79 @@ def _added_up_in_sql(
     """`_merged` in SQL: one row a key around the parts' UNION ALL, in the same order. A day of a
     thousand workloads is some 20,000 partial sums but 5,000 keys: turning each partial sum into a
     dict, its two timestamps parsed, was most of a rollup's time. The keys after `after` are chosen
-    before they are added up, the bound is a LIMIT, and the count of every key (and of their
-    connections) is a window over the grouped rows, before the LIMIT."""
+    before they are added up and the bound is a LIMIT. The count of every key (and of their
+    connections) is the rows' own when they are all read (a LIMIT of one more than the bound says so);
+    past the bound the statement is run again with the count as a window over the grouped rows, before
+    the LIMIT: the window materialises every grouped row and cost a fifth of a fleet's read, for a
+    count that only a read past its bound needs."""
+    rows = _added_up_statement(parts, columns, most=most, by_connections=by_connections, after=after)
+    counted = most is not None and len(rows) > most
+    if counted:
+        # Past the bound: read again, counted in the same statement (its one snapshot: summing moves
+        # windows between the parts, and a count from another statement could disagree with the rows).
+        rows = _added_up_statement(
+            parts, columns, most=most, by_connections=by_connections, after=after, counted=True
+        )
+    if not rows:
+        return Summed(rows=[], key_count=0, connection_count=0)
+    names = [*columns, *SUMMED, "first_seen", "last_seen"]  # the trailing counts left out by zip
+    first_at, last_at = len(columns) + len(SUMMED), len(columns) + len(SUMMED) + 1
+    uuid_at = [position for position, column in enumerate(columns) if column in _UUID_COLUMNS]
+    # Each distinct instant made a datetime once, and each distinct uuid a UUID once: a range's keys
+    # share their minutes' instants and their workloads, and one object per workload makes every
+    # later look-up by it (dicts and sets of the classifier, the suggestions) find it by identity.
+    instants: dict[int, datetime] = {}
+    uuids: dict[str, UUID] = {}
+    added_up = []
+    for values in rows:
+        row = dict(zip(names, values))  # noqa: B905 - the counts after the names are not the row's
+        for position in uuid_at:
+            text = values[position]
+            if text is not None:
+                found = uuids.get(text)
+                if found is None:
+                    found = uuids[text] = UUID(text)
+                row[columns[position]] = found
+        first, last = values[first_at], values[last_at]
+        seen = instants.get(first)
+        if seen is None:
+            seen = instants[first] = _EPOCH + timedelta(microseconds=first)
+        row["first_seen"] = seen
+        seen = instants.get(last)
+        if seen is None:
+            seen = instants[last] = _EPOCH + timedelta(microseconds=last)
+        row["last_seen"] = seen
+        added_up.append(row)
+    if counted:
+        key_count, connection_count = rows[0][-2], rows[0][-1]
+    else:
+        key_count, connection_count = len(added_up), sum(row["connection_count"] for row in added_up)
+    return Summed(rows=added_up, key_count=key_count, connection_count=connection_count)
+
+
+def _added_up_statement(
+    parts,
+    columns: list[str],
+    *,
+    most: int | None,
+    by_connections: bool,
+    after: list | None,
+    counted: bool = False,
+) -> list[tuple]:
+    """The statement of `_added_up_in_sql` run: its rows, up to `most` + 1 (one more than the bound
+    says the read is past it), or with `counted` up to `most`, each ending in the count of every key
+    and of their connections."""
     connection = connections[parts.db]
     sql, params = parts.query.get_compiler(connection=connection).as_sql()
     params = list(params)
     q = connection.ops.quote_name
     expressions = {c: f"NULLIF({q(c)}, {NO_RULE})" if c == "rule_number" else q(c) for c in columns}
-    keys = [expressions[c] for c in columns]
+    # A uuid is sent as its text (named apart, so that ORDER BY reads the uuid column itself): the
+    # driver made a UUID object of every row's.
+    keys = [
+        f"{expressions[c]}::text AS {q(c + '_text')}" if c in _UUID_COLUMNS else expressions[c]
+        for c in columns
+    ]
     # sum() of bigint is numeric, exact past 2**63 (an older version took counts up to 2**62 a window):
     # loaded as an int (below), as Django's Sum makes its Decimal an int; text made ints in Python
     # cost a third of the rows' conversion.
@@ -272,10 +339,15 @@ def _added_up_in_sql(
     # The instants as microseconds since the epoch: parsing 10,000 timestamps' text cost more than
     # the rest of the read in Python.
     added += [f"(extract(epoch FROM {f}({q(c)})) * 1000000)::bigint" for f, c in _SEEN]
-    added += ["count(*) OVER ()", f"sum(sum({q('connection_count')})) OVER ()"]
-    by = ", ".join(str(position) for position in range(1, len(columns) + 1))
+    if counted:
+        added += ["count(*) OVER ()", f"sum(sum({q('connection_count')})) OVER ()"]
+    by = ", ".join(expressions[c] for c in columns)
     order = ", ".join(
-        f'{q(c)} COLLATE "C" NULLS LAST' if c in _TEXT_COLUMNS else f"{position} NULLS LAST"
+        f'{q(c)} COLLATE "C" NULLS LAST'
+        if c in _TEXT_COLUMNS
+        else f"{q(c)} NULLS LAST"
+        if c in _UUID_COLUMNS
+        else f"{position} NULLS LAST"
         for position, c in enumerate(columns, start=1)
     )
     if by_connections:
@@ -286,7 +358,7 @@ def _added_up_in_sql(
         where, params = f" WHERE {condition}", params + condition_params
     limit = ""
     if most is not None:
-        limit, params = " LIMIT %s", [*params, most]
+        limit, params = " LIMIT %s", [*params, most if counted else most + 1]
     select = ", ".join(keys + added)
     statement = f"SELECT {select} FROM ({sql}) AS parts{where} GROUP BY {by} ORDER BY {order}{limit}"  # noqa: S608 - our columns
     with connection.cursor() as cursor:
@@ -295,27 +367,7 @@ def _added_up_in_sql(
 
         cursor.cursor.adapters.register_loader("numeric", IntLoader)
         cursor.execute(statement, params)
-        rows = cursor.fetchall()
-    if not rows:
-        return Summed(rows=[], key_count=0, connection_count=0)
-    names = [*columns, *SUMMED, "first_seen", "last_seen"]  # the trailing counts left out by zip
-    first_at, last_at = len(columns) + len(SUMMED), len(columns) + len(SUMMED) + 1
-    # Each distinct instant made a datetime once: a range's keys share their minutes' instants.
-    instants: dict[int, datetime] = {}
-
-    def instant(microseconds: int) -> datetime:
-        found = instants.get(microseconds)
-        if found is None:
-            found = instants[microseconds] = _EPOCH + timedelta(microseconds=microseconds)
-        return found
-
-    added_up = []
-    for values in rows:
-        row = dict(zip(names, values))  # noqa: B905 - the counts after the names are not the row's
-        row["first_seen"], row["last_seen"] = instant(values[first_at]), instant(values[last_at])
-        added_up.append(row)
-    key_count, connection_count = rows[0][-2], rows[0][-1]
-    return Summed(rows=added_up, key_count=key_count, connection_count=connection_count)
+        return cursor.fetchall()
 
 
 def _after_in_sql(expressions: dict[str, str], columns: list[str], last: list) -> tuple[str, list]:
