@@ -445,6 +445,7 @@ def test_the_csv_exports_hold_every_row_in_the_shape_of_manage_py_flows(browser)
 
     from controlplane import clock
     from flows.models import EvidenceGap
+    from flows.partitions import flow_partitions_ensure
     from flows.services import flow_report_ingest
     from tests.support.flow_evidence import enrolled, flow_report
     from tests.support.helpers import run_command
@@ -452,6 +453,9 @@ def test_the_csv_exports_hold_every_row_in_the_shape_of_manage_py_flows(browser)
     web, _, _ = enrolled("web", "10.50.0.1")
     flow_report_ingest(workload_id=str(web.id), data=flow_report("p1", 100, _minute_windows(600)))
     now = clock.now()
+    # Stored here without a report, which would make their days' partitions: between 10:00 and 11:40
+    # UTC the first gaps end yesterday, a day no window of the report above lies in.
+    flow_partitions_ensure(days={(now - timedelta(minutes=700)).date(), now.date()})
     EvidenceGap.objects.bulk_create(
         [EvidenceGap(id=uuid.uuid4(), workload=web, kind="buffer_overflow", source="agent",
                      start=now - timedelta(minutes=700 - i), end=now - timedelta(minutes=699 - i),
