@@ -506,7 +506,7 @@ def test_an_agents_control_characters_and_bidi_overrides_are_shown_escaped(brows
         credential_last_error="".join(storable),
     )
     now = clock.now()
-    flow_partitions_ensure(days={now.date()})
+    flow_partitions_ensure(days={(now - timedelta(minutes=5)).date(), now.date()})  # also just after midnight
     EvidenceGap.objects.create(
         id=uuid.uuid4(), workload_id=workload.id, kind="window_overflow", start=now - timedelta(minutes=5),
         end=now - timedelta(minutes=4), lost=dict.fromkeys(storable, 1), received_at=now,
