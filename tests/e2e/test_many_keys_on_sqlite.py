@@ -12,6 +12,7 @@ import math
 import threading
 import time
 import uuid
+import warnings
 
 import pytest
 
@@ -29,6 +30,18 @@ WINDOWS, KEYS = 8, 10_000
 OTHERS = 3
 LOAD_SECONDS = 40  # at least; and until housekeeping has summed windows during the load
 PER_WINDOW, PER_REPORT = 10_000, 20_000  # serve's defaults (PALISADE_FLOW_WINDOW_MAX_KEYS, ..._REPORT_...)
+
+
+def _stream_opened(enrolment) -> SyncStream:
+    """A stream of the idle serve, before any load: tried once more when the first connection ends
+    without an HTTP answer (seen once in CI on 2026-11-29, on a fresh serve, cause not found), as a
+    real agent reconnects after its backoff. The first failure stays visible as a warning in the
+    run's summary; what this test claims is about the load that follows."""
+    try:
+        return SyncStream(enrolment).started()
+    except AssertionError as first:
+        warnings.warn(f"a stream of the idle serve did not open at the first try: {first}", stacklevel=2)
+        return SyncStream(enrolment).started()
 
 
 class Load(threading.Thread):
@@ -122,7 +135,7 @@ def test_a_many_keys_agent_on_sqlite_holds_up_nobody_else(tmp_path):
         for i, name in enumerate(names):
             enrol(bundle, str(tmp_path / name), hostname=name, addresses=[f"10.70.0.{i + 1}"])
         agents = {name: StateDir(tmp_path / name).load_enrolment() for name in names}
-        streams = [SyncStream(agents[f"stream-{i}"]).started() for i in range(OTHERS)]
+        streams = [_stream_opened(agents[f"stream-{i}"]) for i in range(OTHERS)]
 
         start = math.floor(time.time() / 60) * 60 - 60 * (WINDOWS + 5)  # due for summing already
         template, placeholders = _many_keys_body(start)
