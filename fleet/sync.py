@@ -298,6 +298,25 @@ def workload_heard_from(
         _save(workload, *fields)
 
 
+def workload_alive(*, workload_id, stream_id: str, process_start_id: str | None = None) -> None:
+    """A heartbeat that reports nothing new (the same table state, the same flow backlog): the agent is
+    alive, and so is its reporting process if it sent it (`_flow_process_seen`). One statement, with no
+    lock taken first: a fleet of 10,000 agents sends about 170 of them a second, and the locked
+    read-then-save of `workload_heard_from` was most of serve's CPU while it held them idle."""
+    if not stream_id:
+        return
+    table = Workload._meta.db_table
+    now = workload_column_value("flow_process_alive_at", clock.now())
+    process = process_start_id or ""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"UPDATE {table} SET last_heard_from = %s, flow_process_alive_at = CASE WHEN "  # noqa: S608
+            "%s <> '' AND flow_process_start_id = %s AND (flow_process_alive_at IS NULL OR flow_process_alive_at < %s) "
+            "THEN %s ELSE flow_process_alive_at END WHERE id = %s AND stream_id = %s",
+            [now, process, process, now, now, workload_column_value("id", uuid.UUID(str(workload_id))), stream_id],
+        )  # fmt: skip
+
+
 def workload_table_reported(*, workload_id, stream_id: str, state: str) -> None:
     """The agent reports its owned table gone from the kernel (`absent`) or back (`present`).
     Enforcement removed is independent of the sync state, which keeps recording the last ack."""
