@@ -258,7 +258,7 @@ class SyncStreamConsumer(LayerIndependentConsumer, AsyncWebsocketConsumer):
         )
         if snapshot is None:
             return
-        await self.send_message(snapshot)
+        await self.send(text_data=snapshot.text)
         self.sent_version = snapshot.version
         self.unanswered = (snapshot.version, time.monotonic())
         held = held_streams.open_streams.get(self.channel_name)
