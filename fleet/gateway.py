@@ -26,7 +26,7 @@ from controlplane.outage import database_busy, database_failed, retry_after_seco
 from controlplane.problems import Finding, Problem, ValidationFailed
 from controlplane.text import visible
 from controlplane.validation import parse_instant, require_object
-from fleet import credentials, held_streams, streams, sync
+from fleet import credentials, held_streams, stream_writes, streams, sync
 from fleet.admission import stream_admission
 from fleet.choices import OwnedTableState
 from fleet.credentials import signing_public_key
@@ -266,9 +266,7 @@ class SyncStreamConsumer(LayerIndependentConsumer, AsyncWebsocketConsumer):
             held.sent_version = snapshot.version
 
     async def on_applied(self, message: protocol.Applied) -> None:
-        await held_streams.db(sync.workload_applied)(
-            workload_id=self.grant.workload_id, stream_id=self.stream_id, version=message.version
-        )
+        await stream_writes.applied.submit((self.grant.workload_id, self.stream_id, message.version))
         await self.snapshot_answered(message.version)
 
     async def snapshot_answered(self, version: str) -> None:
