@@ -253,8 +253,8 @@ class SyncStreamConsumer(LayerIndependentConsumer, AsyncWebsocketConsumer):
         await self.send_snapshot()
 
     async def send_snapshot(self, *, unless_version: str | None = None) -> None:
-        snapshot = await held_streams.db(streams.stream_snapshot)(
-            workload_id=self.grant.workload_id, stream_id=self.stream_id, unless_version=unless_version
+        snapshot = await stream_writes.snapshots.submit(
+            (self.grant.workload_id, self.stream_id, unless_version)
         )
         if snapshot is None:
             return

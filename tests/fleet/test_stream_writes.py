@@ -1,6 +1,7 @@
 """The streams' gathered writes (fleet/stream_writes.py) and the acknowledgements' one statement."""
 
 import asyncio
+import json
 
 import pytest
 from asgiref.sync import async_to_sync
@@ -72,3 +73,30 @@ def test_acknowledgements_in_one_statement_each_as_alone(django_assert_max_num_q
     assert rows["db"].sync_state == "pending" and rows["db"].applied_version == "an older version"
     assert rows["old"].sync_state == "pending" and rows["old"].applied_version == ""
     assert rows["offline"].sync_state == "offline" and rows["offline"].applied_version == ""
+
+
+@pytest.mark.django_db(transaction=True)
+def test_snapshots_marked_in_one_statement_each_as_alone(django_assert_max_num_queries):
+    from fleet.streams import streams_snapshots
+
+    web, db_, old = (connect(make_workload(hostname=h)) for h in ("web", "db", "old"))
+    Workload.objects.filter(id=db_.id).update(last_snapshot_sent_at=None)
+    requests = [
+        (web.id, "stream-1", None),  # its latest
+        (db_.id, "stream-1", db_.latest_policy_id),  # sent already: nothing
+        (old.id, "stream-0", None),  # not its stream: nothing
+    ]
+    # The marks, then which of the unmarked have no rendered policy yet.
+    with django_assert_max_num_queries(2 if connection.vendor == "postgresql" else 4):
+        snapshots = streams_snapshots(requests=requests)
+    assert snapshots[0].version == web.latest_policy_id
+    assert json.loads(snapshots[0].text)["mode"] == "visibility"
+    assert snapshots[1:] == [None, None]
+    assert Workload.objects.get(id=db_.id).last_snapshot_sent_at is None
+    # A workload without a rendered policy yet is rendered first, as alone.
+    new = make_workload(hostname="new", render=False)
+    from fleet.sync import workload_stream_opened
+
+    workload_stream_opened(workload_id=new.id, stream_id="stream-9")
+    (snapshot,) = streams_snapshots(requests=[(new.id, "stream-9", None)])
+    assert snapshot.version == Workload.objects.get(id=new.id).latest_policy_id
