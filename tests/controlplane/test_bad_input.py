@@ -90,7 +90,7 @@ def test_json_that_only_looks_like_a_refused_number_parses_exactly(raw):
     assert json_loads_strict(raw.encode()) == json.loads(raw) == json_loads_strict(raw)
 
 
-@given(text=st.text(alphabet="NaNInfinity\\u00{}[]\"1e+-.: é\u2028\U0001f600", max_size=60))
+@given(text=st.text(alphabet='NaNInfinity\\u00{}[]"1e+-.: é\u2028\U0001f600', max_size=60))
 @settings(max_examples=400, deadline=None)
 def test_strict_json_byte_gates_decide_as_the_searches_they_skip(text):
     """The one-byte gates before the word searches (`_needs_hooks`, `_has_escape`) decide exactly as
