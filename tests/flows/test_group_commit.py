@@ -138,3 +138,47 @@ def test_a_failure_that_is_no_items_fault_fails_every_item_of_the_write_without_
     outcomes = submit_all(commit, recorder, [("w1", 1), ("w2", 2), ("w3", 3), ("w4", 4)])
     assert all(isinstance(outcome, Busy) for outcome in outcomes), outcomes
     assert sum(len(batch) for batch in recorder.batches) == 4  # each item written once: none retried alone
+
+
+def test_a_write_waits_a_moment_for_a_caller_on_its_way_and_takes_its_item():
+    """A caller on its way (`coming`) is waited for, up to `gather_seconds`, by a write about to
+    start: both items go into one write."""
+    recorder = Recorder()
+    commit = GroupCommit(recorder.write, key=lambda item: item[0], most=8, gather_seconds=5.0)
+    outcomes: dict = {}
+    on_its_way = threading.Event()
+
+    def later():
+        with commit.coming() as coming:
+            on_its_way.set()
+            time.sleep(0.05)  # its parse
+            outcomes["b"] = commit.submit(("b", 2), coming=coming)
+
+    thread = threading.Thread(target=later)
+    thread.start()
+    assert on_its_way.wait(5)
+    started = time.monotonic()
+    outcomes["a"] = commit.submit(("a", 1))
+    thread.join(5)
+    assert recorder.batches == [[("a", 1), ("b", 2)]]
+    assert outcomes == {"a": "stored 1", "b": "stored 2"}
+    assert time.monotonic() - started < 4  # waited for the caller, not for the whole gather
+    assert commit._coming == 0
+
+
+def test_a_write_waits_no_longer_than_gather_seconds_nor_for_a_caller_that_left():
+    recorder = Recorder()
+    commit = GroupCommit(recorder.write, key=lambda item: item[0], most=8, gather_seconds=0.2)
+    with commit.coming():
+        started = time.monotonic()
+        assert commit.submit(("a", 1)) == "stored 1"  # the caller on its way never comes
+        assert 0.15 <= time.monotonic() - started < 2
+    assert commit._coming == 0  # left without submitting: no longer waited for
+    started = time.monotonic()
+    assert commit.submit(("b", 2)) == "stored 2"
+    assert time.monotonic() - started < 0.1  # nobody on the way: written at once
+    alone = GroupCommit(recorder.write, key=lambda item: item[0], most=8)  # no gather: never waits
+    with alone.coming():
+        started = time.monotonic()
+        assert alone.submit(("c", 3)) == "stored 3"
+        assert time.monotonic() - started < 0.1
