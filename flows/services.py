@@ -836,10 +836,8 @@ def _stored_keys(item: SubmittedReport) -> int:
 
 # A write waits at most this long for the reports on their way to it (`flow_report_coming`): under
 # load a write took two or three reports while others were still being parsed, and a transaction's
-# round trips cost more of serve's CPU than its reports' rows. One interval of the interpreter's thread
-# switching (5 ms): a report on its way may wait that long for its turn to run. An agent reports
-# once a minute; a report written alone (nobody on the way) does not wait.
-GATHER_SECONDS = 0.005
+# round trips cost more of serve's CPU than its reports' rows. An agent reports once a minute.
+GATHER_SECONDS = 0.003
 # Sized so a write stays short (a few hundred ms at most) while still taking the whole backlog of a
 # busy second: 64 reports, and past the first no more keys in all than one report may store (20,000
 # groups: about 0.15 s on SQLite, whose one writer everyone else waits for). A workload's reports are
