@@ -24,7 +24,7 @@ from controlplane.problems import Problem
 from controlplane.strict_json import json_loads_strict
 from fleet.credentials import workload_key
 from fleet.report_auth import ReportSender, report_sender_authenticate, report_signature_verify
-from flows.services import flow_report_coming, flow_report_ingest
+from flows.services import flow_report_ingest
 
 REPORT_HEADERS = (protocol.HEADER_WORKLOAD, protocol.HEADER_CREDENTIAL, protocol.HEADER_SIGNATURE)
 
@@ -74,12 +74,9 @@ def flow_report_take(
     """A report's answer: its sender (`sender`, as the body gate found it, else checked now from the
     headers), then the body read (`read`) and its signature checked, then parsed and ingested. Raises
     the Problem that refuses it whole."""
-    with flow_report_coming() as coming:  # a write about to start waits a moment for this report
-        if sender is None:
-            sender = report_sender_of(headers)
-        body = read()  # the signature covers these exact bytes
-        report_signature_verify(sender=sender, signature=headers[protocol.HEADER_SIGNATURE], body=body)
-        data = json_loads_strict(body, what="the flow report")
-        return flow_report_ingest(
-            workload_id=str(sender.workload_id), data=data, sender=sender, coming=coming
-        )
+    if sender is None:
+        sender = report_sender_of(headers)
+    body = read()  # the signature covers these exact bytes
+    report_signature_verify(sender=sender, signature=headers[protocol.HEADER_SIGNATURE], body=body)
+    data = json_loads_strict(body, what="the flow report")
+    return flow_report_ingest(workload_id=str(sender.workload_id), data=data, sender=sender)

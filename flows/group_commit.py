@@ -9,21 +9,12 @@ short, which on SQLite is how long every other writer waits). A write that fails
 item by item, so one bad item fails only its own caller; a failure that is no item's fault (the
 database away or busy) is every caller's at once, since retrying each alone would wait as long again
 per item.
-
-A caller may say it is on its way (`coming`, while it checks and parses its item): a write about to
-start then waits a moment (`gather_seconds`, at most) for the callers on their way to queue, so that
-their items go into it rather than each into a write of its own. A write's cost is mostly per
-transaction (its round trips), and under load reports were written two or three a transaction while
-the next few were still being parsed. Nothing waits when no caller is on its way (one report alone
-is written at once), nor past the first caller's arrival that fills the write.
 """
 
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Callable, Hashable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,12 +28,6 @@ class _Entry:
     outcome: Any = None
 
 
-class Coming:
-    """A caller on its way to `GroupCommit.submit` (see `GroupCommit.coming`)."""
-
-    arrived = False
-
-
 class GroupCommit:
     def __init__(
         self,
@@ -53,66 +38,28 @@ class GroupCommit:
         weight: Callable[[Any], int] = lambda item: 1,
         most_weight: int | None = None,
         shared_failure: Callable[[Exception], bool] = lambda error: False,
-        gather_seconds: float = 0.0,
     ) -> None:
         """`write` stores a list of items and returns one outcome per item, in order; an outcome that
         is an exception is raised to that item's caller. A write takes at most `most` items and, past
         its first, items up to `most_weight` in all. A write failing with an error that
-        `shared_failure` accepts fails each of its items with that error, untried alone. A write waits
-        up to `gather_seconds` for the callers on their way (`coming`) while it has room for them."""
+        `shared_failure` accepts fails each of its items with that error, untried alone."""
         self._write, self._key, self._most = write, key, most
         self._weight, self._most_weight, self._shared_failure = weight, most_weight, shared_failure
-        self._gather_seconds = gather_seconds
         self._queue: list[_Entry] = []
         self._queue_lock = threading.Lock()
-        self._arrived = threading.Condition(self._queue_lock)
-        self._coming = 0  # callers on their way, not yet queued
         self._writing = threading.Lock()
 
-    @contextmanager
-    def coming(self) -> Iterator[Coming]:
-        """Around a caller's way to `submit` (pass it the Coming this yields): a write about to start
-        waits for it a moment. A caller that leaves without submitting is no longer waited for."""
-        coming = Coming()
-        with self._queue_lock:
-            self._coming += 1
-        try:
-            yield coming
-        finally:
-            if not coming.arrived:
-                with self._queue_lock:
-                    coming.arrived = True
-                    self._coming -= 1
-                    self._arrived.notify_all()
-
-    def submit(self, item: Any, *, coming: Coming | None = None) -> Any:
+    def submit(self, item: Any) -> Any:
         entry = _Entry(item, self._key(item), self._weight(item))
         with self._queue_lock:
             self._queue.append(entry)
-            if coming is not None and not coming.arrived:
-                coming.arrived = True
-                self._coming -= 1
-            self._arrived.notify_all()
         while not entry.done:
             with self._writing:
                 if not entry.done:
-                    self._gather()
                     self._run(self._take())
         if isinstance(entry.outcome, BaseException):
             raise entry.outcome
         return entry.outcome
-
-    def _gather(self) -> None:
-        """Wait (up to `gather_seconds`) while callers are on their way and the write has room."""
-        if self._gather_seconds <= 0:
-            return
-        deadline = time.monotonic() + self._gather_seconds
-        with self._arrived:
-            while self._coming > 0 and len(self._queue) < self._most:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return
-                self._arrived.wait(left)
 
     def _take(self) -> list[_Entry]:
         """The oldest entries, one per key, up to the limits; the rest wait for the next write (a key

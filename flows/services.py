@@ -32,7 +32,7 @@ from fleet.models import Workload
 from fleet.report_auth import ReportSender, report_sender_still_current
 from fleet.selectors import workload_get
 from flows.choices import AGGREGATE, GapKind
-from flows.group_commit import Coming, GroupCommit
+from flows.group_commit import GroupCommit
 from flows.models import (
     EvidenceGap,
     FlowGroup,
@@ -402,16 +402,7 @@ class SubmittedReport:
     sender: ReportSender | None = None  # checked again when the report is written
 
 
-def flow_report_coming():
-    """Around a report's way from its arrival to its write (serve's gateway: its signature, its JSON,
-    its parse): a write about to start waits a moment for it (flows/group_commit.py). Pass what it
-    yields to `flow_report_ingest` as `coming`."""
-    return _group_commit.coming()
-
-
-def flow_report_ingest(
-    *, workload_id: str, data: Any, sender: ReportSender | None = None, coming: Coming | None = None
-) -> dict:
+def flow_report_ingest(*, workload_id: str, data: Any, sender: ReportSender | None = None) -> dict:
     """Store a report's windows and gaps; answer each with `accepted` or `refused` and the reason.
 
     Reports that arrive together on serve's threads are written together, in one transaction
@@ -436,7 +427,7 @@ def flow_report_ingest(
     # Retry-After (the agent sends it again): behind a long write it neither waits its whole length
     # nor holds a thread for it.
     with database_wait(settings.PALISADE_SQLITE_REPORT_WAIT_SECONDS):
-        return _group_commit.submit(submitted, coming=coming)
+        return _group_commit.submit(submitted)
 
 
 def flow_reports_write(items: list[SubmittedReport]) -> list[dict | Exception]:
@@ -834,10 +825,6 @@ def _stored_keys(item: SubmittedReport) -> int:
     return sum(len(window.groups) for _, window in item.report.windows if isinstance(window, ParsedWindow))
 
 
-# A write waits at most this long for the reports on their way to it (`flow_report_coming`): under
-# load a write took two or three reports while others were still being parsed, and a transaction's
-# round trips cost more of serve's CPU than its reports' rows. An agent reports once a minute.
-GATHER_SECONDS = 0.003
 # Sized so a write stays short (a few hundred ms at most) while still taking the whole backlog of a
 # busy second: 64 reports, and past the first no more keys in all than one report may store (20,000
 # groups: about 0.15 s on SQLite, whose one writer everyone else waits for). A workload's reports are
@@ -849,7 +836,6 @@ _group_commit = GroupCommit(
     weight=_stored_keys,
     most_weight=settings.PALISADE_FLOW_REPORT_MAX_KEYS,
     shared_failure=lambda error: database_busy(error) or database_unavailable(error),
-    gather_seconds=GATHER_SECONDS,
 )
 
 
