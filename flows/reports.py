@@ -489,6 +489,20 @@ def keys_by_direction(groups: list[dict]) -> Counter:
     return Counter(group["direction"] for group in groups if group["peer"] != AGGREGATE)
 
 
+def keys_fold_counted(
+    groups: list[dict], *, keep: Mapping[str, int]
+) -> tuple[list[dict], Aggregated | None, Counter]:
+    """`keys_fold`, with `keys_by_direction` of the groups it returns. Within the bound (nearly every
+    window: nothing folded), the keys are counted once and the groups returned as they are, which is
+    what `keys_fold` returns then (its own test, on the same counts); each window is bounded twice, at
+    the parse and again at the write, and the fold's passes cost more than its count."""
+    counts = keys_by_direction(groups)
+    if all(keys <= keep[direction] for direction, keys in counts.items()):
+        return groups, None, counts
+    folded, summed = keys_fold(groups, keep=keep)
+    return folded, summed, keys_by_direction(folded)
+
+
 @dataclass(frozen=True)
 class ParsedReport:
     """A report whose every window and gap has been checked: each item is its raw form (for the answer)
@@ -521,7 +535,7 @@ def report_parse(data: Any, *, now: datetime) -> ParsedReport:
             _check_stored_day(start, "start", stored)
             groups = [_group(g, start=start, end=end, accounting=body["accounting"]) for g in body["groups"]]
             keep = {direction: min(per_window, room) for direction, room in left.items()}
-            groups, aggregated = keys_fold(groups, keep=keep)
+            groups, aggregated, counts = keys_fold_counted(groups, keep=keep)
             windows.append(
                 (
                     raw,
@@ -536,7 +550,7 @@ def report_parse(data: Any, *, now: datetime) -> ParsedReport:
                     ),  # fmt: skip
                 )
             )
-            for direction, keys in keys_by_direction(groups).items():
+            for direction, keys in counts.items():
                 left[direction] -= keys
             row_days.add(start.astimezone(UTC).date())
         except Refused as refused:

@@ -4,6 +4,8 @@ now, and nothing of it is stored. Runs on SQLite and PostgreSQL (CI)."""
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from policy.models import AddressGroup, Service
 from tests.support.helpers import assert_problem
@@ -86,6 +88,21 @@ def test_json_that_only_looks_like_a_refused_number_parses_exactly(raw):
     from controlplane.strict_json import json_loads_strict
 
     assert json_loads_strict(raw.encode()) == json.loads(raw) == json_loads_strict(raw)
+
+
+@given(text=st.text(alphabet='NaNInfinity\\u00{}[]"1e+-.: é\u2028\U0001f600', max_size=60))
+@settings(max_examples=400, deadline=None)
+def test_strict_json_byte_gates_decide_as_the_searches_they_skip(text):
+    """The one-byte gates before the word searches (`_needs_hooks`, `_has_escape`) decide exactly as
+    the searches alone: a gate that skipped a NaN, an Infinity or a \\u escape would let a refused
+    value through unchecked."""
+    from controlplane.strict_json import _NUMBER_CHARACTERS, _TOO_LONG_RUN, _has_escape, _needs_hooks
+
+    raw = text.encode()
+    assert _needs_hooks(raw) == (
+        b"NaN" in raw or b"Infinity" in raw or _TOO_LONG_RUN in raw.translate(_NUMBER_CHARACTERS)
+    )
+    assert _has_escape(raw) == ("\\u" in text)
 
 
 @pytest.mark.parametrize("charset", ["latin-1", "utf-7", "cp500", "utf-16"])

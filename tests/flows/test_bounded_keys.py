@@ -11,6 +11,9 @@ from datetime import timedelta
 import pytest
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
+from hypothesis import given
+from hypothesis import settings as hypothesis_settings
+from hypothesis import strategies as st
 
 from controlplane import clock
 from controlplane.auth.actor import CLI_ACTOR
@@ -299,3 +302,31 @@ def test_pruning_deletes_in_statements_of_a_bounded_number_of_rows(db, monkeypat
         assert (
             len([sql for sql in by_age if '"flows_flowgroup"."id" IN' in sql]) == 5
         )  # 9 groups, 2 a statement
+
+
+@given(
+    keys=st.lists(
+        st.tuples(st.sampled_from(["inbound", "outbound"]), st.booleans(), st.integers(1, 9)), max_size=12
+    ),
+    inbound=st.integers(0, 6),
+    outbound=st.integers(0, 6),
+)
+@hypothesis_settings(max_examples=300, deadline=None)
+def test_the_counted_fold_returns_what_the_fold_and_its_count_return(keys, inbound, outbound):
+    """`keys_fold_counted` skips the fold within the bound (counting once): it must return what
+    `keys_fold` and `keys_by_direction` return, at the bound, under it and over it, aggregate keys
+    among the keys or not."""
+    from flows.choices import AGGREGATE
+    from flows.reports import keys_by_direction, keys_fold, keys_fold_counted
+
+    seen = clock.now()
+    groups = [
+        {"peer": AGGREGATE if aggregate else f"10.0.0.{i}", "protocol": AGGREGATE if aggregate else "tcp",
+         "port": 0 if aggregate else 443, "decision": "allowed", "rule_number": None, "direction": direction,
+         "failsafe": False, "connection_count": count, "first_seen": seen, "last_seen": seen,
+         "bytes_in": 0, "bytes_out": 0}
+        for i, (direction, aggregate, count) in enumerate(keys)
+    ]  # fmt: skip
+    keep = {"inbound": inbound, "outbound": outbound}
+    folded, summed = keys_fold([dict(g) for g in groups], keep=keep)
+    assert keys_fold_counted(groups, keep=keep) == (folded, summed, keys_by_direction(folded))

@@ -155,6 +155,39 @@ def test_concurrent_resends_store_a_window_once(transactional_db):
     )
 
 
+@pytest.mark.postgres
+def test_a_writes_rows_go_to_postgresql_as_json_and_come_back_exactly(db):
+    """`_windows_and_workloads_write` sends its rows as JSON read by `json_to_recordset`: each value,
+    floats to the last bit, instants to the microsecond in any offset, text with quotes and escapes,
+    and nulls, must come back as the value sent."""
+    from datetime import UTC, timezone
+
+    from django.db import connection
+
+    from flows.services import _json_rows
+    from tests.support.requirements import require
+
+    require(connection.vendor == "postgresql", "needs PostgreSQL: set DATABASE_URL=postgresql://...")
+    row = {
+        "id": uuid.uuid4(),
+        "at": datetime(2026, 11, 29, 12, 0, 0, 123457, tzinfo=timezone(timedelta(hours=-7, minutes=-30))),
+        "utc": datetime(2026, 11, 29, 23, 59, 59, 999999, tzinfo=UTC),
+        "f": 0.1 + 0.2,
+        "tiny": 5e-324,
+        "n": 2**31 - 1,
+        "t": 'a "quoted" \\ back\nslash \u00e9\u2028',
+        "none": None,
+        "b": True,
+    }
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT * FROM json_to_recordset(%s::json) AS r(id uuid, at timestamptz, utc timestamptz,"
+            " f double precision, tiny double precision, n integer, t text, none timestamptz, b boolean)",
+            [_json_rows([row])],
+        )
+        assert cursor.fetchall() == [tuple(row.values())]
+
+
 def test_flows_filters_and_refusals(api, db):
     workload, _, _ = enrolled()
     flow_report_ingest(workload_id=str(workload.id), data=at_agent_clock(golden(), clock.now()))
