@@ -38,9 +38,10 @@ For each count, from nothing:
    latest version applied. The survivor's RSS is then read per stream as well.
 
 With --py-spy PATH (py-spy installed anywhere, e.g. `pip install --target /tmp/x py-spy`), serve (the
-first; after a kill, the survivor) is sampled during the connect phase, the mode change and the
-failover (`py-spy record --format raw --threads --idle`, collapsed stacks per thread, waiting
-included) into --profile-dir.
+first; after a kill, the survivor) is sampled during the connect phase, the held idle fleet, the
+mode change and the failover (`py-spy record --format raw --threads --idle`, collapsed stacks per
+thread, waiting included; BENCH_PY_SPY_FLAGS replaces `--idle`, "" samples busy threads only) into
+--profile-dir.
 
 Everything is bounded in time; the simulators, serve, the database and temporary directories are
 removed even on failure. Results: bench/results/fleet_scale.json.
@@ -76,6 +77,7 @@ ADMIN_URL = os.environ.get("BENCH_PG_ADMIN_URL", "postgresql://postgres@127.0.0.
 MODE_CHANGE_TARGET_S = 10.0  # one process
 TWO_SERVES_TARGET_S = 30.0  # issue 36: the mode change, and the failover, on two processes
 FAILOVER_TARGET_S = 30.0
+IDLE_SECONDS = 20.0  # holding the fleet idle: heartbeats (15 s) and pings (20 s) come around once
 STREAM_MEMORY_TARGET_KB = 100
 
 _t0 = time.monotonic()
@@ -539,8 +541,12 @@ def run_count(
         result["serve_rss_per_agent_kb"] = (sum(connected) - sum(idle)) * 1024 / count
         result["simulator_rss_mb"] = sims.rss_mb()
         result["simulator_state"] = {"dir": str(agents_root), "mb": round(tree_mb(agents_root), 1)}
+        profile = Profile(py_spy, procs[0].process.pid, profiles / f"serve-{count}-held-idle.txt")
         meter = CpuMeter({"serve": [p.process.pid for p in procs], "simulators": sims.pids}, bool(redis))
-        time.sleep(10)
+        try:
+            time.sleep(IDLE_SECONDS)
+        finally:
+            profile.stop()
         result["held_idle_cpu"] = meter.stop()
         log(
             f"{count}: serve RSS " + ", ".join(f"{mb:.1f}" for mb in connected) + " MB connected; "

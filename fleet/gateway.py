@@ -26,7 +26,7 @@ from controlplane.outage import database_busy, database_failed, retry_after_seco
 from controlplane.problems import Finding, Problem, ValidationFailed
 from controlplane.text import visible
 from controlplane.validation import parse_instant, require_object
-from fleet import credentials, held_streams, streams, sync
+from fleet import credentials, held_streams, stream_writes, streams, sync
 from fleet.admission import stream_admission
 from fleet.choices import OwnedTableState
 from fleet.credentials import signing_public_key
@@ -40,6 +40,10 @@ log = logging.getLogger("palisade.gateway")
 AUTH_TIMEOUT_SECONDS = 10
 REPORTED_TABLE_STATES = (OwnedTableState.PRESENT, OwnedTableState.ABSENT)  # "unknown" is not a report
 HEARD_FROM_EVERY_SECONDS = 60  # heartbeats refresh last_heard_from at most this often
+# A stream's channel-layer memberships are joined again this often: the layer expires them after a
+# day (channels' group_expiry), and each join is two Redis round trips (10,000 streams joining every
+# minute were 330 a second).
+GROUPS_REFRESH_SECONDS = 3600
 BUSY_REASON = "busy: too many streams authenticating"  # then ": retry after N s" (docs/protocol.md)
 # A snapshot unanswered this long no longer holds back the next one: an agent stuck that long gains
 # nothing from waiting, and must not be left on an old version for good.
@@ -153,6 +157,7 @@ class SyncStreamConsumer(LayerIndependentConsumer, AsyncWebsocketConsumer):
         self.unanswered: tuple[str, float] | None = None
         self.update_waiting = False
         self.heard_at = 0.0
+        self.groups_refreshed_at = time.monotonic()
         self.last_heartbeat: tuple[str, datetime] | None = None  # its process, when it arrived
         self.table_state: str | None = None
         self.flow_backlog_since: datetime | None = None
@@ -218,6 +223,7 @@ class SyncStreamConsumer(LayerIndependentConsumer, AsyncWebsocketConsumer):
         self.auth_timer.cancel()
         self.grant = grant
         self.authentication_ended(completed=True)
+        held_streams.fleet_receiver_ensure()  # notifications of many workloads reach this process
         self.table_state = auth.owned_table if auth.owned_table in REPORTED_TABLE_STATES else None
         # An older stream of the same workload (a reconnect the server has not noticed) gives way.
         await self.join_group(
@@ -244,12 +250,12 @@ class SyncStreamConsumer(LayerIndependentConsumer, AsyncWebsocketConsumer):
         await self.send_snapshot()
 
     async def send_snapshot(self, *, unless_version: str | None = None) -> None:
-        snapshot = await held_streams.db(streams.stream_snapshot)(
-            workload_id=self.grant.workload_id, stream_id=self.stream_id, unless_version=unless_version
+        snapshot = await stream_writes.snapshots.submit(
+            (self.grant.workload_id, self.stream_id, unless_version)
         )
         if snapshot is None:
             return
-        await self.send_message(snapshot)
+        await self.send(text_data=snapshot.text)
         self.sent_version = snapshot.version
         self.unanswered = (snapshot.version, time.monotonic())
         held = held_streams.open_streams.get(self.channel_name)
@@ -257,9 +263,7 @@ class SyncStreamConsumer(LayerIndependentConsumer, AsyncWebsocketConsumer):
             held.sent_version = snapshot.version
 
     async def on_applied(self, message: protocol.Applied) -> None:
-        await held_streams.db(sync.workload_applied)(
-            workload_id=self.grant.workload_id, stream_id=self.stream_id, version=message.version
-        )
+        await stream_writes.applied.submit((self.grant.workload_id, self.stream_id, message.version))
         await self.snapshot_answered(message.version)
 
     async def snapshot_answered(self, version: str) -> None:
@@ -299,17 +303,26 @@ class SyncStreamConsumer(LayerIndependentConsumer, AsyncWebsocketConsumer):
         now = time.monotonic()
         # A backlog that appears or clears is written at once: coverage reads it.
         changed = state != self.table_state or backlog != self.flow_backlog_since
-        if changed or now - self.heard_at >= HEARD_FROM_EVERY_SECONDS:
+        if now - self.groups_refreshed_at >= GROUPS_REFRESH_SECONDS:
             # Group memberships expire after a day; a stream may live for months.
+            self.groups_refreshed_at = now
             self.refresh_groups()
+        if changed or now - self.heard_at >= HEARD_FROM_EVERY_SECONDS:
             try:
-                await held_streams.db(sync.workload_heard_from)(
-                    workload_id=self.grant.workload_id,
-                    stream_id=self.stream_id,
-                    owned_table_state=state,
-                    process_start_id=message.process_start_id,
-                    flow_backlog_since=backlog,
-                )
+                if changed:
+                    await held_streams.db(sync.workload_heard_from)(
+                        workload_id=self.grant.workload_id,
+                        stream_id=self.stream_id,
+                        owned_table_state=state,
+                        process_start_id=message.process_start_id,
+                        flow_backlog_since=backlog,
+                    )
+                else:
+                    await held_streams.db(sync.workload_alive)(
+                        workload_id=self.grant.workload_id,
+                        stream_id=self.stream_id,
+                        process_start_id=message.process_start_id,
+                    )
             except Exception as error:
                 if not database_busy(error):
                     raise

@@ -9,16 +9,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from channels.db import database_sync_to_async
+from channels.layers import get_channel_layer
 from django.db import connection, connections
 
 from controlplane.channel_layer import layer_health
 from controlplane.outage import outage
 from controlplane.service_identity import gateway_addresses_recorded
 from fleet import stream_layer, streams, sync
+from fleet.push import FLEET_GROUP
 
 log = logging.getLogger("palisade.gateway")
 
@@ -112,6 +115,67 @@ _behind_at_last_sweep: dict[str, tuple] = {}
 _nudged_at_last_sweep: dict[str, tuple] = {}
 
 
+FLEET_REJOIN_SECONDS = 3600.0  # a group membership expires in the layer after a day
+
+
+@dataclass
+class _FleetMembership:
+    """This process's member of the fleet group (fleet.push.FLEET_GROUP): the task receiving its
+    notifications, on the layer and channel it receives from."""
+
+    layer: object
+    task: asyncio.Task | None = None
+    channel: str = ""
+    joined_at: float = 0.0
+
+
+_fleet: _FleetMembership | None = None
+
+
+def fleet_receiver_ensure() -> None:
+    """Belong to the fleet group, on the running loop: serve's catch-up sweep calls it (so from its
+    first seconds on), and so does every stream's authentication (the tests' streams have no serve)."""
+    global _fleet
+    layer = get_channel_layer()
+    if layer is None:
+        return
+    member = _fleet
+    if member is not None and member.task is not None:
+        task = member.task
+        if member.layer is layer and not task.done() and task.get_loop() is asyncio.get_running_loop():
+            if member.channel and time.monotonic() - member.joined_at >= FLEET_REJOIN_SECONDS:
+                member.joined_at = time.monotonic()
+                stream_layer.group_join(layer, member.channel, FLEET_GROUP)
+            return
+        if not task.get_loop().is_closed():
+            task.cancel()
+    member = _fleet = _FleetMembership(layer)
+    member.task = asyncio.ensure_future(_fleet_receive(member))
+
+
+async def _fleet_receive(member: _FleetMembership) -> None:
+    member.channel = await member.layer.new_channel()
+    member.joined_at = time.monotonic()
+    stream_layer.group_join(member.layer, member.channel, FLEET_GROUP)
+    try:
+        await stream_layer.receive_forever(member.layer, member.channel, streams_notified)
+    finally:
+        stream_layer.groups_forget(member.channel)
+
+
+def streams_notified(message: dict) -> int:
+    """A notification for many workloads (fleet.push): its event to each stream of theirs held here."""
+    if message.get("type") != "streams.notify":
+        return 0
+    wanted = set(message.get("workload_ids") or ())
+    event = message.get("event") or {}
+    told = 0
+    for channel, stream in list(open_streams.items()):
+        if stream.workload_id in wanted and stream_layer.deliver_locally(channel, event):
+            told += 1
+    return told
+
+
 def streams_end_all() -> int:
     """Record every stream this process holds as ended; called once, as the process stops."""
     held = list(open_streams.values())
@@ -183,6 +247,7 @@ async def streams_catch_up_step() -> int:
     no notification can be on its way, and on the first sweep after it comes back."""
     global _recoveries_seen
     await stream_layer.layer_check()
+    fleet_receiver_ensure()
     came_back = layer_health.recoveries != _recoveries_seen
     _recoveries_seen = layer_health.recoveries
     caught_up = await streams_catch_up(at_once=came_back or layer_health.down)

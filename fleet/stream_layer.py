@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from collections.abc import Callable
 
 from channels.exceptions import StopConsumer
 from channels.layers import get_channel_layer
@@ -86,6 +87,44 @@ async def groups_rejoin() -> int:
 layer_health.on_recovery(groups_rejoin)
 
 
+async def receive_forever(layer, channel_name: str, handle: Callable[[dict], object]) -> None:
+    """Hand every message of `channel_name` to `handle`; while the layer is away, wait for it."""
+    while True:
+        await layer_health.wait_up(RECEIVE_RETRY_SECONDS)
+        try:
+            message = await layer.receive(channel_name)
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:  # noqa: BLE001 - Redis away: the stream carries on without it
+            layer_health.failed("receive stream events", error)
+            if not layer_health.down:  # a fault of the layer's own, not its absence: not in a spin
+                await asyncio.sleep(1)
+            continue
+        layer_health.worked()
+        handle(message)
+
+
+def group_join(layer, channel_name: str, group: str, *, announce: dict | None = None) -> asyncio.Task | None:
+    """Record `channel_name` as a member of `group` and join it in the background (first sending
+    `announce` to the group); None when there is nothing to join now. A layer that comes back joins
+    every recorded membership again (groups_rejoin)."""
+    _groups.setdefault(channel_name, set()).add(group)
+    if layer is None or layer_health.down:
+        return None
+
+    async def join():
+        if announce is not None:
+            await layer_call("tell a group", layer.group_send(group, announce))
+        await layer_call("join a group", layer.group_add(group, channel_name))
+
+    return _in_background(join())
+
+
+def groups_forget(channel_name: str) -> set[str]:
+    """Stop recording `channel_name`'s memberships; the groups it was in."""
+    return _groups.pop(channel_name, set())
+
+
 class LayerIndependentConsumer:
     """A mixin for channels' AsyncConsumer: the consumer runs whether the channel layer answers or not.
 
@@ -119,36 +158,13 @@ class LayerIndependentConsumer:
             await self.stream_finished()
 
     async def _pump(self, inbox: asyncio.Queue) -> None:
-        layer = self.channel_layer
-        while True:
-            await layer_health.wait_up(RECEIVE_RETRY_SECONDS)
-            try:
-                message = await layer.receive(self.channel_name)
-            except asyncio.CancelledError:
-                raise
-            except Exception as error:  # noqa: BLE001 - Redis away: the stream carries on without it
-                layer_health.failed("receive stream events", error)
-                if not layer_health.down:  # a fault of the layer's own, not its absence: not in a spin
-                    await asyncio.sleep(1)
-                continue
-            layer_health.worked()
-            inbox.put_nowait(message)
+        await receive_forever(self.channel_layer, self.channel_name, inbox.put_nowait)
 
     async def join_group(self, group: str, *, announce: dict | None = None) -> None:
         """Belong to `group` (and first send it `announce`), in the background; waits a moment for it
         while the layer is up, so that what is sent next is not older than the membership."""
-        _groups.setdefault(self.channel_name, set()).add(group)
-        layer = self.channel_layer
-        if layer is None or layer_health.down:
-            return  # its return joins every recorded group (groups_rejoin)
-
-        async def join():
-            if announce is not None:
-                await layer_call("tell a group", layer.group_send(group, announce))
-            await layer_call("join a group", layer.group_add(group, self.channel_name))
-
-        joining = _in_background(join())
-        if not layer_health.down:
+        joining = group_join(self.channel_layer, self.channel_name, group, announce=announce)
+        if joining is not None and not layer_health.down:
             await asyncio.wait({joining}, timeout=JOIN_WAIT_SECONDS)
 
     def refresh_groups(self) -> None:
@@ -159,7 +175,7 @@ class LayerIndependentConsumer:
                 _in_background(layer_call("join a group", layer.group_add(group, self.channel_name)))
 
     def leave_groups(self) -> None:
-        groups = _groups.pop(self.channel_name, set())
+        groups = groups_forget(self.channel_name)
         layer = self.channel_layer
         if layer is None or layer_health.down:
             return  # nothing to tell; the layer expires the membership itself

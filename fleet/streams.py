@@ -97,54 +97,97 @@ def stream_authenticate(*, auth: protocol.Auth, nonce: bytes) -> StreamGrant:
     )
 
 
+@dataclass(frozen=True)
+class StreamSnapshot:
+    """A snapshot as it goes on the stream: its version, and the `snapshot` message's text."""
+
+    version: str
+    text: str
+
+
 @lru_cache(maxsize=256)
-def _rendered(version: str) -> tuple[str, dict]:
+def _snapshot_text(version: str, mode: str) -> str:
     # A version is the hash of its document: what it names never changes, so every stream of this
-    # process can share one copy instead of reading ~100 KB from the database per snapshot.
+    # process sends one copy, read once (~100 KB from the database) and encoded once (110 us for a
+    # small document: after a fleet-wide change thousands of streams send the same few).
     policy = RenderedPolicy.objects.get(version=version)
-    return policy.document, policy.rule_index
+    return protocol.Snapshot(
+        version=version, mode=mode, document=policy.document, rule_index=dict(policy.rule_index)
+    ).encode()
 
 
 def stream_snapshot(
     *, workload_id: str, stream_id: str, unless_version: str | None = None
-) -> protocol.Snapshot | None:
+) -> StreamSnapshot | None:
     """The workload's latest rendered policy (rendering it first if it has none yet), recorded as
     sent on this stream. None when this is no longer the workload's stream, or when its latest
     version is `unless_version`, already sent."""
-    marked = _latest_marked_sent(workload_id, stream_id, unless_version)
-    if marked is None and Workload.objects.filter(id=workload_id, latest_policy__isnull=True).exists():
-        workloads_rerender(workload_ids=[workload_id])
-        marked = _latest_marked_sent(workload_id, stream_id, unless_version)
-    if marked is None:
-        return None
-    version, mode = marked
+    return streams_snapshots(requests=[(workload_id, stream_id, unless_version)])[0]
+
+
+def streams_snapshots(*, requests: list[tuple]) -> list[StreamSnapshot | None]:
+    """`stream_snapshot` for each (workload id, stream id, unless version), the marks in one statement
+    on PostgreSQL: after a fleet-wide change every stream of the process asks at once
+    (fleet/stream_writes.py gathers them)."""
+    marked = _latest_marked_sent(requests)
+    unmarked = [request for request, mark in zip(requests, marked, strict=True) if mark is None]
+    bare = set()
+    if unmarked:
+        bare = set(
+            Workload.objects.filter(id__in=[r[0] for r in unmarked], latest_policy__isnull=True).values_list(
+                "id", flat=True
+            )
+        )
+    unrendered = [request for request in unmarked if uuid.UUID(str(request[0])) in bare]
+    if unrendered:
+        workloads_rerender(workload_ids=[str(request[0]) for request in unrendered])
+        again = dict(zip(unrendered, _latest_marked_sent(unrendered), strict=True))
+        marked = [again.get(request, mark) for request, mark in zip(requests, marked, strict=True)]
+    return [None if mark is None else _snapshot(*mark) for mark in marked]
+
+
+def _snapshot(version: str, mode: str) -> StreamSnapshot | None:
     try:
-        document, rule_index = _rendered(version)
+        return StreamSnapshot(version, _snapshot_text(version, mode))
     except RenderedPolicy.DoesNotExist:
         # The latest version moved on between the two reads and fleet.retention removed this one;
         # the newer snapshot follows with the notification of that change.
         return None
-    return protocol.Snapshot(version=version, mode=mode, document=document, rule_index=dict(rule_index))
 
 
-def _latest_marked_sent(workload_id, stream_id: str, unless_version: str | None) -> tuple[str, str] | None:
-    # One statement, since every stream of the fleet runs this after a fleet-wide change: stamp
+def _latest_marked_sent(requests: list[tuple]) -> list[tuple[str, str] | None]:
+    # One statement for all, since every stream of the fleet asks after a fleet-wide change: stamp
     # last_snapshot_sent_at, answer a pending resend, and read the version and mode to send.
     table = Workload._meta.db_table
+    now = workload_column_value("last_snapshot_sent_at", clock.now())
+    keys = [
+        (workload_column_value("id", uuid.UUID(str(workload_id))), stream_id, unless or "")
+        for workload_id, stream_id, unless in requests
+    ]
     with connection.cursor() as cursor:
+        if connection.vendor != "postgresql":
+            marked = []
+            for key, stream_id, unless in keys:
+                cursor.execute(
+                    f"UPDATE {table} SET last_snapshot_sent_at = %s, resend_requested_at = NULL "  # noqa: S608
+                    "WHERE id = %s AND stream_id = %s AND latest_policy_id IS NOT NULL "
+                    "AND latest_policy_id <> %s RETURNING latest_policy_id, mode",
+                    [now, key, stream_id, unless],
+                )
+                row = cursor.fetchone()
+                marked.append((row[0], row[1]) if row else None)
+            return marked
         cursor.execute(
-            f"UPDATE {table} SET last_snapshot_sent_at = %s, resend_requested_at = NULL "  # noqa: S608
-            "WHERE id = %s AND stream_id = %s AND latest_policy_id IS NOT NULL AND latest_policy_id <> %s "
-            "RETURNING latest_policy_id, mode",
-            [
-                workload_column_value("last_snapshot_sent_at", clock.now()),
-                workload_column_value("id", uuid.UUID(str(workload_id))),
-                stream_id,
-                unless_version or "",
-            ],
+            f"UPDATE {table} AS w SET last_snapshot_sent_at = %s, resend_requested_at = NULL "  # noqa: S608
+            "FROM unnest(%s::uuid[], %s::text[], %s::text[]) AS m(id, stream_id, unless) "
+            "WHERE w.id = m.id AND w.stream_id = m.stream_id AND w.latest_policy_id IS NOT NULL "
+            "AND w.latest_policy_id <> m.unless RETURNING w.id, m.stream_id, w.latest_policy_id, w.mode",
+            [now, *(list(column) for column in zip(*keys, strict=True))],
         )
-        row = cursor.fetchone()
-    return (row[0], row[1]) if row else None
+        found = {
+            (workload_id, stream_id): (version, mode) for workload_id, stream_id, version, mode in cursor
+        }
+    return [found.get((uuid.UUID(str(workload_id)), stream_id)) for workload_id, stream_id, _ in requests]
 
 
 @dataclass(frozen=True)

@@ -287,6 +287,47 @@ def test_new_version_pushes_a_snapshot_and_resend_asks_the_agent_to_reconnect():
 
 
 @pytest.mark.django_db(transaction=True)
+def test_a_change_of_many_workloads_reaches_each_stream_with_one_message_to_each_process(monkeypatch):
+    from channels.layers import get_channel_layer
+
+    from fleet.push import FLEET_GROUP
+
+    agents = [Agent(hostname=f"agent-{n}", address=f"10.0.0.{n}") for n in (1, 2, 3)]
+    layer = get_channel_layer()
+    groups_sent = []
+    group_send = layer.group_send
+
+    async def counted(group, message):
+        groups_sent.append(group)
+        await group_send(group, message)
+
+    monkeypatch.setattr(layer, "group_send", counted)
+
+    def all_enforced():
+        from fleet.services import mode_change_create
+
+        mode_change_create(actor=CLI_ACTOR, data={"selection": {"all": True}, "mode": "enforced"})
+
+    async def scenario():
+        streams = [await open_stream(agent) for agent in agents]
+        for communicator in streams:
+            await receive(communicator)
+            first = await receive(communicator)
+            await communicator.send_to(text_data=protocol.Applied(version=first.version).encode())
+        await asyncio.sleep(0.2)  # the acknowledgements recorded
+        groups_sent.clear()
+        await database_sync_to_async(all_enforced)()
+        for communicator in streams:
+            snapshot = await receive(communicator)
+            assert isinstance(snapshot, protocol.Snapshot) and snapshot.mode == "enforced"
+        assert groups_sent == [FLEET_GROUP]
+        for communicator in streams:
+            await communicator.disconnect()
+
+    async_to_sync(scenario)()
+
+
+@pytest.mark.django_db(transaction=True)
 def test_one_snapshot_is_unanswered_at_a_time_so_applied_of_a_repeated_version_means_the_table_holds_it():
     """Versions name documents: enforced -> simulation -> enforced repeats the first version. With the
     enforced snapshot unanswered, neither change sends another; its `applied` is then the truth (the

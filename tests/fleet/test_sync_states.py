@@ -248,3 +248,45 @@ def test_streams_silent_for_long_are_recorded_as_ended(db, clock_at):
     sync.workload_heard_from(workload_id=alive.id, stream_id="stream-1")
     assert streams_reap_step() == 1
     assert state(orphan) == "offline" and state(alive) == "pending"
+
+
+HEARTBEAT_FIELDS = ("last_heard_from", "flow_process_alive_at", "sync_state", "rank", "owned_table_state")
+
+
+@pytest.mark.parametrize(
+    ("reporting", "alive_at", "process", "stream"),
+    [
+        ("p1", None, "p1", "stream-1"),  # the reporting process: alive from now
+        ("p1", -30, "p1", "stream-1"),  # alive later than known
+        ("p1", 30, "p1", "stream-1"),  # known alive later already: unchanged
+        ("p1", -30, "p2", "stream-1"),  # another process says nothing of the reporting one
+        ("p1", -30, "", "stream-1"),
+        ("", None, "", "stream-1"),
+        ("p1", -30, "p1", "stream-old"),  # not the workload's stream: nothing at all
+    ],
+)
+def test_a_heartbeat_with_nothing_new_records_what_the_locked_heartbeat_records(
+    db, monkeypatch, reporting, alive_at, process, stream
+):
+    """sync.workload_alive, the heartbeats' one statement, against workload_heard_from's locked read
+    and save, on two workloads alike."""
+    pair = []
+    now = clock.now() + timedelta(seconds=75)
+    for hostname in ("locked", "alive"):
+        workload = connect(make_workload(hostname=hostname))
+        sync.workload_table_reported(workload_id=workload.id, stream_id="stream-1", state="present")
+        Workload.objects.filter(id=workload.id).update(
+            flow_process_start_id=reporting,
+            flow_process_alive_at=None if alive_at is None else now + timedelta(seconds=alive_at),
+        )
+        pair.append(workload)
+    monkeypatch.setattr(clock, "now", lambda: now)
+    before = [Workload.objects.values(*HEARTBEAT_FIELDS).get(id=w.id) for w in pair]
+    sync.workload_heard_from(workload_id=pair[0].id, stream_id=stream, process_start_id=process)
+    sync.workload_alive(workload_id=pair[1].id, stream_id=stream, process_start_id=process)
+    after = [Workload.objects.values(*HEARTBEAT_FIELDS).get(id=w.id) for w in pair]
+    if stream != "stream-1":
+        assert after == before
+        return
+    assert after[1] == after[0]
+    assert after[1]["last_heard_from"] == now

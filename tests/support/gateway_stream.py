@@ -19,7 +19,7 @@ FINGERPRINT = ":".join(["AB"] * 32)  # the gateway's, as the tests set it in run
 
 
 class Agent:
-    def __init__(self, db_token_labels=None):
+    def __init__(self, db_token_labels=None, *, hostname="agent-1", address="10.0.0.7"):
         self.key = Ed25519PrivateKey.generate()
         secret = provisioning_token_mint(
             actor=CLI_ACTOR, data={"description": "t", "labels": db_token_labels or {}}
@@ -27,8 +27,8 @@ class Agent:
         enrolled = workload_enrol(
             token_secret=secret,
             public_key=public_key_encode(self.key.public_key()),
-            hostname="agent-1",
-            addresses=["10.0.0.7"],
+            hostname=hostname,
+            addresses=[address],
             agent_version="0.1.0",
         )
         self.workload_id = str(enrolled.workload.id)
