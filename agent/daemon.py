@@ -27,7 +27,7 @@ import ssl
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -36,7 +36,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus, WebSocketExce
 
 from agent import __version__, gateway_sets, outbound_observe
 from agent import protocol as p
-from agent.backoff import retry_delay
+from agent.backoff import BACKOFF_CAP, BUSY_CAP, retry_delay
 from agent.bundle import BundleError, gateways_check
 from agent.credential import (
     CredentialError,
@@ -101,6 +101,7 @@ class Outcome:
     stable: bool = False  # the stream was up long enough to reset the backoff
     stopped: bool = False
     retry_after: float | None = None  # the gateway refused the upgrade with 503 or 429: wait this long
+    busy: bool = False  # a gateway reset the connection before TLS: up, at its bound on handshakes
 
 
 class Agent:
@@ -389,7 +390,8 @@ class Agent:
                     continue
                 if outcome.stable:
                     attempt = 0
-                delay = retry_delay(attempt, outcome.retry_after, spread=False)
+                cap = BUSY_CAP if outcome.busy else BACKOFF_CAP
+                delay = retry_delay(attempt, outcome.retry_after, spread=False, cap=cap)
                 attempt += 1
                 self.log("backoff", seconds=f"{delay:.2f}", attempt=attempt)
                 try:
@@ -438,6 +440,7 @@ class Agent:
         self.status.stream("connecting")
         began = None
         outcome = Outcome()
+        busy = False
         if needs_resolving(self.gateways):
             found = await asyncio.get_running_loop().run_in_executor(None, candidates, self.gateways)
         else:  # thousands of simulated agents reconnecting at once need no thread each
@@ -450,6 +453,7 @@ class Agent:
                 raise
             except Exception as error:  # noqa: BLE001 - whatever failed, the next gateway is tried
                 outcome = self._open_failed(candidate, error)
+                busy = busy or outcome.busy
                 continue
             self._lost = None
             try:
@@ -484,7 +488,7 @@ class Agent:
         # No gateway answered: back off (as long as the last one asked, if it did) and try them all again.
         self._lost = None
         self.status.stream("disconnected")
-        return outcome
+        return replace(outcome, busy=busy)
 
     async def _open(self, candidate: Candidate) -> ClientConnection:
         """The websocket to one gateway; the TCP connection given CONNECT_SECONDS, so that a gateway
@@ -533,6 +537,9 @@ class Agent:
             return Outcome(retry_after=p.retry_after(status, error.response.headers.get("Retry-After")))
         elif isinstance(error, TimeoutError):
             message = "timed out"
+        elif isinstance(error, ConnectionResetError):  # connected, then reset: the gateway is up, at a bound
+            self._connect_failed(f"the gateway {candidate.label}: connection reset before the stream (busy)")
+            return Outcome(busy=True)
         elif isinstance(error, OSError | WebSocketException):
             message = getattr(error, "strerror", None) or str(error) or type(error).__name__
         else:

@@ -425,11 +425,15 @@ def run_count(
                 text = https[i].get("/metrics", headers={"Accept": "text/plain"}).text
                 found = re.search(r"^palisade_stream_admissions_refused_total (\S+)$", text, re.M)
                 counts[name[process.gateway_listen]] = int(float(found[1])) if found else None
-                # Unfinished handshakes closed at the gateway listener's bound for newer ones.
-                found = re.search(r'^palisade_handshakes_closed_total{listener="gateway"} (\S+)$', text, re.M)
-                counts[f"{name[process.gateway_listen]} handshakes closed"] = (
-                    int(float(found[1])) if found else 0
-                )
+                # Unfinished handshakes closed at the gateway listener's bound for newer ones, and new
+                # connections refused there while the unfinished all progressed.
+                for what in ("closed", "refused"):
+                    found = re.search(
+                        rf'^palisade_handshakes_{what}_total{{listener="gateway"}} (\S+)$', text, re.M
+                    )
+                    counts[f"{name[process.gateway_listen]} handshakes {what}"] = (
+                        int(float(found[1])) if found else 0
+                    )
             return counts
 
         def all_synced(i: int = 0) -> bool:

@@ -13,14 +13,19 @@ accepted socket is counted before any byte is read:
   fleet behind one NAT address or a TCP load balancer is not held to the cap; a connection over either
   cap is closed as soon as it is accepted;
 - at most `max_handshakes` connections per listener that have not yet sent their first request head
-  (the TLS handshake, then the head: for an agent, its websocket upgrade); at that bound the oldest of
-  them is closed to admit the new one. Offered more handshakes than it finished within its clients'
-  patience (10,000 agents starting, every one at the first gateway of its list), serve accepted them
-  all: the first process held thousands of unfinished connections while its agents timed out one by
-  one after their whole handshake time, and the second process idled. Closed, the oldest one's agent
-  hears it at once and tries its next gateway, and the oldest is the likeliest to have been given up
-  by its client already. Refusing the new one instead would let anyone holding that many unfinished
-  handshakes shut everyone out, which the total cap below is built never to do;
+  (the TLS handshake, then the head: for an agent, its websocket upgrade). At that bound a new
+  connection is refused as it is accepted (closed before any TLS) while every unfinished one is
+  progressing, and admitted in place of the oldest stalled one otherwise. Stalled: a connection that
+  has sent part of a TLS ClientHello and stopped (serve had nothing to answer yet), one that sent
+  nothing within `HELLO_SECONDS` of its accept, or one that has not sent its request head within
+  `CLIENT_TURN_SECONDS` of serve's answer to its hello. Offered more handshakes than it finished
+  (thousands of agents arriving at once after a failover), serve used to close the oldest every time,
+  each one just before it would have finished: a survivor closed 43,457 handshakes while 5,895 agents
+  took 493 s to reconnect. Refusing the new one instead costs serve an accept and a close, the agent
+  hears it at once (its next gateway, then its backoff), and the handshakes admitted finish. Anyone
+  holding many slow handshakes still shuts nobody out: theirs stall and are closed for newcomers;
+  what such a client must do instead is keep every handshake moving (a full ClientHello each, serve's
+  handshake work) and renew them faster than `CLIENT_TURN_SECONDS`;
 - when the total is reached, the connection that has waited longest for a request head is closed to
   admit the new one: a connection that is still in its TLS handshake, still sending its head, or idle
   between keep-alive requests costs the server a descriptor and gives it nothing; failing that, a
@@ -75,6 +80,12 @@ DEFAULT_HEAD_TIMEOUT = 15.0
 DEFAULT_BODY_MIN_RATE = 1024
 # serve's work for a handshake and an upgrade is a few milliseconds: 256 is over a second of it queued.
 DEFAULT_MAX_HANDSHAKES = 256
+# A client sends its ClientHello with the connection: one that has sent nothing this long after its
+# accept is stalled (its bytes may wait a moment in the kernel while serve's loop is busy).
+HELLO_SECONDS = 2.0
+# After serve answered the hello, the client's Finished and its request head: stalled past this. A
+# simulated agent on a starved core takes seconds here; the real agent gives up after 10 s.
+CLIENT_TURN_SECONDS = 5.0
 
 
 class Phase(enum.Enum):
@@ -178,7 +189,8 @@ def add_arguments(parser) -> None:
         metavar="N",
         help=(
             "connections per listener still in their TLS handshake or first request head; at the bound "
-            f"the oldest is closed for the new one (default {DEFAULT_MAX_HANDSHAKES}; 0: no bound)"
+            "a new one is refused while they all progress, else admitted for the oldest stalled one "
+            f"(default {DEFAULT_MAX_HANDSHAKES}; 0: no bound)"
         ),
     )
     parser.add_argument(
@@ -305,6 +317,8 @@ class LimitedConnection(ProtocolWrapper):
         self.unsent_at = 0.0
         self.counted = True  # until released: closed, or evicted (its socket closes a moment later)
         self.addressed = True  # counted against its address's cap: until released, or a settled stream
+        self.answered = False  # serve has written to it (its answer to the ClientHello)
+        self.stalls_at = 0.0  # unfinished: when it counts as stalled (see ConnectionLimiter.admit)
 
     def makeConnection(self, transport):
         self.factory.limiter.admitted(self)
@@ -314,6 +328,19 @@ class LimitedConnection(ProtocolWrapper):
         if self.phase is Phase.BODY:
             self.body_bytes += len(data)  # TLS records: a few percent over the body itself
         super().dataReceived(data)
+        if not self.answered and self.counted:
+            # TLS read it all and had nothing to say: a ClientHello in pieces, the rest not sent.
+            self.factory.limiter.stalled(self)
+
+    def write(self, data):
+        if not self.answered:
+            self.factory.limiter.answered(self)
+        super().write(data)
+
+    def writeSequence(self, data):
+        if not self.answered:
+            self.factory.limiter.answered(self)
+        super().writeSequence(data)
 
     def connectionLost(self, reason):
         self.factory.limiter.released(self)
@@ -353,13 +380,16 @@ class LimitingFactory(WrappingFactory):
     protocol = LimitedConnection
 
     def __init__(self, wrapped, limiter: ConnectionLimiter, name: str = ""):
-        from controlplane.metrics import HANDSHAKES_CLOSED
+        from controlplane.metrics import HANDSHAKES_CLOSED, HANDSHAKES_REFUSED
 
         super().__init__(wrapped)
         self.limiter = limiter
         # This listener's connections that have not sent their first request head, oldest first.
         self.unfinished: dict[LimitedConnection, None] = {}
-        self.closed_oldest = HANDSHAKES_CLOSED.labels(listener=name)
+        # No unfinished connection stalls before this (a lower bound: rescanned when reached).
+        self.first_stall = float("inf")
+        self.closed_stalled = HANDSHAKES_CLOSED.labels(listener=name)
+        self.refused_new = HANDSHAKES_REFUSED.labels(listener=name)
 
     def buildProtocol(self, addr):
         key = address_key(getattr(addr, "host", ""))
@@ -413,11 +443,15 @@ class ConnectionLimiter:
             return False
         bound = self.limits.max_handshakes
         if bound and listener is not None and len(listener.unfinished) >= bound:
-            oldest = next(iter(listener.unfinished))
-            self.events["closed to admit a new one (the oldest unfinished handshake of its listener)"] += 1
-            listener.closed_oldest.inc()
-            self.released(oldest)
-            oldest.cut()
+            stalled = self._stalled(listener)
+            if stalled is None:
+                self.events["refused at accept (its listener's unfinished handshakes all progressing)"] += 1
+                listener.refused_new.inc()
+                return False
+            self.events["closed to admit a new one (a stalled unfinished handshake of its listener)"] += 1
+            listener.closed_stalled.inc()
+            self.released(stalled)
+            stalled.cut()
         if self.total >= self.limits.max_connections:
             if self.waiting:
                 oldest = next(iter(self.waiting))
@@ -436,11 +470,41 @@ class ConnectionLimiter:
             oldest.cut()
         return True
 
+    def _stalled(self, listener: LimitingFactory) -> LimitedConnection | None:
+        """The oldest of the listener's unfinished connections that has stalled, if one has. Scanned
+        only once the earliest time one may stall has come: a flood of refused connections costs a
+        comparison each."""
+        now = self.clock.seconds()
+        if now < listener.first_stall:
+            return None
+        first = float("inf")
+        for connection in listener.unfinished:
+            if connection.stalls_at <= now:
+                return connection
+            first = min(first, connection.stalls_at)
+        listener.first_stall = first
+        return None
+
     def admitted(self, connection: LimitedConnection) -> None:
         self.total += 1
         self.by_address[connection.key] += 1
-        connection.factory.unfinished[connection] = None
+        connection.stalls_at = self.clock.seconds() + HELLO_SECONDS
+        listener = connection.factory
+        listener.unfinished[connection] = None
+        listener.first_stall = min(listener.first_stall, connection.stalls_at)
         self.enter(connection, Phase.HEAD)
+
+    def answered(self, connection: LimitedConnection) -> None:
+        """serve wrote its first bytes (the answer to a whole ClientHello): the client's turn."""
+        connection.answered = True
+        connection.stalls_at = self.clock.seconds() + CLIENT_TURN_SECONDS  # later: first_stall holds
+
+    def stalled(self, connection: LimitedConnection) -> None:
+        """Bytes came and serve had no answer to them: part of a ClientHello, the rest withheld."""
+        listener = connection.factory
+        if connection in listener.unfinished:
+            connection.stalls_at = now = self.clock.seconds()
+            listener.first_stall = min(listener.first_stall, now)
 
     def released(self, connection: LimitedConnection) -> None:
         if not connection.counted:

@@ -158,8 +158,15 @@ STREAM_ADMISSIONS_REFUSED = Counter(
 )
 HANDSHAKES_CLOSED = Counter(
     "palisade_handshakes_closed",
-    "Unfinished handshakes (connections before their first request head) closed to admit a new "
-    "connection at the listener's bound (--max-handshakes).",
+    "Stalled unfinished handshakes (connections before their first request head) closed to admit a "
+    "new connection at the listener's bound (--max-handshakes).",
+    ["listener"],
+    registry=REGISTRY,
+)
+HANDSHAKES_REFUSED = Counter(
+    "palisade_handshakes_refused",
+    "New connections refused as they were accepted at the listener's bound on unfinished handshakes "
+    "(--max-handshakes), none of those being stalled.",
     ["listener"],
     registry=REGISTRY,
 )

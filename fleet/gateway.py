@@ -238,6 +238,7 @@ class SyncStreamConsumer(LayerIndependentConsumer, AsyncWebsocketConsumer):
             stream_id=self.stream_id,
             agent_version=auth.agent_version,
             gateway=auth.gateway or "",
+            owned_table_state=self.table_state,
         )
         held = held_streams.HeldStream(grant.workload_id, self.stream_id)
         held_streams.open_streams[self.channel_name] = held
@@ -245,10 +246,6 @@ class SyncStreamConsumer(LayerIndependentConsumer, AsyncWebsocketConsumer):
             # An agent that names the gateway it dialed keeps a list: it gets the current one.
             held.sent_gateways = await held_streams.gateways_advertised()
             await self.send_message(protocol.Gateways(addresses=list(held.sent_gateways)))
-        if self.table_state:
-            await held_streams.db(sync.workload_table_reported)(
-                workload_id=grant.workload_id, stream_id=self.stream_id, state=self.table_state
-            )
         log.info("stream of %s opened (agent %s)", grant.hostname, visible(auth.agent_version))
         await self.send_snapshot()
 

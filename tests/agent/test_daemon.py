@@ -685,3 +685,52 @@ def test_a_handshake_cut_short_leaves_its_socket_to_the_transport_and_the_next_c
         assert failures == {}
 
     scenario(tmp_path, body)
+
+
+def test_a_gateway_resetting_at_accept_is_busy_and_the_backoff_stays_short(tmp_path, monkeypatch):
+    """A gateway at its bound on unfinished handshakes closes a new connection as it accepts it (before
+    TLS): the agent tries its next gateway, then backs off with full jitter doubling to 15 s, not 60 s,
+    since that gateway is up and has room again once its admitted handshakes finish. A gateway that is
+    gone keeps the usual backoff."""
+    from agent import daemon
+    from agent.backoff import BACKOFF_CAP, BUSY_CAP
+
+    caps: list[float] = []
+
+    def recorded(attempt, retry_after, *, spread=True, rng=None, cap=BACKOFF_CAP):
+        caps.append(cap)
+        return 0.01
+
+    monkeypatch.setattr(daemon, "retry_delay", recorded)
+
+    async def body(w: World) -> None:
+        async def reset_at_accept(reader, writer):
+            writer.transport.abort()
+
+        busy = await asyncio.start_server(reset_at_accept, "127.0.0.1", 0)
+        busy_port = busy.sockets[0].getsockname()[1]
+        gone = await asyncio.start_server(reset_at_accept, "127.0.0.1", 0)
+        gone_port = gone.sockets[0].getsockname()[1]
+        gone.close()
+        await gone.wait_closed()
+        try:
+            w.agent.gateways = [f"127.0.0.1:{busy_port}", f"127.0.0.1:{gone_port}"]
+            w.start()
+            for _ in range(100):
+                if len(caps) >= 4:
+                    break
+                await asyncio.sleep(0.05)
+            assert caps[:4] == [BUSY_CAP] * 4
+            assert any("connection reset before the stream (busy)" in line for line in w.log_lines())
+            busy.close()
+            await busy.wait_closed()
+            seen = len(caps)
+            for _ in range(100):
+                if len(caps) >= seen + 3:
+                    break
+                await asyncio.sleep(0.05)
+            assert caps[-1] == BACKOFF_CAP  # both gone now
+        finally:
+            busy.close()
+
+    scenario(tmp_path, body)

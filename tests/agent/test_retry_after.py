@@ -66,3 +66,11 @@ def test_the_stream_and_the_reports_back_off_by_one_rule():
     assert retry_delay(3, 9.0, spread=False) == 9.0 and retry_delay(3, 0.0, spread=False) == 0.0
     assert all(9.0 <= retry_delay(0, 9.0) <= 18.0 for _ in range(100))
     assert all(0 <= retry_delay(3, None, spread=False) <= 8 for _ in range(100))
+
+
+def test_a_busy_gateway_caps_the_backoff_at_15_s():
+    from agent.backoff import BUSY_CAP, retry_delay
+
+    assert BUSY_CAP == 15.0
+    assert all(0 <= retry_delay(30, None, spread=False, cap=BUSY_CAP) <= 15 for _ in range(200))
+    assert max(retry_delay(30, None, spread=False) for _ in range(200)) > 15  # the usual cap is 60

@@ -19,6 +19,8 @@ from twisted.python.failure import Failure
 from twisted.web import http
 
 from controlplane.connection_limits import (
+    CLIENT_TURN_SECONDS,
+    HELLO_SECONDS,
     ConnectionLimiter,
     LimitingFactory,
     Limits,
@@ -263,11 +265,14 @@ def test_an_ipv6_client_is_counted_by_its_64():
     assert address_key("fe80::1%eth0") == "fe80::/64"
 
 
-def test_a_listener_bounds_its_unfinished_handshakes_and_the_oldest_makes_room():
-    """10,000 agents at the first gateway of their list: past the bound the oldest connection that has
-    not sent its first head is closed for the newcomer (its agent tries the next gateway at once), and
-    nobody holding handshakes can keep a newcomer out. A connection that sent its head no longer
-    counts, and each listener has its own bound."""
+HELLO_PART = b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03"  # a ClientHello's first bytes, no more
+
+
+def test_a_listener_bounds_its_unfinished_handshakes_and_refuses_the_new_one_while_they_progress():
+    """Thousands of agents at one gateway at once (a failover): past the bound the new connection is
+    refused as it is accepted, and the handshakes admitted finish; closing the oldest for each newcomer
+    cut every handshake just before it finished. A connection that sent its head no longer counts, and
+    each listener has its own bound."""
     clock, limiter, factory = _site(request_class=Pending, max_handshakes=3, max_per_address=0)
     other = LimitingFactory(factory.wrappedFactory, limiter, "operator")
     first, first_transport = _connect(factory, port=1)
@@ -275,17 +280,65 @@ def test_a_listener_bounds_its_unfinished_handshakes_and_the_oldest_makes_room()
     done, done_transport = _connect(factory, port=3)
     done.dataReceived(HEAD)  # its head came: its handshake is over
     third, third_transport = _connect(factory, port=4)
+    for connection in (first, second, third):
+        connection.write(b"server hello")  # what TLS answers to a whole ClientHello: the client's turn
     assert len(factory.unfinished) == 3
     assert _connect(other, port=5)[0] is not None  # the other listener is not held to this one's bound
-    assert not any(t.disconnected for t in (first_transport, second_transport, third_transport))
+    clock.advance(CLIENT_TURN_SECONDS - 1)
 
-    newcomer, _ = _connect(factory, port=6)
-    assert newcomer is not None and first_transport.disconnected  # the oldest made room
-    assert not second_transport.disconnected and not done_transport.disconnected
+    assert _connect(factory, port=6)[0] is None  # refused: every unfinished one is progressing
+    assert not any(t.disconnected for t in (first_transport, second_transport, third_transport))
     assert limiter.total == 5 and len(factory.unfinished) == 3
+    assert limiter.events["refused at accept (its listener's unfinished handshakes all progressing)"] == 1
     second.connectionLost(Failure(ConnectionDone()))  # a handshake that failed frees its place
     assert _connect(factory, port=7)[0] is not None
     assert not third_transport.disconnected and len(factory.unfinished) == 3
+
+
+def test_at_the_bound_a_stalled_handshake_makes_room_so_nobody_holding_them_shuts_others_out():
+    """Part of a ClientHello and then nothing (serve has nothing to answer) is stalled at once; a
+    connection that sent nothing, once HELLO_SECONDS have passed; one that serve answered, once the
+    client has taken CLIENT_TURN_SECONDS since. The oldest stalled one is closed for the newcomer."""
+    clock, limiter, factory = _site(request_class=Pending, max_handshakes=3, max_per_address=0)
+    silent, silent_transport = _connect(factory, port=1)
+    answered, answered_transport = _connect(factory, port=2)
+    answered.write(b"server hello")
+    partial, partial_transport = _connect(factory, port=3)
+    partial.dataReceived(HELLO_PART)
+
+    newcomer, _ = _connect(factory, port=4)  # the part-hello one, though younger than the others
+    assert newcomer is not None and partial_transport.disconnected
+    assert not silent_transport.disconnected and not answered_transport.disconnected
+    assert limiter.events["closed to admit a new one (a stalled unfinished handshake of its listener)"] == 1
+
+    newcomer.write(b"server hello")
+    assert _connect(factory, port=5)[0] is None  # nothing stalled yet
+    clock.advance(HELLO_SECONDS)
+    assert _connect(factory, port=6)[0] is not None and silent_transport.disconnected
+    assert _connect(factory, port=7)[0] is None  # the one just admitted has its HELLO_SECONDS
+    clock.advance(CLIENT_TURN_SECONDS - HELLO_SECONDS)
+    assert _connect(factory, port=8)[0] is not None and answered_transport.disconnected  # oldest first
+    assert not newcomer.transport.disconnected
+    assert limiter.total == 3 and len(factory.unfinished) == 3
+
+
+def test_many_refused_at_the_bound_do_not_rescan_the_unfinished_each_time():
+    """A flood of refused connections costs a comparison each until the first unfinished one may have
+    stalled."""
+    clock, limiter, factory = _site(request_class=Pending, max_handshakes=50, max_per_address=0)
+    held = [_connect(factory, port=port)[0] for port in range(50)]
+    for connection in held:
+        connection.write(b"server hello")
+    clock.advance(HELLO_SECONDS)  # when the first could have stalled had serve not answered it
+    assert _connect(factory, port=100)[0] is None  # scanned once: none stalls before 5 s from its answer
+    assert factory.first_stall == CLIENT_TURN_SECONDS
+    factory.unfinished = _Exploding(factory.unfinished)
+    assert all(_connect(factory, port=101 + n)[0] is None for n in range(100))
+
+
+class _Exploding(dict):
+    def __iter__(self):
+        raise AssertionError("scanned")
 
 
 def test_at_the_total_cap_the_longest_waiting_for_a_head_makes_room_and_nothing_else_does():

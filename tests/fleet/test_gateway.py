@@ -653,3 +653,28 @@ def psycopg_refused(port):
     except psycopg.OperationalError as error:
         return error
     raise AssertionError("a closed port accepted a connection")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_table_state_of_auth_is_recorded_with_the_stream_in_one_transaction(monkeypatch):
+    """A reconnect records its owned table's state with the stream it opens: a transaction and a row
+    lock fewer for each of the thousands of agents a survivor takes at once after a failover. The
+    state and its event are as a `table` report would leave them."""
+    from fleet import sync
+
+    reported, events = [], []
+    monkeypatch.setattr(sync, "workload_table_reported", lambda **kwargs: reported.append(kwargs))
+    recorded = sync.webhook_events_record
+    monkeypatch.setattr(sync, "webhook_events_record", lambda found: recorded(events.extend(found) or found))
+    agent = Agent()
+
+    async def scenario():
+        communicator = await open_stream(agent, owned_table="absent")
+        await receive(communicator)
+        await receive(communicator)
+        await communicator.disconnect()
+
+    async_to_sync(scenario)()
+    assert reported == []
+    assert workload(agent).owned_table_state == "absent"
+    assert [event.type for event in events][:1] == ["workload.enforcement_removed"]  # then offline
