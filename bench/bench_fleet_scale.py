@@ -95,24 +95,26 @@ def vm_rss_mb(pid: int) -> float:
     raise RuntimeError(f"no VmRSS for {pid}")
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of one process so far."""
+def cpu_seconds(pid: int, *, reaped: bool = False) -> float:
+    """User + system CPU time of one process so far; with `reaped`, of its children that it waited for
+    too (the kernel adds an exited child's time to its parent's when the parent reaps it)."""
     with open(f"/proc/{pid}/stat") as handle:
         fields = handle.read().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    ticks = int(fields[11]) + int(fields[12]) + (int(fields[13]) + int(fields[14]) if reaped else 0)
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def named_cpu_seconds(*names: str) -> float:
-    """CPU time of every process on this machine with one of these command names (PostgreSQL's
-    backends come and go, so this is a floor: a backend that exited during a phase is not counted;
-    and other users of the same server are counted)."""
+    """CPU time of every process on this machine with one of these command names, and of their exited
+    children: PostgreSQL's backends come and go (those of a killed serve all at once), and the
+    postmaster reaps them, so their time stays counted (other users of the same server are counted)."""
     total = 0.0
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 with open(f"/proc/{entry}/comm") as handle:
                     if handle.read().strip() in names:
-                        total += cpu_seconds(int(entry))
+                        total += cpu_seconds(int(entry), reaped=True)
             except OSError:
                 continue
     return total
