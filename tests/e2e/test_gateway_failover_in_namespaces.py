@@ -96,9 +96,10 @@ class Fleet:
         return time.monotonic() - began
 
 
-def _serve(lab, tcp_database_url: str, data_dir, gateway: str) -> NamespacedServe:
+def _serve(lab, tcp_database_url: str, data_dir, gateway: str, *, wait: bool = True) -> NamespacedServe:
     """One serve process of the control plane, on `gateway` and its operator port. One data directory:
-    every process presents its gateway certificate (docs/operations.md)."""
+    every process presents its gateway certificate (docs/operations.md). `wait=False`: started, not yet
+    listening (call wait_ready())."""
     return NamespacedServe(
         lab,
         "cp",
@@ -110,7 +111,16 @@ def _serve(lab, tcp_database_url: str, data_dir, gateway: str) -> NamespacedServ
         operator_listen=f"{CP}:{PORTS[gateway]}",
         gateway_listen=gateway,
         migrated=True,
-    ).start()
+    ).start(wait=wait)
+
+
+def _both_serves(lab, tcp_database_url: str, data_dir, into: dict) -> None:
+    """Both processes, started together (into: gateway -> process, for the test's clean-up): on a
+    migrated database neither waits for the other, and their start-ups overlap instead of adding up."""
+    for gateway in GATEWAYS:
+        into[gateway] = _serve(lab, tcp_database_url, data_dir, gateway, wait=False)
+    for gateway in GATEWAYS:
+        into[gateway].wait_ready()
 
 
 def _instant(at: datetime) -> str:
@@ -168,8 +178,7 @@ def test_agents_fail_over_to_the_other_gateway_and_lose_or_repeat_no_window(lab,
             return serves[gateway]
 
         try:
-            for gateway in GATEWAYS:
-                serve(gateway)
+            _both_serves(lab, tcp_database_url, data_dir, serves)
             token = serves[GATEWAYS[0]].mint_operator_token("e2e")
             apis = {gateway: process.api(token) for gateway, process in serves.items()}
             minted = apis[GATEWAYS[0]].post(
@@ -178,6 +187,15 @@ def test_agents_fail_over_to_the_other_gateway_and_lose_or_repeat_no_window(lab,
             assert minted.status_code == 201, minted.text
             bundle = minted.json()["bundle"]
             assert bundle.startswith("palisade-enrol-v2:")
+            # The simulated fleet enrols and connects while the real agents do (one waits for none).
+            (tmp_path / "bundle.txt").write_text(bundle)
+            simulator = subprocess.Popen(
+                ["ip", "netns", "exec", lab.ns("cp"), sys.executable, "-m", "agent", "simulate",
+                 "--bundle-file", str(tmp_path / "bundle.txt"), "--count", str(SIMULATED),
+                 "--state-root", str(tmp_path / "simulated")],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                env=dict(os.environ, PYTHONPATH=str(REPO)), cwd=REPO, start_new_session=True,
+            )  # fmt: skip
 
             web, client = (
                 AgentProcess(lab, "web", tmp_path / "web"),
@@ -189,14 +207,6 @@ def test_agents_fail_over_to_the_other_gateway_and_lose_or_repeat_no_window(lab,
             for agent in agents:
                 assert json.loads((agent.state_dir / "gateways.json").read_text())["gateways"] == GATEWAYS
                 agent.start("--flow-window-seconds", "2")
-            (tmp_path / "bundle.txt").write_text(bundle)
-            simulator = subprocess.Popen(
-                ["ip", "netns", "exec", lab.ns("cp"), sys.executable, "-m", "agent", "simulate",
-                 "--bundle-file", str(tmp_path / "bundle.txt"), "--count", str(SIMULATED),
-                 "--state-root", str(tmp_path / "simulated")],
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                env=dict(os.environ, PYTHONPATH=str(REPO)), cwd=REPO, start_new_session=True,
-            )  # fmt: skip
             fleet.wait("every agent synced", lambda: fleet.converged("visibility") == total, 240)
             # The first gateway that answers is the first of the list.
             assert fleet.streams() == {GATEWAYS[0]: total}, fleet.streams()
@@ -303,14 +313,14 @@ table inet lab_silence {
 
 
 def test_an_agent_leaves_a_gateway_that_went_silent_within_10_s(lab, tmp_path):
-    serves: list[NamespacedServe] = []
+    serves: dict[str, NamespacedServe] = {}
     web: AgentProcess | None = None
     with throwaway_database(migrated=True) as tcp_database_url:
         fleet = Fleet(tcp_database_url)
         try:
-            serves += [_serve(lab, tcp_database_url, tmp_path / "cp", gateway) for gateway in GATEWAYS]
-            token = serves[0].mint_operator_token("e2e")
-            api = serves[1].api(token)
+            _both_serves(lab, tcp_database_url, tmp_path / "cp", serves)
+            token = serves[GATEWAYS[0]].mint_operator_token("e2e")
+            api = serves[GATEWAYS[1]].api(token)
             minted = api.post("/provisioning-tokens", {"description": "silence", "max_uses": 1})
             assert minted.status_code == 201, minted.text
             web = AgentProcess(lab, "web", tmp_path / "web")
@@ -330,7 +340,7 @@ def test_an_agent_leaves_a_gateway_that_went_silent_within_10_s(lab, tmp_path):
             assert _status(web)["stream"]["gateway"] == GATEWAYS[1]
             assert api.workload(workload_id)["sync"]["gateway"] == GATEWAYS[1]
         finally:
-            for process in serves:
+            for process in serves.values():
                 process.kill()
             if web is not None:
                 web.kill()

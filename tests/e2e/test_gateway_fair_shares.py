@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -252,15 +253,17 @@ def two_processes(tmp_path, request):
         require(redis_reachable(), f"needs Redis at {REDIS_TEST_URL} (set REDIS_TEST_URL)")
         env = {"REDIS_URL": REDIS_TEST_URL}
     with Site.fresh(tmp_path / "data", migrated=True) as site:
-        first, second = site.serve(env=env), site.serve(env=env)
+        first, second = site.serve_together(2, env=env)
         for serve in (first, second):
             serve.gateway_context = pinned_context(serve.served_certificate("gateway"))
         if site.database_url:
             for serve in (first, second):  # on PostgreSQL, passes are trusted once it listens
                 serve.wait_for_stderr("listening for credential changes")
         yield site, first, second, _enrol_many(first, tmp_path, 3)
+        for serve in (first, second):  # both told at once: their shutdowns overlap too
+            serve.process.send_signal(signal.SIGTERM)
         for serve in (first, second):
-            assert serve.stop() == 0
+            assert serve.wait() == 0
             assert "Traceback" not in serve.stderr_text()
 
 

@@ -220,7 +220,7 @@ def test_two_serve_processes_on_one_postgresql_send_each_event_once(tmp_path):
     receiver = Receiver(tmp_path, delay=0.01).start()
     with Site.fresh(tmp_path / "data", migrated=True) as site:
         env = env_for(receiver, PALISADE_WEBHOOK_SEND_EVERY_SECONDS="0.1")
-        first, second = site.serve(env=env), site.serve(env=env)
+        first, second = site.serve_together(2, env=env)
         with operator_of(first) as operator:
             webhook_id, _ = create_webhook(operator, receiver.url, ["workload.evidence_gap"])
             agents = enrolled_agents(first, operator, tmp_path, 4)

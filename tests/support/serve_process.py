@@ -472,3 +472,12 @@ class Site(_HostCommands):
     def serve(self, extra_args=(), **kwargs) -> ServeProcess:
         """A serve process on this site, started and answering TLS on both listeners."""
         return self.process(extra_args, **kwargs).start()
+
+    def serve_together(self, count: int, extra_args=(), **kwargs) -> list[ServeProcess]:
+        """`count` serve processes on this site, started at once and all answering: their start-ups
+        (mostly imports) overlap rather than add up. Processes starting together on one site is what
+        serve supports anyway (a lock each around migrations and certificate generation)."""
+        processes = [self.process(extra_args, **kwargs).start(wait=False) for _ in range(count)]
+        for process in processes:
+            process.wait_ready()
+        return processes
