@@ -203,8 +203,9 @@ PALISADE_GATEWAY_BODY_MIN_RATE = int(os.environ.get("PALISADE_GATEWAY_BODY_MIN_R
 # stream is closed at once with 4503 and `retry after N s`, N spacing the refused out at the rate the
 # process completes authentications. 0: no bound. The time an agent takes to answer `hello` counts: with
 # 64, simulated agents on a loaded machine answering in seconds held every place, and 2,000 took 190 s
-# to connect on two processes idling at a third of a core (docs/benchmarks.md).
-PALISADE_STREAM_AUTHENTICATIONS = int(os.environ.get("PALISADE_STREAM_AUTHENTICATIONS", 256))
+# to connect on two processes idling at a third of a core; with 256, 10,000 failing over took 221 s,
+# with 1,024 112 s, none refused (docs/benchmarks.md).
+PALISADE_STREAM_AUTHENTICATIONS = int(os.environ.get("PALISADE_STREAM_AUTHENTICATIONS", 1024))
 
 # Heavy requests (render dry-runs, impacts, suggestions, selector previews, flow rollups and reviews,
 # the console's exports) run in worker processes of serve (controlplane/heavy_pool.py, docs/operations.md):
