@@ -125,7 +125,9 @@ def test_the_daemon_writes_its_figures_on_each_change_and_a_stopped_file_at_exit
 
             # The stream goes: disconnected; connected again, with a renewal due at once.
             gateway.welcome_renewal_due_seconds = -1
-            await gateway.close_stream(workload, 4503, "shutting down")
+            # Told to come back in 1 s: without a wait the agent's backoff may reconnect within the
+            # file's 50 ms between writes (seen in CI: 9 ms), and the file never holds the 0.
+            await gateway.close_stream(workload, 4503, "shutting down: retry after 1 s")
             await until(path, lambda t: value(t, "palisade_agent_stream_connected") == 0)
             await until(path, lambda t: value(t, "palisade_agent_stream_connected") == 1)
 
