@@ -126,10 +126,7 @@ def workload_stream_opened(
             "agent_version",
             "stream_gateway",
         ]
-        if owned_table_state in (OwnedTableState.ABSENT, OwnedTableState.PRESENT):
-            webhook_events_record(_table_events(workload.owned_table_state, owned_table_state, workload))
-            workload.owned_table_state = owned_table_state
-            fields.append("owned_table_state")
+        fields += _table_reported(workload, owned_table_state)
         _save(workload, *fields)
     return workload
 
@@ -286,6 +283,16 @@ def _table_events(before: str, after: str, workload: Workload) -> list:
     return []
 
 
+def _table_reported(workload: Workload, state: str | None) -> list[str]:
+    """The owned table's state as the agent reports it (present or absent; anything else is no
+    report), with the webhook event of a change. Returns the fields it changed."""
+    if state not in (OwnedTableState.ABSENT, OwnedTableState.PRESENT):
+        return []
+    webhook_events_record(_table_events(workload.owned_table_state, state, workload))
+    workload.owned_table_state = state
+    return ["owned_table_state"]
+
+
 def _flow_process_seen(workload: Workload, process_start_id: str | None, at: datetime) -> list[str]:
     """A sign of life of an agent process at `at`: if it is the process that sent the last flow report,
     that process ran until then (a quiet workload, not a silent one). Returns the fields it changed."""
@@ -327,10 +334,7 @@ def workload_heard_from(
         if flow_backlog_since is not KEEP:
             workload.flow_backlog_since = flow_backlog_since
             fields.append("flow_backlog_since")
-        if owned_table_state in (OwnedTableState.ABSENT, OwnedTableState.PRESENT):
-            webhook_events_record(_table_events(workload.owned_table_state, owned_table_state, workload))
-            workload.owned_table_state = owned_table_state
-            fields.append("owned_table_state")
+        fields += _table_reported(workload, owned_table_state)
         _save(workload, *fields)
 
 
