@@ -683,6 +683,8 @@ def failover(procs, name, rows, sims, post, wait_until, count, idle, py_spy, pro
     gateway = procs[survivor].gateway_listen
     meter = CpuMeter({"serve": [procs[survivor].process.pid], "simulators": sims.pids}, True)
     profile = Profile(py_spy, procs[survivor].process.pid, profiles / f"serve-{count}-failover.txt")
+    # The simulators reconnect as many agents as serve takes: their share of the two cores counts too.
+    simulator = Profile(py_spy, sims.pids[0], profiles / f"simulator-{count}-failover.txt")
     try:
         killed = time.monotonic()  # stop() returns once the process is reaped and its output read
         procs[doomed].stop(signal.SIGKILL, timeout=30)
@@ -704,6 +706,7 @@ def failover(procs, name, rows, sims, post, wait_until, count, idle, py_spy, pro
             ) from None
     finally:
         profile.stop()
+        simulator.stop()
     cpu = meter.stop()
     failover_s = moved - killed
     meter = CpuMeter({"serve": [procs[survivor].process.pid], "simulators": sims.pids}, True)

@@ -219,10 +219,17 @@ class SyncStreamConsumer(LayerIndependentConsumer, AsyncWebsocketConsumer):
         await handler(message)
 
     async def authenticate(self, auth: protocol.Auth) -> None:
-        grant = await held_streams.db(streams.stream_authenticate)(auth=auth, nonce=self.nonce)
+        grant = await held_streams.db(streams.stream_open)(
+            auth=auth, nonce=self.nonce, stream_id=self.stream_id, gateway=auth.gateway or ""
+        )
         self.auth_timer.cancel()
         self.grant = grant
         self.authentication_ended(completed=True)
+        if not grant.renew_only:
+            # Recorded open: from here its end is recorded too, whatever happens next.
+            held = held_streams.open_streams[self.channel_name] = held_streams.HeldStream(
+                grant.workload_id, self.stream_id
+            )
         held_streams.fleet_receiver_ensure()  # notifications of many workloads reach this process
         self.table_state = auth.owned_table if auth.owned_table in REPORTED_TABLE_STATES else None
         # An older stream of the same workload (a reconnect the server has not noticed) gives way.
@@ -233,15 +240,6 @@ class SyncStreamConsumer(LayerIndependentConsumer, AsyncWebsocketConsumer):
         if grant.renew_only:
             log.info("stream of %s: credential expired, renew only", grant.hostname)
             return
-        await held_streams.db(sync.workload_stream_opened)(
-            workload_id=grant.workload_id,
-            stream_id=self.stream_id,
-            agent_version=auth.agent_version,
-            gateway=auth.gateway or "",
-            owned_table_state=self.table_state,
-        )
-        held = held_streams.HeldStream(grant.workload_id, self.stream_id)
-        held_streams.open_streams[self.channel_name] = held
         if auth.gateway is not None:
             # An agent that names the gateway it dialed keeps a list: it gets the current one.
             held.sent_gateways = await held_streams.gateways_advertised()

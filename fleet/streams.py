@@ -21,6 +21,7 @@ from fleet.credentials import (
 )
 from fleet.models import RenderedPolicy, Workload, workload_column_value
 from fleet.rendering import workloads_rerender
+from fleet.sync import workload_stream_opened
 
 
 class StreamRefused(Exception):
@@ -95,6 +96,22 @@ def stream_authenticate(*, auth: protocol.Auth, nonce: bytes) -> StreamGrant:
         renew_only=state == "expired",
         welcome=welcome,
     )
+
+
+def stream_open(*, auth: protocol.Auth, nonce: bytes, stream_id: str, gateway: str = "") -> StreamGrant:
+    """`stream_authenticate`, then the stream recorded as the workload's (`workload_stream_opened`)
+    unless its credential may only renew: one trip to a gateway database thread for both, and two
+    statements, where a survivor of a failover takes thousands of streams at once."""
+    grant = stream_authenticate(auth=auth, nonce=nonce)
+    if not grant.renew_only:
+        workload_stream_opened(
+            workload_id=grant.workload_id,
+            stream_id=stream_id,
+            agent_version=auth.agent_version,
+            gateway=gateway,
+            owned_table_state=auth.owned_table,
+        )
+    return grant
 
 
 @dataclass(frozen=True)

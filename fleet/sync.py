@@ -102,33 +102,39 @@ def workload_stream_opened(
     agent_version: str = "",
     gateway: str = "",
     owned_table_state: str | None = None,
-) -> Workload:
+) -> None:
     """A sync stream began (the agent proved its key): offline -> pending; the caller sends the
     snapshot next (fleet.streams.stream_snapshot, which records it as sent). `gateway` is the address
     the agent says it dialed ("" from an agent that knows one gateway). `owned_table_state`, present
-    or absent as the agent's `auth` reported it, is recorded as `workload_table_reported` would, in the
-    same transaction: a transaction and a row lock fewer for every reconnect (a survivor takes
-    thousands at once after a failover)."""
+    or absent as the agent's `auth` reported it, is recorded as `workload_table_reported` would.
+
+    One statement when the agent reports the table state already recorded, or none (nearly every
+    reconnect): a survivor takes thousands at once after a failover, and the locked read, the update
+    and the commit were three round trips each, queued on the gateway's database threads. A changed
+    table state, which sends a webhook event, takes the locked path."""
+    fields = {
+        "stream_id": stream_id,
+        "sync_state": SyncState.PENDING,
+        "sync_error": "",
+        "last_heard_from": clock.now(),
+        "stream_gateway": visible(gateway)[:300],
+    }
+    if agent_version:
+        fields["agent_version"] = visible(agent_version)[:64]  # the agent's free text, escaped
+    unchanged = Workload.objects.filter(id=workload_id)
+    if owned_table_state in (OwnedTableState.ABSENT, OwnedTableState.PRESENT):
+        unchanged = unchanged.filter(owned_table_state=owned_table_state)
+    rank = Case(
+        When(owned_table_state=OwnedTableState.ABSENT, then=Value(Workload.RANK_ATTENTION)),
+        default=Value(Workload.RANK_PENDING),
+    )
+    if unchanged.update(**fields, rank=rank):
+        return
     with transaction.atomic():
         workload = _locked(workload_id)
-        workload.stream_id = stream_id
-        workload.sync_state = SyncState.PENDING
-        workload.sync_error = ""
-        workload.last_heard_from = clock.now()
-        if agent_version:
-            workload.agent_version = visible(agent_version)[:64]  # the agent's free text, escaped
-        workload.stream_gateway = visible(gateway)[:300]
-        fields = [
-            "stream_id",
-            "sync_state",
-            "sync_error",
-            "last_heard_from",
-            "agent_version",
-            "stream_gateway",
-        ]
-        fields += _table_reported(workload, owned_table_state)
-        _save(workload, *fields)
-    return workload
+        for name, value in fields.items():
+            setattr(workload, name, value)
+        _save(workload, *fields, *_table_reported(workload, owned_table_state))
 
 
 def workload_applied(*, workload_id, stream_id: str, version: str) -> None:

@@ -9,6 +9,7 @@ from channels.layers import get_channel_layer
 
 from controlplane import clock
 from controlplane.housekeeping import streams_reap_step
+from controlplane.problems import Problem
 from fleet import sync
 from fleet.models import Workload
 from fleet.push import stream_group
@@ -290,3 +291,62 @@ def test_a_heartbeat_with_nothing_new_records_what_the_locked_heartbeat_records(
         return
     assert after[1] == after[0]
     assert after[1]["last_heard_from"] == now
+
+
+OPENED_FIELDS = (
+    "stream_id", "sync_state", "sync_error", "last_heard_from", "agent_version", "stream_gateway", "rank",
+    "owned_table_state",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("recorded", "reported", "statements"),
+    [
+        ("present", None, 1),  # no report: one statement
+        ("present", "unknown", 1),  # not a report either
+        ("present", "present", 1),  # the recorded state again: one statement
+        ("absent", "absent", 1),
+        ("present", "absent", None),  # a change, with its webhook event: the locked path
+        ("absent", "present", None),
+    ],
+)
+def test_a_stream_opened_in_one_statement_records_what_the_locked_path_records(
+    db, monkeypatch, recorded, reported, statements
+):
+    """A reconnect that reports its owned table's state as recorded (or none) is one UPDATE; the
+    locked read and save it replaced (taken on a change) leave the same row, degraded or offline."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    workload = connect(make_workload(hostname="reconnects"))
+    Workload.objects.filter(id=workload.id).update(
+        owned_table_state=recorded, sync_state="degraded", sync_error="Error: boom", rank=0
+    )
+    events = []
+    recorded_events = sync.webhook_events_record
+    monkeypatch.setattr(
+        sync, "webhook_events_record", lambda found: recorded_events(events.extend(found) or found)
+    )
+    with CaptureQueriesContext(connection) as queries:
+        sync.workload_stream_opened(
+            workload_id=workload.id, stream_id="stream-2", agent_version="0.2.0\x00", gateway="a:1",
+            owned_table_state=reported,
+        )  # fmt: skip
+    after = Workload.objects.values(*OPENED_FIELDS).get(id=workload.id)
+    state = reported if reported in ("present", "absent") else recorded
+    assert after["stream_id"] == "stream-2" and after["sync_state"] == "pending" and after["sync_error"] == ""
+    assert after["agent_version"] == "0.2.0\\x00" and after["stream_gateway"] == "a:1"
+    assert after["owned_table_state"] == state
+    assert after["rank"] == (Workload.RANK_ATTENTION if state == "absent" else Workload.RANK_PENDING)
+    if statements is not None:
+        assert len(queries) == statements and events == []
+    else:
+        assert len(queries) > 1
+        assert [event.type for event in events] == [
+            "workload.enforcement_removed" if state == "absent" else "workload.enforcement_restored"
+        ]
+
+
+def test_a_stream_opened_for_a_workload_that_is_gone_is_not_found(db):
+    with pytest.raises(Problem):
+        sync.workload_stream_opened(workload_id="00000000-0000-0000-0000-000000000001", stream_id="s")
