@@ -95,6 +95,12 @@ class CredentialRevoked(EnrolmentNeeded):
     re-enrolment with a provisioning token minted for this workload."""
 
 
+class HandshakeTimedOut(TimeoutError):
+    """The gateway accepted the TCP connection but did not finish the TLS handshake and the websocket
+    upgrade within the open timeout: up and busy (a failover's survivor queues the connections it
+    cannot take yet in its listen queue), so the busy backoff applies, not a lost host's."""
+
+
 @dataclass(frozen=True)
 class Outcome:
     immediate: bool = False  # reconnect at once, no backoff
@@ -516,17 +522,20 @@ class Agent:
         # transport still held it: the next socket given that number failed with "File descriptor N
         # is used by transport" until the old transport ended, which under 10,000 simulated agents
         # timing out kept a third of the fleet from ever connecting.
-        return await connect(
-            uri,
-            sock=sock,
-            ssl=self._context,
-            max_size=p.MAX_MESSAGE_BYTES,
-            open_timeout=self.open_seconds,
-            close_timeout=5,
-            compression=self.compression,
-            **_DIRECT,
-            user_agent_header=f"palisade-agent/{__version__}",
-        )
+        try:
+            return await connect(
+                uri,
+                sock=sock,
+                ssl=self._context,
+                max_size=p.MAX_MESSAGE_BYTES,
+                open_timeout=self.open_seconds,
+                close_timeout=5,
+                compression=self.compression,
+                **_DIRECT,
+                user_agent_header=f"palisade-agent/{__version__}",
+            )
+        except TimeoutError:
+            raise HandshakeTimedOut from None
 
     def _open_failed(self, candidate: Candidate, error: Exception) -> Outcome:
         if isinstance(error, ssl.SSLCertVerificationError):
@@ -535,6 +544,10 @@ class Agent:
             status = error.response.status_code
             self._connect_failed(f"the gateway {candidate.label} refused the stream with HTTP {status}")
             return Outcome(retry_after=p.retry_after(status, error.response.headers.get("Retry-After")))
+        elif isinstance(error, HandshakeTimedOut):
+            # It took the connection: up, with more handshakes queued than it finished in time.
+            self._connect_failed(f"the gateway {candidate.label}: TLS handshake or upgrade timed out (busy)")
+            return Outcome(busy=True)
         elif isinstance(error, TimeoutError):
             message = "timed out"
         elif isinstance(error, ConnectionResetError):  # connected, then reset: the gateway is up, at a bound

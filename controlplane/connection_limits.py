@@ -390,6 +390,27 @@ class LimitingFactory(WrappingFactory):
         self.first_stall = float("inf")
         self.closed_stalled = HANDSHAKES_CLOSED.labels(listener=name)
         self.refused_new = HANDSHAKES_REFUSED.labels(listener=name)
+        self.port = None  # the listening port, once installed: accepting pauses at the bound
+        self.paused = False
+        limiter.listeners.append(self)
+
+    def accepting_pause(self) -> None:
+        """Accept nothing more until a place frees: the next clients wait in the kernel's listen queue,
+        at no cost to serve or to them, instead of being accepted only to be refused."""
+        if self.port is not None and not self.paused:
+            self.paused = True
+            self.port.stopReading()
+
+    def accepting_resume(self, free: int) -> None:
+        """Accept again, at most `free` connections in the next batch: the places free now."""
+        port = self.port
+        if not self.paused or free <= 0 or port is None:
+            return
+        self.paused = False
+        if getattr(port, "disconnecting", False) or not getattr(port, "connected", True):
+            return  # stopped listening (serve is stopping): nothing to resume
+        port.numberAccepts = free  # Twisted's batch per readable event; it grows again by itself
+        port.startReading()
 
     def buildProtocol(self, addr):
         key = address_key(getattr(addr, "host", ""))
@@ -418,6 +439,7 @@ class ConnectionLimiter:
         self.waiting: dict[LimitedConnection, None] = {}  # in HEAD, oldest first
         self.receiving: dict[LimitedConnection, None] = {}  # in BODY
         self.young_streams: dict[LimitedConnection, None] = {}  # upgraded less than 15 s ago, oldest first
+        self.listeners: list[LimitingFactory] = []
         self.events: Counter[str] = Counter()
         self.logged_at = -LOG_EVERY_SECONDS
         self._sweep = None
@@ -427,7 +449,9 @@ class ConnectionLimiter:
         any connection is accepted."""
         from controlplane.listeners import listener_for_port
 
-        port.factory = LimitingFactory(port.factory, self, listener_for_port(port.getHost().port))
+        factory = LimitingFactory(port.factory, self, listener_for_port(port.getHost().port))
+        factory.port = port
+        port.factory = factory
 
     def start(self) -> None:
         from twisted.internet.task import LoopingCall
@@ -447,6 +471,7 @@ class ConnectionLimiter:
             if stalled is None:
                 self.events["refused at accept (its listener's unfinished handshakes all progressing)"] += 1
                 listener.refused_new.inc()
+                listener.accepting_pause()  # one of a batch accepted together: the rest wait queued
                 return False
             self.events["closed to admit a new one (a stalled unfinished handshake of its listener)"] += 1
             listener.closed_stalled.inc()
@@ -485,6 +510,18 @@ class ConnectionLimiter:
         listener.first_stall = first
         return None
 
+    def stalled_cut(self, listener: LimitingFactory, now: float) -> None:
+        """Accepting paused, no newcomer is offered to take a stalled one's place: every stalled
+        unfinished connection is closed here, and the queue fills their places at once."""
+        stalled = [connection for connection in listener.unfinished if connection.stalls_at <= now]
+        for connection in stalled:
+            listener.unfinished.pop(connection)  # all out first: accepting resumes once, for them all
+        for connection in stalled:
+            self.events["closed to admit a new one (a stalled unfinished handshake of its listener)"] += 1
+            listener.closed_stalled.inc()
+            self.released(connection)
+            connection.cut()
+
     def admitted(self, connection: LimitedConnection) -> None:
         self.total += 1
         self.by_address[connection.key] += 1
@@ -492,6 +529,8 @@ class ConnectionLimiter:
         listener = connection.factory
         listener.unfinished[connection] = None
         listener.first_stall = min(listener.first_stall, connection.stalls_at)
+        if self.limits.max_handshakes and len(listener.unfinished) >= self.limits.max_handshakes:
+            listener.accepting_pause()
         self.enter(connection, Phase.HEAD)
 
     def answered(self, connection: LimitedConnection) -> None:
@@ -515,7 +554,14 @@ class ConnectionLimiter:
         self.waiting.pop(connection, None)
         self.receiving.pop(connection, None)
         self.young_streams.pop(connection, None)
-        connection.factory.unfinished.pop(connection, None)
+        self._finished(connection)
+
+    def _finished(self, connection: LimitedConnection) -> None:
+        """`connection` no longer counts as unfinished: its place goes to the next in the queue."""
+        listener = connection.factory
+        listener.unfinished.pop(connection, None)
+        if listener.paused:
+            listener.accepting_resume(self.limits.max_handshakes - len(listener.unfinished))
 
     def _unaddress(self, connection: LimitedConnection) -> None:
         if not connection.addressed:
@@ -547,7 +593,7 @@ class ConnectionLimiter:
         self.receiving.pop(connection, None)
         self.young_streams.pop(connection, None)
         if phase is not Phase.HEAD:  # a head arrived: its handshake is over (later heads never count)
-            connection.factory.unfinished.pop(connection, None)
+            self._finished(connection)
         connection.phase = phase
         if phase is Phase.HEAD:
             connection.deadline = now + self.limits.head_timeout
@@ -590,6 +636,9 @@ class ConnectionLimiter:
 
     def sweep(self) -> None:
         now = self.clock.seconds()
+        for listener in self.listeners:
+            if listener.paused and now >= listener.first_stall:
+                self.stalled_cut(listener, now)
         for connection in [c for c in self.waiting if c.deadline < now]:
             if self.still_reading(connection, now):
                 connection.deadline = now + SWEEP_EVERY_SECONDS

@@ -734,3 +734,43 @@ def test_a_gateway_resetting_at_accept_is_busy_and_the_backoff_stays_short(tmp_p
             busy.close()
 
     scenario(tmp_path, body)
+
+
+def test_a_gateway_that_takes_the_connection_but_not_the_handshake_in_time_is_busy(tmp_path, monkeypatch):
+    """A survivor of a failover at its bound on unfinished handshakes stops accepting: the connections
+    wait in its listen queue, and one that waits past the agent's open timeout was never refused, only
+    not answered. The host is up, so the busy backoff (to 15 s) applies, not a lost host's (60 s)."""
+    from agent import daemon
+    from agent.backoff import BACKOFF_CAP, BUSY_CAP
+
+    caps: list[float] = []
+
+    def recorded(attempt, retry_after, *, spread=True, rng=None, cap=BACKOFF_CAP):
+        caps.append(cap)
+        return 0.01
+
+    monkeypatch.setattr(daemon, "retry_delay", recorded)
+
+    async def body(w: World) -> None:
+        held: list[asyncio.StreamWriter] = []
+
+        async def silent(reader, writer):
+            held.append(writer)  # reads nothing, answers nothing, until the agent gives up
+
+        queued = await asyncio.start_server(silent, "127.0.0.1", 0)
+        try:
+            w.agent.open_seconds = 0.2
+            w.agent.gateways = [f"127.0.0.1:{queued.sockets[0].getsockname()[1]}"]
+            w.start()
+            for _ in range(100):
+                if len(caps) >= 2:
+                    break
+                await asyncio.sleep(0.05)
+            assert caps[:2] == [BUSY_CAP] * 2
+            assert any("TLS handshake or upgrade timed out (busy)" in line for line in w.log_lines())
+        finally:
+            queued.close()
+            for writer in held:
+                writer.transport.abort()
+
+    scenario(tmp_path, body)

@@ -322,6 +322,62 @@ def test_at_the_bound_a_stalled_handshake_makes_room_so_nobody_holding_them_shut
     assert limiter.total == 3 and len(factory.unfinished) == 3
 
 
+class _Port:
+    """What the limiter asks of Twisted's listening port: reading (accepting) and its batch size."""
+
+    connected = True
+    disconnecting = False
+
+    def __init__(self) -> None:
+        self.reading = True
+        self.numberAccepts = 100
+
+    def stopReading(self) -> None:
+        self.reading = False
+
+    def startReading(self) -> None:
+        self.reading = True
+
+
+def test_at_the_bound_a_listener_stops_accepting_so_newcomers_wait_queued_not_refused(caplog):
+    """A failover's survivor offered thousands of handshakes at once: at the bound it stops accepting,
+    and the rest wait in the kernel's listen queue (no accept, no refusal: a refused agent spent as
+    much CPU as a connected one, three refusals each in a failover of 6,166). A place freed (a head
+    arrived, or a handshake ended) resumes accepting, as many as the places free in the next batch;
+    stalled handshakes are closed by the sweep while paused, since no newcomer comes to replace them."""
+    clock, limiter, factory = _site(request_class=Pending, max_handshakes=3, max_per_address=0)
+    factory.port = port = _Port()
+    first, _ = _connect(factory, port=1)
+    second, second_transport = _connect(factory, port=2)
+    assert port.reading
+    third, _ = _connect(factory, port=3)
+    assert not port.reading and factory.paused  # at the bound: the next ones wait in the queue
+    for connection in (first, second, third):
+        connection.write(b"server hello")
+
+    clock.advance(2)
+    first.dataReceived(HEAD)  # its handshake is over: one place
+    assert port.reading and port.numberAccepts == 1
+    fourth, _ = _connect(factory, port=4)
+    assert not port.reading
+
+    fourth.write(b"server hello")
+    clock.advance(CLIENT_TURN_SECONDS - 3)
+    assert not port.reading and not second_transport.disconnected  # nothing stalled yet
+    clock.advance(1.5)  # the sweep: second and third stalled in the client's turn, fourth not yet
+    assert (
+        second_transport.disconnected and third.transport.disconnected and not fourth.transport.disconnected
+    )
+    assert port.reading and port.numberAccepts == 2
+    assert "connections refused or closed: 2 closed to admit a new one (a stalled unfinished" in caplog.text
+    assert "refused at accept" not in caplog.text
+
+    # A batch already accepted past the bound: the extra one is refused, as without a port.
+    _connect(factory, port=5), _connect(factory, port=6)
+    assert not port.reading
+    assert _connect(factory, port=7)[0] is None
+
+
 def test_many_refused_at_the_bound_do_not_rescan_the_unfinished_each_time():
     """A flood of refused connections costs a comparison each until the first unfinished one may have
     stalled."""
