@@ -21,11 +21,15 @@ accepted socket is counted before any byte is read:
   `CLIENT_TURN_SECONDS` of serve's answer to its hello. Offered more handshakes than it finished
   (thousands of agents arriving at once after a failover), serve used to close the oldest every time,
   each one just before it would have finished: a survivor closed 43,457 handshakes while 5,895 agents
-  took 493 s to reconnect. Refusing the new one instead costs serve an accept and a close, the agent
-  hears it at once (its next gateway, then its backoff), and the handshakes admitted finish. Anyone
-  holding many slow handshakes still shuts nobody out: theirs stall and are closed for newcomers;
-  what such a client must do instead is keep every handshake moving (a full ClientHello each, serve's
-  handshake work) and renew them faster than `CLIENT_TURN_SECONDS`;
+  took 493 s to reconnect. Refusing the new one instead let the handshakes admitted finish, but each
+  refused agent came back after its backoff, again and again (20,391 refusals for 6,166 agents),
+  each time costing it about what a reconnection does. So at the bound the listener stops accepting
+  (its port stops reading) until a place frees, and the next clients wait in the kernel's listen
+  queue, accepted in turn, as many at a time as places are free; only the rest of a batch Twisted
+  accepted together is refused. Anyone holding many slow handshakes still shuts nobody out: theirs
+  stall and are closed for newcomers, or by the sweep while the listener is not accepting; what such
+  a client must do instead is keep every handshake moving (a full ClientHello each, serve's handshake
+  work) and renew them faster than `CLIENT_TURN_SECONDS`;
 - when the total is reached, the connection that has waited longest for a request head is closed to
   admit the new one: a connection that is still in its TLS handshake, still sending its head, or idle
   between keep-alive requests costs the server a descriptor and gives it nothing; failing that, a
