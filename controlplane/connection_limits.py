@@ -58,6 +58,7 @@ import ipaddress
 import logging
 import os
 import resource
+import socket
 from collections import Counter
 from dataclasses import dataclass
 
@@ -289,6 +290,20 @@ def _unsent(transport) -> int:
     return len(buffered) - getattr(transport, "offset", 0) + getattr(transport, "_tempDataLen", 0)
 
 
+# Linux's TCP states (include/net/tcp_states.h): the peer sent its FIN, or reset the connection.
+TCP_CLOSE, TCP_CLOSE_WAIT = 7, 8
+
+
+def peer_gone(transport) -> bool:
+    """Whether the client of a just-accepted connection has already closed or reset it: one
+    getsockopt, no read."""
+    try:
+        state = transport.getHandle().getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0]
+    except (AttributeError, OSError, IndexError):  # not a TCP socket (tests), or already closed
+        return False
+    return state in (TCP_CLOSE, TCP_CLOSE_WAIT)
+
+
 def address_key(host: str) -> str:
     """Whom a connection counts against: an IPv4 address (also when a dual-stack listener shows it as
     ::ffff:a.b.c.d), or an IPv6 /64."""
@@ -327,6 +342,12 @@ class LimitedConnection(ProtocolWrapper):
     def makeConnection(self, transport):
         self.factory.limiter.admitted(self)
         super().makeConnection(transport)
+        if peer_gone(transport):
+            # It waited in the listen queue longer than its client did: its ClientHello is read,
+            # but answering it (serve's share of a handshake) would be for nobody.
+            self.factory.limiter.events["closed as accepted (its client had stopped waiting)"] += 1
+            self.factory.limiter.released(self)
+            self.cut()
 
     def dataReceived(self, data):
         if self.phase is Phase.BODY:

@@ -558,3 +558,33 @@ def test_a_body_serve_holds_unread_while_it_checks_the_headers_is_not_cut_for_th
     assert not transport.disconnected  # within the grace, counted from when serve read again
     clock.advance(10)
     assert transport.disconnected  # and then held to the minimum rate as any body
+
+
+def test_a_connection_whose_client_stopped_waiting_in_the_listen_queue_is_seen_gone_at_accept():
+    """A client queued behind a listener at its bound may give up before serve accepts it: its FIN (or
+    its reset) came first, and serve would answer its ClientHello for nobody."""
+    import socket
+
+    from controlplane.connection_limits import peer_gone
+
+    class Handle:
+        def __init__(self, sock):
+            self.sock = sock
+
+        def getHandle(self):
+            return self.sock
+
+    with socket.create_server(("127.0.0.1", 0), backlog=8) as listener:
+        waiting = socket.create_connection(listener.getsockname())
+        gone = socket.create_connection(listener.getsockname())
+        gone.sendall(HELLO_PART)
+        gone.close()  # before serve accepted it
+        kept, _ = listener.accept()
+        closed, _ = listener.accept()
+        try:
+            assert not peer_gone(Handle(kept))
+            assert peer_gone(Handle(closed))
+            assert not peer_gone(StringTransport())  # no socket: nothing to tell
+        finally:
+            for sock in (waiting, kept, closed):
+                sock.close()
