@@ -687,13 +687,10 @@ def test_a_handshake_cut_short_leaves_its_socket_to_the_transport_and_the_next_c
     scenario(tmp_path, body)
 
 
-def test_a_gateway_resetting_at_accept_is_busy_and_the_backoff_stays_short(tmp_path, monkeypatch):
-    """A gateway at its bound on unfinished handshakes closes a new connection as it accepts it (before
-    TLS): the agent tries its next gateway, then backs off with full jitter doubling to 15 s, not 60 s,
-    since that gateway is up and has room again once its admitted handshakes finish. A gateway that is
-    gone keeps the usual backoff."""
+def _backoff_caps_recorded(monkeypatch) -> list[float]:
+    """The cap of every backoff the agent draws (busy or not), each wait cut to 10 ms."""
     from agent import daemon
-    from agent.backoff import BACKOFF_CAP, BUSY_CAP
+    from agent.backoff import BACKOFF_CAP
 
     caps: list[float] = []
 
@@ -702,6 +699,17 @@ def test_a_gateway_resetting_at_accept_is_busy_and_the_backoff_stays_short(tmp_p
         return 0.01
 
     monkeypatch.setattr(daemon, "retry_delay", recorded)
+    return caps
+
+
+def test_a_gateway_resetting_at_accept_is_busy_and_the_backoff_stays_short(tmp_path, monkeypatch):
+    """A gateway at its bound on unfinished handshakes closes a new connection as it accepts it (before
+    TLS): the agent tries its next gateway, then backs off with full jitter doubling to 15 s, not 60 s,
+    since that gateway is up and has room again once its admitted handshakes finish. A gateway that is
+    gone keeps the usual backoff."""
+    from agent.backoff import BACKOFF_CAP, BUSY_CAP
+
+    caps = _backoff_caps_recorded(monkeypatch)
 
     async def body(w: World) -> None:
         async def reset_at_accept(reader, writer):
@@ -740,16 +748,9 @@ def test_a_gateway_that_takes_the_connection_but_not_the_handshake_in_time_is_bu
     """A survivor of a failover at its bound on unfinished handshakes stops accepting: the connections
     wait in its listen queue, and one that waits past the agent's open timeout was never refused, only
     not answered. The host is up, so the busy backoff (to 15 s) applies, not a lost host's (60 s)."""
-    from agent import daemon
-    from agent.backoff import BACKOFF_CAP, BUSY_CAP
+    from agent.backoff import BUSY_CAP
 
-    caps: list[float] = []
-
-    def recorded(attempt, retry_after, *, spread=True, rng=None, cap=BACKOFF_CAP):
-        caps.append(cap)
-        return 0.01
-
-    monkeypatch.setattr(daemon, "retry_delay", recorded)
+    caps = _backoff_caps_recorded(monkeypatch)
 
     async def body(w: World) -> None:
         held: list[asyncio.StreamWriter] = []
