@@ -9,12 +9,14 @@ one serve process or several.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
 import logging
 import operator
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -450,8 +452,26 @@ def flow_reports_write(items: list[SubmittedReport]) -> list[dict | Exception]:
 
 def _reports_write(items: list[SubmittedReport], *, skip_locked: bool) -> list[dict | Exception | None]:
     """`flow_reports_write` for one transaction; None for a report whose workload row was skipped."""
-    with transaction.atomic(), _write_cursor() as cursor:
-        locked, stamp = _workloads_lock(cursor, [item.workload_id for item in items], skip_locked=skip_locked)
+    with transaction.atomic(), _write_cursor() as cursor, _write_cursor() as reads_cursor:
+        # The lock, then the reads: two statements, so that the reads' snapshot is taken once the lock
+        # is held (a writer that held it meanwhile has committed, and its windows are seen). Sent
+        # together with the transaction's BEGIN (`_pipelined`): one wait for the server, not three.
+        with _pipelined(cursor) as opened:
+            lock_rows = _workloads_lock(cursor, [item.workload_id for item in items], skip_locked=skip_locked)
+            stored_rows = _stored_reads(
+                reads_cursor,
+                windows=[
+                    w.id for item in items for _, w in item.report.windows if isinstance(w, ParsedWindow)
+                ],
+                gaps=[g[0] for item in items for _, g in item.report.gaps if not isinstance(g, Refused)],
+                starts=[
+                    (i.workload_id, w.start)
+                    for i in items
+                    for _, w in i.report.windows
+                    if isinstance(w, ParsedWindow)
+                ],
+            )
+        locked, stamp = lock_rows()
         now = clock.now()
         # Nothing is written without a locked workload: the fleet's addresses are read only with one.
         # On PostgreSQL the groups' ids go to COPY as their 16 bytes (`_values_insert`), made once a
@@ -459,17 +479,7 @@ def _reports_write(items: list[SubmittedReport], *, skip_locked: bool) -> list[d
         # parse of a report.
         as_bytes = connection.vendor == "postgresql"
         peers = _peer_workloads(stamp, as_bytes=as_bytes) if locked else {}
-        stored_windows, stored_gaps, kept = _stored_reads(
-            cursor,
-            windows=[w.id for item in items for _, w in item.report.windows if isinstance(w, ParsedWindow)],
-            gaps=[g[0] for item in items for _, g in item.report.gaps if not isinstance(g, Refused)],
-            starts=[
-                (i.workload_id, w.start)
-                for i in items
-                for _, w in i.report.windows
-                if isinstance(w, ParsedWindow)
-            ],
-        )
+        stored_windows, stored_gaps, kept = stored_rows()
         outcomes: list[dict | Exception | None] = []
         counted = metrics.FlowItemsCounted()
         windows: list[dict] = []
@@ -554,15 +564,17 @@ def _reports_write(items: list[SubmittedReport], *, skip_locked: bool) -> list[d
             outcomes.append({"windows": window_answers, "gaps": gap_answers})
         _values_insert(cursor, FlowGroup, GROUP_COLUMNS, groups, uuids_as_bytes=True)
         EvidenceGap.objects.bulk_create(gaps)
-        _windows_and_workloads_write(
-            cursor,
-            windows,
-            [_unsummed_row(row, len(window.groups)) for row, window in zip(windows, parsed, strict=True)],
-            touched,
-        )
-        counted.windows, counted.groups = len(windows), len(groups)
-        metrics.flow_reports_stored(counted, gaps=gaps)
         webhook_events_record(events)
+        counted.windows, counted.groups = len(windows), len(groups)
+        metrics.flow_reports_stored(counted, gaps=gaps)  # counted once Django's transaction commits
+        # The last statement: the COMMIT of a transaction `_pipelined` opened goes with it.
+        with _committed_with(cursor, opened=opened):
+            _windows_and_workloads_write(
+                cursor,
+                windows,
+                [_unsummed_row(row, len(window.groups)) for row, window in zip(windows, parsed, strict=True)],
+                touched,
+            )
     return outcomes
 
 
@@ -570,17 +582,69 @@ def _reports_write(items: list[SubmittedReport], *, skip_locked: bool) -> list[d
 # a third of the CPU the ORM spent building them, and serve writes hundreds of reports a second.
 
 
+@contextlib.contextmanager
+def _pipelined(cursor):
+    """On PostgreSQL, the statements executed within are sent together with the transaction's BEGIN
+    (psycopg's pipeline mode) and their results come back in one wait for the server, at the block's
+    end: read them after it. Each statement still runs on its own, in order, with a snapshot of its
+    own. Elsewhere each runs when it is executed, as always. Gives whether it opened the transaction.
+
+    psycopg sends the BEGIN of Django's transaction on its own and waits for it, even in pipeline mode
+    (a Sync after it). When this block opens the transaction, the BEGIN is the block's first
+    statement instead, with psycopg in autocommit (so that it sends none of its own): the server is in
+    the transaction block from there on, and a COMMIT or ROLLBACK ends it (psycopg sends Django's by
+    the server's transaction state, and none once it is over), after which Django puts psycopg in
+    autocommit in any case."""
+    if connection.vendor != "postgresql":
+        yield False
+        return
+    from psycopg.pq import TransactionStatus
+
+    raw = connection.connection
+    begin = not raw.autocommit and raw.pgconn.transaction_status == TransactionStatus.IDLE
+    # An error comes back at the end of the block, not from a cursor's execute: wrapped as Django wraps
+    # a cursor's (django.db's errors, which the group commit and the outage checks know).
+    with connection.wrap_database_errors:
+        if begin:
+            raw.autocommit = True
+        with raw.pipeline():
+            if begin:
+                cursor.cursor.execute("BEGIN", prepare=False)
+            yield begin
+
+
+@contextlib.contextmanager
+def _committed_with(cursor, *, opened: bool):
+    """The statements executed within, then the COMMIT of the transaction `_pipelined` opened, in one
+    wait for the server (psycopg's pipeline mode), inside Django's atomic block, whose own COMMIT then
+    finds the transaction over and sends nothing (its on-commit callbacks run as ever). A failed COMMIT
+    raises here, as Django's would at the block's end, and the block rolls back (nothing to roll back:
+    the server ended the transaction). Otherwise (SQLite, or a transaction of the caller's) the
+    statements run as always and Django commits."""
+    if not opened:
+        yield
+        return
+    with connection.wrap_database_errors, connection.connection.pipeline():
+        yield
+        cursor.cursor.execute("COMMIT", prepare=False)
+
+
 def _workloads_lock(
     cursor, ids: list[uuid.UUID], *, skip_locked: bool
-) -> tuple[dict[uuid.UUID, Workload], tuple]:
-    """The reporting workloads' rows, locked (PostgreSQL) in one order for every writer, with the flow
-    fields a write reads and updates only; and the fleet's latest enrolment (`_peer_workloads`), read
-    in the same statement (one round trip and one statement's CPU less a write)."""
+) -> Callable[[], tuple[dict[uuid.UUID, Workload], tuple]]:
+    """Executes the lock of the reporting workloads' rows (PostgreSQL) in one order for every writer,
+    with the flow fields a write reads and updates only, and the fleet's latest enrolment
+    (`_peer_workloads`) in the same statement (one round trip and one statement's CPU less a write).
+    Returns what reads its outcome (after `_pipelined`'s block): the rows by id, and the stamp."""
     if not ids:
-        return {}, ()
+        return lambda: ({}, ())
     sql, names, converters = _workloads_lock_statement(connection.vendor, len(ids), skip_locked)
-    pk, alias = Workload._meta.pk, connection.alias
-    cursor.execute(sql, [pk.get_db_prep_value(i, connection) for i in ids])
+    cursor.execute(sql, [Workload._meta.pk.get_db_prep_value(i, connection) for i in ids])
+    return functools.partial(_workloads_locked, cursor, names, converters)
+
+
+def _workloads_locked(cursor, names: list[str], converters: list) -> tuple[dict[uuid.UUID, Workload], tuple]:
+    alias = connection.alias
     rows = cursor.fetchall()
     # Model instances made as the ORM makes them, without building a query for them: that cost more
     # than the statement (a RawQuerySet's column mapping and converters, found again every time).
@@ -647,13 +711,15 @@ def _stored_reads(
     windows: list[uuid.UUID],
     gaps: list[uuid.UUID],
     starts: list[tuple[uuid.UUID, datetime]],
-) -> tuple[
-    dict[uuid.UUID, uuid.UUID], dict[uuid.UUID, uuid.UUID], dict[tuple[uuid.UUID, datetime, str], int]
+) -> Callable[
+    [],
+    tuple[dict[uuid.UUID, uuid.UUID], dict[uuid.UUID, uuid.UUID], dict[tuple[uuid.UUID, datetime, str], int]],
 ]:
-    """What a write reads of what is stored, in one statement (each part of it is one read off an
-    index; a statement apiece cost more CPU than the reads): stored id -> its workload's id for the
-    windows' and the gaps' ids stored already, and the keys stored one by one for each (workload,
-    window start) of `starts`, per direction (`_within_start_bound`)."""
+    """Executes what a write reads of what is stored, in one statement (each part of it is one read off
+    an index; a statement apiece cost more CPU than the reads), and returns what reads its outcome
+    (after `_pipelined`'s block): stored id -> its workload's id for the windows' and the gaps' ids
+    stored already, and the keys stored one by one for each (workload, window start) of `starts`, per
+    direction (`_within_start_bound`)."""
     parts, params = [], []
     if starts:  # first: SQLite converts a compound select's columns by its first select's types
         sql, values = _keys_kept_query(starts)
@@ -664,11 +730,19 @@ def _stored_reads(
             sql, values = _owners_query(model, ids)
             parts.append(f"SELECT '{tag}', {sql}")
             params += values
+    if not parts:
+        return lambda: ({}, {}, {})
+    cursor.execute(" UNION ALL ".join(parts), params)
+    return functools.partial(_stored_read, cursor)
+
+
+def _stored_read(
+    cursor,
+) -> tuple[
+    dict[uuid.UUID, uuid.UUID], dict[uuid.UUID, uuid.UUID], dict[tuple[uuid.UUID, datetime, str], int]
+]:
     owners: dict[str, dict] = {"w": {}, "g": {}}
     kept: dict[tuple[uuid.UUID, datetime, str], int] = {}
-    if not parts:
-        return owners["w"], owners["g"], kept
-    cursor.execute(" UNION ALL ".join(parts), params)
     pks = {"w": FlowWindow._meta.pk, "g": EvidenceGap._meta.pk}
     workload = FlowGroup._meta.get_field("workload").target_field
     for tag, item, owner, start, direction, keys in cursor.fetchall():

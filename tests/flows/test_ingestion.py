@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import tempfile
 import time
 import uuid
 from datetime import datetime, timedelta
@@ -696,3 +697,44 @@ def test_a_credential_changed_after_the_headers_passed_refuses_the_report_when_i
         workload_id=str(other.id), data=at_agent_clock(golden(), clock.now()), sender=sender
     )
     assert [r["result"] for r in answer["windows"]] == ["accepted"]
+
+
+@pytest.mark.postgres
+def test_a_write_sends_its_begin_lock_and_reads_in_one_wait_for_the_server(transactional_db):
+    """Each wait for the server cost serve more CPU than a write's few rows (a poll, the socket's calls,
+    the GIL taken back from the report threads): the transaction's BEGIN, the workloads' lock and the
+    stored reads go together (flows/services.py `_pipelined`), still as statements of their own. A
+    write of reports is then five waits: those three, the groups' COPY (its start and its end), the
+    windows' and workloads' statement, and COMMIT."""
+    import psycopg
+    from django.db import connection
+
+    from flows.services import flow_reports_write
+    from tests.support.requirements import require
+
+    require(connection.vendor == "postgresql", "needs PostgreSQL: set DATABASE_URL=postgresql://...")
+    workloads = [enrolled(f"web-{i}", f"10.50.3.{i}")[0] for i in range(3)]
+
+    def report():  # windows alone, as most reports are: no gap to store, no webhook event
+        return at_agent_clock({**_with_new_ids(golden()), "gaps": []}, clock.now())
+
+    flow_reports_write([_submitted(workloads[0].id, report())])
+    # libpq's trace of the protocol: a line per message, F (frontend) or B (backend) in its second
+    # field when timestamps are suppressed. Each turn from what serve sent to what the server answered
+    # is one wait for the server.
+    pgconn = connection.connection.pgconn
+    with tempfile.TemporaryFile("w+") as trace:
+        pgconn.trace(trace.fileno())
+        pgconn.set_trace_flags(psycopg.pq.Trace.SUPPRESS_TIMESTAMPS)
+        try:
+            answers = flow_reports_write([_submitted(w.id, report()) for w in workloads[1:]])
+        finally:
+            pgconn.untrace()
+        trace.seek(0)
+        lines = [line.split("\t") for line in trace if line.strip()]
+        sides = [fields[0] for fields in lines]
+        print([f[0] + ":" + f[2] + ":" + (f[3][:60] if len(f) > 3 else "") for f in lines])
+    assert all(a["windows"][0]["result"] == "accepted" for a in answers), answers
+    waits = sum(1 for sent, answered in zip(sides, sides[1:]) if sent == "F" and answered == "B")
+    print(waits)
+    assert waits <= 4, waits
