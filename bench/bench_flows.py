@@ -260,15 +260,18 @@ def _process_cpu_seconds(pid: int, *, with_exited_children: bool = False) -> flo
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
-def _threads_cpu_seconds(pid: int) -> dict[int, float]:
-    """CPU of each of a process's threads, by its thread id (py-spy's samples name them so)."""
+def _threads_cpu_seconds(pid: int) -> dict[int, tuple[float, int]]:
+    """CPU of each of a process's threads, by its thread id (py-spy's samples name them so), and the
+    times it was switched off its core (voluntary and not: a wait for the GIL or a lock is one)."""
     cpu = {}
-    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+    for task in Path(f"/proc/{pid}/task").iterdir():
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            status = (task / "status").read_text()
         except OSError:  # ended since the listing
             continue
-        cpu[int(stat.parent.name)] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        switches = sum(int(line.split()[1]) for line in status.splitlines() if "ctxt_switches:" in line)
+        cpu[int(task.name)] = ((int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), switches)
     return cpu
 
 
@@ -377,7 +380,15 @@ def bench_gateway(
             profile.send_signal(signal.SIGINT)
             profile.wait(60)
             Path(py_spy[1] + ".threads.json").write_text(
-                json.dumps({t: round(c - threads_before.get(t, 0.0), 3) for t, c in threads_after.items()})
+                json.dumps(
+                    {
+                        t: [
+                            round(c - threads_before.get(t, (0.0, 0))[0], 3),
+                            n - threads_before.get(t, (0.0, 0))[1],
+                        ]
+                        for t, (c, n) in threads_after.items()
+                    }
+                )
             )
         serve_cpu = _process_cpu_seconds(serve.process.pid) - cpu_before
         postgres_cpu = _postgres_cpu_seconds() - postgres_before

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import tempfile
 import time
@@ -700,12 +701,12 @@ def test_a_credential_changed_after_the_headers_passed_refuses_the_report_when_i
 
 
 @pytest.mark.postgres
-def test_a_write_sends_its_begin_lock_and_reads_in_one_wait_for_the_server(transactional_db):
+def test_a_write_waits_for_the_server_four_times(transactional_db):
     """Each wait for the server cost serve more CPU than a write's few rows (a poll, the socket's calls,
     the GIL taken back from the report threads): the transaction's BEGIN, the workloads' lock and the
-    stored reads go together (flows/services.py `_pipelined`), still as statements of their own. A
-    write of reports is then five waits: those three, the groups' COPY (its start and its end), the
-    windows' and workloads' statement, and COMMIT."""
+    stored reads go together (flows/services.py `_pipelined`), still as statements of their own, and
+    the windows' and workloads' statement with the COMMIT (`_committed_with`). A write of reports is
+    then four waits (seven before): those two, and the groups' COPY (its start and its end)."""
     import psycopg
     from django.db import connection
 
@@ -719,8 +720,8 @@ def test_a_write_sends_its_begin_lock_and_reads_in_one_wait_for_the_server(trans
         return at_agent_clock({**_with_new_ids(golden()), "gaps": []}, clock.now())
 
     flow_reports_write([_submitted(workloads[0].id, report())])
-    # libpq's trace of the protocol: a line per message, F (frontend) or B (backend) in its second
-    # field when timestamps are suppressed. Each turn from what serve sent to what the server answered
+    # libpq's trace of the protocol: a line per message, F (frontend) or B (backend) in its first
+    # field when timestamps are suppressed, the message's type in its third. Each turn from what serve sent to what the server answered
     # is one wait for the server.
     pgconn = connection.connection.pgconn
     with tempfile.TemporaryFile("w+") as trace:
@@ -731,10 +732,58 @@ def test_a_write_sends_its_begin_lock_and_reads_in_one_wait_for_the_server(trans
         finally:
             pgconn.untrace()
         trace.seek(0)
-        lines = [line.split("\t") for line in trace if line.strip()]
-        sides = [fields[0] for fields in lines]
-        print([f[0] + ":" + f[2] + ":" + (f[3][:60] if len(f) > 3 else "") for f in lines])
+        messages = [line.split("\t")[:3:2] for line in trace if line.strip()]  # side, message type
     assert all(a["windows"][0]["result"] == "accepted" for a in answers), answers
-    waits = sum(1 for sent, answered in zip(sides, sides[1:]) if sent == "F" and answered == "B")
-    print(waits)
-    assert waits <= 4, waits
+    waits = sum(
+        1 for (sent, _), (answered, _) in itertools.pairwise(messages) if (sent, answered) == ("F", "B")
+    )
+    assert waits == 4, (waits, messages)
+
+
+@pytest.mark.postgres
+def test_a_write_that_fails_in_its_sent_together_statements_stores_nothing_and_the_next_one_lands(
+    transactional_db,
+):
+    """The statements sent together (flows/services.py `_pipelined`) fail as one statement would: the
+    lock of a row another transaction holds, past the session's lock timeout, raises Django's error from
+    the write, nothing of it is stored, and the same connection writes the report once the row is free
+    (its transaction was rolled back, psycopg left as Django expects it)."""
+    import threading
+
+    from django.db import OperationalError, connection, transaction
+
+    from fleet.models import Workload
+    from flows.services import flow_reports_write
+    from tests.support.requirements import require
+
+    require(connection.vendor == "postgresql", "needs PostgreSQL: set DATABASE_URL=postgresql://...")
+    workload = enrolled("held", "10.50.4.1")[0]
+    item = _submitted(workload.id, at_agent_clock({**_with_new_ids(golden()), "gaps": []}, clock.now()))
+    locked, release = threading.Event(), threading.Event()
+
+    def holder():
+        try:
+            with transaction.atomic():
+                list(Workload.objects.select_for_update().filter(id=workload.id))
+                locked.set()
+                release.wait(10)
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+    try:
+        assert locked.wait(10)
+        with connection.cursor() as cursor:
+            cursor.execute("SET lock_timeout = '100ms'")
+        with pytest.raises(OperationalError, match="lock"):
+            flow_reports_write([item])
+        assert not connection.in_atomic_block and connection.get_autocommit()
+        assert FlowWindow.objects.filter(workload=workload).count() == 0
+    finally:
+        release.set()
+        thread.join(10)
+    answers = flow_reports_write([item])
+    assert answers[0]["windows"][0]["result"] == "accepted"
+    assert FlowWindow.objects.filter(workload=workload).count() == 1
+    assert FlowGroup.objects.filter(workload=workload).count() == 2
