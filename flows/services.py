@@ -9,7 +9,6 @@ one serve process or several.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import json
@@ -74,21 +73,22 @@ def _peer_workloads(stamp: tuple, *, as_bytes: bool) -> dict[str, uuid.UUID] | d
     return _peer_map[2] if as_bytes else _peer_map[1]
 
 
-def _write_cursor():
+def _write_cursor(*, client_side: bool = False):
     """The one cursor of a write's transaction, for all its statements: a Django cursor made for each
     statement cost more CPU than the statement's round trip. On PostgreSQL its parameters go apart from
     the statement (server-side binding): Django's own cursors quote every parameter into the statement's
     text in Python (the workloads' update quotes a dozen arrays). Still Django's cursor wrapper (its
-    errors, its query log), over a plain psycopg cursor, with the time zone as Django's cursors have it."""
+    errors, its query log), over a plain psycopg cursor, with the time zone as Django's cursors have it.
+    With `client_side`, a psycopg ClientCursor (`_SentTogether`: several statements in one query)."""
     if connection.vendor != "postgresql":
         return connection.cursor()
     from django.db.backends.postgresql.psycopg_any import register_tzloader
-    from psycopg import Cursor
+    from psycopg import ClientCursor, Cursor
     from psycopg.pq import Format
 
     connection.ensure_connection()
     with connection.wrap_database_errors:
-        cursor = Cursor(connection.connection)
+        cursor = (ClientCursor if client_side else Cursor)(connection.connection)
     if (
         connection.timezone
         != connection.connection.adapters.get_loader(_TIMESTAMPTZ_OID, Format.TEXT).timezone
@@ -307,12 +307,13 @@ WORKLOAD_FLOW_FIELDS = (
 
 
 def _windows_and_workloads_write(
-    cursor, windows: list[dict], unsummed: list[dict], workloads: list[Workload]
+    cursor, together: _SentTogether, windows: list[dict], unsummed: list[dict], workloads: list[Workload]
 ) -> None:
     """The windows' rows, their unsummed marks (`_unsummed_row`) and the workloads' flow fields. On
     PostgreSQL in one statement (two INSERTs in a WITH, then the UPDATE): as two COPYs and an UPDATE
     they were three round trips and seven waits for the server, and each wait cost more of serve's CPU
-    than these few rows. The groups, fifty a window, stay a COPY of their own.
+    than these few rows. The groups, fifty a window, stay a COPY of their own. Queued on `together`,
+    which sends it with the COMMIT.
 
     Each part's rows go as one JSON parameter, read back by `json_to_recordset` into the columns'
     own types: as a column array each (two dozen arrays), psycopg's list adaptation, in Python, cost
@@ -325,7 +326,7 @@ def _windows_and_workloads_write(
     if not workloads:  # nothing of this write's was stored
         return
     sql, attnames = _windows_and_workloads_statement()
-    cursor.execute(
+    together.execute(
         sql,
         [
             _json_rows(windows),
@@ -452,25 +453,23 @@ def flow_reports_write(items: list[SubmittedReport]) -> list[dict | Exception]:
 
 def _reports_write(items: list[SubmittedReport], *, skip_locked: bool) -> list[dict | Exception | None]:
     """`flow_reports_write` for one transaction; None for a report whose workload row was skipped."""
-    with transaction.atomic(), _write_cursor() as cursor, _write_cursor() as reads_cursor:
+    with transaction.atomic(), _write_cursor() as cursor, _SentTogether() as together:
         # The lock, then the reads: two statements, so that the reads' snapshot is taken once the lock
         # is held (a writer that held it meanwhile has committed, and its windows are seen). Sent
-        # together with the transaction's BEGIN (`_pipelined`): one wait for the server, not three.
-        with _pipelined(cursor) as opened:
-            lock_rows = _workloads_lock(cursor, [item.workload_id for item in items], skip_locked=skip_locked)
-            stored_rows = _stored_reads(
-                reads_cursor,
-                windows=[
-                    w.id for item in items for _, w in item.report.windows if isinstance(w, ParsedWindow)
-                ],
-                gaps=[g[0] for item in items for _, g in item.report.gaps if not isinstance(g, Refused)],
-                starts=[
-                    (i.workload_id, w.start)
-                    for i in items
-                    for _, w in i.report.windows
-                    if isinstance(w, ParsedWindow)
-                ],
-            )
+        # together with the transaction's BEGIN (`_SentTogether`): one wait for the server, not three.
+        lock_rows = _workloads_lock(together, [item.workload_id for item in items], skip_locked=skip_locked)
+        stored_rows = _stored_reads(
+            together,
+            windows=[w.id for item in items for _, w in item.report.windows if isinstance(w, ParsedWindow)],
+            gaps=[g[0] for item in items for _, g in item.report.gaps if not isinstance(g, Refused)],
+            starts=[
+                (i.workload_id, w.start)
+                for i in items
+                for _, w in i.report.windows
+                if isinstance(w, ParsedWindow)
+            ],
+        )
+        together.send()
         locked, stamp = lock_rows()
         now = clock.now()
         # Nothing is written without a locked workload: the fleet's addresses are read only with one.
@@ -567,14 +566,15 @@ def _reports_write(items: list[SubmittedReport], *, skip_locked: bool) -> list[d
         webhook_events_record(events)
         counted.windows, counted.groups = len(windows), len(groups)
         metrics.flow_reports_stored(counted, gaps=gaps)  # counted once Django's transaction commits
-        # The last statement: the COMMIT of a transaction `_pipelined` opened goes with it.
-        with _committed_with(cursor, opened=opened):
-            _windows_and_workloads_write(
-                cursor,
-                windows,
-                [_unsummed_row(row, len(window.groups)) for row, window in zip(windows, parsed, strict=True)],
-                touched,
-            )
+        # The last statement, with the COMMIT of a transaction `together` opened.
+        _windows_and_workloads_write(
+            cursor,
+            together,
+            windows,
+            [_unsummed_row(row, len(window.groups)) for row, window in zip(windows, parsed, strict=True)],
+            touched,
+        )
+        together.send(commit=True)
     return outcomes
 
 
@@ -582,70 +582,103 @@ def _reports_write(items: list[SubmittedReport], *, skip_locked: bool) -> list[d
 # a third of the CPU the ORM spent building them, and serve writes hundreds of reports a second.
 
 
-@contextlib.contextmanager
-def _pipelined(cursor):
-    """On PostgreSQL, the statements executed within are sent together with the transaction's BEGIN
-    (psycopg's pipeline mode) and their results come back in one wait for the server, at the block's
-    end: read them after it. Each statement still runs on its own, in order, with a snapshot of its
-    own. Elsewhere each runs when it is executed, as always. Gives whether it opened the transaction.
+class _SentTogether:
+    """Statements sent to PostgreSQL as one query, in one wait for the server instead of one each: the
+    simple protocol's several statements, their parameters bound by psycopg on the client (a
+    ClientCursor; scalars and JSON text here, which psycopg quotes in C). `execute` queues a statement
+    and gives what reads its rows once `send` has sent them all. Each statement still runs on its own,
+    in order, with a snapshot of its own; the first that fails ends the query with its error (Django's,
+    as a cursor's would be) and the transaction's rollback. Elsewhere (SQLite) each statement runs when
+    it is executed, as always.
 
-    psycopg sends the BEGIN of Django's transaction on its own and waits for it, even in pipeline mode
-    (a Sync after it). When this block opens the transaction, the BEGIN is the block's first
-    statement instead, with psycopg in autocommit (so that it sends none of its own): the server is in
-    the transaction block from there on, and a COMMIT or ROLLBACK ends it (psycopg sends Django's by
-    the server's transaction state, and none once it is over), after which Django puts psycopg in
-    autocommit in any case."""
-    if connection.vendor != "postgresql":
-        yield False
-        return
-    from psycopg.pq import TransactionStatus
+    psycopg sends the BEGIN of Django's transaction on its own and waits for it. When the transaction
+    has sent nothing yet, this sends it instead, at the head of its first query, with psycopg in
+    autocommit (so that it sends none of its own); `send(commit=True)` then ends the query with the
+    COMMIT, and Django's own COMMIT finds the transaction over and sends nothing (its on-commit callbacks
+    run as ever; a failed COMMIT raises from `send`, as Django's would at the block's end). A ROLLBACK is
+    sent by the server's state of the transaction, as before, and Django puts psycopg back in
+    autocommit at the block's end in any case. Within a transaction of the caller's, nothing of this:
+    the statements go together, and Django commits.
 
-    raw = connection.connection
-    begin = not raw.autocommit and raw.pgconn.transaction_status == TransactionStatus.IDLE
-    # An error comes back at the end of the block, not from a cursor's execute: wrapped as Django wraps
-    # a cursor's (django.db's errors, which the group commit and the outage checks know).
-    with connection.wrap_database_errors:
-        if begin:
-            raw.autocommit = True
-        with raw.pipeline():
-            if begin:
-                cursor.cursor.execute("BEGIN", prepare=False)
-            yield begin
+    (psycopg's pipeline mode sends statements together too, with server-side binding, but cost more of
+    serve's CPU per statement in Python than the waits it saved: measured, 2026-11-29.)"""
 
+    def __init__(self):
+        self.statements: list[tuple[str, list]] = []
+        self.rows: list[list | None] = []
+        self.cursor = None
+        self.begin = False  # the BEGIN goes at the head of the next query
+        self.opened = False  # this sent the transaction's BEGIN: its COMMIT goes with the last query
 
-@contextlib.contextmanager
-def _committed_with(cursor, *, opened: bool):
-    """The statements executed within, then the COMMIT of the transaction `_pipelined` opened, in one
-    wait for the server (psycopg's pipeline mode), inside Django's atomic block, whose own COMMIT then
-    finds the transaction over and sends nothing (its on-commit callbacks run as ever). A failed COMMIT
-    raises here, as Django's would at the block's end, and the block rolls back (nothing to roll back:
-    the server ended the transaction). Otherwise (SQLite, or a transaction of the caller's) the
-    statements run as always and Django commits."""
-    if not opened:
-        yield
-        return
-    with connection.wrap_database_errors, connection.connection.pipeline():
-        yield
-        cursor.cursor.execute("COMMIT", prepare=False)
+    def __enter__(self):
+        if connection.vendor == "postgresql":
+            from psycopg.pq import TransactionStatus
+
+            raw = connection.connection
+            self.begin = not raw.autocommit and raw.pgconn.transaction_status == TransactionStatus.IDLE
+            self.cursor = _write_cursor(client_side=True)
+            if self.begin:
+                with connection.wrap_database_errors:
+                    raw.autocommit = True
+        return self
+
+    def __exit__(self, *exc):
+        if self.cursor is not None:
+            self.cursor.close()
+
+    def execute(self, sql: str, params: list) -> Callable[[], list]:
+        """Queue a statement; the function given reads its rows (an empty list for none) after `send`."""
+        if self.cursor is None:  # SQLite: at once, on a cursor of its own
+            with connection.cursor() as cursor:
+                cursor.execute(sql, params)
+                rows = cursor.fetchall() if cursor.description else []
+            return lambda: rows
+        index = len(self.statements) + len(self.rows)
+        self.statements.append((sql, params))
+        return lambda: self.rows[index] or []
+
+    def send(self, *, commit: bool = False) -> None:
+        if self.cursor is None:
+            return
+        parts = [sql for sql, _ in self.statements]
+        if self.begin:
+            parts.insert(0, "BEGIN")
+        if commit and (self.begin or self.opened):
+            parts.append("COMMIT")
+        if not parts:
+            return
+        params = [value for _, values in self.statements for value in values]
+        self.cursor.execute("; ".join(parts), params)
+        results = []
+        for _ in parts:
+            results.append(self.cursor.fetchall() if self.cursor.description else None)
+            self.cursor.nextset()
+        if self.begin:
+            results.pop(0)
+            self.begin, self.opened = False, True  # the transaction is open: the next query goes without
+        self.rows += results[: len(self.statements)]
+        self.statements = []
 
 
 def _workloads_lock(
-    cursor, ids: list[uuid.UUID], *, skip_locked: bool
+    together: _SentTogether, ids: list[uuid.UUID], *, skip_locked: bool
 ) -> Callable[[], tuple[dict[uuid.UUID, Workload], tuple]]:
     """Executes the lock of the reporting workloads' rows (PostgreSQL) in one order for every writer,
     with the flow fields a write reads and updates only, and the fleet's latest enrolment
     (`_peer_workloads`) in the same statement (one round trip and one statement's CPU less a write).
-    Returns what reads its outcome (after `_pipelined`'s block): the rows by id, and the stamp."""
+    Returns what reads its outcome (after `together` sent it): the rows by id, and the stamp."""
     if not ids:
         return lambda: ({}, ())
     sql, names, converters = _workloads_lock_statement(connection.vendor, len(ids), skip_locked)
-    cursor.execute(sql, [Workload._meta.pk.get_db_prep_value(i, connection) for i in ids])
-    return functools.partial(_workloads_locked, cursor, names, converters)
+    rows = together.execute(sql, [Workload._meta.pk.get_db_prep_value(i, connection) for i in ids])
+    return functools.partial(_workloads_locked, rows, names, converters)
 
 
-def _workloads_locked(cursor, names: list[str], converters: list) -> tuple[dict[uuid.UUID, Workload], tuple]:
+def _workloads_locked(
+    rows_of: Callable[[], list], names: list[str], converters: list
+) -> tuple[dict[uuid.UUID, Workload], tuple]:
     alias = connection.alias
-    rows = cursor.fetchall()
+    rows = rows_of()
     # Model instances made as the ORM makes them, without building a query for them: that cost more
     # than the statement (a RawQuerySet's column mapping and converters, found again every time).
     locked = {}
@@ -706,7 +739,7 @@ def _converted(converters: list, column, value):
 
 
 def _stored_reads(
-    cursor,
+    together: _SentTogether,
     *,
     windows: list[uuid.UUID],
     gaps: list[uuid.UUID],
@@ -717,7 +750,7 @@ def _stored_reads(
 ]:
     """Executes what a write reads of what is stored, in one statement (each part of it is one read off
     an index; a statement apiece cost more CPU than the reads), and returns what reads its outcome
-    (after `_pipelined`'s block): stored id -> its workload's id for the windows' and the gaps' ids
+    (after `together` sent it): stored id -> its workload's id for the windows' and the gaps' ids
     stored already, and the keys stored one by one for each (workload, window start) of `starts`, per
     direction (`_within_start_bound`)."""
     parts, params = [], []
@@ -732,12 +765,11 @@ def _stored_reads(
             params += values
     if not parts:
         return lambda: ({}, {}, {})
-    cursor.execute(" UNION ALL ".join(parts), params)
-    return functools.partial(_stored_read, cursor)
+    return functools.partial(_stored_read, together.execute(" UNION ALL ".join(parts), params))
 
 
 def _stored_read(
-    cursor,
+    rows_of: Callable[[], list],
 ) -> tuple[
     dict[uuid.UUID, uuid.UUID], dict[uuid.UUID, uuid.UUID], dict[tuple[uuid.UUID, datetime, str], int]
 ]:
@@ -745,7 +777,7 @@ def _stored_read(
     kept: dict[tuple[uuid.UUID, datetime, str], int] = {}
     pks = {"w": FlowWindow._meta.pk, "g": EvidenceGap._meta.pk}
     workload = FlowGroup._meta.get_field("workload").target_field
-    for tag, item, owner, start, direction, keys in cursor.fetchall():
+    for tag, item, owner, start, direction, keys in rows_of():
         if tag == "k":
             # SQLite gives the workload as its text and the start without its zone (UTC): read back as stored.
             kept[

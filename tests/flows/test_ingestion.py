@@ -704,8 +704,8 @@ def test_a_credential_changed_after_the_headers_passed_refuses_the_report_when_i
 def test_a_write_waits_for_the_server_four_times(transactional_db):
     """Each wait for the server cost serve more CPU than a write's few rows (a poll, the socket's calls,
     the GIL taken back from the report threads): the transaction's BEGIN, the workloads' lock and the
-    stored reads go together (flows/services.py `_pipelined`), still as statements of their own, and
-    the windows' and workloads' statement with the COMMIT (`_committed_with`). A write of reports is
+    stored reads go together (flows/services.py `_SentTogether`), still as statements of their own, and
+    the windows' and workloads' statement with the COMMIT. A write of reports is
     then four waits (seven before): those two, and the groups' COPY (its start and its end)."""
     import psycopg
     from django.db import connection
@@ -744,7 +744,7 @@ def test_a_write_waits_for_the_server_four_times(transactional_db):
 def test_a_write_that_fails_in_its_sent_together_statements_stores_nothing_and_the_next_one_lands(
     transactional_db,
 ):
-    """The statements sent together (flows/services.py `_pipelined`) fail as one statement would: the
+    """The statements sent together (flows/services.py `_SentTogether`) fail as one statement would: the
     lock of a row another transaction holds, past the session's lock timeout, raises Django's error from
     the write, nothing of it is stored, and the same connection writes the report once the row is free
     (its transaction was rolled back, psycopg left as Django expects it)."""
