@@ -15,7 +15,6 @@ import json
 import logging
 import operator
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -73,22 +72,21 @@ def _peer_workloads(stamp: tuple, *, as_bytes: bool) -> dict[str, uuid.UUID] | d
     return _peer_map[2] if as_bytes else _peer_map[1]
 
 
-def _write_cursor(*, client_side: bool = False):
+def _write_cursor():
     """The one cursor of a write's transaction, for all its statements: a Django cursor made for each
     statement cost more CPU than the statement's round trip. On PostgreSQL its parameters go apart from
     the statement (server-side binding): Django's own cursors quote every parameter into the statement's
     text in Python (the workloads' update quotes a dozen arrays). Still Django's cursor wrapper (its
-    errors, its query log), over a plain psycopg cursor, with the time zone as Django's cursors have it.
-    With `client_side`, a psycopg ClientCursor (`_SentTogether`: several statements in one query)."""
+    errors, its query log), over a plain psycopg cursor, with the time zone as Django's cursors have it."""
     if connection.vendor != "postgresql":
         return connection.cursor()
     from django.db.backends.postgresql.psycopg_any import register_tzloader
-    from psycopg import ClientCursor, Cursor
+    from psycopg import Cursor
     from psycopg.pq import Format
 
     connection.ensure_connection()
     with connection.wrap_database_errors:
-        cursor = (ClientCursor if client_side else Cursor)(connection.connection)
+        cursor = Cursor(connection.connection)
     if (
         connection.timezone
         != connection.connection.adapters.get_loader(_TIMESTAMPTZ_OID, Format.TEXT).timezone
@@ -307,13 +305,12 @@ WORKLOAD_FLOW_FIELDS = (
 
 
 def _windows_and_workloads_write(
-    cursor, together: _SentTogether, windows: list[dict], unsummed: list[dict], workloads: list[Workload]
+    cursor, windows: list[dict], unsummed: list[dict], workloads: list[Workload]
 ) -> None:
     """The windows' rows, their unsummed marks (`_unsummed_row`) and the workloads' flow fields. On
     PostgreSQL in one statement (two INSERTs in a WITH, then the UPDATE): as two COPYs and an UPDATE
     they were three round trips and seven waits for the server, and each wait cost more of serve's CPU
-    than these few rows. The groups, fifty a window, stay a COPY of their own. Queued on `together`,
-    which sends it with the COMMIT.
+    than these few rows. The groups, fifty a window, stay a COPY of their own.
 
     Each part's rows go as one JSON parameter, read back by `json_to_recordset` into the columns'
     own types: as a column array each (two dozen arrays), psycopg's list adaptation, in Python, cost
@@ -326,7 +323,7 @@ def _windows_and_workloads_write(
     if not workloads:  # nothing of this write's was stored
         return
     sql, attnames = _windows_and_workloads_statement()
-    together.execute(
+    cursor.execute(
         sql,
         [
             _json_rows(windows),
@@ -453,13 +450,17 @@ def flow_reports_write(items: list[SubmittedReport]) -> list[dict | Exception]:
 
 def _reports_write(items: list[SubmittedReport], *, skip_locked: bool) -> list[dict | Exception | None]:
     """`flow_reports_write` for one transaction; None for a report whose workload row was skipped."""
-    with transaction.atomic(), _write_cursor() as cursor, _SentTogether() as together:
-        # The lock, then the reads: two statements, so that the reads' snapshot is taken once the lock
-        # is held (a writer that held it meanwhile has committed, and its windows are seen). Sent
-        # together with the transaction's BEGIN (`_SentTogether`): one wait for the server, not three.
-        lock_rows = _workloads_lock(together, [item.workload_id for item in items], skip_locked=skip_locked)
-        stored_rows = _stored_reads(
-            together,
+    with transaction.atomic(), _write_cursor() as cursor:
+        locked, stamp = _workloads_lock(cursor, [item.workload_id for item in items], skip_locked=skip_locked)
+        now = clock.now()
+        # Nothing is written without a locked workload: the fleet's addresses are read only with one.
+        # On PostgreSQL the groups' ids go to COPY as their 16 bytes (`_values_insert`), made once a
+        # window and once a peer: UUID's own conversion, a Python call per value, cost a tenth of the
+        # parse of a report.
+        as_bytes = connection.vendor == "postgresql"
+        peers = _peer_workloads(stamp, as_bytes=as_bytes) if locked else {}
+        stored_windows, stored_gaps, kept = _stored_reads(
+            cursor,
             windows=[w.id for item in items for _, w in item.report.windows if isinstance(w, ParsedWindow)],
             gaps=[g[0] for item in items for _, g in item.report.gaps if not isinstance(g, Refused)],
             starts=[
@@ -469,16 +470,6 @@ def _reports_write(items: list[SubmittedReport], *, skip_locked: bool) -> list[d
                 if isinstance(w, ParsedWindow)
             ],
         )
-        together.send()
-        locked, stamp = lock_rows()
-        now = clock.now()
-        # Nothing is written without a locked workload: the fleet's addresses are read only with one.
-        # On PostgreSQL the groups' ids go to COPY as their 16 bytes (`_values_insert`), made once a
-        # window and once a peer: UUID's own conversion, a Python call per value, cost a tenth of the
-        # parse of a report.
-        as_bytes = connection.vendor == "postgresql"
-        peers = _peer_workloads(stamp, as_bytes=as_bytes) if locked else {}
-        stored_windows, stored_gaps, kept = stored_rows()
         outcomes: list[dict | Exception | None] = []
         counted = metrics.FlowItemsCounted()
         windows: list[dict] = []
@@ -563,18 +554,15 @@ def _reports_write(items: list[SubmittedReport], *, skip_locked: bool) -> list[d
             outcomes.append({"windows": window_answers, "gaps": gap_answers})
         _values_insert(cursor, FlowGroup, GROUP_COLUMNS, groups, uuids_as_bytes=True)
         EvidenceGap.objects.bulk_create(gaps)
-        webhook_events_record(events)
-        counted.windows, counted.groups = len(windows), len(groups)
-        metrics.flow_reports_stored(counted, gaps=gaps)  # counted once Django's transaction commits
-        # The last statement, with the COMMIT of a transaction `together` opened.
         _windows_and_workloads_write(
             cursor,
-            together,
             windows,
             [_unsummed_row(row, len(window.groups)) for row, window in zip(windows, parsed, strict=True)],
             touched,
         )
-        together.send(commit=True)
+        counted.windows, counted.groups = len(windows), len(groups)
+        metrics.flow_reports_stored(counted, gaps=gaps)
+        webhook_events_record(events)
     return outcomes
 
 
@@ -582,103 +570,18 @@ def _reports_write(items: list[SubmittedReport], *, skip_locked: bool) -> list[d
 # a third of the CPU the ORM spent building them, and serve writes hundreds of reports a second.
 
 
-class _SentTogether:
-    """Statements sent to PostgreSQL as one query, in one wait for the server instead of one each: the
-    simple protocol's several statements, their parameters bound by psycopg on the client (a
-    ClientCursor; scalars and JSON text here, which psycopg quotes in C). `execute` queues a statement
-    and gives what reads its rows once `send` has sent them all. Each statement still runs on its own,
-    in order, with a snapshot of its own; the first that fails ends the query with its error (Django's,
-    as a cursor's would be) and the transaction's rollback. Elsewhere (SQLite) each statement runs when
-    it is executed, as always.
-
-    psycopg sends the BEGIN of Django's transaction on its own and waits for it. When the transaction
-    has sent nothing yet, this sends it instead, at the head of its first query, with psycopg in
-    autocommit (so that it sends none of its own); `send(commit=True)` then ends the query with the
-    COMMIT, and Django's own COMMIT finds the transaction over and sends nothing (its on-commit callbacks
-    run as ever; a failed COMMIT raises from `send`, as Django's would at the block's end). A ROLLBACK is
-    sent by the server's state of the transaction, as before, and Django puts psycopg back in
-    autocommit at the block's end in any case. Within a transaction of the caller's, nothing of this:
-    the statements go together, and Django commits.
-
-    (psycopg's pipeline mode sends statements together too, with server-side binding, but cost more of
-    serve's CPU per statement in Python than the waits it saved: measured, 2026-11-29.)"""
-
-    def __init__(self):
-        self.statements: list[tuple[str, list]] = []
-        self.rows: list[list | None] = []
-        self.cursor = None
-        self.begin = False  # the BEGIN goes at the head of the next query
-        self.opened = False  # this sent the transaction's BEGIN: its COMMIT goes with the last query
-
-    def __enter__(self):
-        if connection.vendor == "postgresql":
-            from psycopg.pq import TransactionStatus
-
-            raw = connection.connection
-            self.begin = not raw.autocommit and raw.pgconn.transaction_status == TransactionStatus.IDLE
-            self.cursor = _write_cursor(client_side=True)
-            if self.begin:
-                with connection.wrap_database_errors:
-                    raw.autocommit = True
-        return self
-
-    def __exit__(self, *exc):
-        if self.cursor is not None:
-            self.cursor.close()
-
-    def execute(self, sql: str, params: list) -> Callable[[], list]:
-        """Queue a statement; the function given reads its rows (an empty list for none) after `send`."""
-        if self.cursor is None:  # SQLite: at once, on a cursor of its own
-            with connection.cursor() as cursor:
-                cursor.execute(sql, params)
-                rows = cursor.fetchall() if cursor.description else []
-            return lambda: rows
-        index = len(self.statements) + len(self.rows)
-        self.statements.append((sql, params))
-        return lambda: self.rows[index] or []
-
-    def send(self, *, commit: bool = False) -> None:
-        if self.cursor is None:
-            return
-        parts = [sql for sql, _ in self.statements]
-        if self.begin:
-            parts.insert(0, "BEGIN")
-        if commit and (self.begin or self.opened):
-            parts.append("COMMIT")
-        if not parts:
-            return
-        params = [value for _, values in self.statements for value in values]
-        self.cursor.execute("; ".join(parts), params)
-        results = []
-        for _ in parts:
-            results.append(self.cursor.fetchall() if self.cursor.description else None)
-            self.cursor.nextset()
-        if self.begin:
-            results.pop(0)
-            self.begin, self.opened = False, True  # the transaction is open: the next query goes without
-        self.rows += results[: len(self.statements)]
-        self.statements = []
-
-
 def _workloads_lock(
-    together: _SentTogether, ids: list[uuid.UUID], *, skip_locked: bool
-) -> Callable[[], tuple[dict[uuid.UUID, Workload], tuple]]:
-    """Executes the lock of the reporting workloads' rows (PostgreSQL) in one order for every writer,
-    with the flow fields a write reads and updates only, and the fleet's latest enrolment
-    (`_peer_workloads`) in the same statement (one round trip and one statement's CPU less a write).
-    Returns what reads its outcome (after `together` sent it): the rows by id, and the stamp."""
-    if not ids:
-        return lambda: ({}, ())
-    sql, names, converters = _workloads_lock_statement(connection.vendor, len(ids), skip_locked)
-    rows = together.execute(sql, [Workload._meta.pk.get_db_prep_value(i, connection) for i in ids])
-    return functools.partial(_workloads_locked, rows, names, converters)
-
-
-def _workloads_locked(
-    rows_of: Callable[[], list], names: list[str], converters: list
+    cursor, ids: list[uuid.UUID], *, skip_locked: bool
 ) -> tuple[dict[uuid.UUID, Workload], tuple]:
-    alias = connection.alias
-    rows = rows_of()
+    """The reporting workloads' rows, locked (PostgreSQL) in one order for every writer, with the flow
+    fields a write reads and updates only; and the fleet's latest enrolment (`_peer_workloads`), read
+    in the same statement (one round trip and one statement's CPU less a write)."""
+    if not ids:
+        return {}, ()
+    sql, names, converters = _workloads_lock_statement(connection.vendor, len(ids), skip_locked)
+    pk, alias = Workload._meta.pk, connection.alias
+    cursor.execute(sql, [pk.get_db_prep_value(i, connection) for i in ids])
+    rows = cursor.fetchall()
     # Model instances made as the ORM makes them, without building a query for them: that cost more
     # than the statement (a RawQuerySet's column mapping and converters, found again every time).
     locked = {}
@@ -739,20 +642,18 @@ def _converted(converters: list, column, value):
 
 
 def _stored_reads(
-    together: _SentTogether,
+    cursor,
     *,
     windows: list[uuid.UUID],
     gaps: list[uuid.UUID],
     starts: list[tuple[uuid.UUID, datetime]],
-) -> Callable[
-    [],
-    tuple[dict[uuid.UUID, uuid.UUID], dict[uuid.UUID, uuid.UUID], dict[tuple[uuid.UUID, datetime, str], int]],
+) -> tuple[
+    dict[uuid.UUID, uuid.UUID], dict[uuid.UUID, uuid.UUID], dict[tuple[uuid.UUID, datetime, str], int]
 ]:
-    """Executes what a write reads of what is stored, in one statement (each part of it is one read off
-    an index; a statement apiece cost more CPU than the reads), and returns what reads its outcome
-    (after `together` sent it): stored id -> its workload's id for the windows' and the gaps' ids
-    stored already, and the keys stored one by one for each (workload, window start) of `starts`, per
-    direction (`_within_start_bound`)."""
+    """What a write reads of what is stored, in one statement (each part of it is one read off an
+    index; a statement apiece cost more CPU than the reads): stored id -> its workload's id for the
+    windows' and the gaps' ids stored already, and the keys stored one by one for each (workload,
+    window start) of `starts`, per direction (`_within_start_bound`)."""
     parts, params = [], []
     if starts:  # first: SQLite converts a compound select's columns by its first select's types
         sql, values = _keys_kept_query(starts)
@@ -763,21 +664,14 @@ def _stored_reads(
             sql, values = _owners_query(model, ids)
             parts.append(f"SELECT '{tag}', {sql}")
             params += values
-    if not parts:
-        return lambda: ({}, {}, {})
-    return functools.partial(_stored_read, together.execute(" UNION ALL ".join(parts), params))
-
-
-def _stored_read(
-    rows_of: Callable[[], list],
-) -> tuple[
-    dict[uuid.UUID, uuid.UUID], dict[uuid.UUID, uuid.UUID], dict[tuple[uuid.UUID, datetime, str], int]
-]:
     owners: dict[str, dict] = {"w": {}, "g": {}}
     kept: dict[tuple[uuid.UUID, datetime, str], int] = {}
+    if not parts:
+        return owners["w"], owners["g"], kept
+    cursor.execute(" UNION ALL ".join(parts), params)
     pks = {"w": FlowWindow._meta.pk, "g": EvidenceGap._meta.pk}
     workload = FlowGroup._meta.get_field("workload").target_field
-    for tag, item, owner, start, direction, keys in rows_of():
+    for tag, item, owner, start, direction, keys in cursor.fetchall():
         if tag == "k":
             # SQLite gives the workload as its text and the start without its zone (UTC): read back as stored.
             kept[

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import itertools
 import json
-import tempfile
 import time
 import uuid
 from datetime import datetime, timedelta
@@ -701,53 +699,11 @@ def test_a_credential_changed_after_the_headers_passed_refuses_the_report_when_i
 
 
 @pytest.mark.postgres
-def test_a_write_waits_for_the_server_four_times(transactional_db):
-    """Each wait for the server cost serve more CPU than a write's few rows (a poll, the socket's calls,
-    the GIL taken back from the report threads): the transaction's BEGIN, the workloads' lock and the
-    stored reads go together (flows/services.py `_SentTogether`), still as statements of their own, and
-    the windows' and workloads' statement with the COMMIT. A write of reports is
-    then four waits (seven before): those two, and the groups' COPY (its start and its end)."""
-    import psycopg
-    from django.db import connection
-
-    from flows.services import flow_reports_write
-    from tests.support.requirements import require
-
-    require(connection.vendor == "postgresql", "needs PostgreSQL: set DATABASE_URL=postgresql://...")
-    workloads = [enrolled(f"web-{i}", f"10.50.3.{i}")[0] for i in range(3)]
-
-    def report():  # windows alone, as most reports are: no gap to store, no webhook event
-        return at_agent_clock({**_with_new_ids(golden()), "gaps": []}, clock.now())
-
-    flow_reports_write([_submitted(workloads[0].id, report())])
-    # libpq's trace of the protocol: a line per message, F (frontend) or B (backend) in its first
-    # field when timestamps are suppressed, the message's type in its third. Each turn from what serve sent to what the server answered
-    # is one wait for the server.
-    pgconn = connection.connection.pgconn
-    with tempfile.TemporaryFile("w+") as trace:
-        pgconn.trace(trace.fileno())
-        pgconn.set_trace_flags(psycopg.pq.Trace.SUPPRESS_TIMESTAMPS)
-        try:
-            answers = flow_reports_write([_submitted(w.id, report()) for w in workloads[1:]])
-        finally:
-            pgconn.untrace()
-        trace.seek(0)
-        messages = [line.split("\t")[:3:2] for line in trace if line.strip()]  # side, message type
-    assert all(a["windows"][0]["result"] == "accepted" for a in answers), answers
-    waits = sum(
-        1 for (sent, _), (answered, _) in itertools.pairwise(messages) if (sent, answered) == ("F", "B")
-    )
-    assert waits == 4, (waits, messages)
-
-
-@pytest.mark.postgres
-def test_a_write_that_fails_in_its_sent_together_statements_stores_nothing_and_the_next_one_lands(
-    transactional_db,
-):
-    """The statements sent together (flows/services.py `_SentTogether`) fail as one statement would: the
-    lock of a row another transaction holds, past the session's lock timeout, raises Django's error from
-    the write, nothing of it is stored, and the same connection writes the report once the row is free
-    (its transaction was rolled back, psycopg left as Django expects it)."""
+def test_a_write_whose_lock_times_out_stores_nothing_and_the_next_one_lands(transactional_db):
+    """The lock of a row another transaction holds, past the session's lock timeout, raises Django's
+    error from the write, nothing of it is stored, and the same connection writes the report once the
+    row is free (its transaction was rolled back, the connection left as Django expects it). It held
+    the write that sent its statements together (branch ingest5, c0a93b7 and f605c5f, not kept)."""
     import threading
 
     from django.db import OperationalError, connection, transaction
