@@ -3,7 +3,8 @@
 
     .venv/bin/python bench/bench_flows.py [--workloads 10000] [--reports 2000] [--keys 50] [--threads 16]
         [--agents 1000] [--clients 4] [--rollup-workloads 1000] [--rollup-hours 24] [--rollup-keys 5]
-        [--samples 30] [--database palisade_bench_flows] [--keep-database]
+        [--samples 30] [--database palisade_bench_flows] [--keep-database] [--gateway-only]
+        [--py-spy PATH --py-spy-output FILE]
 
 Needs PostgreSQL (DATABASE_URL names the server; a throwaway database, --database, is made and
 dropped, unless --keep-database). Measured in one run:
@@ -38,6 +39,12 @@ dropped, unless --keep-database). Measured in one run:
    alone in the same session settings; its plan is kept in the results.
 4. Storage: bytes per group row and per window row (tables and indexes, every partition).
 Results: bench/results/flows.json.
+
+With --gateway-only, 1 is COPY alone (no ingestion in process, no summing) and 3 and 4 are left out:
+the TARGET line of 2 in about a third of the time, to iterate on serve's share (the recorded figures
+come from the whole run). With --py-spy PATH (a py-spy binary), serve is sampled while the reports
+are posted (`py-spy record --format raw --threads`, 100 Hz, and BENCH_PY_SPY_FLAGS, e.g. `--gil`) into
+--py-spy-output, and the CPU each of serve's threads took meanwhile beside it (.threads.json).
 """
 
 from __future__ import annotations
@@ -253,6 +260,21 @@ def _process_cpu_seconds(pid: int, *, with_exited_children: bool = False) -> flo
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
+def _threads_cpu_seconds(pid: int) -> dict[int, tuple[float, int]]:
+    """CPU of each of a process's threads, by its thread id (py-spy's samples name them so), and the
+    times it was switched off its core (voluntary and not: a wait for the GIL or a lock is one)."""
+    cpu = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            status = (task / "status").read_text()
+        except OSError:  # ended since the listing
+            continue
+        switches = sum(int(line.split()[1]) for line in status.splitlines() if "ctxt_switches:" in line)
+        cpu[int(task.name)] = ((int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), switches)
+    return cpu
+
+
 def _postgres_cpu_seconds() -> float:
     """CPU of every PostgreSQL process on the machine (the backends serve writes through, and the
     WAL and background writers they keep busy), and of the backends that exited since the server
@@ -276,7 +298,13 @@ def _postgres_cpu_seconds() -> float:
 
 
 def bench_gateway(
-    reports: int, keys: int, agents: int, clients: int, connections: int, rng: random.Random
+    reports: int,
+    keys: int,
+    agents: int,
+    clients: int,
+    connections: int,
+    rng: random.Random,
+    py_spy: tuple[str, str] | None = None,
 ) -> dict:
     """The same reports through the real serve: signed by enrolled workloads' keys, posted over TLS to
     the gateway listener, authenticated, parsed and written as serve writes them."""
@@ -328,12 +356,40 @@ def bench_gateway(
         results = ctx.Queue()
         workers = [ctx.Process(target=_post_reports, args=(host, port, cert_pem, requests[c::clients], connections, results))
                    for c in range(clients)]  # fmt: skip
+        profile = None
+        if py_spy:  # started before the clients, so that its attaching is not in the measured CPU
+            import signal
+            import subprocess
+
+            profile = subprocess.Popen(
+                [py_spy[0], "record", "--pid", str(serve.process.pid), "--format", "raw", "--threads",
+                 "--rate", "100", "--nonblocking", "--output", py_spy[1],
+                 *os.environ.get("BENCH_PY_SPY_FLAGS", "").split()],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )  # fmt: skip
+            time.sleep(2)
+            threads_before = _threads_cpu_seconds(serve.process.pid)
         cpu_before, postgres_before = _process_cpu_seconds(serve.process.pid), _postgres_cpu_seconds()
         started = time.perf_counter()
         for worker in workers:
             worker.start()
         answers = [results.get(timeout=600) for _ in workers]
         took = time.perf_counter() - started
+        if profile is not None:
+            threads_after = _threads_cpu_seconds(serve.process.pid)
+            profile.send_signal(signal.SIGINT)
+            profile.wait(60)
+            Path(py_spy[1] + ".threads.json").write_text(
+                json.dumps(
+                    {
+                        t: [
+                            round(c - threads_before.get(t, (0.0, 0))[0], 3),
+                            n - threads_before.get(t, (0.0, 0))[1],
+                        ]
+                        for t, (c, n) in threads_after.items()
+                    }
+                )
+            )
         serve_cpu = _process_cpu_seconds(serve.process.pid) - cpu_before
         postgres_cpu = _postgres_cpu_seconds() - postgres_before
         failures = [failure for failed, _ in answers for failure in failed]
@@ -580,6 +636,15 @@ def main() -> int:
     parser.add_argument(
         "--keep-database", action="store_true", help="leave the database for a look at its plans afterwards"
     )
+    parser.add_argument(
+        "--gateway-only",
+        action="store_true",
+        help="COPY and the gateway's TARGET line only (no ingestion in process, rollup or storage)",
+    )
+    parser.add_argument(
+        "--py-spy", metavar="PATH", help="a py-spy binary: sample serve while reports are posted"
+    )
+    parser.add_argument("--py-spy-output", default="bench/results/flows-serve.pyspy.txt")
     args = parser.parse_args()
     DB_NAME, DB_URL = args.database, ADMIN_URL.rsplit("/", 1)[0] + "/" + args.database
     rng = random.Random(20261126)
@@ -588,11 +653,24 @@ def main() -> int:
         django_setup()
         log(f"a fleet of {args.workloads} workloads")
         ids = workloads_insert(args.workloads, {"group": "fleet"}, rng)
-        ingestion = bench_ingestion(ids, args.reports, args.keys, args.threads, rng)
-        log(f"ingestion: {ingestion['ingest_rows_per_second']} rows/s, COPY {ingestion['copy_rows_per_second']} "
-            f"rows/s, ratio {ingestion['ratio_ingest_over_copy']} (information; was the target, >= {RATIO_TARGET}); with summing "
-            f"({ingestion['hours_sum_seconds']} s) {ingestion['ratio_with_hourly_sums_over_copy']}")  # fmt: skip
-        gateway = bench_gateway(args.reports, args.keys, args.agents, args.clients, args.connections, rng)
+        if args.gateway_only:
+            rows = args.reports * (args.keys + 1)
+            log(f"COPY of {rows} rows")
+            start = datetime.now(UTC) - timedelta(hours=3)
+            ingestion = {
+                "copy_rows_per_second": round(
+                    rows / copy_rows(ids, windows=args.reports, keys=args.keys, start=start)
+                )
+            }
+        else:
+            ingestion = bench_ingestion(ids, args.reports, args.keys, args.threads, rng)
+            log(f"ingestion: {ingestion['ingest_rows_per_second']} rows/s, COPY {ingestion['copy_rows_per_second']} "
+                f"rows/s, ratio {ingestion['ratio_ingest_over_copy']} (information; was the target, >= {RATIO_TARGET}); with summing "
+                f"({ingestion['hours_sum_seconds']} s) {ingestion['ratio_with_hourly_sums_over_copy']}")  # fmt: skip
+        py_spy = (args.py_spy, args.py_spy_output) if args.py_spy else None
+        gateway = bench_gateway(
+            args.reports, args.keys, args.agents, args.clients, args.connections, rng, py_spy
+        )
         log(f"COPY of {gateway['rows']} rows again")
         copy_again = gateway["rows"] / copy_rows(
             ids, windows=args.reports, keys=args.keys, start=datetime.now(UTC) - timedelta(hours=2)
@@ -622,6 +700,8 @@ def main() -> int:
             f"(the faster of {ingestion['copy_rows_per_second']} and {gateway['copy_rows_per_second_again']}, this run): "
             f"ratio {gateway['one_serve_core_rows_over_copy']} (target >= {SERVE_CORE_OVER_COPY_TARGET}, "
             f"{'met' if gateway['one_serve_core_rows_over_copy_met'] else 'MISSED'})")  # fmt: skip
+        if args.gateway_only:
+            return 0
         rollup_ids = workloads_insert(args.rollup_workloads, {"group": "rollup"}, rng)
         load_rollup_data(rollup_ids, args.rollup_hours, args.rollup_keys)
         rollup = bench_rollup(args.rollup_hours, args.samples)

@@ -696,3 +696,50 @@ def test_a_credential_changed_after_the_headers_passed_refuses_the_report_when_i
         workload_id=str(other.id), data=at_agent_clock(golden(), clock.now()), sender=sender
     )
     assert [r["result"] for r in answer["windows"]] == ["accepted"]
+
+
+@pytest.mark.postgres
+def test_a_write_whose_lock_times_out_stores_nothing_and_the_next_one_lands(transactional_db):
+    """The lock of a row another transaction holds, past the session's lock timeout, raises Django's
+    error from the write, nothing of it is stored, and the same connection writes the report once the
+    row is free (its transaction was rolled back, the connection left as Django expects it). It held
+    the write that sent its statements together (branch ingest5, c0a93b7 and f605c5f, not kept)."""
+    import threading
+
+    from django.db import OperationalError, connection, transaction
+
+    from fleet.models import Workload
+    from flows.services import flow_reports_write
+    from tests.support.requirements import require
+
+    require(connection.vendor == "postgresql", "needs PostgreSQL: set DATABASE_URL=postgresql://...")
+    workload = enrolled("held", "10.50.4.1")[0]
+    item = _submitted(workload.id, at_agent_clock({**_with_new_ids(golden()), "gaps": []}, clock.now()))
+    locked, release = threading.Event(), threading.Event()
+
+    def holder():
+        try:
+            with transaction.atomic():
+                list(Workload.objects.select_for_update().filter(id=workload.id))
+                locked.set()
+                release.wait(10)
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+    try:
+        assert locked.wait(10)
+        with connection.cursor() as cursor:
+            cursor.execute("SET lock_timeout = '100ms'")
+        with pytest.raises(OperationalError, match="lock"):
+            flow_reports_write([item])
+        assert not connection.in_atomic_block and connection.get_autocommit()
+        assert FlowWindow.objects.filter(workload=workload).count() == 0
+    finally:
+        release.set()
+        thread.join(10)
+    answers = flow_reports_write([item])
+    assert answers[0]["windows"][0]["result"] == "accepted"
+    assert FlowWindow.objects.filter(workload=workload).count() == 1
+    assert FlowGroup.objects.filter(workload=workload).count() == 2
