@@ -107,7 +107,7 @@ class Outcome:
     stable: bool = False  # the stream was up long enough to reset the backoff
     stopped: bool = False
     retry_after: float | None = None  # the gateway refused the upgrade with 503 or 429: wait this long
-    busy: bool = False  # a gateway reset the connection before TLS: up, at its bound on handshakes
+    busy: bool = False  # a gateway took the connection, then reset it or did not finish the handshake
 
 
 class Agent:

@@ -498,10 +498,7 @@ class ConnectionLimiter:
                 listener.refused_new.inc()
                 listener.accepting_pause()  # one of a batch accepted together: the rest wait queued
                 return False
-            self.events["closed to admit a new one (a stalled unfinished handshake of its listener)"] += 1
-            listener.closed_stalled.inc()
-            self.released(stalled)
-            stalled.cut()
+            self._stalled_close(listener, stalled)
         if self.total >= self.limits.max_connections:
             if self.waiting:
                 oldest = next(iter(self.waiting))
@@ -535,17 +532,20 @@ class ConnectionLimiter:
         listener.first_stall = first
         return None
 
-    def stalled_cut(self, listener: LimitingFactory, now: float) -> None:
+    def _stalled_close(self, listener: LimitingFactory, connection: LimitedConnection) -> None:
+        self.events["closed to admit a new one (a stalled unfinished handshake of its listener)"] += 1
+        listener.closed_stalled.inc()
+        self.released(connection)
+        connection.cut()
+
+    def _stalled_close_all(self, listener: LimitingFactory, now: float) -> None:
         """Accepting paused, no newcomer is offered to take a stalled one's place: every stalled
         unfinished connection is closed here, and the queue fills their places at once."""
         stalled = [connection for connection in listener.unfinished if connection.stalls_at <= now]
         for connection in stalled:
             listener.unfinished.pop(connection)  # all out first: accepting resumes once, for them all
         for connection in stalled:
-            self.events["closed to admit a new one (a stalled unfinished handshake of its listener)"] += 1
-            listener.closed_stalled.inc()
-            self.released(connection)
-            connection.cut()
+            self._stalled_close(listener, connection)
 
     def admitted(self, connection: LimitedConnection) -> None:
         self.total += 1
@@ -663,7 +663,7 @@ class ConnectionLimiter:
         now = self.clock.seconds()
         for listener in self.listeners:
             if listener.paused and now >= listener.first_stall:
-                self.stalled_cut(listener, now)
+                self._stalled_close_all(listener, now)
         for connection in [c for c in self.waiting if c.deadline < now]:
             if self.still_reading(connection, now):
                 connection.deadline = now + SWEEP_EVERY_SECONDS

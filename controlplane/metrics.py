@@ -158,8 +158,9 @@ STREAM_ADMISSIONS_REFUSED = Counter(
 )
 HANDSHAKES_CLOSED = Counter(
     "palisade_handshakes_closed",
-    "Stalled unfinished handshakes (connections before their first request head) closed to admit a "
-    "new connection at the listener's bound (--max-handshakes).",
+    "Stalled unfinished handshakes (connections before their first request head) closed at the "
+    "listener's bound (--max-handshakes): to admit a new connection, or by the sweep while the listener "
+    "is not accepting.",
     ["listener"],
     registry=REGISTRY,
 )

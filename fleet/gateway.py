@@ -28,7 +28,6 @@ from controlplane.text import visible
 from controlplane.validation import parse_instant, require_object
 from fleet import credentials, held_streams, stream_writes, streams, sync
 from fleet.admission import stream_admission
-from fleet.choices import OwnedTableState
 from fleet.credentials import signing_public_key
 from fleet.enrolment import workload_enrol
 from fleet.push import stream_group
@@ -38,7 +37,6 @@ log = logging.getLogger("palisade.gateway")
 
 
 AUTH_TIMEOUT_SECONDS = 10
-REPORTED_TABLE_STATES = (OwnedTableState.PRESENT, OwnedTableState.ABSENT)  # "unknown" is not a report
 HEARD_FROM_EVERY_SECONDS = 60  # heartbeats refresh last_heard_from at most this often
 # A stream's channel-layer memberships are joined again this often: the layer expires them after a
 # day (channels' group_expiry), and each join is two Redis round trips (10,000 streams joining every
@@ -231,7 +229,7 @@ class SyncStreamConsumer(LayerIndependentConsumer, AsyncWebsocketConsumer):
                 grant.workload_id, self.stream_id
             )
         held_streams.fleet_receiver_ensure()  # notifications of many workloads reach this process
-        self.table_state = auth.owned_table if auth.owned_table in REPORTED_TABLE_STATES else None
+        self.table_state = auth.owned_table if auth.owned_table in sync.REPORTED_TABLE_STATES else None
         # An older stream of the same workload (a reconnect the server has not noticed) gives way.
         await self.join_group(
             stream_group(grant.workload_id), announce={"type": "stream.replaced", "stream_id": self.stream_id}
@@ -289,7 +287,7 @@ class SyncStreamConsumer(LayerIndependentConsumer, AsyncWebsocketConsumer):
         await self.snapshot_answered(message.version)
 
     async def on_heartbeat(self, message: protocol.Heartbeat) -> None:
-        state = message.owned_table if message.owned_table in REPORTED_TABLE_STATES else None
+        state = message.owned_table if message.owned_table in sync.REPORTED_TABLE_STATES else None
         self.last_heartbeat = (message.process_start_id, clock.now())
         backlog = None
         if message.flow_backlog_since is not None:
@@ -331,7 +329,7 @@ class SyncStreamConsumer(LayerIndependentConsumer, AsyncWebsocketConsumer):
             self.heard_at, self.table_state, self.flow_backlog_since = now, state, backlog
 
     async def on_table(self, message: protocol.TableState) -> None:
-        if message.state not in REPORTED_TABLE_STATES:
+        if message.state not in sync.REPORTED_TABLE_STATES:
             raise protocol.ProtocolError(protocol.CLOSE_MALFORMED, "table state must be present or absent")
         self.table_state = message.state
         log.info("%s reports its owned table %s", self.grant.hostname, message.state)

@@ -53,6 +53,18 @@ def _save(workload: Workload, *fields: str) -> None:
     workload.save(update_fields=[*fields, "rank"])
 
 
+# What an agent reports of its owned table; "unknown" (or anything else) is no report.
+REPORTED_TABLE_STATES = (OwnedTableState.PRESENT, OwnedTableState.ABSENT)
+
+
+def _pending_rank() -> Case:
+    """`rank_of(PENDING, owned_table_state)` in SQL, for updates of many rows or without a read."""
+    return Case(
+        When(owned_table_state=OwnedTableState.ABSENT, then=Value(Workload.RANK_ATTENTION)),
+        default=Value(Workload.RANK_PENDING),
+    )
+
+
 def _current_stream(workload: Workload, stream_id: str) -> bool:
     return bool(stream_id) and workload.stream_id == stream_id
 
@@ -67,10 +79,7 @@ def latest_version_moved(moved: dict[str, str]) -> None:
     Workload.objects.filter(id__in=connected).update(
         sync_state=SyncState.PENDING,
         sync_error="",
-        rank=Case(
-            When(owned_table_state=OwnedTableState.ABSENT, then=Value(Workload.RANK_ATTENTION)),
-            default=Value(Workload.RANK_PENDING),
-        ),
+        rank=_pending_rank(),
     )
 
     notify_streams([str(i) for i in connected], {"type": "policy.updated"})
@@ -122,13 +131,9 @@ def workload_stream_opened(
     if agent_version:
         fields["agent_version"] = visible(agent_version)[:64]  # the agent's free text, escaped
     unchanged = Workload.objects.filter(id=workload_id)
-    if owned_table_state in (OwnedTableState.ABSENT, OwnedTableState.PRESENT):
+    if owned_table_state in REPORTED_TABLE_STATES:
         unchanged = unchanged.filter(owned_table_state=owned_table_state)
-    rank = Case(
-        When(owned_table_state=OwnedTableState.ABSENT, then=Value(Workload.RANK_ATTENTION)),
-        default=Value(Workload.RANK_PENDING),
-    )
-    if unchanged.update(**fields, rank=rank):
+    if unchanged.update(**fields, rank=_pending_rank()):
         return
     with transaction.atomic():
         workload = _locked(workload_id)
@@ -292,7 +297,7 @@ def _table_events(before: str, after: str, workload: Workload) -> list:
 def _table_reported(workload: Workload, state: str | None) -> list[str]:
     """The owned table's state as the agent reports it (present or absent; anything else is no
     report), with the webhook event of a change. Returns the fields it changed."""
-    if state not in (OwnedTableState.ABSENT, OwnedTableState.PRESENT):
+    if state not in REPORTED_TABLE_STATES:
         return []
     webhook_events_record(_table_events(workload.owned_table_state, state, workload))
     workload.owned_table_state = state
@@ -366,7 +371,7 @@ def workload_alive(*, workload_id, stream_id: str, process_start_id: str | None 
 def workload_table_reported(*, workload_id, stream_id: str, state: str) -> None:
     """The agent reports its owned table gone from the kernel (`absent`) or back (`present`).
     Enforcement removed is independent of the sync state, which keeps recording the last ack."""
-    if state not in (OwnedTableState.ABSENT, OwnedTableState.PRESENT):
+    if state not in REPORTED_TABLE_STATES:
         raise Problem("malformed-request", f"owned table state must be absent or present, not {state!r}")
     workload_heard_from(workload_id=workload_id, stream_id=stream_id, owned_table_state=state)
 
