@@ -2,7 +2,7 @@
 """The floor of the fixed stack (issue 36): what daphne, Twisted's TLS and the websockets client cost
 per connection and per flow report with no Palisade code at all, on this machine.
 
-    .venv/bin/python bench/bench_stock_floor.py [--connections 3000] [--clients 2] [--concurrency 200]
+    .venv/bin/python bench/bench_stock_floor.py [--connections 3000] [--clients 2] [--concurrency 200] [--idle 20]
         [--reports 2000] [--post-clients 4] [--keep-alive 4] [--flow-threads 16]
         [--only tls,ws,...]
 
@@ -12,7 +12,8 @@ controlplane/listeners.py) and counts its utime + stime (/proc) from when the cl
 the last has finished, and each client process's own CPU meanwhile.
 
 Streams: --clients processes open --connections connections in all, at most --concurrency at a time
-each (a failover storm: every agent wants in at once), and hold them. Each connects as the agent does
+each (a failover storm: every agent wants in at once), and hold them: what they cost held is measured
+for --idle seconds after the last is in. Each connects as the agent does
 (agent/daemon.py `_open`: a non-blocking socket with the kernel's silence bound, the pinned context of
 agent/tls.py, websockets' `connect` with the simulator's settings and buffers: agent/simulated.py).
   tls          a bare TLS handshake on daphne's listener, no HTTP
@@ -236,8 +237,9 @@ def cpu_seconds(pid: int) -> float:
 # The clients --------------------------------------------------------------------------------------------
 
 
-def stream_client(kind, port, cert_pem, count, concurrency, go, hold, results) -> None:
-    """`count` connections as the agent opens them, at most `concurrency` under way; held until `hold`."""
+def stream_client(kind, port, cert_pem, count, concurrency, go, idle, hold, results) -> None:
+    """`count` connections as the agent opens them, at most `concurrency` under way; held until `hold`,
+    and the CPU they cost held from `idle` to `hold` reported too."""
     from websockets.asyncio.client import connect
 
     from agent import protocol
@@ -297,7 +299,10 @@ def stream_client(kind, port, cert_pem, count, concurrency, go, hold, results) -
         cpu, began = time.process_time(), time.time()
         await asyncio.gather(*(one(gate, held, failures, i) for i in range(count)))
         results.put((len(held), failures[:3], len(failures), time.process_time() - cpu, began, time.time()))
+        await asyncio.get_running_loop().run_in_executor(None, idle.wait)
+        cpu = time.process_time()
         await asyncio.get_running_loop().run_in_executor(None, hold.wait)
+        results.put(time.process_time() - cpu)
         for each in held:
             (each if kind == "tls" else each.transport).abort()
 
@@ -370,14 +375,14 @@ def measure(kind: str, args, workdir: Path) -> dict:
     from controlplane.tls import fingerprint_of
 
     ctx = multiprocessing.get_context("spawn")
-    go, hold, results = ctx.Event(), ctx.Event(), ctx.Queue()
+    go, idle, hold, results = ctx.Event(), ctx.Event(), ctx.Event(), ctx.Queue()
     process, port, cert_pem = server_start(kind, workdir / kind, args.flow_threads)
     workers = []
     try:
         if kind in STREAMS:
             total, unit = args.connections, "connection"
             shares = [total // args.clients + (i < total % args.clients) for i in range(args.clients)]
-            workers = [ctx.Process(target=stream_client, args=(kind, port, cert_pem, n, args.concurrency, go, hold, results))
+            workers = [ctx.Process(target=stream_client, args=(kind, port, cert_pem, n, args.concurrency, go, idle, hold, results))
                        for n in shares]  # fmt: skip
         else:
             total, unit = args.reports, "report"
@@ -391,7 +396,17 @@ def measure(kind: str, args, workdir: Path) -> dict:
         go.set()
         answers = [results.get(timeout=600) for _ in workers]
         server_cpu, load_after = cpu_seconds(process.pid) - server_before, os.getloadavg()
+        held = {}
+        if (
+            kind in STREAMS
+        ):  # what the held connections cost, idle: keepalive pings both ways, daphne's checks
+            idle.set()
+            before = cpu_seconds(process.pid)
+            time.sleep(args.idle)
+            held["server"] = cpu_seconds(process.pid) - before
         hold.set()
+        if kind in STREAMS:
+            held["clients"] = sum(results.get(timeout=60) for _ in workers)
         for worker in workers:
             worker.join(60)
     finally:
@@ -421,6 +436,8 @@ def measure(kind: str, args, workdir: Path) -> dict:
         "load_end": [round(x, 2) for x in load_after],
     }
     result["both_cpu_ms"] = round(result["server_cpu_ms"] + result["client_cpu_ms"], 3)
+    for side, cpu in held.items():  # us of CPU a held connection costs a second
+        result[f"held_{side}_cpu_us_per_second"] = round(cpu / args.idle / max(done, 1) * 1e6, 2)
     return result
 
 
@@ -435,6 +452,7 @@ def main() -> int:
     parser.add_argument(
         "--concurrency", type=int, default=200, help="connections under way per client process"
     )
+    parser.add_argument("--idle", type=float, default=20.0, help="seconds the held streams are measured idle")
     parser.add_argument("--reports", type=int, default=2000)
     parser.add_argument("--post-clients", type=int, default=4, help="as bench_flows.py's --clients")
     parser.add_argument("--keep-alive", type=int, default=4, help="as bench_flows.py's --connections")
@@ -455,6 +473,9 @@ def main() -> int:
             print(f"{kind:12} server {m['server_cpu_ms']:6.3f} ms CPU a {m['unit']}, clients {m['client_cpu_ms']:6.3f} ms "
                   f"(both {m['both_cpu_ms']:6.3f}), {m['per_second']:7.1f}/s, {m['done']} done, {m['failures']} failed "
                   f"{m['failure_examples'][:1]}; load {m['load_start'][0]:.2f} -> {m['load_end'][0]:.2f}", flush=True)  # fmt: skip
+            if "held_server_cpu_us_per_second" in m:
+                print(f"{'':12} held idle: server {m['held_server_cpu_us_per_second']:.2f} us CPU a connection a second, "
+                      f"clients {m['held_clients_cpu_us_per_second']:.2f} us")  # fmt: skip
     if "post-verify" in kinds:
         m = measures["work-alone"] = work_alone(args.reports)
         print(
