@@ -37,6 +37,12 @@ For each count, from nothing:
    "visibility" to the survivor, and time until every workload streams on it in that mode with its
    latest version applied. The survivor's RSS is then read per stream as well.
 
+With --floor, the fixed stack's floor is measured in the same run, just before the first count:
+bench/bench_stock_floor.py's `ws-auth` (daphne over TLS answering the agent's own connect path and the
+protocol's least authentication, no Palisade code) for as many connections as the largest count, from
+--simulators client processes; the failover's CPU a reconnect (serve, simulators) is then printed
+over the floor's (server, clients): how much of a reconnect is the stack's and how much Palisade's.
+
 With --py-spy PATH (py-spy installed anywhere, e.g. `pip install --target /tmp/x py-spy`), serve (the
 first; after a kill, the survivor) is sampled during the connect phase, the held idle fleet, the
 mode change and the failover (`py-spy record --format raw --threads --idle`, collapsed stacks per
@@ -741,6 +747,9 @@ def failover(procs, name, rows, sims, post, wait_until, count, idle, py_spy, pro
         "survivor_rss_mb": rss,
         "survivor_rss_per_stream_kb": round((rss - idle[survivor]) * 1024 / count, 1),
     }
+    out["cpu_ms_per_reconnect"] = {
+        name: round(seconds / count * 1000, 2) for name, seconds in cpu["cpu_s"].items()
+    }
     log(
         f"{count}: SIGKILL {out['killed']}: all {count} streaming on {name[gateway]} after "
         f"{failover_s:.1f} s [target <= {FAILOVER_TARGET_S:.0f} s: {'met' if out['met'] else 'MISSED'}] "
@@ -778,6 +787,37 @@ def load() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
+def stream_floor(connections: int, clients: int) -> dict:
+    """bench_stock_floor.py's `ws-auth`: the fixed stack's CPU for a stream, with no Palisade code."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from bench_stock_floor import FLOW_THREADS, measure
+
+    args = argparse.Namespace(
+        connections=connections, clients=clients, concurrency=200, idle=5.0, flow_threads=FLOW_THREADS
+    )
+    log(f"the stack's floor: {connections} authenticated streams on a stock daphne ...")
+    with tempfile.TemporaryDirectory(prefix="palisade-floor-") as tmp:
+        (Path(tmp) / "ws-auth").mkdir()
+        floor = measure("ws-auth", args, Path(tmp))
+    log(
+        f"the stack's floor: server {floor['server_cpu_ms']} ms, clients {floor['client_cpu_ms']} ms of CPU a "
+        f"stream, {floor['per_second']}/s, {floor['failures']} failed; load {load()}"
+    )
+    return floor
+
+
+def over_floor(reconnect: dict, floor: dict) -> str:
+    """The failover's CPU a reconnect over the floor's, side by side."""
+    serve, sims = reconnect["serve"], reconnect["simulators"]
+    both = serve + sims
+    return (
+        f"CPU a reconnect over the stack's floor (same run): serve {serve:.2f} / {floor['server_cpu_ms']:.2f} ms "
+        f"= {serve / floor['server_cpu_ms']:.2f}x, simulators {sims:.2f} / {floor['client_cpu_ms']:.2f} ms "
+        f"= {sims / floor['client_cpu_ms']:.2f}x, both {both:.2f} / {floor['both_cpu_ms']:.2f} ms "
+        f"= {both / floor['both_cpu_ms']:.2f}x (PostgreSQL {reconnect.get('postgres', 0):.2f} ms more)"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
@@ -804,6 +844,11 @@ def main() -> None:
         default=10.0,
         help="each simulated agent's time for TLS and the upgrade (default 10, the real agent's)",
     )
+    parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="measure the stock stack's stream floor first (bench_stock_floor.py ws-auth) as the baseline",
+    )
     parser.add_argument("--py-spy", metavar="PATH", help="a py-spy binary: sample serve during each phase")
     parser.add_argument(
         "--profile-dir", type=Path, default=Path(tempfile.gettempdir()) / "palisade-bench-profiles"
@@ -820,6 +865,7 @@ def main() -> None:
     nofile = raise_open_file_limit()
 
     source = source_state()
+    floor = stream_floor(max(int(c) for c in args.counts.split(",")), args.simulators) if args.floor else None
     runs = [
         run_count(
             int(c),
@@ -837,6 +883,7 @@ def main() -> None:
     ]
     results = {
         "runs": runs,
+        "floor": floor,
         "source": {"at_start": source, "at_end": source_state()},
         "machine": {
             "cpus": os.cpu_count(),
@@ -867,6 +914,8 @@ def main() -> None:
                 f"{'met' if failover['met'] else 'MISSED'}]; a mode change then applied everywhere in "
                 f"{failover['mode_change_after']['until_all_applied_s']:.1f} s"
             )
+            if floor:
+                print("  " + over_floor(failover["cpu_ms_per_reconnect"], floor))
         elif run.get("error"):
             print(f"  then: {run['error']}")
     results_write("fleet_scale", results)
