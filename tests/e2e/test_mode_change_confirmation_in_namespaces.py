@@ -20,6 +20,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.root, pytest.mark.timeout(600)]
 
 CP, WEB, CLIENT = "10.88.0.1", "10.88.0.11", "10.88.0.12"
 PORT = 9090  # a TCP server on both workloads; no rule admits it, so `enforced` closes it
+RESTART_WINDOW = 30  # seconds to confirm in, around a stop and a start of serve
 
 
 @pytest.fixture
@@ -86,13 +87,13 @@ def test_unconfirmed_enforcement_is_put_back_on_time_and_once_through_restarts(l
                 api.wait_converged(workload_id)
             assert probe(lab, "cp", WEB, PORT) == probe(lab, "cp", CLIENT, PORT) == "open"
 
-            def change(workload_id, mode):
+            def change(workload_id, mode, within=10):
                 answer = api.post(
                     "/mode-changes",
                     {
                         "selection": {"workload_ids": [workload_id]},
                         "mode": mode,
-                        "confirm_within_seconds": 10,
+                        "confirm_within_seconds": within,
                     },
                 )
                 assert answer.status_code == 202, answer.text
@@ -150,14 +151,17 @@ def test_unconfirmed_enforcement_is_put_back_on_time_and_once_through_restarts(l
             )
             assert api.workload(web_id)["mode"] == "enforced" and probe(lab, "cp", WEB, PORT) == "closed"
 
-            # -- serve restarted inside the window: the new process puts it back, once --
+            # -- serve restarted inside the window: the new process puts it back, once. The window is
+            # RESTART_WINDOW: a stop and a start took 10.5 s in CI on a slow machine, past a 10 s one --
             asked = time.monotonic()
-            restarted = change(client_id, "enforced")
+            restarted = change(client_id, "enforced", within=RESTART_WINDOW)
             enforced_and_closed(client_id, CLIENT)
             assert first.stop() == 0
             first = serve(8080, 8443)
             api = first.api(token)
-            assert time.monotonic() - asked < 10, "the restart took the whole window: the test proves nothing"
+            assert time.monotonic() - asked < RESTART_WINDOW, (
+                "the restart took the whole window: the test proves nothing"
+            )
             wait_until(
                 "the change put back after the restart",
                 lambda: back_open(client_id, CLIENT, "visibility"),
