@@ -75,7 +75,7 @@ from urllib.parse import urlsplit, urlunsplit
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchlib import exit_on_sigterm, results_write  # noqa: E402
+from benchlib import cpu_seconds, exit_on_sigterm, results_write  # noqa: E402
 
 from tests.support.serve_process import ServeProcess, free_port, terminate  # noqa: E402
 
@@ -99,15 +99,6 @@ def vm_rss_mb(pid: int) -> float:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024
     raise RuntimeError(f"no VmRSS for {pid}")
-
-
-def cpu_seconds(pid: int, *, reaped: bool = False) -> float:
-    """User + system CPU time of one process so far; with `reaped`, of its children that it waited for
-    too (the kernel adds an exited child's time to its parent's when the parent reaps it)."""
-    with open(f"/proc/{pid}/stat") as handle:
-        fields = handle.read().rpartition(")")[2].split()
-    ticks = int(fields[11]) + int(fields[12]) + (int(fields[13]) + int(fields[14]) if reaped else 0)
-    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def named_cpu_seconds(*names: str) -> float:

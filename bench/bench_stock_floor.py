@@ -52,7 +52,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from benchlib import exit_on_sigterm, results_write  # noqa: E402
+from benchlib import cpu_seconds, exit_on_sigterm, results_write  # noqa: E402
 
 STREAMS = ("tls", "ws", "ws-channels", "ws-auth")
 POSTS = ("post-asgi", "post-plain", "post-verify")
@@ -209,11 +209,10 @@ def serve(kind: str, port: int, cert: str, key: str, threads: int) -> None:
 
 def server_start(kind: str, workdir: Path, threads: int) -> tuple[subprocess.Popen, int, str]:
     from controlplane.tls import ensure_certificate
+    from tests.support.serve_process import free_port
 
     cert = ensure_certificate(workdir, "floor", [])  # EC P-256, self-signed, as serve makes its own
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     args = [sys.executable, __file__, "--serve", kind, str(port), str(cert.cert_path), str(cert.key_path), str(threads)]  # fmt: skip
     process = subprocess.Popen(args, stdout=subprocess.DEVNULL)
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
@@ -227,11 +226,6 @@ def server_start(kind: str, workdir: Path, threads: int) -> tuple[subprocess.Pop
             time.sleep(0.1)
     process.kill()
     raise SystemExit(f"the {kind} server did not start")
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
 # The clients --------------------------------------------------------------------------------------------

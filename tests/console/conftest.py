@@ -22,7 +22,7 @@ def pytest_runtest_makereport(item, call):
     page = watched.page
     try:
         name = f"failed-{item.name}"
-        page.screenshot(path=str(SCREENSHOTS / f"{name}.png"), full_page=True, caret="initial")
+        watched.shot(name)
         (SCREENSHOTS / f"{name}.html").write_text(page.content())
         seen = f"{page.url}\ntitle: {page.title()}\n\n{page.inner_text('body')[:TEXT_SHOWN]}"
     except Exception as error:  # noqa: BLE001 - the page may be gone; the failure itself stands
