@@ -1,9 +1,46 @@
+import os
+import re
+
 import pytest
 from rest_framework.test import APIClient
 
 from controlplane.auth.actor import CLI_ACTOR
 
 PASSWORD = "correct horse battery staple"
+
+
+def _redis_of_this_worker(url: str, worker: str) -> str:
+    """Under pytest-xdist (.ci/run's `-n 2`) each worker gets a Redis database of its own, the next
+    after REDIS_TEST_URL's for worker gw1: serve processes of two tests running at once on the same
+    database would share its fleet-wide keys (the stream authentications' bound, the channel layer's
+    groups)."""
+    number = int(worker.removeprefix("gw"))
+    found = re.fullmatch(r"(redis://[^/]+)(?:/(\d+))?", url)
+    if found is None or number == 0:
+        return url
+    return f"{found[1]}/{int(found[2] or 0) + number}"
+
+
+if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get("REDIS_TEST_URL"):
+    os.environ["REDIS_TEST_URL"] = _redis_of_this_worker(
+        os.environ["REDIS_TEST_URL"], os.environ["PYTEST_XDIST_WORKER"]
+    )
+
+
+@pytest.fixture(scope="session")
+def django_db_modify_db_settings_xdist_suffix(request):
+    """pytest-django's own, which takes our SQLite engine (controlplane.sqlite) for a server's and
+    names a file for it: each xdist worker gets a PostgreSQL test database of its own (suffixed with
+    the worker's id), and on SQLite keeps Django's test database in memory, its process's own."""
+    worker = getattr(request.config, "workerinput", {}).get("workerid")
+    if not worker:
+        return
+    from django.conf import settings
+
+    for database in settings.DATABASES.values():
+        if database["ENGINE"] != "controlplane.sqlite":
+            test = database.setdefault("TEST", {})
+            test["NAME"] = f"{test.get('NAME') or 'test_' + str(database['NAME'])}_{worker}"
 
 
 @pytest.fixture

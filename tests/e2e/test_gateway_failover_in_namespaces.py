@@ -27,7 +27,13 @@ from tests.support.netns import REPO, Lab, require_namespace_lab
 from tests.support.requirements import require
 from tests.support.serve_process import throwaway_database
 
-pytestmark = [pytest.mark.e2e, pytest.mark.root, pytest.mark.postgres, pytest.mark.timeout(600)]
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.root,
+    pytest.mark.postgres,
+    pytest.mark.timeout(600),
+    pytest.mark.alone,
+]
 
 CP, WEB, CLIENT = "10.91.0.1", "10.91.0.11", "10.91.0.12"
 PORTS = {f"{CP}:8443": 8080, f"{CP}:9443": 9080}  # gateway -> its process's operator port

@@ -34,7 +34,7 @@ from tests.support.serve_process import Site
 from tests.support.simulated_fleet import Probe, counts, simulated_agents, snapshots_sent
 from tests.support.stored_flows import load_observed_flows, suggestion_request
 
-pytestmark = [pytest.mark.e2e, pytest.mark.postgres]
+pytestmark = [pytest.mark.e2e, pytest.mark.postgres, pytest.mark.alone]
 
 AGENTS = 2000
 KEYS_PER_WORKLOAD = int(os.environ.get("PALISADE_TEST_HEAVY_KEYS", 80))  # 160,000 keys in all

@@ -16,7 +16,7 @@ from tests.support.lab import TCP_SERVER, AgentProcess, NamespacedServe, probe, 
 from tests.support.netns import Lab, require_namespace_lab
 from tests.support.serve_process import throwaway_database
 
-pytestmark = [pytest.mark.e2e, pytest.mark.root, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.e2e, pytest.mark.root, pytest.mark.timeout(600), pytest.mark.alone]
 
 CP, WEB, CLIENT = "10.88.0.1", "10.88.0.11", "10.88.0.12"
 PORT = 9090  # a TCP server on both workloads; no rule admits it, so `enforced` closes it

@@ -241,6 +241,7 @@ def test_two_serve_processes_on_one_postgresql_send_each_event_once(tmp_path):
     assert_each_once_in_order(receiver, sent)
 
 
+@pytest.mark.alone
 def test_a_slow_a_trickling_and_a_silent_receiver_delay_only_themselves(tmp_path):
     """Three receivers hold their first request (one answers only when let go, one trickles its answer a
     byte at a time, one never answers) until the healthy receiver beside them has every event: each
