@@ -85,8 +85,8 @@ def _slow_connections(targets: list[tuple[str, int]], sources: list[str]):
             time.sleep(0.05)
         # Held means accepted: until serve has taken them all, a newcomer's connection waits in the
         # kernel's queue behind them, and what is measured is the queue, not serve. The queue gets a
-        # deadline of its own: on a busy machine the sends can take most of theirs (seen: 199 held
-        # of 512, measured while serve was still accepting).
+        # deadline of its own: on a busy machine the sends can take most of theirs (seen once beside
+        # another test: 199 held where 412 are needed).
         deadline = time.monotonic() + 30
         while _accept_queue([port for _, port in targets]) and time.monotonic() < deadline:
             time.sleep(0.05)
