@@ -176,8 +176,7 @@ def _flow_reporter(args: argparse.Namespace, state, log):
             settings=settings,
             context=lambda: agent._context,
             policy_version=lambda: agent.applied_version or "",
-            # Absent before the first apply is a table not yet written, not one removed.
-            table_absent=lambda: agent.owned_table == ABSENT and agent.applied_version is not None,
+            table_absent=lambda: agent.owned_table_reported == ABSENT,
             process_start_id=agent.process_start_id,
             log=log,
             sources={

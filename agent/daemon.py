@@ -223,6 +223,15 @@ class Agent:
 
     # --- the owned table ---
 
+    @property
+    def owned_table_reported(self) -> str:
+        """The table's state as the control plane is told it: `absent` means enforcement removed, so a
+        table not yet written by this process (a fresh enrolment, a host just rebooted) is `unknown`
+        until the first apply, and the stored state stays as it was rather than raising a removal."""
+        if self.owned_table == ABSENT and self.applied_version is None:
+            return UNKNOWN
+        return self.owned_table
+
     def _table_seen(self, state: str, *, initial: bool = False) -> None:
         self._table_verdicts += 1
         if state == ABSENT:
@@ -235,7 +244,7 @@ class Agent:
             self.log("table checked", state=state)
             return
         self.log(f"table {state}")
-        if self._ws is not None and not self._renew_only:
+        if self._ws is not None and not self._renew_only and self.owned_table_reported != UNKNOWN:
             self._spawn(self._send(self._ws, p.TableState(state=state)))
 
     def table_event(self, verdict: str) -> None:
@@ -652,7 +661,7 @@ class Agent:
             agent_version=__version__,
             process_start_id=self.process_start_id,
             uptime_seconds=round(time.monotonic() - self.started, 3),
-            owned_table=self.owned_table,
+            owned_table=self.owned_table_reported,
             gateway=candidate.address,
         )
         await ws.send(auth.encode())
@@ -858,7 +867,7 @@ class Agent:
                     process_start_id=self.process_start_id,
                     uptime_seconds=round(time.monotonic() - self.started, 3),
                     clock=_now(),
-                    owned_table=self.owned_table,
+                    owned_table=self.owned_table_reported,
                     flow_backlog_since=self.flows.backlog_since() if self.flows is not None else None,
                 ),
             )

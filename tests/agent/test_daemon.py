@@ -108,7 +108,8 @@ def test_snapshot_is_applied_and_acknowledged(tmp_path):
         assert await w.message("applied") == {"v": 1, "type": "applied", "version": "v1"}
         assert as_sent(w.dataplane.current) == document("v1")
         auth = (await w.event("auth"))["data"]
-        assert auth["owned_table"] == "absent" and auth["agent_version"] == "0.1.0"
+        # No table yet is not one removed: nothing applied by this process, so `unknown`.
+        assert auth["owned_table"] == "unknown" and auth["agent_version"] == "0.1.0"
         assert await w.message("table") == {"v": 1, "type": "table", "state": "present"}
 
         mark = w.mark()
@@ -286,6 +287,32 @@ def test_heartbeats_carry_the_table_state_and_catch_a_missed_delete(tmp_path):
         w.dataplane.remove()  # no watcher event: the heartbeat's own check must notice
         assert (await w.message("table", mark))["state"] == "absent"
         assert (await w.message("heartbeat", mark))["owned_table"] == "absent"
+
+    scenario(tmp_path, body, heartbeat=0.2)
+
+
+def test_a_table_never_written_is_unknown_not_removed_until_the_first_apply(tmp_path):
+    """`absent` tells operators (and webhooks) that enforcement was removed: a fresh agent whose first
+    document is refused has no table yet, and says `unknown` until an apply writes one."""
+
+    async def body(w: World) -> None:
+        w.dataplane.fail_with = "document:1:1-4: Error: syntax error"
+        await w.gateway.push_snapshot(w.workload, "v1", document("v1"))
+        w.start()
+        assert (await w.event("auth"))["data"]["owned_table"] == "unknown"
+        await w.message("failed")
+        mark = w.mark()
+        assert (await w.message("heartbeat", mark))["owned_table"] == "unknown"
+        assert w.agent.owned_table == "absent"  # the agent's own status and metrics say what it saw
+
+        w.dataplane.fail_with = None
+        await w.gateway.push_snapshot(w.workload, "v2", document("v2"))
+        await w.message("applied", mark)
+        assert "table" not in w.types_between(0, mark)
+        assert (await w.message("table", mark))["state"] == "present"
+        removed = w.mark()
+        w.dataplane.remove()
+        assert (await w.message("table", removed))["state"] == "absent"  # written once: now removed
 
     scenario(tmp_path, body, heartbeat=0.2)
 
