@@ -72,6 +72,7 @@ from controlplane.credential_watch import CredentialWatch
 from controlplane.listeners import GATEWAY, OPERATOR, body_limit, listener_for_port
 from controlplane.outage import database_failed
 from controlplane.problems import Problem
+from controlplane.reactor_calls import reactor_call
 
 log = logging.getLogger("palisade.http")
 access_log = logging.getLogger("palisade.access")
@@ -383,11 +384,9 @@ class BodyGate:
         self._handlingRequest = True
         self._networkProducer.pauseProducing()
         self._gate_checking = True
-        from twisted.internet import reactor
-
         generation = passed_headers.generation
         _run_check(check, headers).add_done_callback(
-            lambda done: reactor.callFromThread(
+            lambda done: reactor_call(
                 self._gate_checked, request, budget, limit, (key, owner, generation), *done.result()
             )
         )

@@ -13,8 +13,9 @@ passes before the reactor handles anything after it.
   last answered ping. A connection that fails, or hangs, trusts nothing from then on: every report's
   headers are checked in the database until it listens again, and then every pass from before is
   forgotten (announcements may have been missed meanwhile).
-- Everything the listening thread learns reaches the reactor's thread in order (`callFromThread`): a
-  workload's passes are forgotten before the ping that follows its announcement renews the trust.
+- Everything the listening thread learns reaches the reactor's thread in order
+  (controlplane/reactor_calls.py): a workload's passes are forgotten before the ping that follows its
+  announcement renews the trust.
 - On SQLite there is no such announcement (nor on PostgreSQL before serve runs): nothing is trusted, and
   every report's headers are checked in the database.
 """
@@ -25,6 +26,8 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+
+from controlplane.reactor_calls import reactor_call
 
 log = logging.getLogger("palisade.http")
 
@@ -37,12 +40,6 @@ LOG_EVERY_SECONDS = 60.0
 TCP_USER_TIMEOUT_MS = 10_000
 
 
-def _reactor_call(function: Callable, *args) -> None:
-    from twisted.internet import reactor
-
-    reactor.callFromThread(function, *args)
-
-
 class CredentialWatch:
     """One serve process's subscription to credential changes. `changed(workload_id)` and `reset()` run on
     the reactor's thread (through `call`), as does `live()`."""
@@ -52,7 +49,7 @@ class CredentialWatch:
         *,
         changed: Callable[[str], None],
         reset: Callable[[], None],
-        call: Callable[..., None] = _reactor_call,
+        call: Callable[..., None] = reactor_call,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.changed, self.reset, self.call, self.clock = changed, reset, call, clock

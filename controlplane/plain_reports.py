@@ -15,6 +15,7 @@ from agent import protocol
 from controlplane import metrics
 from controlplane.http_threads import LISTENER_KEY, ThreadPoolHttp, client_host
 from controlplane.listeners import GATEWAY, body_limit, listener_for_port
+from controlplane.reactor_calls import reactor_call
 from controlplane.response_headers import with_transport_security
 
 FLOWS_URI = protocol.FLOWS_PATH.encode()
@@ -38,9 +39,7 @@ class PlainReportRequest:
         self.client_addr = [str(self.client.host), self.client.port]
         self.server_addr = [str(self.host.host), self.host.port]
         future = serving.flow_report_submit(environ)
-        from twisted.internet import reactor
-
-        future.add_done_callback(lambda done: reactor.callFromThread(self._report_answered, done))
+        future.add_done_callback(lambda done: reactor_call(self._report_answered, done))
         return None
 
     def _report_answered(self, future: Future) -> None:
