@@ -3,7 +3,7 @@
 Twisted's `reactor.callFromThread` on the asyncio reactor schedules a `callLater(0)`: a DelayedCall on
 Twisted's heap, the asyncio timer moved, then `runUntilCurrent` to find it, for each call. A busy gateway
 makes two such calls per flow report (the body gate's header check, the report's answer), and that
-bookkeeping was a tenth of the reactor thread's time. Here the calls queue, and one wakeup of the event
+bookkeeping was about 8 % of the reactor thread's samples (py-spy, docs/benchmarks.md). Here the calls queue, and one wakeup of the event
 loop runs all that arrived while it was busy, directly on the loop (the reactor's own thread).
 """
 
