@@ -43,7 +43,10 @@ from policy.validation import (
 )
 
 
-def _lock_policy() -> PolicyState:
+def policy_lock() -> PolicyState:
+    """Lock the policy state row until the transaction ends, creating it if it is missing: every
+    policy write and every plan's read takes it first, so nothing commits a policy change while it
+    is held (a missing row would lock nothing)."""
     state = PolicyState.objects.select_for_update().filter(id=1).first()
     if state is None:
         PolicyState.objects.get_or_create(id=1)
@@ -100,7 +103,7 @@ def rule_numbers_claim(*, requested: Mapping[tuple[str, int], int]) -> RuleNumbe
     if not numbers:
         return RuleNumbers()
     with transaction.atomic():
-        state = _lock_policy()
+        state = policy_lock()
         findings = Findings()
         for number in sorted(set(numbers)):
             if isinstance(number, bool) or not isinstance(number, int) or not 0 < number <= MAX_RULE_NUMBER:
@@ -245,7 +248,7 @@ def _named_create(
 ):
     spec = kind.parse(data)
     with transaction.atomic():
-        state = _lock_policy()
+        state = policy_lock()
         findings = Findings()
         _check_room(kind.model, kind.maximum, findings)
         _check_unique_name(kind.model, spec.name, findings)
@@ -271,7 +274,7 @@ def _named_replace(
     _get(kind.model, object_id, kind.what)
     spec = kind.parse(data)
     with transaction.atomic():
-        state = _lock_policy()
+        state = policy_lock()
         named = locked_for_write(
             kind.model.objects, pk=object_id, expected_version=expected_version, what=kind.what
         )
@@ -299,7 +302,7 @@ def _named_delete(
 ) -> None:
     _get(kind.model, object_id, kind.what)
     with transaction.atomic():
-        state = _lock_policy()
+        state = policy_lock()
         named = locked_for_write(
             kind.model.objects, pk=object_id, expected_version=expected_version, what=kind.what
         )
@@ -469,7 +472,7 @@ def ruleset_create(
     `rule_numbers` (claimed by the caller) holds for its position."""
     spec = ruleset_input(data)
     with transaction.atomic():
-        state = _lock_policy()
+        state = policy_lock()
         findings = Findings()
         _check_room(Ruleset, MAX_RULESETS, findings)
         _check_unique_name(Ruleset, spec.name, findings)
@@ -522,7 +525,7 @@ def ruleset_replace(
     _get(Ruleset, ruleset_id, "ruleset")
     spec = ruleset_input(data)
     with transaction.atomic():
-        state = _lock_policy()
+        state = policy_lock()
         ruleset = locked_for_write(
             Ruleset.objects, pk=ruleset_id, expected_version=expected_version, what="ruleset"
         )
@@ -581,7 +584,7 @@ def ruleset_delete(
 ) -> None:
     _get(Ruleset, ruleset_id, "ruleset")
     with transaction.atomic():
-        state = _lock_policy()
+        state = policy_lock()
         ruleset = locked_for_write(
             Ruleset.objects, pk=ruleset_id, expected_version=expected_version, what="ruleset"
         )
@@ -597,7 +600,7 @@ def _touch_ruleset(ruleset: Ruleset, now) -> None:
 def rule_add(*, actor: Actor, ruleset_id: str, data: Mapping[str, Any]) -> Rule:
     spec = single_rule_input(data, direction=_get(Ruleset, ruleset_id, "ruleset").direction)
     with transaction.atomic():
-        state = _lock_policy()
+        state = policy_lock()
         ruleset = Ruleset.objects.select_for_update().get(id=ruleset_id)
         findings = Findings()
         count = ruleset.rules.count()
@@ -638,7 +641,7 @@ def rule_replace(
 ) -> Rule:
     spec = single_rule_input(data, direction=_rule_of(ruleset_id, rule_id).ruleset.direction)
     with transaction.atomic():
-        state = _lock_policy()
+        state = policy_lock()
         rule = locked_for_write(
             Rule.objects.filter(ruleset_id=ruleset_id),
             pk=rule_id,
@@ -664,7 +667,7 @@ def rule_replace(
 def rule_delete(*, actor: Actor, ruleset_id: str, rule_id: str, expected_version: str) -> None:
     _rule_of(ruleset_id, rule_id)
     with transaction.atomic():
-        state = _lock_policy()
+        state = policy_lock()
         rule = locked_for_write(
             Rule.objects.filter(ruleset_id=ruleset_id),
             pk=rule_id,

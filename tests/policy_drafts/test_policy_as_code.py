@@ -7,14 +7,14 @@ import uuid
 
 import pytest
 from django.core.management import CommandError
-from django.db import connection
+from django.db import connection, transaction
 
 from controlplane.auth.actor import CLI_ACTOR
 from controlplane.models import AuditEvent
 from controlplane.problems import Problem
 from fleet.models import RenderedPolicy, Workload
 from flows.policy_drafts.as_code.apply import policy_apply
-from flows.policy_drafts.as_code.format import file_path, policy_export, policy_file_load
+from flows.policy_drafts.as_code.format import file_path, policy_export, policy_file_load, policy_version_lock
 from flows.policy_drafts.as_code.parse import PolicyFileInvalid
 from flows.policy_drafts.as_code.plan import policy_plan
 from policy import services as writes
@@ -752,6 +752,15 @@ def test_commands_export_plan_apply_and_their_exit_codes(fleet, tmp_path):
     assert code == 1 and err.startswith("error: cannot read ") and err.count("\n") == 1
     with pytest.raises(CommandError, match="expect-policy-version"):
         run("policy", "apply", str(path))
+
+
+def test_the_plans_lock_holds_even_when_the_policy_state_row_is_missing(db):
+    """A database whose policy state row is gone (a flushed test database, a hand-made restore) must
+    still serialise apply against edits: locking no row would let an edit commit under the plan."""
+    PolicyState.objects.all().delete()
+    with transaction.atomic():
+        assert policy_version_lock() == PolicyState._meta.get_field("version").default
+        assert PolicyState.objects.select_for_update().filter(id=1).exists()
 
 
 @pytest.mark.postgres

@@ -28,6 +28,7 @@ from flows.policy_drafts.as_code.yaml_core import CoreConstructor, CoreParser, C
 from policy.choices import SourceKind
 from policy.models import AddressGroup, PolicyState, Ruleset, Service
 from policy.representations import port_entry_data
+from policy.services import policy_lock
 from policy.validation import peers_key
 
 FORMAT_VERSION = 1
@@ -193,10 +194,9 @@ def stored_policy_load() -> StoredPolicy:
 
 
 def policy_version_lock() -> int:
-    """Lock the policy state row until the transaction ends: every policy write locks it first, so
-    nothing commits a policy change while it is held."""
-    state = PolicyState.objects.select_for_update().filter(id=1).first()
-    return state.version if state else 1
+    """Lock the policy state row until the transaction ends (policy/services.py `policy_lock`) and
+    give the policy version it holds."""
+    return policy_lock().version
 
 
 def _document(stored: StoredPolicy) -> dict:
