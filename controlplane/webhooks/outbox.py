@@ -83,8 +83,11 @@ def fleet_events_turn() -> None:
     """Wait for this transaction's turn among writers of fleet-wide events (mode changes, webhook
     writes), so that an event numbered later cannot commit, and be sent, before one numbered earlier
     (a workload's events are ordered by the workload's row lock, which each of its state changes holds).
-    Taken before any webhook row, by every writer, so that the two kinds of locks never cross."""
-    WebhookWatermark.objects.select_for_update().filter(name=FLEET_ORDER).first()
+    Taken before any webhook row, by every writer, so that the two kinds of locks never cross. The row
+    is made again if it is missing (a flushed database), since locking no row would order nothing."""
+    if WebhookWatermark.objects.select_for_update().filter(name=FLEET_ORDER).first() is None:
+        WebhookWatermark.objects.get_or_create(name=FLEET_ORDER, defaults={"at": clock.now()})
+        WebhookWatermark.objects.select_for_update().get(name=FLEET_ORDER)
 
 
 def _webhooks_held() -> list[tuple[uuid.UUID, list[str]]]:

@@ -11,8 +11,8 @@ from django.db import transaction
 from controlplane import clock
 from controlplane.auth.actor import CLI_ACTOR
 from controlplane.models import AuditEvent
-from controlplane.webhooks.models import Webhook, WebhookDelivery, WebhookEvent
-from controlplane.webhooks.outbox import EVENT_TYPES, webhook_event_record
+from controlplane.webhooks.models import Webhook, WebhookDelivery, WebhookEvent, WebhookWatermark
+from controlplane.webhooks.outbox import EVENT_TYPES, FLEET_ORDER, fleet_events_turn, webhook_event_record
 from controlplane.webhooks.services import webhook_create
 from fleet import sync
 from fleet.credentials import credential_expiries_notice, credential_renewal_failed
@@ -149,6 +149,15 @@ def test_the_outbox_refuses_to_record_outside_a_transaction(transactional_db):
     subscribe()
     with pytest.raises(RuntimeError, match="inside the transaction"):
         webhook_event_record("webhook.created", {})
+
+
+def test_the_fleet_order_lock_is_held_even_when_its_row_is_missing(db):
+    """A flushed database has no fleet order row: the turn must make it and lock it, since locking no
+    row would let a later-numbered fleet event commit before an earlier one."""
+    WebhookWatermark.objects.filter(name=FLEET_ORDER).delete()
+    with transaction.atomic():
+        fleet_events_turn()
+        assert WebhookWatermark.objects.select_for_update().filter(name=FLEET_ORDER).exists()
 
 
 def test_workload_state_changes_are_events(db, clock_at):
