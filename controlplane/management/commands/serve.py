@@ -48,6 +48,7 @@ from controlplane.listeners import (
 )
 from controlplane.management.base import PalisadeCommand
 from controlplane.outage import database_failed
+from controlplane.websocket_tuning import websocket_debug_arguments_cheapen
 
 log = logging.getLogger("palisade.serve")
 
@@ -116,6 +117,7 @@ class _Server(daphne.server.Server):
             loop.start(step.every_seconds, now=False).addErrback(
                 lambda failure, name=step.name: log.error("%s stopped: %s", name, failure.getErrorMessage())
             )
+        websocket_debug_arguments_cheapen()
         _collector_tune()
         super().run()
 
