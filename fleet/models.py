@@ -1,6 +1,8 @@
 """Workloads, their rendered policies, provisioning tokens and mode-change intents."""
 
+import functools
 import uuid
+from typing import NamedTuple
 
 from django.db import connection, models
 
@@ -211,3 +213,43 @@ def workload_column_value(field: str, value):
     """`value` as the database stores `field` of a workload, for the few hot statements written in
     SQL (a UUID is 32 hex digits on SQLite; datetimes are naive UTC there)."""
     return Workload._meta.get_field(field).get_db_prep_value(value, connection)
+
+
+class WorkloadReading(NamedTuple):
+    """How a hot read written in SQL selects workload rows and makes them the ORM's instances."""
+
+    columns: str  # for SELECT, in the model's order of fields, which `Workload.from_db` expects
+    names: tuple[str, ...]  # their attribute names
+    converters: tuple  # (position, conversion) of the values the ORM converts from the database
+
+
+@functools.lru_cache(maxsize=64)
+def workload_reading(vendor: str, fields: tuple[str, ...] | None = None) -> WorkloadReading:
+    """The reading of `fields` (every field when None) on the `vendor`'s database: building the ORM's
+    query cost more CPU than running it, on paths that run hundreds of times a second (a report's
+    write, a stream's authentication when a failover brings thousands at once)."""
+    chosen = [f for f in Workload._meta.concrete_fields if fields is None or f.name in fields]
+    converters = []
+    for index, field in enumerate(chosen):
+        column = field.get_col(Workload._meta.db_table)
+        found = connection.ops.get_db_converters(column) + column.get_db_converters(connection)
+        if found:
+            converters.append((index, functools.partial(_converted, found, column)))
+    return WorkloadReading(
+        ", ".join(f'"{f.column}"' for f in chosen), tuple(f.attname for f in chosen), tuple(converters)
+    )
+
+
+def workload_from_row(reading: WorkloadReading, row) -> Workload:
+    """The instance the ORM would make of `row`, read with `reading`'s columns."""
+    values = list(row)
+    for index, convert in reading.converters:
+        values[index] = convert(values[index])
+    return Workload.from_db(connection.alias, reading.names, values)
+
+
+def _converted(converters: list, column, value):
+    # Each thread has a connection of its own: the converters run with the one at hand.
+    for convert in converters:
+        value = convert(value, column, connection)
+    return value

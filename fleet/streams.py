@@ -19,7 +19,7 @@ from fleet.credentials import (
     credential_state,
     workload_key,
 )
-from fleet.models import RenderedPolicy, Workload, workload_column_value
+from fleet.models import RenderedPolicy, Workload, workload_column_value, workload_from_row, workload_reading
 from fleet.rendering import workloads_rerender
 from fleet.sync import workload_stream_opened
 
@@ -50,7 +50,16 @@ def _credential_holder(workload_id: str, credential: str) -> Workload | None:
     key = workload_key(workload_id)
     if key is None:
         return None
-    workload = next(iter(Workload.objects.filter(id=key)), None)  # not first(): no ORDER BY
+    # The row read in SQL and made into the ORM's instance (fleet/models.py `workload_reading`): a
+    # failover's survivor authenticates thousands of streams at once.
+    reading = workload_reading(connection.vendor)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f'SELECT {reading.columns} FROM "{Workload._meta.db_table}" WHERE "id" = %s',  # noqa: S608
+            [workload_column_value("id", key)],
+        )
+        row = cursor.fetchone()
+    workload = None if row is None else workload_from_row(reading, row)
     if workload is None or not credential_names(
         credential, workload_id=workload.id, public_key=workload.public_key, serial=workload.credential_serial
     ):

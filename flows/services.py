@@ -28,7 +28,7 @@ from controlplane.problems import Problem
 from controlplane.sqlite import database_wait
 from controlplane.webhooks.outbox import Event, webhook_events_record, workload_event
 from fleet import health
-from fleet.models import Workload
+from fleet.models import Workload, WorkloadReading, workload_from_row, workload_reading
 from fleet.report_auth import ReportSender, report_sender_still_current
 from fleet.selectors import workload_get
 from flows.choices import AGGREGATE, GapKind
@@ -578,18 +578,15 @@ def _workloads_lock(
     in the same statement (one round trip and one statement's CPU less a write)."""
     if not ids:
         return {}, ()
-    sql, names, converters = _workloads_lock_statement(connection.vendor, len(ids), skip_locked)
-    pk, alias = Workload._meta.pk, connection.alias
+    sql, reading = _workloads_lock_statement(connection.vendor, len(ids), skip_locked)
+    pk = Workload._meta.pk
     cursor.execute(sql, [pk.get_db_prep_value(i, connection) for i in ids])
     rows = cursor.fetchall()
     # Model instances made as the ORM makes them, without building a query for them: that cost more
     # than the statement (a RawQuerySet's column mapping and converters, found again every time).
     locked = {}
     for row in rows:
-        values = list(row[:-1])
-        for index, convert in converters:
-            values[index] = convert(values[index])
-        workload = Workload.from_db(alias, names, values)
+        workload = workload_from_row(reading, row[:-1])
         locked[workload.id] = workload
     return locked, (rows[0][-1],) if rows else ()
 
@@ -609,12 +606,9 @@ _LOCKED_FIELDS = (
 
 
 @functools.lru_cache(maxsize=256)
-def _workloads_lock_statement(vendor: str, count: int, skip_locked: bool) -> tuple[str, list[str], list]:
-    """`_workloads_lock`'s statement for `count` rows, the fields it reads, and the conversions of
-    their values from the database (by position), as the ORM would convert them."""
-    # In the model's order of fields, which `from_db` expects of a row that has only some.
-    fields = [field for field in Workload._meta.concrete_fields if field.name in _LOCKED_FIELDS]
-    columns = ", ".join(f'"{field.column}"' for field in fields)
+def _workloads_lock_statement(vendor: str, count: int, skip_locked: bool) -> tuple[str, WorkloadReading]:
+    """`_workloads_lock`'s statement for `count` rows, and how its rows become instances."""
+    reading = workload_reading(vendor, _LOCKED_FIELDS)
     lock = (
         connection.ops.for_update_sql(skip_locked=skip_locked)
         if connection.features.has_select_for_update
@@ -622,23 +616,10 @@ def _workloads_lock_statement(vendor: str, count: int, skip_locked: bool) -> tup
     )
     table = Workload._meta.db_table
     sql = (
-        f'SELECT {columns}, (SELECT max("enrolled_at") FROM "{table}") FROM "{table}" '  # noqa: S608
+        f'SELECT {reading.columns}, (SELECT max("enrolled_at") FROM "{table}") FROM "{table}" '  # noqa: S608
         f'WHERE "id" IN ({", ".join(["%s"] * count)}) ORDER BY "id" {lock}'
     )
-    converters = []
-    for index, field in enumerate(fields):
-        column = field.get_col(Workload._meta.db_table)
-        found = connection.ops.get_db_converters(column) + column.get_db_converters(connection)
-        if found:
-            converters.append((index, functools.partial(_converted, found, column)))
-    return sql, [field.attname for field in fields], converters
-
-
-def _converted(converters: list, column, value):
-    # Each thread has a connection of its own: the converters run with the one at hand.
-    for convert in converters:
-        value = convert(value, column, connection)
-    return value
+    return sql, reading
 
 
 def _stored_reads(
