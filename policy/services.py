@@ -47,11 +47,7 @@ def policy_lock() -> PolicyState:
     """Lock the policy state row until the transaction ends, creating it if it is missing: every
     policy write and every plan's read takes it first, so nothing commits a policy change while it
     is held (a missing row would lock nothing)."""
-    state = PolicyState.objects.select_for_update().filter(id=1).first()
-    if state is None:
-        PolicyState.objects.get_or_create(id=1)
-        state = PolicyState.objects.select_for_update().get(id=1)
-    return state
+    return PolicyState.objects.select_for_update().get_or_create(id=1)[0]
 
 
 def _policy_changed(state: PolicyState, *, scopes: Iterable[str] = ()) -> None:

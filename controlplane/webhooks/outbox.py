@@ -85,9 +85,7 @@ def fleet_events_turn() -> None:
     (a workload's events are ordered by the workload's row lock, which each of its state changes holds).
     Taken before any webhook row, by every writer, so that the two kinds of locks never cross. The row
     is made again if it is missing (a flushed database), since locking no row would order nothing."""
-    if WebhookWatermark.objects.select_for_update().filter(name=FLEET_ORDER).first() is None:
-        WebhookWatermark.objects.get_or_create(name=FLEET_ORDER, defaults={"at": clock.now()})
-        WebhookWatermark.objects.select_for_update().get(name=FLEET_ORDER)
+    WebhookWatermark.objects.select_for_update().get_or_create(name=FLEET_ORDER, defaults={"at": clock.now()})
 
 
 def _webhooks_held() -> list[tuple[uuid.UUID, list[str]]]:
