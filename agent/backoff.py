@@ -4,7 +4,8 @@ flow reports (agent/flowreporter.py) back off by the same rule.
 Full jitter over 1 s doubling to 60 s with each failed attempt. When the gateway said when to come back
 (a 429's or 503's Retry-After, a 4503's reason), no sooner than that. A stream the gateway turned away
 as it accepted the connection (reset before TLS: up, but at its bound on unfinished handshakes), or
-took the connection and did not finish the handshake in time (queued behind others), doubles
+took the connection and did not finish the handshake in time (queued behind others), or whose TCP
+connection timed out (a full listen queue drops the SYN; a gone host looks the same), doubles
 to 15 s only: the gateway finishes the handshakes it admitted within seconds and has room again, and a
 refusal costs it an accept and a close; at 60 s the last agents of a failover waited a minute in front
 of an idle survivor.

@@ -13,6 +13,7 @@ import asyncio.sslproto
 import gc
 import ipaddress
 import json
+import re
 import resource
 import signal
 import sys
@@ -152,8 +153,10 @@ class SimulatedFleet:
         log: EventLog,
         *,
         start_rate: float = 200.0,
+        tally: StreamTally | None = None,
     ) -> None:
         self.agents = agents
+        self.tally = tally or StreamTally()
         self.dataplanes = dataplanes
         self.log = log
         self.start_rate = start_rate  # agents started per second: a whole fleet at once swamps the gateway
@@ -163,7 +166,7 @@ class SimulatedFleet:
         counts = Counter(agent.status.stream_state for agent in self.agents)
         counts["applied"] = sum(1 for agent in self.agents if agent.applied_version is not None)
         counts["agents"] = len(self.agents)
-        return dict(counts)
+        return dict(counts) | dict(sorted(self.tally.counts.items()))
 
     async def run(self, duration: float | None = None) -> None:
         """Run every agent until stop(), `duration` seconds, or an agent needs re-enrolment."""
@@ -254,9 +257,10 @@ async def start_simulated_fleet(
         raise AgentError(f"{len(failures)} of {len(missing)} simulated enrolments failed; the first: {first}")
 
     agents, dataplanes = [], []
+    tally = StreamTally()
     for i in indexes:
         dataplane = RecordingDataplane(keep=1)
-        agent_log = EventLog(sim_hostname(i), log_stream) if verbose else _quiet
+        agent_log = EventLog(sim_hostname(i), log_stream) if verbose else tally
         agent = Agent(
             SimulatedStateDir(dirs[i]),
             DataplaneWorker.inline(dataplane),
@@ -269,11 +273,33 @@ async def start_simulated_fleet(
         agents.append(agent)
         dataplanes.append(dataplane)
     log("enrolled", agents=count)
-    return SimulatedFleet(agents, dataplanes, log)
+    return SimulatedFleet(agents, dataplanes, log, tally=tally)
 
 
-def _quiet(event: str, **fields: object) -> None:
-    pass
+class StreamTally:
+    """What a quiet fleet's agents did to reach a gateway, counted for the fleet's summary: attempts,
+    streams opened and why the others failed. A failover's cost is in the attempts wasted as much as
+    in the streams made, and one line every ten seconds says how many there were."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[str] = Counter()
+
+    def __call__(self, event: str, **fields: object) -> None:
+        if event == "stream connecting":
+            self.counts["tries"] += 1
+        elif event == "stream connected":
+            self.counts["opened"] += 1
+        elif event == "stream error":
+            self.counts["failed_" + _error_kind(str(fields.get("error", "")))] += 1
+        elif event == "stream closed":
+            self.counts[f"closed_{fields.get('code')}"] += 1
+
+
+def _error_kind(message: str) -> str:
+    # "the gateway 127.0.0.1:8443: TLS handshake ... (busy)" -> "TLS handshake ... (busy)": one
+    # kind for every gateway and every number in it.
+    kind = message.split(": ", 1)[-1] if message.startswith("the gateway ") else message
+    return re.sub(r"\W+", "_", re.sub(r"\d+", "N", kind)).strip("_")[:60]
 
 
 def run_simulated_fleet(

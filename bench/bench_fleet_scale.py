@@ -77,6 +77,7 @@ sys.path.insert(0, str(REPO))
 
 from benchlib import cpu_seconds, exit_on_sigterm, results_write  # noqa: E402
 
+from agent.simulated import SUMMARY_SECONDS  # noqa: E402
 from tests.support.serve_process import ServeProcess, free_port, terminate  # noqa: E402
 
 ADMIN_URL = os.environ.get("BENCH_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
@@ -85,6 +86,7 @@ TWO_SERVES_TARGET_S = 30.0  # issue 36: the mode change, and the failover, on tw
 FAILOVER_TARGET_S = 30.0
 IDLE_SECONDS = 20.0  # holding the fleet idle: heartbeats (15 s) and pings (20 s) come around once
 STREAM_MEMORY_TARGET_KB = 100
+STATE_KEYS = {"agents", "applied", "connected", "connecting", "disconnected"}  # a summary's, not tallies
 
 _t0 = time.monotonic()
 
@@ -302,6 +304,13 @@ class Simulators:
             ([line.strip() for _, line in lines.lines if "[fleet] fleet " in line] or ["(no summary)"])[-1]
             for lines in self.lines
         ]
+
+    def tally(self) -> Counter:
+        """The fleets' counts summed from their last summaries (each at most SUMMARY_SECONDS old)."""
+        total: Counter = Counter()
+        for line in self.last_summaries():
+            total.update({key: int(n) for key, n in re.findall(r"(\w+)=(\d+)\b", line)})
+        return total
 
     def stop(self) -> None:
         for process in self.processes:
@@ -682,6 +691,7 @@ def failover(procs, name, rows, sims, post, wait_until, count, idle, py_spy, pro
     profile = Profile(py_spy, procs[survivor].process.pid, profiles / f"serve-{count}-failover.txt")
     # The simulators reconnect as many agents as serve takes: their share of the two cores counts too.
     simulator = Profile(py_spy, sims.pids[0], profiles / f"simulator-{count}-failover.txt")
+    tally_before = sims.tally()
     try:
         killed = time.monotonic()  # stop() returns once the process is reaped and its output read
         procs[doomed].stop(signal.SIGKILL, timeout=30)
@@ -716,6 +726,8 @@ def failover(procs, name, rows, sims, post, wait_until, count, idle, py_spy, pro
         lambda: f"{rows.converged('visibility', gateway)} of {count} converged",
     )
     change_cpu = meter.stop()
+    time.sleep(SUMMARY_SECONDS)  # the simulators' next summaries count the whole failover
+    attempts = {key: n for key, n in (sims.tally() - tally_before).items() if key not in STATE_KEYS}
     rss = rss_settled(procs[survivor].process.pid)
     out = {
         "killed": name[procs[doomed].gateway_listen],
@@ -736,6 +748,7 @@ def failover(procs, name, rows, sims, post, wait_until, count, idle, py_spy, pro
             "cpu": change_cpu,
         },
         "survivor_rss_mb": rss,
+        "agent_attempts": attempts,
         "survivor_rss_per_stream_kb": round((rss - idle[survivor]) * 1024 / count, 1),
     }
     out["cpu_ms_per_reconnect"] = {
@@ -747,7 +760,8 @@ def failover(procs, name, rows, sims, post, wait_until, count, idle, py_spy, pro
         f"(share of the fleet there by s after the kill: {out['reached_s']}); "
         f"CPU s: {cpu_text(cpu)}; load {out['load']}; a mode change then applied everywhere in "
         f"{converged - changed:.1f} s (CPU s: {cpu_text(change_cpu)}); survivor RSS {rss:.0f} MB = "
-        f"{out['survivor_rss_per_stream_kb']:.0f} KiB per stream"
+        f"{out['survivor_rss_per_stream_kb']:.0f} KiB per stream; the agents' attempts to reach a gateway "
+        f"meanwhile: {attempts}"
     )
     return out
 

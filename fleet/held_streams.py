@@ -7,6 +7,7 @@ ends every held stream at shutdown.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
@@ -36,8 +37,15 @@ _db_pool = ThreadPoolExecutor(DB_THREADS, thread_name_prefix="gateway-db")
 _outages_seen = threading.local()
 
 
+@functools.cache
+def _on_postgresql() -> bool:
+    # Asked on the event loop for every stream's every database call: through Django's connection
+    # proxy (an asgiref Local) that was 4.5 % of the loop's time during a 10,000-agent failover.
+    return connection.vendor == "postgresql"
+
+
 def db(function):
-    if connection.vendor != "postgresql":
+    if not _on_postgresql():
         return database_sync_to_async(function)
 
     def in_thread(kwargs):
@@ -202,10 +210,14 @@ async def streams_catch_up(*, at_once: bool = False) -> int:
         _behind_at_last_sweep.clear()
         _nudged_at_last_sweep.clear()
         return 0
-    state = await db(streams.streams_state)(streams={h.workload_id: h.stream_id for h in held.values()})
+    found = await db(streams.streams_behind)(
+        held=[(h.workload_id, h.stream_id, h.sent_version) for h in held.values()]
+    )
     behind: dict[str, tuple] = {}
     for channel, stream in held.items():
-        due = state.get(stream.stream_id)
+        if stream.stream_id not in found:
+            continue
+        due = found[stream.stream_id]
         if due is None:
             # No longer its workload's stream: a newer one took over (whose announcement needs the
             # layer), or its end was recorded while it lived on. It closes; the agent connects again.

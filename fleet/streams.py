@@ -223,16 +223,60 @@ class StreamDue:
     revoked: bool = False  # the operator revoked the credential: the stream must close
 
 
-def streams_state(*, streams: dict[str, str]) -> dict[str, StreamDue]:
-    """Workload id -> stream id in; stream id -> what its workload expects of it out (latest version,
-    an unanswered resend), for the streams that are still their workload's open stream."""
-    state: dict[str, StreamDue] = {}
-    ids = list(streams)
+def streams_behind(*, held: list[tuple[str, str, str | None]]) -> dict[str, StreamDue | None]:
+    """(workload id, stream id, version sent on it) in; out, the streams that are behind their
+    workload, by stream id: None for one that is no longer its workload's open stream, else what its
+    workload expects of it (a latest version not sent, an unanswered resend, a revoked credential).
+
+    serve's sweep asks this for every stream it holds every two seconds. On PostgreSQL the comparison
+    is made in one statement that returns only the streams behind, usually none: read whole, 10,000
+    held streams were 20 ORM queries of 500 ids and 10,000 rows a sweep, the largest cost of a fleet
+    held idle (py-spy: 18 % of serve's samples)."""
+    if not held:
+        return {}
+    if connection.vendor != "postgresql":
+        return _streams_behind_read(held)
+    table = Workload._meta.db_table
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"SELECT h.stream_id, w.id IS NOT NULL AND w.stream_id = h.stream_id, w.latest_policy_id, "  # noqa: S608
+            "w.resend_requested_at, w.credential_revoked_at IS NOT NULL "
+            "FROM unnest(%s::uuid[], %s::text[], %s::text[]) AS h(id, stream_id, sent) "
+            f"LEFT JOIN {table} AS w ON w.id = h.id "
+            "WHERE w.id IS NULL OR w.stream_id <> h.stream_id OR w.credential_revoked_at IS NOT NULL "
+            "OR w.resend_requested_at IS NOT NULL "
+            "OR (w.latest_policy_id IS NOT NULL AND w.latest_policy_id IS DISTINCT FROM h.sent)",
+            [
+                [uuid.UUID(str(workload_id)) for workload_id, _, _ in held],
+                [stream_id for _, stream_id, _ in held],
+                [sent for _, _, sent in held],
+            ],
+        )
+        return {
+            stream_id: StreamDue(latest, resend_at, revoked) if still else None
+            for stream_id, still, latest, resend_at, revoked in cursor
+        }
+
+
+def _streams_behind_read(held: list[tuple[str, str, str | None]]) -> dict[str, StreamDue | None]:
+    # Every held stream's row read through the ORM and compared here: SQLite's path, and the
+    # reference the statement above is tested against.
+    on_workload: dict[str, list[tuple[str, str | None]]] = {}
+    for workload_id, stream_id, sent in held:
+        on_workload.setdefault(str(workload_id), []).append((stream_id, sent))
+    behind: dict[str, StreamDue | None] = {stream_id: None for _, stream_id, _ in held}
+    ids = list(on_workload)
     for start in range(0, len(ids), 500):  # under SQLite's bound-parameter limit
         rows = Workload.objects.filter(id__in=ids[start : start + 500]).values_list(
             "id", "stream_id", "latest_policy_id", "resend_requested_at", "credential_revoked_at"
         )
         for workload_id, stream_id, latest, resend_at, revoked_at in rows:
-            if streams[str(workload_id)] == stream_id:
-                state[stream_id] = StreamDue(latest, resend_at, revoked_at is not None)
-    return state
+            for held_stream, sent in on_workload[str(workload_id)]:
+                if held_stream != stream_id:
+                    continue  # no longer its workload's stream: stays None
+                due = StreamDue(latest, resend_at, revoked_at is not None)
+                if due.revoked or resend_at is not None or (latest and latest != sent):
+                    behind[held_stream] = due
+                else:
+                    del behind[held_stream]
+    return behind

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -767,6 +768,45 @@ def test_a_gateway_resetting_at_accept_is_busy_and_the_backoff_stays_short(tmp_p
             assert caps[-1] == BACKOFF_CAP  # both gone now
         finally:
             busy.close()
+
+    scenario(tmp_path, body)
+
+
+def test_a_gateway_whose_listen_queue_is_full_is_busy_not_gone(tmp_path, monkeypatch):
+    """A listener that stops accepting fills its kernel queue, and the SYNs after that are dropped:
+    the agent's TCP connection times out. That is a failover's survivor at its bound as much as a
+    host that is gone, so the busy backoff (to 15 s) applies and the error says both."""
+    from agent import daemon
+    from agent.backoff import BUSY_CAP
+
+    caps = _backoff_caps_recorded(monkeypatch)
+    monkeypatch.setattr(daemon, "CONNECT_SECONDS", 0.2)
+
+    async def body(w: World) -> None:
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)  # accepts nothing; one connection fills its queue
+        fillers = []
+        try:
+            for _ in range(2):
+                filler = socket.socket()
+                filler.setblocking(False)
+                filler.connect_ex(listener.getsockname())
+                fillers.append(filler)
+            w.agent.gateways = [f"127.0.0.1:{listener.getsockname()[1]}"]
+            w.start()
+            for _ in range(100):
+                if len(caps) >= 2:
+                    break
+                await asyncio.sleep(0.05)
+            assert caps[:2] == [BUSY_CAP] * 2
+            assert any(
+                "TCP connection timed out (busy, or its host is gone)" in line for line in w.log_lines()
+            )
+        finally:
+            for filler in fillers:
+                filler.close()
+            listener.close()
 
     scenario(tmp_path, body)
 

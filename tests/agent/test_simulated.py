@@ -9,7 +9,13 @@ import json
 import pytest
 
 from agent.dataplane import ApplyError
-from agent.simulated import RecordingDataplane, sim_addresses, sim_hostname, start_simulated_fleet
+from agent.simulated import (
+    RecordingDataplane,
+    StreamTally,
+    sim_addresses,
+    sim_hostname,
+    start_simulated_fleet,
+)
 from tests.support.agent_helpers import GatewayThread, as_sent, document, run_cli
 from tests.support.fake_gateway import FakeGateway
 
@@ -28,6 +34,23 @@ def test_recording_dataplane():
         dataplane.apply(document("v4"))
     assert dataplane.current == document("v3")  # a refused document changes nothing
     assert dataplane.remove() is True and not dataplane.table_present()
+
+
+def test_the_tally_counts_attempts_and_names_failures_without_their_numbers():
+    tally = StreamTally()
+    tally("stream connecting", url="wss://127.0.0.1:8443/v1/agent/stream")
+    tally("stream connecting", url="wss://127.0.0.1:8444/v1/agent/stream")
+    tally("stream error", error="the gateway 127.0.0.1:8443: TLS handshake or upgrade timed out (busy)")
+    tally("stream error", error="the gateway 127.0.0.1:8444: TLS handshake or upgrade timed out (busy)")
+    tally("stream connected", gateway="127.0.0.1:8444")
+    tally("stream closed", code=4503, reason="busy: retry after 3 s")
+    tally("applied", version="v1")
+    assert dict(tally.counts) == {
+        "tries": 2,
+        "failed_TLS_handshake_or_upgrade_timed_out_busy": 2,
+        "opened": 1,
+        "closed_4503": 1,
+    }
 
 
 def test_address_plan():
@@ -62,7 +85,9 @@ def test_a_fleet_in_one_process(tmp_path):
                 lambda e, w=workload: e["kind"] == "message" and e["type"] == "applied" and e["workload"] == w
             )
         assert all(as_sent(d.current) == document("v1") for d in fleet.dataplanes)
-        assert fleet.summary()["applied"] == count and fleet.summary()["connected"] == count
+        summary = fleet.summary()
+        assert summary["applied"] == count and summary["connected"] == count
+        assert summary["tries"] == summary["opened"] == count  # a stream each, at the first try
 
         # A new version for one agent reaches only that agent.
         target = fleet.agents[7].identity.workload_id

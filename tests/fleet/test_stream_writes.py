@@ -100,3 +100,40 @@ def test_snapshots_marked_in_one_statement_each_as_alone(django_assert_max_num_q
     workload_stream_opened(workload_id=new.id, stream_id="stream-9")
     (snapshot,) = streams_snapshots(requests=[(new.id, "stream-9", None)])
     assert snapshot.version == Workload.objects.get(id=new.id).latest_policy_id
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_sweeps_streams_behind_in_one_statement_each_as_read_whole(django_assert_max_num_queries):
+    from fleet.streams import StreamDue, _streams_behind_read, streams_behind
+
+    names = ("synced", "stale", "resend", "revoked", "replaced", "unrendered")
+    rows = {name: connect(make_workload(hostname=name), stream_id=name) for name in names}
+    at = rows["synced"].enrolled_at
+    Workload.objects.filter(pk=rows["resend"].pk).update(resend_requested_at=at)
+    Workload.objects.filter(pk=rows["revoked"].pk).update(credential_revoked_at=at)
+    Workload.objects.filter(pk=rows["unrendered"].pk).update(latest_policy=None)
+    never = make_workload(hostname="never-connected")
+    latest = {name: row.latest_policy_id for name, row in rows.items()}
+    held = [
+        (str(rows["synced"].id), "synced", latest["synced"]),  # up to date
+        (str(rows["stale"].id), "stale", "an older version"),
+        (str(rows["resend"].id), "resend", latest["resend"]),
+        (str(rows["revoked"].id), "revoked", latest["revoked"]),
+        (str(rows["replaced"].id), "replaced-before", latest["replaced"]),  # an older stream, still held
+        (str(rows["replaced"].id), "replaced", latest["replaced"]),  # and the current one, up to date
+        (str(rows["unrendered"].id), "unrendered", None),  # nothing to send yet
+        (str(never.id), "never", None),  # it has no stream
+        ("00000000-0000-0000-0000-000000000000", "nobody", None),  # no such workload
+    ]
+    with django_assert_max_num_queries(1 if connection.vendor == "postgresql" else 2):
+        behind = streams_behind(held=held)
+    assert behind == {
+        "stale": StreamDue(latest["stale"], None),
+        "resend": StreamDue(latest["resend"], at),
+        "revoked": StreamDue(latest["revoked"], None, revoked=True),
+        "replaced-before": None,
+        "never": None,
+        "nobody": None,
+    }
+    assert _streams_behind_read(held) == behind  # the ORM's reading, SQLite's path, agrees
+    assert streams_behind(held=[]) == {}
