@@ -509,8 +509,9 @@ class Agent:
                 self.status.stream("disconnected")
             self._lost = candidate
             return Outcome(stable=self._was_stable(began))
-        # No gateway answered: back off (as long as the last one asked, if it did) and try them all again.
-        self._lost = None
+        # No gateway answered: back off (as long as the last one asked, if it did) and try them all
+        # again, the lost one still last: starting with it each time cost a gone host's CONNECT_SECONDS
+        # before every try of the others.
         self.status.stream("disconnected")
         return replace(outcome, busy=busy)
 

@@ -86,7 +86,8 @@ TWO_SERVES_TARGET_S = 30.0  # issue 36: the mode change, and the failover, on tw
 FAILOVER_TARGET_S = 30.0
 IDLE_SECONDS = 20.0  # holding the fleet idle: heartbeats (15 s) and pings (20 s) come around once
 STREAM_MEMORY_TARGET_KB = 100
-STATE_KEYS = {"agents", "applied", "connected", "connecting", "disconnected"}  # a summary's, not tallies
+# A summary's states and its collector's time, not tallies of attempts.
+STATE_KEYS = {"agents", "applied", "connected", "connecting", "disconnected", "gc_ms", "gc_full"}
 
 _t0 = time.monotonic()
 
@@ -727,7 +728,9 @@ def failover(procs, name, rows, sims, post, wait_until, count, idle, py_spy, pro
     )
     change_cpu = meter.stop()
     time.sleep(SUMMARY_SECONDS)  # the simulators' next summaries count the whole failover
-    attempts = {key: n for key, n in (sims.tally() - tally_before).items() if key not in STATE_KEYS}
+    during = sims.tally() - tally_before
+    attempts = {key: n for key, n in during.items() if key not in STATE_KEYS}
+    collector = {key: during[key] for key in ("gc_ms", "gc_full")}
     rss = rss_settled(procs[survivor].process.pid)
     out = {
         "killed": name[procs[doomed].gateway_listen],
@@ -749,6 +752,7 @@ def failover(procs, name, rows, sims, post, wait_until, count, idle, py_spy, pro
         },
         "survivor_rss_mb": rss,
         "agent_attempts": attempts,
+        "simulators_collector": collector,
         "survivor_rss_per_stream_kb": round((rss - idle[survivor]) * 1024 / count, 1),
     }
     out["cpu_ms_per_reconnect"] = {
@@ -761,7 +765,8 @@ def failover(procs, name, rows, sims, post, wait_until, count, idle, py_spy, pro
         f"CPU s: {cpu_text(cpu)}; load {out['load']}; a mode change then applied everywhere in "
         f"{converged - changed:.1f} s (CPU s: {cpu_text(change_cpu)}); survivor RSS {rss:.0f} MB = "
         f"{out['survivor_rss_per_stream_kb']:.0f} KiB per stream; the agents' attempts to reach a gateway "
-        f"meanwhile: {attempts}"
+        f"meanwhile: {attempts}; the simulators' cyclic collector meanwhile: {collector['gc_ms']} ms in all, "
+        f"{collector['gc_full']} full collections"
     )
     return out
 

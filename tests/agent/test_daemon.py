@@ -811,6 +811,56 @@ def test_a_gateway_whose_listen_queue_is_full_is_busy_not_gone(tmp_path, monkeyp
     scenario(tmp_path, body)
 
 
+def test_the_lost_gateway_stays_last_in_every_try_until_a_stream_opens(tmp_path, monkeypatch):
+    """Its stream lost, the agent tries the next gateway first; when that one is busy too, each
+    following round of tries still leaves the lost one for last (before, the second round started with
+    it again, paying a gone host's connect timeout before every try of the others)."""
+    from agent import daemon
+
+    _backoff_caps_recorded(monkeypatch)
+    monkeypatch.setattr(daemon, "CONNECT_SECONDS", 0.2)
+
+    async def body(w: World) -> None:
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)  # accepts nothing: once its queue is full, connections time out (busy)
+        fillers = []
+        try:
+            for _ in range(2):
+                filler = socket.socket()
+                filler.setblocking(False)
+                filler.connect_ex(listener.getsockname())
+                fillers.append(filler)
+            lost, busy = w.agent.gateways[0], f"127.0.0.1:{listener.getsockname()[1]}"
+            w.agent.gateways = [lost, busy]
+            w.start()
+            await w.event("connected")
+            await w.gateway.close()  # the first gateway goes away
+            for stream in list(w.gateway.streams.values()):
+                await stream.close(1001, "going away")
+
+            def tried() -> list[str]:
+                lines = w.log_lines()
+                since = max(i for i, line in enumerate(lines) if line.startswith("stream connected"))
+                return [
+                    line.split("url=wss://", 1)[1].split("/", 1)[0]
+                    for line in lines[since:]
+                    if line.startswith("stream connecting")
+                ]
+
+            for _ in range(100):
+                if len(tried()) >= 6:
+                    break
+                await asyncio.sleep(0.05)
+            assert tried()[:6] == [busy, lost] * 3
+        finally:
+            for filler in fillers:
+                filler.close()
+            listener.close()
+
+    scenario(tmp_path, body)
+
+
 def test_a_gateway_that_takes_the_connection_but_not_the_handshake_in_time_is_busy(tmp_path, monkeypatch):
     """A survivor of a failover at its bound on unfinished handshakes stops accepting: the connections
     wait in its listen queue, and one that waits past the agent's open timeout was never refused, only

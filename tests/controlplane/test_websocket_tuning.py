@@ -1,4 +1,5 @@
-"""serve's cheaper arguments for autobahn's debug lines (controlplane/websocket_tuning.py)."""
+"""serve's tuning of the websocket stack: autobahn's debug arguments (controlplane/websocket_tuning.py) and
+daphne's walk of every connection (the serve command's _Server)."""
 
 import pprint
 
@@ -34,3 +35,19 @@ def test_debug_arguments_are_not_styled_for_a_terminal(autobahn_as_shipped):
     assert autobahn.util.hltype(test_debug_arguments_are_not_styled_for_a_terminal).endswith(
         "test_debug_arguments_are_not_styled_for_a_terminal>"
     )
+
+
+def test_daphnes_walk_of_every_connection_runs_every_fifth_second(monkeypatch):
+    import daphne.server
+    from twisted.internet import reactor
+
+    from controlplane.management.commands.serve import APPLICATION_CHECK_SECONDS, _Server
+
+    walks, later = [], []
+    monkeypatch.setattr(daphne.server.Server, "application_checker", lambda server: walks.append(server))
+    monkeypatch.setattr(reactor, "callLater", lambda seconds, call: later.append((seconds, call)))
+    server = _Server.__new__(_Server)  # nothing listens: only the checker's pace is under test
+    for _ in range(2 * APPLICATION_CHECK_SECONDS):
+        server.application_checker()
+    assert walks == [server, server]  # daphne's walk, which reschedules itself, every fifth call
+    assert later == [(1, server.application_checker)] * (2 * APPLICATION_CHECK_SECONDS - 2)
