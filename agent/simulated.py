@@ -17,13 +17,13 @@ import re
 import resource
 import signal
 import sys
-import time
 from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TextIO
 
+from agent.collector_time import collector_time
 from agent.daemon import HANDSHAKE_SECONDS, Agent
 from agent.dataplane import ApplyError, owned_table_problem
 from agent.enrol import Pinned, decode_bundle, enrol, pin
@@ -126,26 +126,6 @@ def _shrink_tls_read_buffers(size: int = 16 * 1024) -> None:
         protocol.max_size = min(protocol.max_size, size)
 
 
-class CollectorTime:
-    """Seconds the cyclic collector took in this process, for the fleet's summary: its pauses are
-    charged to whatever line allocated when it ran, so a profile alone does not show them."""
-
-    def __init__(self) -> None:
-        self.seconds = 0.0
-        self.full = 0
-        self._began = 0.0
-
-    def __call__(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._began = time.perf_counter()
-        else:
-            self.seconds += time.perf_counter() - self._began
-            self.full += info.get("generation") == 2
-
-
-collector_time = CollectorTime()
-
-
 def _collector_tune() -> None:
     # Thousands of agents built once and kept: frozen, the cyclic collector no longer walks them in
     # each full collection, and the youngest generation waits for 20,000 allocations (a reconnection
@@ -154,8 +134,7 @@ def _collector_tune() -> None:
     gc.freeze()
     _, older, oldest = gc.get_threshold()
     gc.set_threshold(20_000, older, oldest)
-    if collector_time not in gc.callbacks:
-        gc.callbacks.append(collector_time)
+    collector_time.install()
 
 
 def _raise_open_file_limit() -> None:
@@ -189,8 +168,9 @@ class SimulatedFleet:
         counts = Counter(agent.status.stream_state for agent in self.agents)
         counts["applied"] = sum(1 for agent in self.agents if agent.applied_version is not None)
         counts["agents"] = len(self.agents)
-        counts["gc_ms"] = round(collector_time.seconds * 1000)
-        counts["gc_full"] = collector_time.full
+        counts["gc_ms"] = round(sum(collector_time.seconds) * 1000)
+        counts["gc_full"] = collector_time.collections[2]
+        counts["gc_full_ms"] = round(collector_time.seconds[2] * 1000)
         return dict(counts) | dict(sorted(self.tally.counts.items()))
 
     async def run(self, duration: float | None = None) -> None:

@@ -87,7 +87,16 @@ FAILOVER_TARGET_S = 30.0
 IDLE_SECONDS = 20.0  # holding the fleet idle: heartbeats (15 s) and pings (20 s) come around once
 STREAM_MEMORY_TARGET_KB = 100
 # A summary's states and its collector's time, not tallies of attempts.
-STATE_KEYS = {"agents", "applied", "connected", "connecting", "disconnected", "gc_ms", "gc_full"}
+STATE_KEYS = {
+    "agents",
+    "applied",
+    "connected",
+    "connecting",
+    "disconnected",
+    "gc_ms",
+    "gc_full",
+    "gc_full_ms",
+}
 
 _t0 = time.monotonic()
 
@@ -445,6 +454,14 @@ def run_count(
                     )
             return counts
 
+        def gc_seconds(i: int) -> list[float]:
+            # serve's cyclic collector time by generation (palisade_gc_seconds_total).
+            text = https[i].get("/metrics", headers={"Accept": "text/plain"}).text
+            return [
+                float(re.search(rf'^palisade_gc_seconds_total{{generation="{g}"}} (\S+)$', text, re.M)[1])
+                for g in (0, 1, 2)
+            ]
+
         def all_synced(i: int = 0) -> bool:
             counts = get("/workloads/counts", i)
             return counts["sync_state"]["synced"] == count and counts["total"] == count
@@ -620,7 +637,7 @@ def run_count(
         )
         if serves > 1:
             result["failover"] = failover(
-                procs, name, rows, sims, post, wait_until, count, idle, py_spy, profiles
+                procs, name, rows, sims, post, wait_until, count, idle, py_spy, profiles, gc_seconds
             )
             result["failover"]["admission_refused_since_start"] = refused()
             log(
@@ -681,7 +698,7 @@ def agents_dir() -> str | None:
     return str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
 
 
-def failover(procs, name, rows, sims, post, wait_until, count, idle, py_spy, profiles) -> dict:
+def failover(procs, name, rows, sims, post, wait_until, count, idle, py_spy, profiles, gc_seconds) -> dict:
     """SIGKILL the process holding the most streams; every agent streams again on the other, and a
     mode change made at once reaches all of them there."""
     streams = rows.streams()
@@ -693,6 +710,7 @@ def failover(procs, name, rows, sims, post, wait_until, count, idle, py_spy, pro
     # The simulators reconnect as many agents as serve takes: their share of the two cores counts too.
     simulator = Profile(py_spy, sims.pids[0], profiles / f"simulator-{count}-failover.txt")
     tally_before = sims.tally()
+    survivor_gc_before = gc_seconds(survivor)
     try:
         killed = time.monotonic()  # stop() returns once the process is reaped and its output read
         procs[doomed].stop(signal.SIGKILL, timeout=30)
@@ -716,6 +734,10 @@ def failover(procs, name, rows, sims, post, wait_until, count, idle, py_spy, pro
         profile.stop()
         simulator.stop()
     cpu = meter.stop()
+    survivor_gc = [
+        round(after - before, 2)
+        for before, after in zip(survivor_gc_before, gc_seconds(survivor), strict=True)
+    ]
     failover_s = moved - killed
     meter = CpuMeter({"serve": [procs[survivor].process.pid], "simulators": sims.pids}, True)
     changed = time.monotonic()
@@ -730,7 +752,7 @@ def failover(procs, name, rows, sims, post, wait_until, count, idle, py_spy, pro
     time.sleep(SUMMARY_SECONDS)  # the simulators' next summaries count the whole failover
     during = sims.tally() - tally_before
     attempts = {key: n for key, n in during.items() if key not in STATE_KEYS}
-    collector = {key: during[key] for key in ("gc_ms", "gc_full")}
+    collector = {key: during[key] for key in ("gc_ms", "gc_full", "gc_full_ms")}
     rss = rss_settled(procs[survivor].process.pid)
     out = {
         "killed": name[procs[doomed].gateway_listen],
@@ -753,6 +775,7 @@ def failover(procs, name, rows, sims, post, wait_until, count, idle, py_spy, pro
         "survivor_rss_mb": rss,
         "agent_attempts": attempts,
         "simulators_collector": collector,
+        "survivor_gc_s_by_generation": survivor_gc,
         "survivor_rss_per_stream_kb": round((rss - idle[survivor]) * 1024 / count, 1),
     }
     out["cpu_ms_per_reconnect"] = {
@@ -766,7 +789,8 @@ def failover(procs, name, rows, sims, post, wait_until, count, idle, py_spy, pro
         f"{converged - changed:.1f} s (CPU s: {cpu_text(change_cpu)}); survivor RSS {rss:.0f} MB = "
         f"{out['survivor_rss_per_stream_kb']:.0f} KiB per stream; the agents' attempts to reach a gateway "
         f"meanwhile: {attempts}; the simulators' cyclic collector meanwhile: {collector['gc_ms']} ms in all, "
-        f"{collector['gc_full']} full collections"
+        f"{collector['gc_full']} full collections ({collector['gc_full_ms']} ms); the survivor's in the failover, by generation "
+        f"(s): {survivor_gc}"
     )
     return out
 

@@ -19,8 +19,11 @@ from datetime import UTC, datetime
 
 from django.db import transaction
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.registry import Collector
 
+from agent.collector_time import GENERATIONS, collector_time
 from agent.protocol import FLOWS_PATH
 from controlplane import clock
 
@@ -193,6 +196,25 @@ HOUSEKEEPING_FAILURES = Counter(
     ["step"],
     registry=REGISTRY,
 )
+
+
+class _CollectorTimeMetric(Collector):
+    """The cyclic collector's time in this process (agent/collector_time.py), read at the scrape."""
+
+    def collect(self) -> Iterable[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            "palisade_gc_seconds",
+            "Seconds this process spent in Python's cyclic garbage collector, by generation "
+            "(a pause of everything it does).",
+            labels=["generation"],
+        )
+        for generation in GENERATIONS:
+            family.add_metric([str(generation)], collector_time.seconds[generation])
+        yield family
+
+
+COLLECTOR_TIME = _CollectorTimeMetric()
+REGISTRY.register(COLLECTOR_TIME)
 
 for _listener in LISTENERS:
     for _status_class in STATUS_CLASSES[1:]:

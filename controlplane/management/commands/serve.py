@@ -30,6 +30,7 @@ from twisted.logger import (
 )
 
 from agent.bundle import MAX_GATEWAYS
+from agent.collector_time import collector_time
 from agent.protocol import CLOSE_SHUTDOWN, MAX_MESSAGE_BYTES
 from controlplane import connection_limits, heavy_pool, metrics, runtime, tls
 from controlplane.data_dir import data_dir_check
@@ -68,6 +69,7 @@ def _collector_tune() -> None:
     gc.freeze()
     _, older, oldest = gc.get_threshold()
     gc.set_threshold(GC_YOUNG_THRESHOLD, older, oldest)
+    collector_time.install()  # palisade_gc_seconds_total
 
 
 class _Server(daphne.server.Server):
