@@ -241,13 +241,13 @@ def streams_behind(*, held: list[tuple[str, str, str | None]]) -> dict[str, Stre
         cursor.execute(
             f"SELECT h.stream_id, w.id IS NOT NULL AND w.stream_id = h.stream_id, w.latest_policy_id, "  # noqa: S608
             "w.resend_requested_at, w.credential_revoked_at IS NOT NULL "
-            "FROM unnest(%s::uuid[], %s::text[], %s::text[]) AS h(id, stream_id, sent) "
-            f"LEFT JOIN {table} AS w ON w.id = h.id "
+            "FROM unnest(%s::text[], %s::text[], %s::text[]) AS h(id, stream_id, sent) "
+            f"LEFT JOIN {table} AS w ON w.id = h.id::uuid "
             "WHERE w.id IS NULL OR w.stream_id <> h.stream_id OR w.credential_revoked_at IS NOT NULL "
             "OR w.resend_requested_at IS NOT NULL "
             "OR (w.latest_policy_id IS NOT NULL AND w.latest_policy_id IS DISTINCT FROM h.sent)",
             [
-                [uuid.UUID(str(workload_id)) for workload_id, _, _ in held],
+                [str(workload_id) for workload_id, _, _ in held],  # cast by PostgreSQL, not made here
                 [stream_id for _, stream_id, _ in held],
                 [sent for _, _, sent in held],
             ],
