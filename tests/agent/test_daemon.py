@@ -8,6 +8,7 @@ Each test runs one asyncio scenario: a FakeGateway and one real `Agent` on the s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import json
 import socket
@@ -772,6 +773,27 @@ def test_a_gateway_resetting_at_accept_is_busy_and_the_backoff_stays_short(tmp_p
     scenario(tmp_path, body)
 
 
+@contextlib.contextmanager
+def _listen_queue_full():
+    """HOST:PORT of a listener that accepts nothing and whose kernel queue is full: a new connection's
+    SYN is dropped and its connect times out, as at a failover's survivor that stopped accepting."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)  # one connection fills its queue
+    fillers = []
+    try:
+        for _ in range(2):
+            filler = socket.socket()
+            filler.setblocking(False)
+            filler.connect_ex(listener.getsockname())
+            fillers.append(filler)
+        yield f"127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        for filler in fillers:
+            filler.close()
+        listener.close()
+
+
 def test_a_gateway_whose_listen_queue_is_full_is_busy_not_gone(tmp_path, monkeypatch):
     """A listener that stops accepting fills its kernel queue, and the SYNs after that are dropped:
     the agent's TCP connection times out. That is a failover's survivor at its bound as much as a
@@ -783,17 +805,8 @@ def test_a_gateway_whose_listen_queue_is_full_is_busy_not_gone(tmp_path, monkeyp
     monkeypatch.setattr(daemon, "CONNECT_SECONDS", 0.2)
 
     async def body(w: World) -> None:
-        listener = socket.socket()
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(0)  # accepts nothing; one connection fills its queue
-        fillers = []
-        try:
-            for _ in range(2):
-                filler = socket.socket()
-                filler.setblocking(False)
-                filler.connect_ex(listener.getsockname())
-                fillers.append(filler)
-            w.agent.gateways = [f"127.0.0.1:{listener.getsockname()[1]}"]
+        with _listen_queue_full() as full:
+            w.agent.gateways = [full]
             w.start()
             for _ in range(100):
                 if len(caps) >= 2:
@@ -803,10 +816,6 @@ def test_a_gateway_whose_listen_queue_is_full_is_busy_not_gone(tmp_path, monkeyp
             assert any(
                 "TCP connection timed out (busy, or its host is gone)" in line for line in w.log_lines()
             )
-        finally:
-            for filler in fillers:
-                filler.close()
-            listener.close()
 
     scenario(tmp_path, body)
 
@@ -821,17 +830,8 @@ def test_the_lost_gateway_stays_last_in_every_try_until_a_stream_opens(tmp_path,
     monkeypatch.setattr(daemon, "CONNECT_SECONDS", 0.2)
 
     async def body(w: World) -> None:
-        listener = socket.socket()
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(0)  # accepts nothing: once its queue is full, connections time out (busy)
-        fillers = []
-        try:
-            for _ in range(2):
-                filler = socket.socket()
-                filler.setblocking(False)
-                filler.connect_ex(listener.getsockname())
-                fillers.append(filler)
-            lost, busy = w.agent.gateways[0], f"127.0.0.1:{listener.getsockname()[1]}"
+        with _listen_queue_full() as busy:
+            lost = w.agent.gateways[0]
             w.agent.gateways = [lost, busy]
             w.start()
             await w.event("connected")
@@ -853,10 +853,6 @@ def test_the_lost_gateway_stays_last_in_every_try_until_a_stream_opens(tmp_path,
                     break
                 await asyncio.sleep(0.05)
             assert tried()[:6] == [busy, lost] * 3
-        finally:
-            for filler in fillers:
-                filler.close()
-            listener.close()
 
     scenario(tmp_path, body)
 
