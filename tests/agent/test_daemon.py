@@ -544,10 +544,7 @@ def test_unreachable_gateway_backs_off_and_keeps_the_table(tmp_path):
         await w.gateway.close()  # the control plane goes away
         for stream in list(w.gateway.streams.values()):
             await stream.close(1001, "going away")
-        for _ in range(100):
-            if sum(line.startswith("stream error") for line in w.log_lines()) >= 2:
-                break
-            await asyncio.sleep(0.1)
+        await _until(lambda: sum(line.startswith("stream error") for line in w.log_lines()) >= 2, pause=0.1)
         assert sum(line.startswith("stream error") for line in w.log_lines()) >= 2
         assert as_sent(w.dataplane.current) == document("v1")  # fail static
         status = json.loads(w.agent.state.file("status.json").read_text())
@@ -716,6 +713,14 @@ def test_a_handshake_cut_short_leaves_its_socket_to_the_transport_and_the_next_c
     scenario(tmp_path, body)
 
 
+async def _until(condition, *, tries: int = 100, pause: float = 0.05) -> None:
+    """Wait until `condition()` holds, or the tries run out: the assertion after it says what was due."""
+    for _ in range(tries):
+        if condition():
+            return
+        await asyncio.sleep(pause)
+
+
 def _backoff_caps_recorded(monkeypatch) -> list[float]:
     """The cap of every backoff the agent draws (busy or not), each wait cut to 10 ms."""
     from agent import daemon
@@ -753,19 +758,13 @@ def test_a_gateway_resetting_at_accept_is_busy_and_the_backoff_stays_short(tmp_p
         try:
             w.agent.gateways = [f"127.0.0.1:{busy_port}", f"127.0.0.1:{gone_port}"]
             w.start()
-            for _ in range(100):
-                if len(caps) >= 4:
-                    break
-                await asyncio.sleep(0.05)
+            await _until(lambda: len(caps) >= 4)
             assert caps[:4] == [BUSY_CAP] * 4
             assert any("connection reset before the stream (busy)" in line for line in w.log_lines())
             busy.close()
             await busy.wait_closed()
             seen = len(caps)
-            for _ in range(100):
-                if len(caps) >= seen + 3:
-                    break
-                await asyncio.sleep(0.05)
+            await _until(lambda: len(caps) >= seen + 3)
             assert caps[-1] == BACKOFF_CAP  # both gone now
         finally:
             busy.close()
@@ -808,10 +807,7 @@ def test_a_gateway_whose_listen_queue_is_full_is_busy_not_gone(tmp_path, monkeyp
         with _listen_queue_full() as full:
             w.agent.gateways = [full]
             w.start()
-            for _ in range(100):
-                if len(caps) >= 2:
-                    break
-                await asyncio.sleep(0.05)
+            await _until(lambda: len(caps) >= 2)
             assert caps[:2] == [BUSY_CAP] * 2
             assert any(
                 "TCP connection timed out (busy, or its host is gone)" in line for line in w.log_lines()
@@ -848,10 +844,7 @@ def test_the_lost_gateway_stays_last_in_every_try_until_a_stream_opens(tmp_path,
                     if line.startswith("stream connecting")
                 ]
 
-            for _ in range(100):
-                if len(tried()) >= 6:
-                    break
-                await asyncio.sleep(0.05)
+            await _until(lambda: len(tried()) >= 6)
             assert tried()[:6] == [busy, lost] * 3
 
     scenario(tmp_path, body)
@@ -876,10 +869,7 @@ def test_a_gateway_that_takes_the_connection_but_not_the_handshake_in_time_is_bu
             w.agent.open_seconds = 0.2
             w.agent.gateways = [f"127.0.0.1:{queued.sockets[0].getsockname()[1]}"]
             w.start()
-            for _ in range(100):
-                if len(caps) >= 2:
-                    break
-                await asyncio.sleep(0.05)
+            await _until(lambda: len(caps) >= 2)
             assert caps[:2] == [BUSY_CAP] * 2
             assert any("TLS handshake or upgrade timed out (busy)" in line for line in w.log_lines())
         finally:
