@@ -17,6 +17,7 @@ import re
 import resource
 import signal
 import sys
+import time
 from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -127,14 +128,59 @@ def _shrink_tls_read_buffers(size: int = 16 * 1024) -> None:
 
 
 def _collector_tune() -> None:
-    # Thousands of agents built once and kept: frozen, the cyclic collector no longer walks them in
-    # each full collection, and the youngest generation waits for 20,000 allocations (a reconnection
-    # makes hundreds) rather than 700. serve does the same (controlplane/management/commands/serve.py).
+    # Thousands of agents built once and kept: frozen, the cyclic collector never walks them. Its
+    # automatic runs are off: the fleet runs it (FleetCollector).
     gc.collect()
     gc.freeze()
-    _, older, oldest = gc.get_threshold()
-    gc.set_threshold(20_000, older, oldest)
+    gc.disable()
     collector_time.install()
+
+
+class FleetCollector:
+    """When a simulated fleet's cyclic collector runs: a full collection once every agent has streamed
+    for `calm_seconds` and `calm_objects` container objects have been made since the last one, and a
+    young one whenever `storm_objects` have, calm or not (memory stays bounded through a storm of
+    reconnections).
+
+    Run by allocation counts, as Python runs it, the collector took 22-27 s of the simulators' 54-71 s
+    of CPU in a 10,000-agent failover (two full collections of 3.5 s each, the rest young ones walking
+    every handshake's objects twice), on the two cores serve needs then. Garbage now waits for a quiet
+    fleet, and memory is the price (agent/README.md). serve keeps Python's collector
+    (controlplane/management/commands/serve.py)."""
+
+    def __init__(
+        self,
+        *,
+        calm_seconds: float = 30.0,
+        calm_objects: int = 200_000,
+        storm_objects: int = 5_000_000,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.calm_seconds, self.calm_objects, self.storm_objects = calm_seconds, calm_objects, storm_objects
+        self.clock = clock
+        self._calm_since: float | None = None
+
+    def tick(self, *, calm: bool) -> str | None:
+        """Called every few seconds, with whether every agent streams; says which collection ran."""
+        made = gc.get_count()[0]  # container objects made, less those freed, since the last collection
+        now = self.clock()
+        if not calm:
+            self._calm_since = None
+        elif self._calm_since is None:
+            self._calm_since = now
+        if (
+            self._calm_since is not None
+            and now - self._calm_since >= self.calm_seconds
+            and made >= self.calm_objects
+        ):
+            gc.unfreeze()  # the agents' own objects too: a stream closed since then left its cycles
+            gc.collect()
+            gc.freeze()
+            return "full"
+        if made >= self.storm_objects:
+            gc.collect(1)
+            return "young"
+        return None
 
 
 def _raise_open_file_limit() -> None:
@@ -162,6 +208,7 @@ class SimulatedFleet:
         self.dataplanes = dataplanes
         self.log = log
         self.start_rate = start_rate  # agents started per second: a whole fleet at once swamps the gateway
+        self.collector: FleetCollector | None = None  # set where the automatic collector is off
         self._stopping: asyncio.Event | None = None
 
     def summary(self) -> dict[str, int]:
@@ -212,6 +259,8 @@ class SimulatedFleet:
     async def _report(self) -> None:
         while True:
             await asyncio.sleep(SUMMARY_SECONDS)
+            if self.collector is not None:
+                self.collector.tick(calm=all(a.status.stream_state == "connected" for a in self.agents))
             self.log("fleet", **self.summary())
 
 
@@ -337,6 +386,7 @@ def run_simulated_fleet(
         )
         fleet.start_rate = start_rate
         _collector_tune()
+        fleet.collector = FleetCollector()
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, fleet.stop)

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import io
 import json
+import weakref
 
 import pytest
 
 from agent.dataplane import ApplyError
 from agent.simulated import (
+    FleetCollector,
     RecordingDataplane,
     StreamTally,
     sim_addresses,
@@ -51,6 +54,62 @@ def test_the_tally_counts_attempts_and_names_failures_without_their_numbers():
         "opened": 1,
         "closed_4503": 1,
     }
+
+
+class _Node:
+    """A cycle's member that a weak reference can watch."""
+
+    def __init__(self) -> None:
+        self.me = self
+
+
+@pytest.fixture
+def collector_off():
+    """The automatic collector off, as in a simulator, and nothing left frozen afterwards."""
+    was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+        if was_enabled:
+            gc.enable()
+
+
+def test_the_fleet_collects_in_full_once_calm_even_what_was_frozen(collector_off):
+    now = [0.0]
+    collector = FleetCollector(calm_seconds=30, calm_objects=1_000, storm_objects=10**9, clock=lambda: now[0])
+    node = _Node()  # a stream's objects: made, frozen with the fleet, then closed
+    gc.freeze()
+    gone = weakref.ref(node)
+    del node
+    made = [[] for _ in range(2_000)]  # noqa: F841 - container objects made since the last collection
+    assert collector.tick(calm=True) is None  # calm begins
+    now[0] = 29.0
+    assert collector.tick(calm=True) is None
+    now[0] = 31.0
+    assert collector.tick(calm=False) is None  # an agent reconnecting ends the calm
+    now[0] = 40.0
+    assert collector.tick(calm=True) is None
+    assert gone() is not None  # a cycle waits for the calm
+    now[0] = 70.0
+    assert collector.tick(calm=True) == "full"
+    assert gone() is None
+    assert gc.get_freeze_count() > 0  # the fleet's objects frozen again
+    assert collector.tick(calm=True) is None  # nothing made since
+
+
+def test_the_fleet_collects_young_objects_in_a_storm(collector_off):
+    collector = FleetCollector(calm_seconds=30, calm_objects=1_000, storm_objects=20_000, clock=lambda: 0.0)
+    node = _Node()
+    gone = weakref.ref(node)
+    del node
+    assert collector.tick(calm=False) is None
+    made = [[] for _ in range(25_000)]  # noqa: F841
+    assert collector.tick(calm=False) == "young"
+    assert gone() is None
+    assert gc.get_count()[0] < 20_000
 
 
 def test_address_plan():
