@@ -127,13 +127,14 @@ def _shrink_tls_read_buffers(size: int = 16 * 1024) -> None:
         protocol.max_size = min(protocol.max_size, size)
 
 
-def _collector_tune() -> None:
+def _collector_tune() -> FleetCollector:
     # Thousands of agents built once and kept: frozen, the cyclic collector never walks them. Its
-    # automatic runs are off: the fleet runs it (FleetCollector).
+    # automatic runs are off: the fleet runs it, through the FleetCollector returned.
     gc.collect()
     gc.freeze()
     gc.disable()
     collector_time.install()
+    return FleetCollector()
 
 
 class FleetCollector:
@@ -385,8 +386,7 @@ def run_simulated_fleet(
             open_seconds=open_seconds,
         )
         fleet.start_rate = start_rate
-        _collector_tune()
-        fleet.collector = FleetCollector()
+        fleet.collector = _collector_tune()
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, fleet.stop)
