@@ -68,6 +68,12 @@ APPLICATION_CHECK_SECONDS = 5
 # reactor was idle in only 11 % of its samples, yet the process used 0.7 of a core. At 1 ms: 58.7 s
 # instead of 64.5-65.2 (docs/benchmarks.md, History: "The GIL's switch interval").
 GIL_SWITCH_SECONDS = 0.001
+# autobahn drops a websocket upgrade that the application has not accepted within daphne's handshake
+# time, with no HTTP answer, and its timer is rounded down to whole seconds: daphne's 5 s were 4-5 s. A
+# loaded serve (a failover; a busy CI machine) can take that long to reach a stream's accept, and the
+# agent waits 10 s for its stream to open (agent/daemon.py HANDSHAKE_SECONDS): serve waits as long, so
+# the TLS handshake it paid for is not thrown away. A stream accepted then has 10 s to authenticate.
+UPGRADE_ACCEPT_SECONDS = 10
 
 
 def _switch_interval_tune() -> None:
@@ -90,6 +96,10 @@ class _Server(daphne.server.Server):
     listen_failure: Exception | None = None
     limiter: connection_limits.ConnectionLimiter | None = None
     heavy: HeavyPool | None = None
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("websocket_handshake_timeout", UPGRADE_ACCEPT_SECONDS)
+        super().__init__(*args, **kwargs)
 
     def listen_success(self, port):
         # Before the reactor runs, so before the first connection is accepted.
